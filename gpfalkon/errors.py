@@ -1,0 +1,31 @@
+"""Exceptions and warnings raised by gpfalkon."""
+from __future__ import annotations
+
+from linear_operator.utils.errors import NotPSDError
+
+__all__ = [
+    "FalkonConvergenceError",
+    "CGNotConvergedWarning",
+    "JitterWarning",
+    "NotFittedError",
+    "NotPSDError",
+]
+
+
+class FalkonConvergenceError(RuntimeError):
+    """Conjugate gradient broke down: non-finite values, loss of positive
+    definiteness, or a residual that stopped decreasing."""
+
+
+class NotFittedError(RuntimeError):
+    """Prediction was requested from a model whose ``fit()`` has not been run, or
+    whose hyperparameters changed since the last ``fit()``."""
+
+
+class CGNotConvergedWarning(RuntimeWarning):
+    """CG reached its iteration cap before the requested relative residual."""
+
+
+class JitterWarning(RuntimeWarning):
+    """A Cholesky factorisation needed more diagonal jitter than the default
+    (the kernel matrix is numerically singular, e.g. duplicate centers)."""

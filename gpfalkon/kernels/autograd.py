@@ -1,0 +1,165 @@
+"""Gradients of blockwise kernel products, one pass over the data, no n x n or n x M graph.
+
+Every derivative gpfalkon needs w.r.t. the kernel hyperparameters, the centers or
+the inputs has the form ``d/dtheta sum_b <K_b(theta), W_b>`` where ``W_b`` is a
+low-rank ``rows x M`` weight built from constants (vectors already computed).
+:func:`blockwise_kernel_grad` evaluates it block by block: each block's kernel is
+recomputed with autograd enabled through GPyTorch (so *any* kernel differentiates
+correctly), a scalar surrogate is formed and differentiated, and the graph is
+dropped before the next block. Peak memory: one block's autograd graph.
+
+:class:`KernelProduct` is the differentiable ``K_nM^T (K_nM U + V)``: forward by
+the fast :class:`~gpfalkon.kernels.engine.KernelEngine`, backward by one such pass.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+from gpytorch.kernels import Kernel
+from torch import Tensor
+
+from .. import settings
+from .engine import KernelEngine, kernel_block
+
+__all__ = ["kernel_params", "blockwise_kernel_grad", "KernelProduct", "kernel_product"]
+
+
+def kernel_params(kernel: Kernel) -> List[Tensor]:
+    """The kernel's parameters that require a gradient (the raw, unconstrained ones)."""
+    return [p for p in kernel.parameters() if p.requires_grad]
+
+
+def _grad_block_rows(m: int, dtype: torch.dtype, n: int) -> int:
+    itemsize = torch.finfo(dtype).bits // 8
+    budget = int(settings.memory_budget.value())
+    # a GPyTorch kernel forward + backward keeps ~8 block-sized temporaries alive
+    rows = min(int(settings.block_rows.value()), max(1, budget // (8 * m * itemsize)))
+    return max(1, min(rows, n))
+
+
+SurrogateFn = Callable[[int, int, Tensor], Tensor]
+
+
+def blockwise_kernel_grad(
+    kernel: Kernel,
+    x: Tensor,
+    centers: Tensor,
+    surrogate: SurrogateFn,
+    params: Sequence[Tensor],
+    need_x: bool,
+    need_centers: bool,
+) -> Tuple[Optional[Tensor], Optional[Tensor], List[Optional[Tensor]]]:
+    """Gradients of ``sum_b surrogate(start, stop, K_b)`` with ``K_b = k(x[start:stop], centers)``.
+
+    ``surrogate`` receives the block with its autograd graph and returns a scalar;
+    it may also accumulate side results computed from ``K_b.detach()``.
+
+    Returns ``(grad_x, grad_centers, grad_params)`` (``None`` where not requested
+    or unused). Cost: one pass over the data evaluating the kernel with autograd.
+    """
+    n = x.shape[0]
+    rows = _grad_block_rows(centers.shape[0], x.dtype, n)
+    grad_x = torch.zeros_like(x) if need_x else None
+    grad_c = torch.zeros_like(centers) if need_centers else None
+    grad_p: List[Optional[Tensor]] = [None] * len(params)
+    with torch.enable_grad():
+        c = centers.detach().requires_grad_(True) if need_centers else centers.detach()
+        for start in range(0, n, rows):
+            stop = min(start + rows, n)
+            xb = x[start:stop].detach()
+            if need_x:
+                xb.requires_grad_(True)
+            kb = kernel_block(kernel, xb, c)
+            s = surrogate(start, stop, kb)
+            inputs: List[Tensor] = list(params)
+            if need_x:
+                inputs.append(xb)
+            if need_centers:
+                inputs.append(c)
+            if not inputs or not s.requires_grad:
+                continue
+            grads = torch.autograd.grad(s, inputs, allow_unused=True)
+            for i in range(len(params)):
+                g = grads[i]
+                if g is not None:
+                    grad_p[i] = g if grad_p[i] is None else grad_p[i] + g
+            if need_x and grads[len(params)] is not None:
+                grad_x[start:stop] = grads[len(params)]
+            if need_centers and grads[-1] is not None:
+                grad_c += grads[-1]
+    return grad_x, grad_c, grad_p
+
+
+class KernelProduct(torch.autograd.Function):
+    """``out = K_nM^T (K_nM U + V)``, differentiable w.r.t. U, V, X, C and kernel parameters.
+
+    Backward (G = dL/dout, M x k), in one pass with ``R_b = K_b U + V_b`` and
+    ``Q_b = K_b G`` held constant:
+    ``dL/dU = K^T K G``, ``dL/dV = K G``, and for theta in (X, C, kernel params)
+    ``dL/dtheta = d/dtheta sum_b [ <K_b(theta) G, R_b> + <K_b(theta) U, Q_b> ]``.
+    """
+
+    @staticmethod
+    def forward(ctx, engine: KernelEngine, u: Tensor, v: Tensor, x: Tensor, centers: Tensor, *params: Tensor) -> Tensor:  # type: ignore[override]
+        uu = None if u.numel() == 0 else u
+        vv = None if v.numel() == 0 else v
+        out = engine.kmn_k(uu, vv).to(x.dtype)
+        ctx.engine = engine
+        ctx.has_u, ctx.has_v = uu is not None, vv is not None
+        ctx.save_for_backward(u, v, x, centers, *params)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        u, v, x, centers, *params = ctx.saved_tensors
+        engine: KernelEngine = ctx.engine
+        need_u = ctx.has_u and ctx.needs_input_grad[1]
+        need_v = ctx.has_v and ctx.needs_input_grad[2]
+        need_x, need_c = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        need_p = [ctx.needs_input_grad[5 + i] for i in range(len(params))]
+        grad_u = grad_v = grad_x = grad_c = None
+        grad_p: List[Optional[Tensor]] = [None] * len(params)
+        g = grad.to(x.dtype)
+        if not (need_x or need_c or any(need_p)):
+            # only U / V: two fast products, no autograd
+            q = engine.k_matmul(g)
+            if need_u:
+                grad_u = engine.kmn_k(g).to(u.dtype)
+            if need_v:
+                grad_v = q.to(v.dtype)
+            return (None, grad_u, grad_v, grad_x, grad_c, *grad_p)
+        acc_u = torch.zeros(centers.shape[0], g.shape[-1], dtype=torch.float64, device=x.device) if need_u else None
+        grad_v = torch.zeros_like(v) if need_v else None
+        uu = u if ctx.has_u else None
+        vv = v if ctx.has_v else None
+
+        def surrogate(start: int, stop: int, kb: Tensor) -> Tensor:
+            kd = kb.detach()
+            q = kd @ g
+            r = kd @ uu if uu is not None else None
+            if vv is not None:
+                r = vv[start:stop] if r is None else r + vv[start:stop]
+            if acc_u is not None:
+                acc_u.add_((kd.t() @ q).to(torch.float64))
+            if grad_v is not None:
+                grad_v[start:stop] = q
+            s = ((kb @ g) * r).sum()
+            if uu is not None:
+                s = s + ((kb @ uu) * q).sum()
+            return s
+
+        active = [p for p, need in zip(params, need_p) if need]
+        gx, gc, gp = blockwise_kernel_grad(engine.kernel, x, centers, surrogate, active, need_x, need_c)
+        it = iter(gp)
+        grad_p = [next(it) if need else None for need in need_p]
+        if acc_u is not None:
+            grad_u = acc_u.to(u.dtype)
+        return (None, grad_u, grad_v, gx, gc, *grad_p)
+
+
+def kernel_product(engine: KernelEngine, u: Optional[Tensor], v: Optional[Tensor], x: Tensor, centers: Tensor) -> Tensor:
+    """Differentiable ``K_nM^T (K_nM u + v)`` (see :class:`KernelProduct`)."""
+    empty = x.new_empty(0)
+    params = kernel_params(engine.kernel)
+    return KernelProduct.apply(engine, empty if u is None else u, empty if v is None else v, x, centers, *params)

@@ -1,0 +1,326 @@
+"""Kernel-product engine: blockwise products with ``K_nM = k(X, C)``.
+
+The one primitive FALKON needs is
+
+    out = K_nM^T (K_nM U + V)            (M x k),
+
+a sum over row blocks ``X_b`` of ``K_b^T (K_b U + V_b)``. Cost per call:
+``2 n M d`` flops for the distances of a stationary kernel (one matmul per block),
+``n M`` kernel evaluations and ``4 n M k`` flops for the two thin products. The
+engine never holds more than ``memory_budget`` bytes of kernel values: when the
+whole ``K_nM`` fits it is computed once and reused by every later call (the
+products then cost only the ``4 n M k`` flops, bound by memory bandwidth);
+otherwise each call recomputes ``block_rows x M`` blocks into two reused buffers.
+
+Kernels
+-------
+Any GPyTorch kernel works (``kernel(x_b, C).to_dense()`` per block). For the
+stationary kernels FALKON users use most — ``RBFKernel``, ``MaternKernel`` with
+``nu`` in {0.5, 1.5, 2.5}, either wrapped in a ``ScaleKernel``, with scalar or ARD
+lengthscales — the engine has a fast path: X and C are centred on the mean of the
+centers and divided by the lengthscales once, the squared distances of a block
+come from one ``addmm`` (``||x||^2 + ||c||^2 - 2 x.c``) into a reused buffer and
+the kernel is applied in place. Centring keeps the float32 norm expansion
+accurate however far the data sit from the origin. The outputscale ``s`` is not
+applied to the block: ``K^T (K U + V) = s K0^T (s K0 U + V)``.
+
+The engine snapshots the kernel's hyperparameters when it is built; build a new
+one after they change. It runs under ``torch.no_grad``: gradients go through
+:mod:`gpfalkon.kernels.autograd`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Tuple
+
+import torch
+from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
+from torch import Tensor
+
+from .. import settings
+
+__all__ = ["KernelEngine", "StationarySpec", "stationary_spec", "kernel_block"]
+
+
+@dataclass
+class StationarySpec:
+    """A kernel the fast path understands: ``s * phi(||(x - c) / ell||)``."""
+
+    kind: str  # "rbf", "matern12", "matern32", "matern52"
+    lengthscale: Tensor  # (1, d) or (1, 1)
+    outputscale: Optional[Tensor]  # scalar or None
+
+
+_MATERN_KIND = {0.5: "matern12", 1.5: "matern32", 2.5: "matern52"}
+
+
+def stationary_spec(kernel: Kernel) -> Optional[StationarySpec]:
+    """Return the fast-path description of ``kernel``, or ``None`` for the generic path."""
+    outputscale = None
+    base = kernel
+    if type(kernel) is ScaleKernel:
+        if kernel.active_dims is not None or kernel.outputscale.numel() != 1:
+            return None
+        outputscale = kernel.outputscale.detach().reshape(())
+        base = kernel.base_kernel
+    if base.active_dims is not None or len(base.batch_shape) != 0:
+        return None
+    if type(base) is RBFKernel:
+        kind = "rbf"
+    elif type(base) is MaternKernel and float(base.nu) in _MATERN_KIND:
+        kind = _MATERN_KIND[float(base.nu)]
+    else:
+        return None
+    ls = base.lengthscale.detach()
+    if ls.dim() != 2 or ls.shape[0] != 1:
+        return None
+    return StationarySpec(kind=kind, lengthscale=ls, outputscale=outputscale)
+
+
+def _apply_profile_(kind: str, buf: Tensor, tmp: Optional[Tensor]) -> Tensor:
+    """In place: ``buf`` holds ``-||x-c||^2 / 2`` (rbf) or ``||x-c||^2`` (Matern)."""
+    if kind == "rbf":
+        return buf.clamp_(max=0.0).exp_()
+    buf.clamp_(min=0.0).sqrt_()
+    if kind == "matern12":
+        return buf.neg_().exp_()
+    if kind == "matern32":
+        buf.mul_(math.sqrt(3.0))
+        torch.neg(buf, out=tmp).exp_()
+        return buf.add_(1.0).mul_(tmp)
+    # matern52: (1 + z + z^2/3) exp(-z) with z = sqrt(5) r, and
+    # 1 + z + z^2/3 = ((z + 1.5)^2 + 0.75) / 3 keeps it in place.
+    buf.mul_(math.sqrt(5.0))
+    torch.neg(buf, out=tmp).exp_()
+    return buf.add_(1.5).square_().add_(0.75).mul_(1.0 / 3.0).mul_(tmp)
+
+
+def kernel_block(kernel: Kernel, x1: Tensor, x2: Tensor) -> Tensor:
+    """Dense ``k(x1, x2)`` through GPyTorch (differentiable; generic path)."""
+    out = kernel(x1, x2)
+    if not isinstance(out, Tensor):
+        out = out.to_dense()
+    return out
+
+
+class KernelEngine:
+    """Blockwise products with ``K_nM = k(x, centers)`` under a memory budget.
+
+    Args:
+        kernel: any GPyTorch kernel.
+        x: training inputs ``(n, d)``.
+        centers: Nyström centers ``(M, d)``.
+        memory_budget: bytes allowed for kernel values (default
+            :class:`gpfalkon.settings.memory_budget`).
+        block_rows: rows per on-the-fly block (default :class:`gpfalkon.settings.block_rows`).
+        store: ``True`` to require storing ``K_nM`` (error if over budget), ``False``
+            to always recompute, ``None`` (default) to store iff it fits.
+
+    Memory: ``n M`` elements when stored, else ``2 block_rows M``; plus ``n d`` for
+    the rescaled inputs of the fast path. Products accumulate in float64.
+    """
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        x: Tensor,
+        centers: Tensor,
+        *,
+        memory_budget: Optional[int] = None,
+        block_rows: Optional[int] = None,
+        store: Optional[bool] = None,
+    ) -> None:
+        self.kernel = kernel
+        self.x = x.detach()
+        self.centers = centers.detach().to(dtype=x.dtype, device=x.device)
+        self.n, self.d = x.shape
+        self.m = centers.shape[0]
+        self.dtype = x.dtype
+        self.device = x.device
+        self.acc_dtype = torch.float64
+        budget = int(settings.memory_budget.value() if memory_budget is None else memory_budget)
+        itemsize = torch.finfo(self.dtype).bits // 8
+        row_bytes = self.m * itemsize
+        full_bytes = self.n * row_bytes
+        if store is None:
+            store = full_bytes <= budget
+        elif store and full_bytes > budget:
+            raise ValueError(
+                f"store=True needs {full_bytes / 2**30:.2f} GiB for K_nM but memory_budget is "
+                f"{budget / 2**30:.2f} GiB"
+            )
+        self.stored = bool(store)
+        rows = int(settings.block_rows.value() if block_rows is None else block_rows)
+        if rows < 1:
+            raise ValueError(f"block_rows must be >= 1, got {rows}")
+        rows = min(rows, max(1, budget // (2 * row_bytes)), self.n)
+        self.block_rows = rows
+        self.memory_budget = budget
+
+        self.spec = stationary_spec(kernel)
+        with torch.no_grad():
+            if self.spec is not None:
+                mu = self.centers.mean(0, keepdim=True)
+                ls = self.spec.lengthscale.to(dtype=self.dtype, device=self.device)
+                self._xs = (self.x - mu).div_(ls)
+                self._cs = (self.centers - mu).div_(ls)
+                if self.spec.kind == "rbf":
+                    self._x_sq = self._xs.square().sum(-1).mul_(-0.5)
+                    self._c_sq = self._cs.square().sum(-1).mul_(-0.5).unsqueeze(0)
+                    self._alpha = 1.0
+                else:
+                    self._x_sq = self._xs.square().sum(-1)
+                    self._c_sq = self._cs.square().sum(-1).unsqueeze(0)
+                    self._alpha = -2.0
+                self._cs_t = self._cs.t().contiguous()
+                s = self.spec.outputscale
+                self.scale = 1.0 if s is None else float(s)
+            else:
+                self.scale = 1.0
+        self._k: Optional[Tensor] = None
+        self._buf: Optional[Tensor] = None
+        self._tmp: Optional[Tensor] = None
+
+    # ------------------------------------------------------------------ blocks
+    def _blocks(self) -> Iterator[Tuple[int, int]]:
+        for start in range(0, self.n, self.block_rows):
+            yield start, min(start + self.block_rows, self.n)
+
+    def _compute_block(self, start: int, stop: int, out: Optional[Tensor] = None) -> Tensor:
+        """Base kernel values ``K0[start:stop]`` (without the outputscale of the fast path)."""
+        if self.spec is None:
+            blk = kernel_block(self.kernel, self.x[start:stop], self.centers)
+            if out is None:
+                return blk.to(self.dtype)
+            return out.copy_(blk)
+        rows = stop - start
+        if out is None:
+            out = torch.empty(rows, self.m, dtype=self.dtype, device=self.device)
+        torch.addmm(self._c_sq, self._xs[start:stop], self._cs_t, alpha=self._alpha, out=out)
+        out.add_(self._x_sq[start:stop].unsqueeze(1))
+        tmp = None
+        if self.spec.kind in ("matern32", "matern52"):
+            if self._tmp is None or self._tmp.shape[0] < rows:
+                self._tmp = torch.empty(self.block_rows, self.m, dtype=self.dtype, device=self.device)
+            tmp = self._tmp[:rows]
+        return _apply_profile_(self.spec.kind, out, tmp)
+
+    def _ensure_stored(self) -> Tensor:
+        if self._k is None:
+            k = torch.empty(self.n, self.m, dtype=self.dtype, device=self.device)
+            with torch.no_grad():
+                for start, stop in self._blocks():
+                    self._compute_block(start, stop, out=k[start:stop])
+            self._k = k
+        return self._k
+
+    def iter_blocks(self) -> Iterator[Tuple[int, int, Tensor]]:
+        """Yield ``(start, stop, K0_b)``: the base block, ``K_nM[start:stop] = scale * K0_b``.
+
+        The yielded tensor is a reused buffer (or a view of the stored matrix):
+        do not keep it past the next iteration.
+        """
+        with torch.no_grad():
+            if self.stored:
+                k = self._ensure_stored()
+                for start, stop in self._blocks():
+                    yield start, stop, k[start:stop]
+                return
+            for start, stop in self._blocks():
+                rows = stop - start
+                if self.spec is None:
+                    yield start, stop, self._compute_block(start, stop)
+                    continue
+                if self._buf is None:
+                    self._buf = torch.empty(self.block_rows, self.m, dtype=self.dtype, device=self.device)
+                yield start, stop, self._compute_block(start, stop, out=self._buf[:rows])
+
+    def materialize(self) -> Tensor:
+        """Return the dense ``K_nM`` (n x M, includes the outputscale). O(n M) memory."""
+        if self.stored:
+            k = self._ensure_stored()
+            return k * self.scale if self.scale != 1.0 else k.clone()
+        out = torch.empty(self.n, self.m, dtype=self.dtype, device=self.device)
+        for start, stop, blk in self.iter_blocks():
+            out[start:stop] = blk
+        return out.mul_(self.scale) if self.scale != 1.0 else out
+
+    def release(self) -> None:
+        """Free the stored matrix and buffers."""
+        self._k = self._buf = self._tmp = None
+
+    # ---------------------------------------------------------------- products
+    def _cast(self, t: Optional[Tensor]) -> Optional[Tensor]:
+        if t is None:
+            return None
+        return t.to(dtype=self.dtype, device=self.device)
+
+    def kmn_k(self, u: Optional[Tensor] = None, v: Optional[Tensor] = None) -> Tensor:
+        """``K_nM^T (K_nM u + v)`` for ``u`` ``(M, k)`` and ``v`` ``(n, k)`` (either may be
+        ``None``, meaning zero). Returns float64 ``(M, k)``.
+
+        Thin products use the "row form" (``(u^T K_b^T) K_b``): on CPU, torch's
+        ``K_b^T @ w`` with a tall row-major ``K_b`` and 2-15 columns is up to 10x
+        slower (see ``benchmarks/engine.py``).
+        """
+        if u is None and v is None:
+            raise ValueError("kmn_k needs u or v")
+        ref = u if u is not None else v
+        k = ref.shape[-1]
+        s = self.scale
+        u_t = None
+        if u is not None:
+            u_t = self._cast(u).t().contiguous()
+            if s != 1.0:
+                u_t = u_t * s
+        v_t = self._cast(v).t().contiguous() if v is not None else None  # (k, n)
+        acc = torch.zeros(k, self.m, dtype=self.acc_dtype, device=self.device)
+        with torch.no_grad():
+            for start, stop, blk in self.iter_blocks():
+                if u_t is not None:
+                    w = u_t @ blk.t()  # (k, rows)
+                    if v_t is not None:
+                        w.add_(v_t[:, start:stop])
+                else:
+                    w = v_t[:, start:stop]
+                acc += (w @ blk).to(self.acc_dtype)
+        if s != 1.0:
+            acc.mul_(s)
+        return acc.t()
+
+    def k_matmul(self, u: Tensor) -> Tensor:
+        """``K_nM u`` for ``u`` ``(M, k)``; returns ``(n, k)`` in the data dtype."""
+        u_t = self._cast(u).t().contiguous()
+        if self.scale != 1.0:
+            u_t = u_t * self.scale
+        out = torch.empty(u_t.shape[0], self.n, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for start, stop, blk in self.iter_blocks():
+                torch.matmul(u_t, blk.t(), out=out[:, start:stop])
+        return out.t()
+
+    def for_each_block(self, fn: Callable[[int, int, Tensor], None]) -> None:
+        """Call ``fn(start, stop, K_b)`` with the full (scaled) kernel block."""
+        for start, stop, blk in self.iter_blocks():
+            fn(start, stop, blk * self.scale if self.scale != 1.0 else blk)
+
+    def kmm(self, dtype: torch.dtype = torch.float64) -> Tensor:
+        """``K_MM = k(C, C)`` in ``dtype`` (float64 by default, for the preconditioner).
+
+        Computed from the centers cast to ``dtype``, so a float32 model still gets a
+        float64-accurate ``K_MM``; the diagonal distances are exactly zero.
+        """
+        with torch.no_grad():
+            c = self.centers.to(dtype)
+            if self.spec is not None:
+                ls = self.spec.lengthscale.to(dtype=dtype, device=self.device)
+                cs = (c - c.mean(0, keepdim=True)) / ls
+                sq = cs.square().sum(-1)
+                d2 = torch.addmm(sq.unsqueeze(0) + sq.unsqueeze(1), cs, cs.t(), alpha=-2.0)
+                d2.fill_diagonal_(0.0)
+                if self.spec.kind == "rbf":
+                    d2.mul_(-0.5)
+                kmm = _apply_profile_(self.spec.kind, d2, torch.empty_like(d2))
+                return kmm.mul_(self.scale) if self.scale != 1.0 else kmm
+            return kernel_block(self.kernel, c, c).to(dtype)

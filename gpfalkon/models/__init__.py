@@ -1,0 +1,4 @@
+"""GPyTorch models built on FALKON."""
+from .falkon_gp import FalkonGP, NystromPosteriorFactors
+
+__all__ = ["FalkonGP", "NystromPosteriorFactors"]

@@ -1,0 +1,403 @@
+"""FalkonGP: a GPyTorch model whose posterior is Nyström KRR solved by FALKON."""
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Optional, Tuple
+
+import gpytorch
+import torch
+from gpytorch.constraints import Positive
+from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
+from gpytorch.kernels import Kernel, MaternKernel, ScaleKernel
+from gpytorch.likelihoods import GaussianLikelihood, Likelihood, MultitaskGaussianLikelihood
+from linear_operator.operators import RootLinearOperator, SumLinearOperator, ZeroLinearOperator
+from torch import Tensor
+
+from .._validation import check_dtype, check_inputs, check_num_centers, check_penalty, check_targets
+from ..centers import uniform_centers
+from ..errors import NotFittedError
+from ..linalg import jittered_cholesky
+from ..operators import NystromKRROperator
+from ..solvers import CGInfo
+
+__all__ = ["FalkonGP", "NystromPosteriorFactors"]
+
+
+class NystromPosteriorFactors:
+    r"""Cholesky factors of the SGPR/DTC posterior, formed once in ``O(n M^2)``.
+
+    ``L L^T = K_MM`` and ``L_B L_B^T = I + A A^T / v`` with ``A = L^{-1} K_Mn`` and
+    ``v = n lambda`` (MATH.md 3-4). ``A A^T`` is accumulated over row blocks of
+    ``K_nM`` (``2 n M^2`` float64 flops: a triangular solve and a rank update per
+    block), so memory is ``O(M^2 + block x M)``. Then for test inputs with
+    ``a = L^{-1} K_M*`` and ``c = L_B^{-1} a``:
+
+        cov(X*) = K_** - a^T a + c^T c
+                = K_** - K_*M K_MM^{-1} K_M* + n lambda K_*M H^{-1} K_M*.
+
+    ``B = I + A A^T / v`` has eigenvalues >= 1, so this form stays accurate where
+    the Woodbury form of GPyTorch's SGPR (entries ~ n / sigma^2) does not.
+    """
+
+    def __init__(self, L: Tensor, LB: Tensor) -> None:
+        self.L = L
+        self.LB = LB
+
+    @classmethod
+    def compute(cls, op: NystromKRROperator) -> "NystromPosteriorFactors":
+        v = op.n * float(op.penalty.detach())
+        L, _ = jittered_cholesky(op.kmm, upper=False, name="K_MM", jitter=0.0)
+        m = op.m
+        aat = torch.zeros(m, m, dtype=torch.float64, device=L.device)
+        eng = op.engine
+        with torch.no_grad():
+            for _, _, blk in eng.iter_blocks():
+                kb = blk.t().to(torch.float64)
+                if eng.scale != 1.0:
+                    kb = kb * eng.scale
+                ab = torch.linalg.solve_triangular(L, kb, upper=False)
+                aat.addmm_(ab, ab.t())
+        bmat = aat.div_(v)
+        bmat.diagonal().add_(1.0)
+        LB, _ = jittered_cholesky(bmat, upper=False, name="I + A A^T / (n lambda)", jitter=0.0)
+        return cls(L, LB)
+
+
+def _default_kernel(d: int) -> Kernel:
+    return ScaleKernel(MaternKernel(nu=2.5, ard_num_dims=d))
+
+
+class FalkonGP(gpytorch.models.GP):
+    r"""Sparse GP / Nyström kernel ridge regression fitted by FALKON.
+
+    Posterior (MATH.md 3), with ``sigma^2 = n lambda`` and ``H = K_Mn K_nM + n lambda K_MM``:
+
+        mean(X*) = K_*M alpha,              H alpha = K_Mn y   (FALKON: PCG, O(n M t) per iteration)
+        cov(X*)  = K_** - K_*M K_MM^{-1} K_M* + n lambda K_*M H^{-1} K_M*
+
+    which is exactly GPyTorch's SGPR (Titsias/DTC) posterior with inducing points
+    ``centers`` and Gaussian noise ``n lambda``. ``likelihood(model(x))`` adds the
+    noise. Multi-output targets ``(n, t)`` are solved jointly as ``t`` right-hand
+    sides and predicted as a :class:`~gpytorch.distributions.MultitaskMultivariateNormal`.
+
+    Base class: :class:`gpytorch.models.GP`, not ``ExactGP`` (whose eval path is
+    hard-wired to the ``n x n`` solve) nor ``ApproximateGP`` (variational
+    parameters we do not have). ``fit()`` solves for ``alpha``; calling the model
+    in eval mode returns the posterior, in train mode the prior ``N(0, K(x, x))``.
+    With BoTorch's ``GPyTorchModel`` mix-in it gets ``posterior()``.
+
+    Costs. ``fit()``: ``(iterations + 1)`` passes over the data, each ``O(n M (d + t))``,
+    plus ``O(M^3)`` for the preconditioner; memory ``O(n d + M^2)`` plus ``K_nM``
+    when it fits :class:`gpfalkon.settings.memory_budget`. Mean at ``q`` points:
+    ``O(q M d)``. Variance: exact, from :class:`NystromPosteriorFactors` formed once
+    (lazily at the first variance request, or in ``fit(compute_variance=True)``)
+    in ``O(n M^2)`` time and ``O(M^2)`` memory, then ``O(q M^2)`` per batch. The
+    float32 path computes K_nM products in float32 but CG vectors, Cholesky
+    factors and predictions in float64.
+
+    Args:
+        train_x: ``(n, d)`` inputs (float32 or float64).
+        train_y: ``(n,)`` or ``(n, t)`` targets (same dtype). Not centred: the
+            prior mean is zero, so standardise ``y`` (or use BoTorch's ``Standardize``).
+        kernel: any GPyTorch kernel (default ``ScaleKernel(MaternKernel(2.5, ARD))``).
+        num_centers: number of centers sampled uniformly without replacement
+            (default ``min(n, 1000)``), or
+        centers: user-supplied centers ``(M, d)``.
+        penalty: ``lambda > 0`` (default ``1e-6`` unless ``likelihood`` is given,
+            in which case ``lambda = noise / n``).
+        likelihood: a ``GaussianLikelihood`` (single output) or
+            ``MultitaskGaussianLikelihood`` with one shared noise; its noise *is*
+            the penalty (``noise = n lambda``). Default: one with a ``Positive``
+            constraint through ``exp``/``log``, so that learning it is learning
+            ``log lambda``.
+        learn_centers: register ``centers`` as a ``torch.nn.Parameter``.
+        generator: ``torch.Generator`` for center sampling (default seeded with ``seed``).
+        max_iter, tol: CG stopping rule (see :class:`~gpfalkon.NystromKRROperator`).
+        memory_budget, block_rows, store_kernel: kernel-engine options.
+        verbose: tqdm progress bar during ``fit()``.
+    """
+
+    def __init__(
+        self,
+        train_x: Tensor,
+        train_y: Tensor,
+        kernel: Optional[Kernel] = None,
+        *,
+        num_centers: Optional[int] = None,
+        centers: Optional[Tensor] = None,
+        penalty: Optional[float | Tensor] = None,
+        likelihood: Optional[Likelihood] = None,
+        learn_centers: bool = False,
+        generator: Optional[torch.Generator] = None,
+        seed: int = 0,
+        max_iter: Optional[int] = None,
+        tol: Optional[float] = None,
+        memory_budget: Optional[int] = None,
+        block_rows: Optional[int] = None,
+        store_kernel: Optional[bool] = None,
+        verbose: bool = False,
+    ) -> None:
+        super().__init__()
+        check_inputs("train_x", train_x)
+        n, d = train_x.shape
+        check_targets("train_y", train_y, n)
+        if train_y.dtype != train_x.dtype:
+            raise TypeError(f"train_y has dtype {train_y.dtype} but train_x has {train_x.dtype}")
+        if kernel is None:
+            kernel = _default_kernel(d)
+        if not isinstance(kernel, Kernel):
+            raise TypeError(f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}")
+        self.kernel = kernel
+        self.train_inputs: Tuple[Tensor, ...] = (train_x,)
+        self.train_targets: Tensor = train_y
+        self._num_outputs = 1 if train_y.dim() == 1 else int(train_y.shape[1])
+
+        # --- centers
+        if centers is not None and num_centers is not None:
+            raise ValueError("give either centers or num_centers, not both")
+        if centers is not None:
+            check_dtype("centers", centers)
+            if centers.dtype != train_x.dtype:
+                raise TypeError(f"centers has dtype {centers.dtype} but train_x has {train_x.dtype}")
+            check_inputs("centers", centers, d=d)
+            c = centers.detach().clone()
+        else:
+            m = min(n, 1000) if num_centers is None else num_centers
+            check_num_centers(m, n)
+            if generator is None:
+                generator = torch.Generator()
+                generator.manual_seed(int(seed))
+            c = uniform_centers(train_x, m, generator).centers
+        if learn_centers:
+            self.centers = torch.nn.Parameter(c)
+        else:
+            self.register_buffer("centers", c)
+
+        # --- likelihood and penalty (noise = n * penalty is the single source of truth)
+        if likelihood is None:
+            constraint = Positive(transform=torch.exp, inv_transform=torch.log)
+            if self._num_outputs == 1:
+                likelihood = GaussianLikelihood(noise_constraint=constraint)
+            else:
+                likelihood = MultitaskGaussianLikelihood(
+                    num_tasks=self._num_outputs, rank=0, has_task_noise=False, noise_constraint=constraint
+                )
+            likelihood = likelihood.to(dtype=train_x.dtype, device=train_x.device)
+            if penalty is None:
+                penalty = 1e-6
+        else:
+            if not isinstance(likelihood, (GaussianLikelihood, MultitaskGaussianLikelihood)):
+                raise TypeError(
+                    "likelihood must be a GaussianLikelihood or MultitaskGaussianLikelihood, got "
+                    f"{type(likelihood).__name__}"
+                )
+            if isinstance(likelihood, MultitaskGaussianLikelihood) and getattr(likelihood, "has_task_noise", False):
+                raise ValueError("likelihood: FALKON needs one shared noise (has_task_noise=False)")
+        self.likelihood = likelihood
+        if penalty is not None:
+            self.penalty = penalty  # type: ignore[assignment]
+
+        self.max_iter = max_iter
+        self.tol = tol
+        self.memory_budget = memory_budget
+        self.block_rows = block_rows
+        self.store_kernel = store_kernel
+        self.verbose = verbose
+
+        shape = (c.shape[0],) if self._num_outputs == 1 else (c.shape[0], self._num_outputs)
+        self.register_buffer("alpha", torch.full(shape, float("nan"), dtype=torch.float64, device=train_x.device))
+        self.register_buffer("fitted", torch.tensor(False, device=train_x.device))
+        self.fit_info: Optional[CGInfo] = None
+        self._snapshot: Optional[List[Tensor]] = None
+        self._factors: Optional[NystromPosteriorFactors] = None
+        self.register_load_state_dict_post_hook(FalkonGP._after_load)
+
+    # ------------------------------------------------------------ properties
+    @property
+    def num_outputs(self) -> int:
+        return self._num_outputs
+
+    @property
+    def n(self) -> int:
+        return self.train_inputs[0].shape[0]
+
+    @property
+    def noise(self) -> Tensor:
+        """The likelihood's noise ``sigma^2 = n lambda`` (a scalar tensor)."""
+        return self.likelihood.noise.reshape(-1)[0]
+
+    @property
+    def penalty(self) -> Tensor:
+        """``lambda = sigma^2 / n`` (positive scalar tensor, differentiable)."""
+        return self.noise / self.n
+
+    @penalty.setter
+    def penalty(self, value: float | Tensor) -> None:
+        check_penalty(value)
+        noise = torch.as_tensor(value, dtype=torch.float64).reshape(()) * self.n
+        try:
+            self.likelihood.noise = noise.to(self.likelihood.raw_noise.dtype)
+        except RuntimeError as exc:  # the likelihood's constraint cannot hold it
+            raise ValueError(f"penalty={float(value):g} (noise {float(noise):g}) violates the likelihood's noise constraint: {exc}") from exc
+
+    # ---------------------------------------------------------------- fitting
+    def nystrom_operator(self, **overrides) -> NystromKRROperator:
+        """The :class:`~gpfalkon.NystromKRROperator` at the current hyperparameters."""
+        kw = dict(
+            kernel=self.kernel,
+            memory_budget=self.memory_budget,
+            block_rows=self.block_rows,
+            store_kernel=self.store_kernel,
+            max_iter=self.max_iter,
+            tol=self.tol,
+            verbose=self.verbose,
+        )
+        kw.update(overrides)
+        return NystromKRROperator(self.train_inputs[0], self.centers, self.penalty, **kw)
+
+    def fit(
+        self,
+        *,
+        warm_start: bool = False,
+        compute_variance: bool = False,
+        callback: Optional[Callable[[int, Tensor, Tensor], None]] = None,
+        tol: Optional[float] = None,
+        max_iter: Optional[int] = None,
+        verbose: Optional[bool] = None,
+    ) -> "FalkonGP":
+        """Solve ``H alpha = K_Mn y`` by FALKON and store ``alpha``; returns ``self``.
+
+        ``warm_start`` starts CG from the previous ``alpha`` (one more data pass,
+        usually far fewer iterations after a small hyperparameter change).
+        ``compute_variance`` also forms the posterior factors now, sharing a stored
+        ``K_nM``. Convergence information lands in ``self.fit_info``.
+        """
+        y = self.train_targets
+        y2 = y.unsqueeze(-1) if y.dim() == 1 else y
+        with torch.no_grad():
+            op = self.nystrom_operator()
+            rhs = op.kmn_y(y2)
+            x0 = None
+            if warm_start and bool(self.fitted):
+                x0 = self.alpha.reshape(op.m, -1).to(torch.float64)
+            alpha, info = op.falkon_solve(rhs, x0, tol=tol, max_iter=max_iter, callback=callback, verbose=verbose)
+            self.alpha = alpha.reshape(self.alpha.shape).to(self.alpha.dtype)
+            self.fitted.fill_(True)
+            self.fit_info = info
+            self._snapshot = self._hyper_snapshot()
+            self._factors = NystromPosteriorFactors.compute(op) if compute_variance else None
+            op.engine.release()
+        return self
+
+    def _hyper_snapshot(self) -> List[Tensor]:
+        tensors = [p.detach().clone() for p in self.kernel.parameters()]
+        tensors += [b.detach().clone() for b in self.kernel.buffers()]
+        tensors.append(self.centers.detach().clone())
+        tensors.append(self.likelihood.raw_noise.detach().clone())
+        tensors.append(self.train_inputs[0].detach()[:0].clone())
+        return tensors
+
+    def _hyper_changed(self) -> bool:
+        if self._snapshot is None:
+            return True
+        now = self._hyper_snapshot()
+        return len(now) != len(self._snapshot) or any(
+            a.shape != b.shape or not torch.equal(a, b) for a, b in zip(now, self._snapshot)
+        )
+
+    @staticmethod
+    def _after_load(module: "FalkonGP", incompatible_keys) -> None:
+        module._factors = None
+        module._snapshot = module._hyper_snapshot() if bool(module.fitted) else None
+
+    def set_train_data(self, inputs: Tensor, targets: Tensor) -> None:
+        """Replace the training data (centers unchanged); the model must be re-fitted."""
+        check_inputs("inputs", inputs, d=self.train_inputs[0].shape[1])
+        check_targets("targets", targets, inputs.shape[0])
+        if targets.dim() != self.train_targets.dim() or (targets.dim() == 2 and targets.shape[1] != self._num_outputs):
+            raise ValueError(f"targets must keep the shape convention of train_y ({tuple(self.train_targets.shape[1:])})")
+        pen = self.penalty.detach().clone()
+        self.train_inputs = (inputs,)
+        self.train_targets = targets
+        self.penalty = pen  # keep lambda: the noise n * lambda follows n
+        self.fitted.fill_(False)
+        self._snapshot = None
+        self._factors = None
+
+    # ------------------------------------------------------------- prediction
+    def _check_fitted(self) -> None:
+        if not bool(self.fitted):
+            raise NotFittedError("FalkonGP: call fit() before predicting")
+        if self._hyper_changed():
+            raise NotFittedError(
+                "FalkonGP: the kernel hyperparameters, centers, penalty or training data changed since "
+                "fit(); call fit() again"
+            )
+
+    def posterior_factors(self) -> NystromPosteriorFactors:
+        """The variance factors (formed on first use, ``O(n M^2)``)."""
+        self._check_fitted()
+        if self._factors is None:
+            op = self.nystrom_operator()
+            self._factors = NystromPosteriorFactors.compute(op)
+            op.engine.release()
+        return self._factors
+
+    def _check_test_inputs(self, x: Tensor) -> None:
+        check_dtype("x", x)
+        d = self.train_inputs[0].shape[1]
+        if x.dim() < 2 or x.shape[-1] != d:
+            raise ValueError(f"x must have shape (..., q, {d}), got {tuple(x.shape)}")
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError("x contains NaN or Inf values")
+
+    def __call__(self, x: Tensor, **kwargs) -> MultivariateNormal:  # type: ignore[override]
+        if x.dim() == 1:
+            x = x.unsqueeze(-1)
+        self._check_test_inputs(x)
+        if self.training:
+            return self._prior(x)
+        return self._posterior(x)
+
+    def forward(self, x: Tensor) -> MultivariateNormal:
+        return self(x)
+
+    def _prior(self, x: Tensor) -> MultivariateNormal:
+        covar = self.kernel(x)
+        mean = torch.zeros(x.shape[:-1], dtype=x.dtype, device=x.device)
+        if self._num_outputs == 1:
+            return MultivariateNormal(mean, covar)
+        t = self._num_outputs
+        mvn = MultivariateNormal(
+            mean.unsqueeze(-2).expand(*mean.shape[:-1], t, mean.shape[-1]),
+            covar.unsqueeze(-3).expand(*covar.shape[:-2], t, *covar.shape[-2:]),
+        )
+        return MultitaskMultivariateNormal.from_batch_mvn(mvn, task_dim=-1)
+
+    def _posterior(self, x: Tensor) -> MultivariateNormal:
+        self._check_fitted()
+        out_dtype = x.dtype
+        x64 = x.to(torch.float64)
+        c64 = self.centers.detach().to(torch.float64)
+        kxm = self.kernel(x64, c64).to_dense()  # (..., q, M), differentiable w.r.t. x
+        alpha = self.alpha.to(torch.float64)
+        a2 = alpha.unsqueeze(-1) if alpha.dim() == 1 else alpha
+        mean = (kxm @ a2).to(out_dtype)  # (..., q, t)
+        q = x.shape[-2]
+        if gpytorch.settings.skip_posterior_variances.on():
+            covar = ZeroLinearOperator(*x.shape[:-1], q, dtype=out_dtype, device=x.device)
+        else:
+            f = self.posterior_factors()
+            a = torch.linalg.solve_triangular(f.L, kxm.mT, upper=False)  # (..., M, q)
+            c = torch.linalg.solve_triangular(f.LB, a, upper=False)
+            covar = SumLinearOperator(
+                self.kernel(x),
+                RootLinearOperator(c.mT.to(out_dtype)),
+                RootLinearOperator(a.mT.to(out_dtype)).mul(-1.0),
+            )
+        if self._num_outputs == 1:
+            return MultivariateNormal(mean.squeeze(-1), covar)
+        t = self._num_outputs
+        batch_mean = mean.movedim(-1, -2)  # (..., t, q)
+        batch_covar = covar.unsqueeze(-3).expand(*covar.shape[:-2], t, q, q)
+        return MultitaskMultivariateNormal.from_batch_mvn(MultivariateNormal(batch_mean, batch_covar), task_dim=-1)

@@ -1,0 +1,353 @@
+"""The Nyström kernel ridge regression system as a linear operator."""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from gpytorch.kernels import Kernel
+from linear_operator import settings as lo_settings
+from linear_operator.operators import LinearOperator
+from torch import Tensor
+
+from .. import settings
+from .._validation import check_dtype, check_inputs, check_penalty
+from ..kernels.autograd import blockwise_kernel_grad, kernel_params, kernel_product
+from ..kernels.engine import KernelEngine, kernel_block
+from ..solvers.cg import CGInfo
+from ..solvers.falkon import falkon_solve
+from .preconditioner import FalkonPreconditioner
+
+__all__ = ["NystromKRROperator"]
+
+
+def _as_columns(rhs: Tensor, m: int) -> Tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """Reshape ``(M,)`` or ``(..., M, k)`` to ``(M, K)`` and return the inverse map."""
+    if rhs.dim() == 1:
+        return rhs.unsqueeze(-1), lambda out: out.squeeze(-1)
+    if rhs.dim() == 2:
+        return rhs, lambda out: out
+    batch = rhs.shape[:-2]
+    k = rhs.shape[-1]
+    cols = rhs.movedim(-2, 0).reshape(m, -1)
+
+    def back(out: Tensor) -> Tensor:
+        return out.reshape(m, *batch, k).movedim(0, -2)
+
+    return cols, back
+
+
+class NystromKRROperator(LinearOperator):
+    r"""``H = K_Mn K_nM + n lambda K_MM`` (M x M), the Nyström KRR normal-equations matrix.
+
+    ``H alpha = K_Mn y`` gives the Nyström KRR coefficients (MATH.md 1); with
+    ``sigma^2 = n lambda`` it is the SGPR/DTC posterior mean's system (MATH.md 3).
+
+    * ``H @ u`` (``_matmul``): one pass of the :class:`~gpfalkon.kernels.KernelEngine`
+      (``2 n M d + 4 n M k`` flops, or ``4 n M k`` when ``K_nM`` is stored), plus
+      ``O(M^2 k)`` for the penalty term; differentiable w.r.t. ``u``, the inputs,
+      the centers, the penalty and the kernel's parameters (one more pass).
+    * ``solve`` (``torch.linalg.solve(H, b)``): FALKON — CG on ``B^T H B`` with the
+      :class:`FalkonPreconditioner` ``B`` — never a dense factorisation of ``H``,
+      whatever ``linear_operator.settings.max_cholesky_size`` says. Its backward is
+      implicit differentiation: one more FALKON solve and one blockwise pass.
+    * :meth:`falkon_solve` returns the solution with a :class:`~gpfalkon.solvers.CGInfo`
+      (iterations, residual history) and accepts a warm start and a callback.
+
+    The operator's tensors are ``(x, centers, penalty)``; ``kernel`` is a keyword.
+    The kernel's hyperparameters are read when the engine, ``K_MM`` and the
+    preconditioner are first needed and cached with this operator: build a new
+    operator after changing them.
+
+    Stopping rule: ``tol`` (relative residual of the preconditioned system) and
+    ``max_iter`` given here win; otherwise ``linear_operator.settings.cg_tolerance``
+    when set below its default of 1 and ``linear_operator.settings.max_cg_iterations``
+    when set below its default of 1000; otherwise :mod:`gpfalkon.settings`.
+    """
+
+    def __init__(
+        self,
+        x: Tensor,
+        centers: Tensor,
+        penalty: Tensor,
+        *,
+        kernel: Kernel,
+        weights: Optional[Tensor] = None,
+        memory_budget: Optional[int] = None,
+        block_rows: Optional[int] = None,
+        store_kernel: Optional[bool] = None,
+        max_iter: Optional[int] = None,
+        tol: Optional[float] = None,
+        verbose: bool = False,
+        callback: Optional[Callable[[int, Tensor, Tensor], None]] = None,
+        precond_dtype: Optional[torch.dtype] = torch.float64,
+    ) -> None:
+        check_inputs("x", x)
+        check_dtype("centers", centers)
+        if centers.dim() != 2 or centers.shape[0] == 0:
+            raise ValueError(f"centers must have shape (M, d) with M >= 1, got {tuple(centers.shape)}")
+        check_inputs("centers", centers, d=x.shape[1])
+        if not isinstance(penalty, Tensor):
+            penalty = torch.tensor(float(penalty), dtype=x.dtype, device=x.device)
+        check_penalty(penalty)
+        if not isinstance(kernel, Kernel):
+            raise TypeError(f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}")
+        super().__init__(
+            x,
+            centers,
+            penalty,
+            kernel=kernel,
+            weights=weights,
+            memory_budget=memory_budget,
+            block_rows=block_rows,
+            store_kernel=store_kernel,
+            max_iter=max_iter,
+            tol=tol,
+            verbose=verbose,
+            callback=callback,
+            precond_dtype=precond_dtype,
+        )
+        self.x = x
+        self.centers = centers
+        self.penalty = penalty
+        self.kernel = kernel
+        self.weights = weights
+        self.memory_budget = memory_budget
+        self.block_rows = block_rows
+        self.store_kernel = store_kernel
+        self.max_iter = max_iter
+        self.tol = tol
+        self.verbose = verbose
+        self.callback = callback
+        self.precond_dtype = precond_dtype
+        self._engine: Optional[KernelEngine] = None
+        self._kmm: Optional[Tensor] = None
+        self._precond: Optional[FalkonPreconditioner] = None
+        self.last_info: Optional[CGInfo] = None
+
+    # ------------------------------------------------------------ components
+    @property
+    def n(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def m(self) -> int:
+        return self.centers.shape[0]
+
+    @property
+    def engine(self) -> KernelEngine:
+        """The kernel-product engine (built on first use; may store ``K_nM``)."""
+        if self._engine is None:
+            self._engine = KernelEngine(
+                self.kernel,
+                self.x,
+                self.centers,
+                memory_budget=self.memory_budget,
+                block_rows=self.block_rows,
+                store=self.store_kernel,
+            )
+        return self._engine
+
+    @property
+    def kmm(self) -> Tensor:
+        """``K_MM`` in float64 (no gradient)."""
+        if self._kmm is None:
+            self._kmm = self.engine.kmm(torch.float64)
+        return self._kmm
+
+    @property
+    def preconditioner(self) -> FalkonPreconditioner:
+        if self._precond is None:
+            self._precond = FalkonPreconditioner.from_kernel_matrix(
+                self.kmm, self.penalty.detach(), self.n, weights=self.weights, dtype=self.precond_dtype
+            )
+        return self._precond
+
+    def _stopping_rule(self, tol: Optional[float], max_iter: Optional[int]) -> Tuple[float, int]:
+        if tol is None:
+            tol = self.tol
+        if tol is None:
+            lo_tol = float(lo_settings.cg_tolerance.value())
+            tol = lo_tol if lo_tol < 1 else float(settings.cg_tolerance.value())
+        if max_iter is None:
+            max_iter = self.max_iter
+        if max_iter is None:
+            lo_max = int(lo_settings.max_cg_iterations.value())
+            max_iter = lo_max if lo_max < 1000 else int(settings.max_cg_iterations.value())
+        return float(tol), int(max_iter)
+
+    def h_matmul_nograd(self, u: Tensor) -> Tensor:
+        """``H u`` in float64 for float64 ``u`` ``(M, k)``: one engine pass, no autograd."""
+        lam = float(self.penalty.detach())
+        out = self.engine.kmn_k(u)
+        return out.add_(self.kmm @ u.to(torch.float64), alpha=self.n * lam)
+
+    def kmn_y(self, y: Tensor) -> Tensor:
+        """``K_Mn y`` (float64, ``(M, t)``) for targets ``y`` ``(n, t)``: one pass."""
+        return self.engine.kmn_k(None, y)
+
+    def falkon_solve(
+        self,
+        rhs: Tensor,
+        x0: Optional[Tensor] = None,
+        *,
+        tol: Optional[float] = None,
+        max_iter: Optional[int] = None,
+        callback: Optional[Callable[[int, Tensor, Tensor], None]] = None,
+        verbose: Optional[bool] = None,
+        warn: bool = True,
+    ) -> Tuple[Tensor, CGInfo]:
+        """FALKON solve of ``H alpha = rhs`` (``rhs`` ``(M, k)``), no autograd.
+
+        Returns ``(alpha, info)`` with ``alpha`` in float64. See
+        :func:`gpfalkon.solvers.falkon_solve` for the algorithm and costs.
+        """
+        if rhs.dim() != 2 or rhs.shape[0] != self.m:
+            raise ValueError(f"rhs must have shape ({self.m}, k), got {tuple(rhs.shape)}")
+        tol_, max_iter_ = self._stopping_rule(tol, max_iter)
+        with torch.no_grad():
+            sol, info = falkon_solve(
+                self.h_matmul_nograd,
+                self.preconditioner,
+                rhs.detach(),
+                None if x0 is None else x0.detach(),
+                tol=tol_,
+                max_iter=max_iter_,
+                callback=callback if callback is not None else self.callback,
+                verbose=self.verbose if verbose is None else verbose,
+                warn=warn,
+            )
+        self.last_info = info
+        return sol, info
+
+    # ------------------------------------------------------- LinearOperator API
+    def _size(self) -> torch.Size:
+        return torch.Size((self.m, self.m))
+
+    def _transpose_nonbatch(self) -> "NystromKRROperator":
+        return self
+
+    def _differentiable_kmm(self) -> Tensor:
+        return kernel_block(self.kernel, self.centers, self.centers).to(self.x.dtype)
+
+    def _h_matmul_autograd(self, cols: Tensor) -> Tensor:
+        k_part = kernel_product(self.engine, cols, None, self.x, self.centers)
+        return k_part + (self.n * self.penalty) * (self._differentiable_kmm() @ cols.to(self.x.dtype))
+
+    def _matmul(self, rhs: Tensor) -> Tensor:
+        cols, back = _as_columns(rhs, self.m)
+        if torch.is_grad_enabled():
+            out = self._h_matmul_autograd(cols)
+        else:
+            out = self.h_matmul_nograd(cols.to(torch.float64))
+        return back(out.to(rhs.dtype))
+
+    def matmul(self, other):  # type: ignore[override]
+        # Route tensors through our own autograd so kernel-parameter gradients
+        # survive (linear_operator's Matmul only differentiates the representation).
+        if isinstance(other, Tensor) and other.shape[-2 if other.dim() > 1 else -1] == self.m:
+            return self._matmul(other)
+        return super().matmul(other)
+
+    def _diagonal(self) -> Tensor:
+        e = self.engine
+        diag = torch.zeros(self.m, dtype=torch.float64, device=self.x.device)
+        for _, _, blk in e.iter_blocks():
+            diag += blk.square().sum(0).to(torch.float64)
+        diag *= e.scale**2
+        diag += self.n * float(self.penalty.detach()) * self.kmm.diagonal()
+        return diag.to(self.x.dtype)
+
+    def solve(self, right_tensor: Tensor, left_tensor: Optional[Tensor] = None) -> Tensor:  # type: ignore[override]
+        """``H^{-1} right`` (or ``left H^{-1} right``) by FALKON, differentiable."""
+        cols, back = _as_columns(right_tensor, self.m)
+        params = kernel_params(self.kernel)
+        sol = _FalkonSolve.apply(self, cols, self.x, self.centers, self.penalty, *params)
+        out = back(sol)
+        if left_tensor is not None:
+            return left_tensor @ out
+        return out
+
+    # ------------------------------------------------------- gradient helpers
+    def bilinear_grads(
+        self, left: Tensor, right: Tensor, need_x: bool, need_c: bool, need_pen: bool, params: List[Tensor]
+    ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], List[Optional[Tensor]]]:
+        """Gradients of ``left^T H(theta) right`` (columns summed) w.r.t. x, centers,
+        penalty and ``params``: one blockwise pass plus an ``O(M^2 d)`` term."""
+        dtype = self.x.dtype
+        lf = left.to(dtype)
+        rt = right.to(dtype)
+
+        def surrogate(start: int, stop: int, kb: Tensor) -> Tensor:
+            kd = kb.detach()
+            return ((kb @ rt) * (kd @ lf)).sum() + ((kb @ lf) * (kd @ rt)).sum()
+
+        gx, gc, gp = blockwise_kernel_grad(self.kernel, self.x, self.centers, surrogate, params, need_x, need_c)
+        g_pen = None
+        small_inputs: List[Tensor] = list(params)
+        if need_c:
+            small_inputs.append(self.centers)
+        if need_pen:
+            small_inputs.append(self.penalty)
+        if small_inputs:
+            with torch.enable_grad():
+                kmm = self._differentiable_kmm()
+                s = self.n * self.penalty.to(dtype) * (lf * (kmm @ rt)).sum()
+                if s.requires_grad:
+                    grads = torch.autograd.grad(s, small_inputs, allow_unused=True)
+                    for i in range(len(params)):
+                        if grads[i] is not None:
+                            gp[i] = grads[i] if gp[i] is None else gp[i] + grads[i]
+                    j = len(params)
+                    if need_c:
+                        if grads[j] is not None:
+                            gc = grads[j] if gc is None else gc + grads[j]
+                        j += 1
+                    if need_pen:
+                        g_pen = grads[j]
+        return gx, gc, g_pen, gp
+
+    def _bilinear_derivative(self, left_vecs: Tensor, right_vecs: Tensor) -> Tuple[Optional[Tensor], ...]:
+        lf, _ = _as_columns(left_vecs, self.m)
+        rt, _ = _as_columns(right_vecs, self.m)
+        gx, gc, gpen, _ = self.bilinear_grads(
+            lf, rt, self.x.requires_grad, self.centers.requires_grad, self.penalty.requires_grad, []
+        )
+        return gx, gc, gpen
+
+
+class _FalkonSolve(torch.autograd.Function):
+    """``alpha = H(theta)^{-1} b`` by FALKON with implicit-differentiation backward:
+    ``dL/db = H^{-1} g`` (one more FALKON solve) and
+    ``dL/dtheta = -d/dtheta [ (H^{-1} g)^T H(theta) alpha ]`` (one blockwise pass)."""
+
+    @staticmethod
+    def forward(ctx, op: NystromKRROperator, rhs: Tensor, x: Tensor, centers: Tensor, penalty: Tensor, *params: Tensor) -> Tensor:  # type: ignore[override]
+        sol, _ = op.falkon_solve(rhs.to(torch.float64))
+        ctx.op = op
+        ctx.save_for_backward(sol)
+        ctx.n_params = len(params)
+        return sol.to(rhs.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        op: NystromKRROperator = ctx.op
+        (sol,) = ctx.saved_tensors
+        lam, _ = op.falkon_solve(grad.to(torch.float64))
+        grad_rhs = lam.to(grad.dtype) if ctx.needs_input_grad[1] else None
+        need_x, need_c, need_pen = ctx.needs_input_grad[2], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        params = kernel_params(op.kernel)
+        need_p = list(ctx.needs_input_grad[5:])
+        gx = gc = gpen = None
+        gp: List[Optional[Tensor]] = [None] * ctx.n_params
+        if need_x or need_c or need_pen or any(need_p):
+            active = [p for p, need in zip(params, need_p) if need]
+            gx, gc, gpen, g_active = op.bilinear_grads(lam, sol, need_x, need_c, need_pen, active)
+            it = iter(g_active)
+            gp = []
+            for need in need_p:
+                g = next(it) if need else None
+                gp.append(None if g is None else -g)
+            gx = None if gx is None else -gx
+            gc = None if gc is None else -gc
+            gpen = None if gpen is None else -gpen
+        return (None, grad_rhs, gx, gc, gpen, *gp)

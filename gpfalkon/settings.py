@@ -1,0 +1,47 @@
+"""Global settings for gpfalkon, in the style of ``gpytorch.settings``.
+
+Each setting is a context manager (``with gpfalkon.settings.memory_budget(2**30): ...``)
+whose class method ``value()`` returns the value in force.
+"""
+from __future__ import annotations
+
+from linear_operator.settings import _value_context
+
+__all__ = ["memory_budget", "block_rows", "cg_tolerance", "max_cg_iterations"]
+
+
+class memory_budget(_value_context):
+    """Bytes the kernel-product engine may hold for kernel blocks (default 4 GiB).
+
+    When the whole ``n x M`` matrix ``K_nM`` fits in the budget it is computed once
+    and kept for the lifetime of the engine; otherwise it is recomputed block by
+    block on every product, each block at most ``block_rows x M``.
+    """
+
+    _global_value: int = 4 * 2**30
+
+
+class block_rows(_value_context):
+    """Rows of X per kernel block when ``K_nM`` is computed on the fly (default 2048).
+
+    Cache-sized blocks are fastest on CPU (see ``benchmarks/engine.py``); the engine
+    lowers this when a block would not fit in the memory budget.
+    """
+
+    _global_value: int = 2048
+
+
+class cg_tolerance(_value_context):
+    """Default relative residual ``||r_k|| / ||b||`` at which FALKON's CG stops.
+
+    Used when neither the solver call nor ``linear_operator.settings.cg_tolerance``
+    (when set below its default of 1) gives one. Default ``1e-7``.
+    """
+
+    _global_value: float = 1e-7
+
+
+class max_cg_iterations(_value_context):
+    """Default cap on FALKON CG iterations (each is one pass over the data). Default 100."""
+
+    _global_value: int = 100

@@ -1,0 +1,65 @@
+"""FALKON: the Nyström system solved by preconditioned conjugate gradient."""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ..errors import CGNotConvergedWarning
+from ..operators.preconditioner import FalkonPreconditioner
+from .cg import CGInfo, Callback, conjugate_gradient
+
+__all__ = ["falkon_solve"]
+
+
+def falkon_solve(
+    h_matmul: Callable[[Tensor], Tensor],
+    precond: FalkonPreconditioner,
+    rhs: Tensor,
+    x0: Optional[Tensor] = None,
+    *,
+    tol: float,
+    max_iter: int,
+    callback: Optional[Callback] = None,
+    verbose: bool = False,
+    warn: bool = True,
+    stagnation_window: Optional[int] = 50,
+) -> tuple[Tensor, CGInfo]:
+    """Solve ``H alpha = rhs`` by CG on ``W beta = B^T rhs``, ``W = B^T H B``, ``alpha = B beta``.
+
+    ``h_matmul`` applies ``H`` to float64 ``(M, k)`` blocks (one data pass). The
+    CG vectors live in float64 whatever the data dtype (``O(M k)`` memory), so a
+    float32 kernel loses precision only in the kernel products themselves.
+    ``x0`` warm-starts from a previous ``alpha`` (one extra data pass).
+    Cost: ``(iterations + 1)`` data passes plus ``O(M^2 k)`` per iteration.
+
+    Emits :class:`CGNotConvergedWarning` when ``tol > 0`` was not reached in
+    ``max_iter`` iterations (``tol=0`` asks for exactly ``max_iter`` iterations).
+    """
+    b = precond.apply_bt(rhs.to(torch.float64))
+
+    def w_matmul(u: Tensor) -> Tensor:
+        return precond.apply_bt(h_matmul(precond.apply_b(u)))
+
+    beta0 = precond.apply_b_inv(x0.to(torch.float64)) if x0 is not None else None
+    beta, info = conjugate_gradient(
+        w_matmul,
+        b,
+        beta0,
+        tol=tol,
+        max_iter=max_iter,
+        callback=None if callback is None else (lambda i, bt, rel: callback(i, precond.apply_b(bt), rel)),
+        verbose=verbose,
+        stagnation_window=stagnation_window,
+    )
+    if warn and tol > 0 and not info.converged:
+        warnings.warn(
+            f"FALKON CG stopped after {info.iterations} iterations with relative residual "
+            f"{float(info.final_residual.max()):.3g} > tol={tol:g}; raise max_iter or loosen tol "
+            "(tol=0 runs exactly max_iter iterations without this warning)",
+            CGNotConvergedWarning,
+            stacklevel=3,
+        )
+    return precond.apply_b(beta), info
