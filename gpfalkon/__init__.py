@@ -2,6 +2,7 @@
 from . import settings
 from .centers import CenterSelection, UniformCenters, uniform_centers
 from .errors import CGNotConvergedWarning, FalkonConvergenceError, JitterWarning, NotFittedError, NotPSDError
+from .heuristics import median_lengthscale
 from .kernels import KernelEngine
 from .models import FalkonGP, NystromPosteriorFactors
 from .operators import FalkonPreconditioner, NystromKRROperator
@@ -25,6 +26,7 @@ __all__ = [
     "UniformCenters",
     "conjugate_gradient",
     "falkon_solve",
+    "median_lengthscale",
     "settings",
     "uniform_centers",
 ]

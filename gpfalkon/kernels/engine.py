@@ -78,11 +78,17 @@ def stationary_spec(kernel: Kernel) -> Optional[StationarySpec]:
     return StationarySpec(kind=kind, lengthscale=ls, outputscale=outputscale)
 
 
-def _apply_profile_(kind: str, buf: Tensor, tmp: Optional[Tensor]) -> Tensor:
-    """In place: ``buf`` holds ``-||x-c||^2 / 2`` (rbf) or ``||x-c||^2`` (Matern)."""
+def _apply_profile_(kind: str, buf: Tensor, tmp: Optional[Tensor], zero_below: float = 0.0) -> Tensor:
+    """In place: ``buf`` holds ``-||x-c||^2 / 2`` (rbf) or ``||x-c||^2`` (Matern).
+
+    Squared distances at or below ``zero_below`` (the rounding floor of the norm
+    expansion) are set to exactly 0: ``sqrt`` would turn that floor into an error of
+    ``sqrt(eps)`` in ``k(x, x)`` for the non-smooth Matern-1/2 kernel.
+    """
     if kind == "rbf":
         return buf.clamp_(max=0.0).exp_()
-    buf.clamp_(min=0.0).sqrt_()
+    torch.nn.functional.threshold_(buf, zero_below, 0.0)
+    buf.sqrt_()
     if kind == "matern12":
         return buf.neg_().exp_()
     if kind == "matern32":
@@ -156,6 +162,9 @@ class KernelEngine:
             raise ValueError(f"block_rows must be >= 1, got {rows}")
         rows = min(rows, max(1, budget // (2 * row_bytes)), self.n)
         self.block_rows = rows
+        # A stored K_nM is read twice per block (K_b u, then (.)^T K_b): blocks of about
+        # 2 MiB let the second read hit cache (benchmarks/engine.py measures it).
+        self.stored_block_rows = max(1, min(rows, max(16, (2 * 2**20) // row_bytes)))
         self.memory_budget = budget
 
         self.spec = stationary_spec(kernel)
@@ -174,6 +183,8 @@ class KernelEngine:
                     self._c_sq = self._cs.square().sum(-1).unsqueeze(0)
                     self._alpha = -2.0
                 self._cs_t = self._cs.t().contiguous()
+                self._eps = float(torch.finfo(self.dtype).eps)
+                self._c_sq_max = float(self._cs.square().sum(-1).max())
                 s = self.spec.outputscale
                 self.scale = 1.0 if s is None else float(s)
             else:
@@ -183,9 +194,10 @@ class KernelEngine:
         self._tmp: Optional[Tensor] = None
 
     # ------------------------------------------------------------------ blocks
-    def _blocks(self) -> Iterator[Tuple[int, int]]:
-        for start in range(0, self.n, self.block_rows):
-            yield start, min(start + self.block_rows, self.n)
+    def _blocks(self, rows: Optional[int] = None) -> Iterator[Tuple[int, int]]:
+        rows = self.block_rows if rows is None else rows
+        for start in range(0, self.n, rows):
+            yield start, min(start + rows, self.n)
 
     def _compute_block(self, start: int, stop: int, out: Optional[Tensor] = None) -> Tensor:
         """Base kernel values ``K0[start:stop]`` (without the outputscale of the fast path)."""
@@ -198,13 +210,17 @@ class KernelEngine:
         if out is None:
             out = torch.empty(rows, self.m, dtype=self.dtype, device=self.device)
         torch.addmm(self._c_sq, self._xs[start:stop], self._cs_t, alpha=self._alpha, out=out)
-        out.add_(self._x_sq[start:stop].unsqueeze(1))
+        x_sq = self._x_sq[start:stop]
+        out.add_(x_sq.unsqueeze(1))
+        zero_below = 0.0
+        if self.spec.kind != "rbf":
+            zero_below = 8.0 * self._eps * (float(x_sq.max()) + self._c_sq_max)
         tmp = None
         if self.spec.kind in ("matern32", "matern52"):
             if self._tmp is None or self._tmp.shape[0] < rows:
                 self._tmp = torch.empty(self.block_rows, self.m, dtype=self.dtype, device=self.device)
             tmp = self._tmp[:rows]
-        return _apply_profile_(self.spec.kind, out, tmp)
+        return _apply_profile_(self.spec.kind, out, tmp, zero_below)
 
     def _ensure_stored(self) -> Tensor:
         if self._k is None:
@@ -224,7 +240,7 @@ class KernelEngine:
         with torch.no_grad():
             if self.stored:
                 k = self._ensure_stored()
-                for start, stop in self._blocks():
+                for start, stop in self._blocks(self.stored_block_rows):
                     yield start, stop, k[start:stop]
                 return
             for start, stop in self._blocks():

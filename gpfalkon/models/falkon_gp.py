@@ -46,7 +46,7 @@ class NystromPosteriorFactors:
     @classmethod
     def compute(cls, op: NystromKRROperator) -> "NystromPosteriorFactors":
         v = op.n * float(op.penalty.detach())
-        L, _ = jittered_cholesky(op.kmm, upper=False, name="K_MM", jitter=0.0)
+        L, _ = jittered_cholesky(op.kmm, upper=False, name="K_MM")
         m = op.m
         aat = torch.zeros(m, m, dtype=torch.float64, device=L.device)
         eng = op.engine

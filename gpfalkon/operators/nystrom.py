@@ -274,8 +274,8 @@ class NystromKRROperator(LinearOperator):
         """Gradients of ``left^T H(theta) right`` (columns summed) w.r.t. x, centers,
         penalty and ``params``: one blockwise pass plus an ``O(M^2 d)`` term."""
         dtype = self.x.dtype
-        lf = left.to(dtype)
-        rt = right.to(dtype)
+        lf = left.detach().to(dtype)
+        rt = right.detach().to(dtype)
 
         def surrogate(start: int, stop: int, kb: Tensor) -> Tensor:
             kd = kb.detach()
@@ -331,8 +331,8 @@ class _FalkonSolve(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         op: NystromKRROperator = ctx.op
-        (sol,) = ctx.saved_tensors
-        lam, _ = op.falkon_solve(grad.to(torch.float64))
+        sol = ctx.saved_tensors[0].detach()
+        lam, _ = op.falkon_solve(grad.detach().to(torch.float64))
         grad_rhs = lam.to(grad.dtype) if ctx.needs_input_grad[1] else None
         need_x, need_c, need_pen = ctx.needs_input_grad[2], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
         params = kernel_params(op.kernel)

@@ -1,0 +1,86 @@
+"""The conjugate-gradient solver on explicit SPD matrices."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpfalkon import FalkonConvergenceError, conjugate_gradient
+
+
+def spd(m=30, cond=1e3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(m, m, generator=g, dtype=torch.float64))
+    ev = torch.logspace(0, torch.log10(torch.tensor(cond)).item(), m, dtype=torch.float64)
+    return (q * ev) @ q.T
+
+
+def test_solves_multiple_rhs_to_tolerance():
+    A = spd()
+    b = torch.randn(30, 4, dtype=torch.float64) * torch.tensor([1.0, 1e-6, 1e6, 3.0], dtype=torch.float64)
+    x, info = conjugate_gradient(lambda u: A @ u, b, tol=1e-12, max_iter=500)
+    ref = torch.linalg.solve(A, b)
+    torch.testing.assert_close(x, ref, rtol=1e-9, atol=0)
+    assert info.converged and info.iterations <= 500
+    assert info.residuals.shape == (info.iterations + 1, 4)
+    assert (info.final_residual <= 1e-12).all()
+
+
+def test_zero_rhs_column_and_warm_start():
+    A = spd()
+    b = torch.randn(30, 2, dtype=torch.float64)
+    b[:, 1] = 0
+    x, info = conjugate_gradient(lambda u: A @ u, b, tol=1e-12, max_iter=500)
+    assert torch.equal(x[:, 1], torch.zeros(30, dtype=torch.float64))
+    ref = torch.linalg.solve(A, b)
+    x2, info2 = conjugate_gradient(lambda u: A @ u, b, x0=ref, tol=1e-8, max_iter=50)
+    assert info2.iterations <= 1
+    torch.testing.assert_close(x2, ref)
+
+
+def test_callback_and_iteration_cap():
+    A = spd(cond=1e8)
+    b = torch.randn(30, 1, dtype=torch.float64)
+    seen = []
+    x, info = conjugate_gradient(lambda u: A @ u, b, tol=0.0, max_iter=5, callback=lambda i, xx, r: seen.append(i))
+    assert seen == [1, 2, 3, 4, 5] and info.iterations == 5 and not info.converged
+
+
+def test_verbose_progress_bar(capsys):
+    A = spd()
+    conjugate_gradient(lambda u: A @ u, torch.randn(30, 1, dtype=torch.float64), tol=1e-8, max_iter=100, verbose=True)
+    assert "FALKON CG" in capsys.readouterr().err
+
+
+def test_indefinite_operator_raises():
+    A = spd()
+    A[0, 0] = -50.0
+    with pytest.raises(FalkonConvergenceError, match="positive definiteness"):
+        conjugate_gradient(lambda u: A @ u, torch.ones(30, 1, dtype=torch.float64), tol=1e-12, max_iter=100)
+
+
+def test_non_finite_raises():
+    with pytest.raises(FalkonConvergenceError, match="non-finite"):
+        conjugate_gradient(lambda u: u * float("nan"), torch.ones(5, 1, dtype=torch.float64), max_iter=3)
+    with pytest.raises(FalkonConvergenceError, match="NaN"):
+        conjugate_gradient(lambda u: u, torch.full((5, 1), float("inf"), dtype=torch.float64))
+
+
+def test_stagnation_raises():
+    # condition number 1e16 in float64: CG's residual stops decreasing for good
+    A = spd(50, cond=1e16)
+    with pytest.raises(FalkonConvergenceError, match="stagnated"):
+        conjugate_gradient(lambda u: A @ u, torch.ones(50, 1, dtype=torch.float64), tol=1e-14, max_iter=3000)
+    # the same system with stagnation detection off runs to the cap instead
+    _, info = conjugate_gradient(
+        lambda u: A @ u, torch.ones(50, 1, dtype=torch.float64), tol=1e-14, max_iter=200, stagnation_window=None
+    )
+    assert info.iterations == 200 and not info.converged
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="b must"):
+        conjugate_gradient(lambda u: u, torch.ones(5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="max_iter"):
+        conjugate_gradient(lambda u: u, torch.ones(5, 1, dtype=torch.float64), max_iter=-1)
+    with pytest.raises(ValueError, match="tol"):
+        conjugate_gradient(lambda u: u, torch.ones(5, 1, dtype=torch.float64), tol=float("nan"))

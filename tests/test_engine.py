@@ -1,0 +1,130 @@
+"""The blockwise kernel-product engine against dense products."""
+from __future__ import annotations
+
+import gpytorch
+import pytest
+import torch
+from conftest import dense_kernel, make_data, make_kernel
+
+from gpfalkon import KernelEngine, settings
+from gpfalkon.kernels import kernel_product, stationary_spec
+
+KERNELS = ["rbf", "matern12", "matern32", "matern52", "scale_rbf", "scale_matern52", "periodic", "rbf+linear"]
+
+
+@pytest.mark.parametrize("name", KERNELS)
+@pytest.mark.parametrize("store", [True, False])
+def test_product_matches_dense(name, store):
+    x, _ = make_data(257, 4)
+    c = x[:13] + 0.01
+    k = make_kernel(name, 4)
+    knm = dense_kernel(k, x, c)
+    u = torch.randn(13, 3, dtype=torch.float64)
+    v = torch.randn(257, 3, dtype=torch.float64)
+    for rows in [1, 7, 64, 256, 257, 1000]:
+        e = KernelEngine(k, x, c, block_rows=rows, store=store)
+        torch.testing.assert_close(e.kmn_k(u, v), knm.T @ (knm @ u + v), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(e.kmn_k(u), knm.T @ (knm @ u), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(e.kmn_k(None, v), knm.T @ v, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(e.k_matmul(u), knm @ u, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(e.materialize(), knm, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(e.kmm(), dense_kernel(k, c, c), rtol=1e-12, atol=1e-12)
+
+
+def test_fast_path_is_taken_only_for_supported_kernels():
+    assert stationary_spec(make_kernel("rbf", 3)).kind == "rbf"
+    assert stationary_spec(make_kernel("scale_matern52", 3)).kind == "matern52"
+    assert stationary_spec(make_kernel("periodic", 3)) is None
+    assert stationary_spec(gpytorch.kernels.RBFKernel(active_dims=[0])) is None
+    assert stationary_spec(gpytorch.kernels.RBFKernel(batch_shape=torch.Size([2]))) is None
+
+
+@pytest.mark.parametrize("n,m", [(1, 1), (1, 5), (9, 1), (33, 33)])
+def test_edge_sizes(n, m):
+    x, _ = make_data(n, 2)
+    c = make_data(m, 2, seed=3)[0]
+    k = make_kernel("matern32", 2)
+    knm = dense_kernel(k, x, c)
+    u = torch.randn(m, 2, dtype=torch.float64)
+    for rows in [1, 2, 5, 100]:
+        e = KernelEngine(k, x, c, block_rows=rows, store=False)
+        torch.testing.assert_close(e.kmn_k(u), knm.T @ (knm @ u), rtol=1e-10, atol=1e-12)
+
+
+def test_memory_budget_decides_storage_and_block_size():
+    x, _ = make_data(1000, 3)
+    c = x[:50]
+    k = make_kernel("rbf", 3)
+    assert KernelEngine(k, x, c).stored
+    e = KernelEngine(k, x, c, memory_budget=1000 * 50 * 8 - 1)
+    assert not e.stored
+    assert e.block_rows * 50 * 8 * 2 <= 1000 * 50 * 8
+    with settings.memory_budget(10_000):
+        e = KernelEngine(k, x, c)
+        assert not e.stored and e.block_rows * 50 * 8 * 2 <= 10_000
+    with pytest.raises(ValueError, match="store=True"):
+        KernelEngine(k, x, c, memory_budget=100, store=True)
+    with pytest.raises(ValueError, match="block_rows"):
+        KernelEngine(k, x, c, block_rows=0)
+
+
+def test_float32_far_from_origin_stays_accurate():
+    """Centring on the centers' mean keeps the float32 norm expansion accurate."""
+    x64, _ = make_data(500, 20)
+    x64 = x64 * 3 + 1000.0  # every coordinate shifted far from the origin
+    c64 = x64[:40]
+    k64 = gpytorch.kernels.RBFKernel().double()
+    k64.lengthscale = 20**0.5
+    ref = dense_kernel(k64, x64 - 1000.0, c64 - 1000.0)  # exact, shift-invariant
+    k32 = gpytorch.kernels.RBFKernel()
+    k32.lengthscale = 20**0.5
+    e = KernelEngine(k32, x64.float(), c64.float(), store=False)
+    err = (e.materialize().double() - ref).abs().max()
+    assert err < 1e-5, err
+    kmm = KernelEngine(k32, x64.float(), c64.float()).kmm()
+    assert torch.linalg.eigvalsh(kmm).min() > -1e-10
+
+
+@pytest.mark.parametrize("name", ["rbf", "matern32", "periodic"])
+def test_kernel_product_gradients_match_dense_autograd(name):
+    x, _ = make_data(40, 2)
+    c0 = x[:6].clone() + 0.05
+    k = make_kernel(name, 2)
+    params = [p for p in k.parameters()]
+    u0 = torch.randn(6, 2, dtype=torch.float64)
+    v0 = torch.randn(40, 2, dtype=torch.float64)
+    g = torch.randn(6, 2, dtype=torch.float64)
+
+    def run(fn):
+        xx = x.clone().requires_grad_(True)
+        cc = c0.clone().requires_grad_(True)
+        uu = u0.clone().requires_grad_(True)
+        vv = v0.clone().requires_grad_(True)
+        for p in params:
+            p.grad = None
+        out = fn(xx, cc, uu, vv)
+        (out * g).sum().backward()
+        return [xx.grad, cc.grad, uu.grad, vv.grad] + [p.grad.clone() for p in params]
+
+    def ours(xx, cc, uu, vv):
+        e = KernelEngine(k, xx, cc, block_rows=7)
+        return kernel_product(e, uu, vv, xx, cc)
+
+    def dense(xx, cc, uu, vv):
+        knm = dense_kernel(k, xx, cc)
+        return knm.T @ (knm @ uu + vv)
+
+    for a, b in zip(run(ours), run(dense)):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+def test_kernel_product_gradcheck():
+    x, _ = make_data(12, 2)
+    c = x[:4].clone().requires_grad_(True)
+    k = make_kernel("matern52", 2)
+    u = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
+
+    def f(cc, uu):
+        return kernel_product(KernelEngine(k, x, cc, block_rows=5), uu, None, x, cc)
+
+    assert torch.autograd.gradcheck(f, (c, u))

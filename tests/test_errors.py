@@ -1,0 +1,142 @@
+"""Every bad input gets a clear exception naming the argument, and changes nothing."""
+from __future__ import annotations
+
+import gpytorch
+import pytest
+import torch
+from conftest import make_data, make_kernel
+
+from gpfalkon import FalkonConvergenceError, FalkonGP, NotFittedError, NotPSDError
+
+
+@pytest.fixture
+def data():
+    return make_data(50, 2)
+
+
+def _k():
+    return make_kernel("rbf", 2)
+
+
+def test_shape_mismatches(data):
+    x, y = data
+    with pytest.raises(ValueError, match="train_y has 49 rows but train_x has 50"):
+        FalkonGP(x, y[:49], kernel=_k(), num_centers=5)
+    with pytest.raises(ValueError, match="train_x must be 2-dimensional"):
+        FalkonGP(x[:, 0], y, kernel=_k(), num_centers=5)
+    with pytest.raises(ValueError, match=r"train_y must have shape \(n,\) or \(n, t\)"):
+        FalkonGP(x, y.reshape(50, 1, 1), kernel=_k(), num_centers=5)
+    with pytest.raises(ValueError, match="centers has 3 features"):
+        FalkonGP(x, y, kernel=_k(), centers=torch.zeros(4, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="either centers or num_centers"):
+        FalkonGP(x, y, kernel=_k(), centers=x[:3], num_centers=3)
+
+
+def test_empty_data(data):
+    x, y = data
+    with pytest.raises(ValueError, match="train_x is empty"):
+        FalkonGP(x[:0], y[:0], kernel=_k(), num_centers=1)
+    with pytest.raises(ValueError, match="train_x has 0 features"):
+        FalkonGP(x[:, :0], y, kernel=_k(), num_centers=1)
+    with pytest.raises(ValueError, match="centers is empty"):
+        FalkonGP(x, y, kernel=_k(), centers=x[:0])
+    with pytest.raises(ValueError, match="train_y has 0 output columns"):
+        FalkonGP(x, y[:, None][:, :0], kernel=_k(), num_centers=3)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite(data, bad):
+    x, y = data
+    xb, yb = x.clone(), y.clone()
+    xb[3, 1] = bad
+    yb[7] = bad
+    with pytest.raises(ValueError, match="train_x contains 1 NaN or Inf"):
+        FalkonGP(xb, y, kernel=_k(), num_centers=5)
+    with pytest.raises(ValueError, match="train_y contains 1 NaN or Inf"):
+        FalkonGP(x, yb, kernel=_k(), num_centers=5)
+    with pytest.raises(ValueError, match="centers contains"):
+        FalkonGP(x, y, kernel=_k(), centers=xb[:5])
+
+
+def test_num_centers(data):
+    x, y = data
+    with pytest.raises(ValueError, match="num_centers=51 exceeds the number of training points n=50"):
+        FalkonGP(x, y, kernel=_k(), num_centers=51)
+    with pytest.raises(ValueError, match="num_centers must be >= 1"):
+        FalkonGP(x, y, kernel=_k(), num_centers=0)
+    with pytest.raises(TypeError, match="num_centers must be an int"):
+        FalkonGP(x, y, kernel=_k(), num_centers=2.5)
+    FalkonGP(x, y, kernel=_k(), num_centers=50)  # M = n is allowed
+
+
+@pytest.mark.parametrize("bad", [0.0, -1e-3, float("nan"), float("inf")])
+def test_penalty(data, bad):
+    x, y = data
+    with pytest.raises(ValueError, match="penalty"):
+        FalkonGP(x, y, kernel=_k(), num_centers=5, penalty=bad)
+    model = FalkonGP(x, y, kernel=_k(), num_centers=5, penalty=1e-3)
+    with pytest.raises(ValueError, match="penalty"):
+        model.penalty = bad
+    torch.testing.assert_close(model.penalty, torch.tensor(1e-3, dtype=torch.float64))  # nothing lost
+
+
+def test_dtypes(data):
+    x, y = data
+    with pytest.raises(TypeError, match="train_x has dtype torch.int64"):
+        FalkonGP(x.long(), y, kernel=_k(), num_centers=5)
+    with pytest.raises(TypeError, match="train_x has dtype torch.float16"):
+        FalkonGP(x.half(), y.half(), kernel=_k(), num_centers=5)
+    with pytest.raises(TypeError, match="train_y has dtype torch.float32 but train_x has torch.float64"):
+        FalkonGP(x, y.float(), kernel=_k(), num_centers=5)
+    with pytest.raises(TypeError, match="centers has dtype torch.float32"):
+        FalkonGP(x, y, kernel=_k(), centers=x[:4].float())
+    with pytest.raises(TypeError, match="train_x must be a torch.Tensor"):
+        FalkonGP(x.numpy(), y, kernel=_k(), num_centers=5)
+    with pytest.raises(TypeError, match="kernel must be a gpytorch.kernels.Kernel"):
+        FalkonGP(x, y, kernel="rbf", num_centers=5)
+    with pytest.raises(TypeError, match="likelihood must be"):
+        FalkonGP(x, y, kernel=_k(), num_centers=5, likelihood=gpytorch.likelihoods.BernoulliLikelihood())
+
+
+def test_predict_before_fit(data):
+    x, y = data
+    model = FalkonGP(x, y, kernel=_k(), num_centers=5).eval()
+    with pytest.raises(NotFittedError, match="call fit"):
+        model(x)
+    with pytest.raises(NotFittedError):
+        model.posterior_factors()
+
+
+def test_non_psd_kernel_is_reported(data):
+    x, y = data
+
+    class NegKernel(gpytorch.kernels.Kernel):
+        """Not positive semi-definite: -RBF."""
+
+        def forward(self, x1, x2, diag=False, **kw):
+            return -gpytorch.kernels.RBFKernel().to(x1.dtype).forward(x1, x2, diag=diag)
+
+    model = FalkonGP(x, y, kernel=NegKernel(), num_centers=5)
+    alpha_before = model.alpha.clone()
+    with pytest.raises(NotPSDError, match="K_MM is not positive semi-definite"):
+        model.fit()
+    assert not bool(model.fitted) and torch.equal(model.alpha.isnan(), alpha_before.isnan())
+
+
+def test_non_finite_kernel_values_stop_cg(data):
+    x, y = data
+
+    class NaNKernel(gpytorch.kernels.Kernel):
+        """Finite on the centers, NaN against data rows beyond the 10th."""
+
+        def forward(self, x1, x2, diag=False, **kw):
+            k = gpytorch.kernels.RBFKernel().to(x1.dtype).forward(x1, x2, diag=diag)
+            if x1.shape[0] > 10:
+                k = k.clone()
+                k[-1] = float("nan")
+            return k
+
+    model = FalkonGP(x, y, kernel=NaNKernel(), centers=x[:5])
+    with pytest.raises(FalkonConvergenceError, match="NaN or Inf|non-finite"):
+        model.fit()
+    assert not bool(model.fitted)

@@ -1,0 +1,169 @@
+"""FALKON's solution of the Nyström system against a dense direct solve."""
+from __future__ import annotations
+
+import warnings
+
+import linear_operator
+import pytest
+import torch
+from conftest import dense_nystrom, make_data, make_kernel
+
+from gpfalkon import CGNotConvergedWarning, NystromKRROperator, settings
+
+KERNELS = ["rbf", "matern12", "matern32", "matern52", "scale_matern52", "periodic"]
+
+
+@pytest.mark.parametrize("name", KERNELS)
+@pytest.mark.parametrize("t", [None, 3])
+def test_alpha_matches_dense_float64(name, t):
+    x, y = make_data(400, 3, t=t)
+    y2 = y.unsqueeze(-1) if t is None else y
+    c = x[:40]
+    k = make_kernel(name, 3)
+    # shorter lengthscales keep cond(H) ~ 1e4: the dense reference itself is then
+    # accurate to ~1e-12, so a 1e-8 comparison measures FALKON, not the reference
+    base = getattr(k, "base_kernel", k)
+    base.lengthscale = base.lengthscale * 0.5
+    lam = 1e-5
+    op = NystromKRROperator(x, c, torch.tensor(lam, dtype=torch.float64), kernel=k, block_rows=97)
+    alpha, info = op.falkon_solve(op.kmn_y(y2), tol=1e-13, max_iter=500, warn=False)
+    with torch.no_grad():
+        H, knm, _ = dense_nystrom(k, x, c, lam)
+        ref = torch.linalg.solve(H, knm.T @ y2)
+    rel = (alpha - ref).norm() / ref.norm()
+    assert rel < 1e-8, (rel, info.iterations)
+    # the residual history is recorded, and starts at 1
+    assert info.residuals.shape[1] == y2.shape[1]
+    torch.testing.assert_close(info.residuals[0], torch.ones(y2.shape[1], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", ["rbf", "matern52"])
+def test_ill_conditioned_predictions_match_dense(name):
+    """cond(H) ~ 1e9: alpha is only as accurate as the reference, but K_nM alpha is well determined."""
+    x, y = make_data(400, 3)
+    c = x[:40]
+    k = make_kernel(name, 3)
+    lam = 1e-6
+    op = NystromKRROperator(x, c, torch.tensor(lam, dtype=torch.float64), kernel=k)
+    alpha, _ = op.falkon_solve(op.kmn_y(y.unsqueeze(-1)), tol=1e-12, max_iter=1000, warn=False)
+    with torch.no_grad():
+        H, knm, _ = dense_nystrom(k, x, c, lam)
+        ref = torch.linalg.solve(H, knm.T @ y.unsqueeze(-1))
+    assert ((knm @ (alpha - ref)).norm() / (knm @ ref).norm()) < 1e-8
+
+
+@pytest.mark.parametrize("name", ["rbf", "matern52"])
+@pytest.mark.parametrize("store", [True, False])
+def test_alpha_matches_dense_float32(name, store):
+    x, y = make_data(500, 3)
+    c = x[:30]
+    lam = 1e-4
+    k64 = make_kernel(name, 3)
+    k32 = make_kernel(name, 3, dtype=torch.float32)
+    for k in (k64, k32):  # cond(H) ~ 1e4, see test_alpha_matches_dense_float64
+        k.lengthscale = k.lengthscale * 0.5
+    with torch.no_grad():
+        H, knm, _ = dense_nystrom(k64, x, c, lam)
+        ref = torch.linalg.solve(H, knm.T @ y.unsqueeze(-1))
+    op = NystromKRROperator(x.float(), c.float(), torch.tensor(lam), kernel=k32, store_kernel=store)
+    alpha, info = op.falkon_solve(op.kmn_y(y.float().unsqueeze(-1)), tol=1e-7, max_iter=200, warn=False)
+    assert alpha.dtype == torch.float64
+    rel = (alpha - ref).norm() / ref.norm()
+    assert rel < 1e-4, rel
+
+
+def test_linear_operator_solve_and_settings():
+    x, y = make_data(300, 2)
+    c = x[:20]
+    k = make_kernel("rbf", 2)
+    k.lengthscale = k.lengthscale * 0.5  # cond(H) ~ 1e4: an accurate dense reference
+    lam = 1e-4
+    with torch.no_grad():
+        H, knm, _ = dense_nystrom(k, x, c, lam)
+    op = NystromKRROperator(x, c, torch.tensor(lam, dtype=torch.float64), kernel=k)
+    b = torch.randn(20, 2, dtype=torch.float64)
+    with torch.no_grad(), settings.cg_tolerance(1e-12):
+        torch.testing.assert_close(torch.linalg.solve(op, b), torch.linalg.solve(H, b), rtol=1e-6, atol=1e-8)
+        assert op.last_info.tol == 1e-12
+        # vector right-hand side and left factor
+        lhs = torch.randn(3, 20, dtype=torch.float64)
+    with torch.no_grad(), settings.cg_tolerance(1e-12):
+        torch.testing.assert_close(
+            linear_operator.solve(op, b[:, 0], lhs), lhs @ torch.linalg.solve(H, b[:, 0]), rtol=1e-6, atol=1e-8
+        )
+    with torch.no_grad():
+        # linear_operator's settings are honoured
+        with linear_operator.settings.max_cg_iterations(3), warnings.catch_warnings():
+            warnings.simplefilter("ignore", CGNotConvergedWarning)
+            op.solve(b)
+        assert op.last_info.iterations == 3
+        with linear_operator.settings.cg_tolerance(1e-2):
+            op.solve(b)
+        assert op.last_info.tol == 1e-2 and op.last_info.converged
+        with settings.max_cg_iterations(2), pytest.warns(CGNotConvergedWarning, match="stopped after 2"):
+            op.solve(b)
+        # matmul and diagonal
+        torch.testing.assert_close(op @ b, H @ b)
+        torch.testing.assert_close(op.diagonal(), H.diagonal())
+        torch.testing.assert_close(op.to_dense(), H)
+
+
+def test_warm_start_and_callback():
+    x, y = make_data(300, 2)
+    c = x[:25]
+    k = make_kernel("matern32", 2)
+    op = NystromKRROperator(x, c, torch.tensor(1e-6, dtype=torch.float64), kernel=k)
+    rhs = op.kmn_y(y.unsqueeze(-1))
+    seen = []
+    alpha, info = op.falkon_solve(rhs, tol=1e-10, max_iter=300, callback=lambda i, a, r: seen.append((i, a.shape)))
+    assert len(seen) == info.iterations and seen[0] == (1, (25, 1))
+    _, info2 = op.falkon_solve(rhs, x0=alpha, tol=1e-8, max_iter=300)
+    assert info2.iterations < info.iterations / 2
+
+
+def _solve_loss(x, c, lam, k, b, g, dense: bool):
+    if dense:
+        H, _, _ = dense_nystrom(k, x, c, lam)
+        sol = torch.linalg.solve(H, b)
+    else:
+        op = NystromKRROperator(x, c, lam, kernel=k, tol=1e-13, max_iter=1000, block_rows=33)
+        sol = torch.linalg.solve(op, b)
+    return (sol * g).sum()
+
+
+@pytest.mark.parametrize("name", ["rbf", "scale_matern52"])
+def test_solve_gradients_match_dense_autograd(name):
+    """Implicit differentiation of the FALKON solve w.r.t. rhs, x, centers, penalty and kernel parameters."""
+    x0, _ = make_data(80, 2)
+    c0 = x0[:10].clone() + 0.03
+    k = make_kernel(name, 2)
+    b0 = torch.randn(10, 2, dtype=torch.float64)
+    g = torch.randn(10, 2, dtype=torch.float64)
+    grads = []
+    for dense in (False, True):
+        x = x0.clone().requires_grad_(True)
+        c = c0.clone().requires_grad_(True)
+        lam = torch.tensor(1e-2, dtype=torch.float64, requires_grad=True)
+        b = b0.clone().requires_grad_(True)
+        ps = list(k.parameters())
+        for p in ps:
+            p.grad = None
+        _solve_loss(x, c, lam, k, b, g, dense).backward()
+        grads.append([x.grad, c.grad, lam.grad, b.grad] + [p.grad.clone() for p in ps])
+    for a, r in zip(*grads):
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-9)
+
+
+def test_operator_rejects_bad_input():
+    x, _ = make_data(30, 2)
+    k = make_kernel("rbf", 2)
+    lam = torch.tensor(1e-3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="penalty"):
+        NystromKRROperator(x, x[:3], torch.tensor(-1.0, dtype=torch.float64), kernel=k)
+    with pytest.raises(ValueError, match="centers has 3 features"):
+        NystromKRROperator(x, torch.zeros(3, 3, dtype=torch.float64), lam, kernel=k)
+    with pytest.raises(TypeError, match="kernel"):
+        NystromKRROperator(x, x[:3], lam, kernel="rbf")
+    op = NystromKRROperator(x, x[:3], lam, kernel=k)
+    with pytest.raises(ValueError, match="rhs"):
+        op.falkon_solve(torch.zeros(4, 1, dtype=torch.float64))

@@ -1,0 +1,244 @@
+"""FalkonGP against GPyTorch's SGPR, dense formulas, and its own contracts."""
+from __future__ import annotations
+
+import gpytorch
+import pytest
+import torch
+from conftest import dense_kernel, make_data, make_kernel
+from linear_operator.operators import ZeroLinearOperator
+
+from gpfalkon import FalkonGP, NotFittedError
+
+
+class SGPR(gpytorch.models.ExactGP):
+    """GPyTorch's own SGPR: InducingPointKernel + ExactGP (the reference)."""
+
+    def __init__(self, x, y, kernel, inducing, likelihood):
+        super().__init__(x, y, likelihood)
+        self.mean_module = gpytorch.means.ZeroMean()
+        self.covar_module = gpytorch.kernels.InducingPointKernel(kernel, inducing_points=inducing, likelihood=likelihood)
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def _fitted(name="scale_matern52", n=400, d=3, m=30, lam=1e-4, t=None, dtype=torch.float64, **kw):
+    x, y = make_data(n, d, t=t, dtype=dtype)
+    k = make_kernel(name, d, dtype=dtype)
+    model = FalkonGP(x, y, kernel=k, num_centers=m, penalty=lam, tol=1e-12, max_iter=1000, **kw)
+    model.fit()
+    model.eval()
+    return model, x, y, k
+
+
+@pytest.mark.parametrize("name", ["rbf", "scale_matern52", "matern12"])
+def test_posterior_equals_gpytorch_sgpr(name):
+    model, x, y, k = _fitted(name)
+    xt = make_data(25, 3, seed=7)[0]
+    n, lam = x.shape[0], 1e-4
+    lik = gpytorch.likelihoods.GaussianLikelihood(noise_constraint=gpytorch.constraints.Positive()).double()
+    lik.noise = n * lam
+    ref = SGPR(x, y, k, model.centers.clone(), lik).double()
+    ref.eval()
+    # GPyTorch's default "diagonal correction" turns SGPR into a FITC-like model at
+    # prediction time; the Titsias/DTC posterior (MATH.md 3) is the one without it.
+    # GPyTorch's test covariance is then the low-rank Q_** part, so the DTC term
+    # K_** - Q_** is added from the dense closed form.
+    with torch.no_grad(), gpytorch.settings.sgpr_diagonal_correction(False), gpytorch.settings.max_cholesky_size(10**9):
+        p_ref = ref(xt)
+        ref_mean, ref_cov = p_ref.mean, p_ref.covariance_matrix
+        kxm = dense_kernel(k, xt, model.centers)
+        q = kxm @ torch.linalg.solve(dense_kernel(k, model.centers, model.centers), kxm.T)
+        ref_cov = ref_cov + dense_kernel(k, xt, xt) - q
+        p = model(xt)
+    assert isinstance(p, gpytorch.distributions.MultivariateNormal)
+    torch.testing.assert_close(p.mean, ref_mean, rtol=1e-6, atol=1e-6 * ref_mean.abs().max().item())
+    torch.testing.assert_close(p.covariance_matrix, ref_cov, rtol=1e-6, atol=1e-6 * ref_cov.diagonal().max().item())
+    torch.testing.assert_close(p.variance, ref_cov.diagonal(), rtol=1e-6, atol=1e-12)
+    # likelihood(model(x)) adds sigma^2 = n lambda
+    with torch.no_grad():
+        torch.testing.assert_close(model.likelihood(p).variance, p.variance + n * lam)
+
+
+def test_posterior_matches_dense_formulas():
+    """MATH.md 3: mean K_*M alpha; cov K_** - K_*M K_MM^-1 K_M* + n lam K_*M H^-1 K_M*."""
+    model, x, y, k = _fitted("rbf", lam=1e-3)
+    xt = make_data(10, 3, seed=9)[0]
+    n, lam, c = x.shape[0], 1e-3, model.centers
+    with torch.no_grad():
+        knm, kmm, ktm = dense_kernel(k, x, c), dense_kernel(k, c, c), dense_kernel(k, xt, c)
+        H = knm.T @ knm + n * lam * kmm
+        mean = ktm @ torch.linalg.solve(H, knm.T @ y)
+        cov = dense_kernel(k, xt, xt) - ktm @ torch.linalg.solve(kmm, ktm.T) + n * lam * ktm @ torch.linalg.solve(H, ktm.T)
+        p = model(xt)
+    torch.testing.assert_close(p.mean, mean, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(p.covariance_matrix, cov, rtol=1e-6, atol=1e-10)
+
+
+def test_multi_output_is_joint_and_consistent():
+    model, x, y, k = _fitted("rbf", t=3)
+    xt = make_data(12, 3, seed=2)[0]
+    with torch.no_grad():
+        p = model(xt)
+        assert isinstance(p, gpytorch.distributions.MultitaskMultivariateNormal)
+        assert p.mean.shape == (12, 3) and p.variance.shape == (12, 3)
+        assert model.alpha.shape == (30, 3)
+        for j in range(3):
+            single = FalkonGP(x, y[:, j], kernel=k, centers=model.centers, penalty=1e-4, tol=1e-12, max_iter=1000)
+            single.fit().eval()
+            ps = single(xt)
+            torch.testing.assert_close(p.mean[:, j], ps.mean, rtol=1e-8, atol=1e-10)
+            torch.testing.assert_close(p.variance[:, j], ps.variance, rtol=1e-10, atol=1e-12)
+        pl = model.likelihood(p)
+        torch.testing.assert_close(pl.variance, p.variance + model.noise)
+
+
+def test_float32_model_close_to_float64():
+    m64, x, y, _ = _fitted("matern52", lam=1e-5)
+    m32, _, _, _ = _fitted("matern52", lam=1e-5, dtype=torch.float32)
+    torch.testing.assert_close(m32.centers.double(), m64.centers)
+    xt = make_data(40, 3, seed=5)[0]
+    with torch.no_grad():
+        p64, p32 = m64(xt), m32(xt.float())
+    assert p32.mean.dtype == torch.float32
+    assert ((p32.mean.double() - p64.mean).norm() / p64.mean.norm()) < 1e-4
+    torch.testing.assert_close(p32.variance.double(), p64.variance, rtol=1e-3, atol=1e-5)
+
+
+def test_state_dict_round_trip_is_exact():
+    model, x, y, k = _fitted("scale_matern52", learn_centers=True)
+    xt = make_data(15, 3, seed=3)[0]
+    with torch.no_grad():
+        p = model(xt)
+    sd = model.state_dict()
+    assert {"centers", "alpha", "fitted"} <= set(sd)
+    fresh = FalkonGP(x, y, kernel=make_kernel("scale_matern52", 3), num_centers=30, seed=99, learn_centers=True)
+    fresh.load_state_dict(sd)
+    fresh.eval()
+    with torch.no_grad():
+        q = fresh(xt)
+    assert torch.equal(p.mean, q.mean)
+    assert torch.equal(p.covariance_matrix, q.covariance_matrix)
+    assert torch.equal(fresh.penalty, model.penalty)
+
+
+def test_penalty_and_likelihood_are_one_quantity():
+    x, y = make_data(200, 2)
+    model = FalkonGP(x, y, kernel=make_kernel("rbf", 2), num_centers=10, penalty=3e-5)
+    torch.testing.assert_close(model.penalty, torch.tensor(3e-5, dtype=torch.float64))
+    torch.testing.assert_close(model.likelihood.noise.squeeze(), torch.tensor(200 * 3e-5, dtype=torch.float64))
+    model.likelihood.noise = 0.5
+    torch.testing.assert_close(model.penalty, torch.tensor(0.5 / 200, dtype=torch.float64))
+    # a user likelihood sets the penalty: lambda = noise / n
+    lik = gpytorch.likelihoods.GaussianLikelihood().double()
+    lik.noise = 0.02
+    m2 = FalkonGP(x, y, kernel=make_kernel("rbf", 2), num_centers=10, likelihood=lik)
+    torch.testing.assert_close(m2.penalty, torch.tensor(0.02 / 200, dtype=torch.float64))
+    # a penalty the likelihood's constraint cannot hold is an error naming the penalty
+    with pytest.raises(ValueError, match="penalty"):
+        FalkonGP(x, y, kernel=make_kernel("rbf", 2), num_centers=10, likelihood=lik, penalty=1e-9)
+    # the penalty is a differentiable function of the (log-space) raw noise
+    model.penalty.backward()
+    assert model.likelihood.raw_noise.grad is not None
+    names = {n for n, _ in model.named_parameters()}
+    assert "likelihood.noise_covar.raw_noise" in names
+
+
+def test_refit_required_after_hyperparameter_change():
+    model, x, y, k = _fitted("rbf")
+    xt = make_data(5, 3, seed=1)[0]
+    with torch.no_grad():
+        model(xt)
+        k.lengthscale = k.lengthscale * 1.1
+        with pytest.raises(NotFittedError, match="changed since"):
+            model(xt)
+        model.fit()
+        model(xt)
+        model.penalty = 1e-3
+        with pytest.raises(NotFittedError, match="changed since"):
+            model(xt)
+
+
+def test_prediction_needs_fit_and_valid_inputs():
+    x, y = make_data(100, 2)
+    model = FalkonGP(x, y, kernel=make_kernel("rbf", 2), num_centers=10)
+    model.eval()
+    with pytest.raises(NotFittedError, match="fit"):
+        model(x[:3])
+    model.fit()
+    with pytest.raises(ValueError, match="x must have shape"):
+        model(torch.zeros(3, 5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="NaN"):
+        model(torch.full((3, 2), float("nan"), dtype=torch.float64))
+    with pytest.raises(TypeError, match="dtype"):
+        model(torch.zeros(3, 2, dtype=torch.int64))
+
+
+def test_train_mode_returns_prior_and_skip_variances():
+    model, x, y, k = _fitted("rbf")
+    xt = make_data(6, 3, seed=11)[0]
+    model.train()
+    prior = model(xt)
+    torch.testing.assert_close(prior.covariance_matrix, dense_kernel(k, xt, xt))
+    model.eval()
+    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
+        p = model(xt)
+        assert isinstance(p.lazy_covariance_matrix, ZeroLinearOperator)
+        model._factors = None
+        p = model(xt)
+        assert model._factors is None  # the O(n M^2) variance factors were not formed
+
+
+def test_batched_test_inputs_and_gradient_wrt_inputs():
+    model, x, y, k = _fitted("scale_matern52")
+    xt = make_data(8, 3, seed=4)[0].reshape(2, 4, 3)
+    with torch.no_grad():
+        pb = model(xt)
+        assert pb.mean.shape == (2, 4) and pb.covariance_matrix.shape == (2, 4, 4)
+        for i in range(2):
+            pi = model(xt[i])
+            torch.testing.assert_close(pb.mean[i], pi.mean)
+            torch.testing.assert_close(pb.covariance_matrix[i], pi.covariance_matrix)
+
+    def f(z):
+        p = model(z)
+        return p.mean.sum() + p.variance.sum()
+
+    z = xt[0].clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(f, (z,))
+
+
+def test_user_centers_and_reproducible_sampling():
+    x, y = make_data(200, 2)
+    c = x[:7] + 0.01
+    model = FalkonGP(x, y, kernel=make_kernel("rbf", 2), centers=c)
+    assert torch.equal(model.centers, c) and model.centers is not c
+    a = FalkonGP(x, y, kernel=make_kernel("rbf", 2), num_centers=20, seed=3).centers
+    b = FalkonGP(x, y, kernel=make_kernel("rbf", 2), num_centers=20, generator=torch.Generator().manual_seed(3)).centers
+    other = FalkonGP(x, y, kernel=make_kernel("rbf", 2), num_centers=20, seed=4).centers
+    assert torch.equal(a, b) and not torch.equal(a, other)
+    assert len({tuple(r.tolist()) for r in a}) == 20  # without replacement
+    learn = FalkonGP(x, y, kernel=make_kernel("rbf", 2), num_centers=5, learn_centers=True)
+    assert isinstance(learn.centers, torch.nn.Parameter)
+    assert any(p is learn.centers for p in learn.parameters())
+
+
+def test_fit_options_warm_start_variance_and_verbose(capsys):
+    model, x, y, k = _fitted("rbf")
+    iters = model.fit_info.iterations
+    model.fit(warm_start=True, compute_variance=True)
+    assert model.fit_info.iterations < iters / 2
+    assert model._factors is not None
+    model.fit(verbose=True, tol=1e-6)
+    assert "FALKON CG" in capsys.readouterr().err
+
+
+def test_set_train_data_keeps_penalty_and_requires_refit():
+    model, x, y, k = _fitted("rbf")
+    lam = model.penalty.detach().clone()
+    model.set_train_data(x[:200], y[:200])
+    torch.testing.assert_close(model.penalty.detach(), lam)
+    with pytest.raises(NotFittedError):
+        model(x[:2])
+    model.fit()
+    model(x[:2])
