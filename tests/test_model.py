@@ -242,3 +242,23 @@ def test_set_train_data_keeps_penalty_and_requires_refit():
         model(x[:2])
     model.fit()
     model(x[:2])
+
+
+def test_chunked_prediction_equals_unchunked():
+    model, x, y, k = _fitted("scale_matern52")
+    xt = make_data(23, 3, seed=8)[0]
+    with torch.no_grad():
+        p = model(xt)
+        model.predict_chunk_size = 5
+        pc = model(xt)
+        torch.testing.assert_close(pc.mean, p.mean, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(pc.variance, p.variance, rtol=1e-10, atol=1e-12)
+        dense = p.covariance_matrix
+        torch.testing.assert_close(pc.covariance_matrix, dense, rtol=1e-10, atol=1e-12)
+        r = torch.randn(23, 4, dtype=torch.float64)
+        torch.testing.assert_close(pc.lazy_covariance_matrix @ r, dense @ r, rtol=1e-10, atol=1e-10)
+        # joint samples have the right covariance shape and are finite
+        s = pc.rsample(torch.Size([3]))
+        assert s.shape == (3, 23) and torch.isfinite(s).all()
+    with pytest.raises(ValueError, match="predict_chunk_size"):
+        FalkonGP(x, y, kernel=k, num_centers=5, predict_chunk_size=0)

@@ -231,16 +231,19 @@ class KernelEngine:
             self._k = k
         return self._k
 
-    def iter_blocks(self) -> Iterator[Tuple[int, int, Tensor]]:
+    def iter_blocks(self, rows: Optional[int] = None) -> Iterator[Tuple[int, int, Tensor]]:
         """Yield ``(start, stop, K0_b)``: the base block, ``K_nM[start:stop] = scale * K0_b``.
 
         The yielded tensor is a reused buffer (or a view of the stored matrix):
         do not keep it past the next iteration.
+        ``rows`` overrides the block height of a stored ``K_nM`` (default
+        ``stored_block_rows``, sized for thin products; consumers doing ``O(M^2)``
+        work per row want taller blocks). On-the-fly blocks are always ``block_rows``.
         """
         with torch.no_grad():
             if self.stored:
                 k = self._ensure_stored()
-                for start, stop in self._blocks(self.stored_block_rows):
+                for start, stop in self._blocks(self.stored_block_rows if rows is None else rows):
                     yield start, stop, k[start:stop]
                 return
             for start, stop in self._blocks():

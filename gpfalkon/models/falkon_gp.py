@@ -10,7 +10,7 @@ from gpytorch.constraints import Positive
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from gpytorch.kernels import Kernel, MaternKernel, ScaleKernel
 from gpytorch.likelihoods import GaussianLikelihood, Likelihood, MultitaskGaussianLikelihood
-from linear_operator.operators import RootLinearOperator, SumLinearOperator, ZeroLinearOperator
+from linear_operator.operators import ZeroLinearOperator
 from torch import Tensor
 
 from .._validation import check_dtype, check_inputs, check_num_centers, check_penalty, check_targets
@@ -19,6 +19,7 @@ from ..errors import NotFittedError
 from ..linalg import jittered_cholesky
 from ..operators import NystromKRROperator
 from ..solvers import CGInfo
+from .posterior import NystromPosteriorCovariance
 
 __all__ = ["FalkonGP", "NystromPosteriorFactors"]
 
@@ -51,7 +52,7 @@ class NystromPosteriorFactors:
         aat = torch.zeros(m, m, dtype=torch.float64, device=L.device)
         eng = op.engine
         with torch.no_grad():
-            for _, _, blk in eng.iter_blocks():
+            for _, _, blk in eng.iter_blocks(rows=eng.block_rows):
                 kb = blk.t().to(torch.float64)
                 if eng.scale != 1.0:
                     kb = kb * eng.scale
@@ -115,6 +116,8 @@ class FalkonGP(gpytorch.models.GP):
         max_iter, tol: CG stopping rule (see :class:`~gpfalkon.NystromKRROperator`).
         memory_budget, block_rows, store_kernel: kernel-engine options.
         verbose: tqdm progress bar during ``fit()``.
+        predict_chunk_size: test points per chunk when predicting (bounds the
+            ``chunk x M`` kernel blocks held at once).
     """
 
     def __init__(
@@ -136,6 +139,7 @@ class FalkonGP(gpytorch.models.GP):
         block_rows: Optional[int] = None,
         store_kernel: Optional[bool] = None,
         verbose: bool = False,
+        predict_chunk_size: int = 4096,
     ) -> None:
         super().__init__()
         check_inputs("train_x", train_x)
@@ -203,6 +207,9 @@ class FalkonGP(gpytorch.models.GP):
         self.block_rows = block_rows
         self.store_kernel = store_kernel
         self.verbose = verbose
+        self.predict_chunk_size = int(predict_chunk_size)
+        if self.predict_chunk_size < 1:
+            raise ValueError(f"predict_chunk_size must be >= 1, got {predict_chunk_size}")
 
         shape = (c.shape[0],) if self._num_outputs == 1 else (c.shape[0], self._num_outputs)
         self.register_buffer("alpha", torch.full(shape, float("nan"), dtype=torch.float64, device=train_x.device))
@@ -294,7 +301,9 @@ class FalkonGP(gpytorch.models.GP):
         tensors += [b.detach().clone() for b in self.kernel.buffers()]
         tensors.append(self.centers.detach().clone())
         tensors.append(self.likelihood.raw_noise.detach().clone())
-        tensors.append(self.train_inputs[0].detach()[:0].clone())
+        # the training data: same storage, shape and in-place version counter
+        for t in (self.train_inputs[0], self.train_targets):
+            tensors.append(torch.tensor([t.data_ptr(), t._version, *t.shape], dtype=torch.int64))
         return tensors
 
     def _hyper_changed(self) -> bool:
@@ -377,23 +386,22 @@ class FalkonGP(gpytorch.models.GP):
     def _posterior(self, x: Tensor) -> MultivariateNormal:
         self._check_fitted()
         out_dtype = x.dtype
-        x64 = x.to(torch.float64)
         c64 = self.centers.detach().to(torch.float64)
-        kxm = self.kernel(x64, c64).to_dense()  # (..., q, M), differentiable w.r.t. x
         alpha = self.alpha.to(torch.float64)
         a2 = alpha.unsqueeze(-1) if alpha.dim() == 1 else alpha
-        mean = (kxm @ a2).to(out_dtype)  # (..., q, t)
         q = x.shape[-2]
+        # mean = K_*M alpha in chunks of test points: never a (q x M) block beyond a chunk
+        chunks = []
+        for s in range(0, q, self.predict_chunk_size):
+            xs = x[..., s : s + self.predict_chunk_size, :].to(torch.float64)
+            chunks.append(self.kernel(xs, c64).to_dense() @ a2)
+        mean = torch.cat(chunks, -2).to(out_dtype)  # (..., q, t)
         if gpytorch.settings.skip_posterior_variances.on():
             covar = ZeroLinearOperator(*x.shape[:-1], q, dtype=out_dtype, device=x.device)
         else:
             f = self.posterior_factors()
-            a = torch.linalg.solve_triangular(f.L, kxm.mT, upper=False)  # (..., M, q)
-            c = torch.linalg.solve_triangular(f.LB, a, upper=False)
-            covar = SumLinearOperator(
-                self.kernel(x),
-                RootLinearOperator(c.mT.to(out_dtype)),
-                RootLinearOperator(a.mT.to(out_dtype)).mul(-1.0),
+            covar = NystromPosteriorCovariance(
+                x, self.centers.detach(), f.L, f.LB, kernel=self.kernel, chunk_size=self.predict_chunk_size
             )
         if self._num_outputs == 1:
             return MultivariateNormal(mean.squeeze(-1), covar)

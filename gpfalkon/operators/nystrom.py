@@ -248,6 +248,34 @@ class NystromKRROperator(LinearOperator):
             return self._matmul(other)
         return super().matmul(other)
 
+    def _get_indices(self, row_index: Tensor, col_index: Tensor, *batch_indices: Tensor) -> Tensor:
+        """Entries ``H[row_index, col_index]`` (broadcast tensor indices), differentiable.
+
+        The generic implementation expands the operator to the indices' batch shape,
+        which this non-batch operator cannot do. Here: one :meth:`_matmul` against the
+        unit vectors of the distinct requested columns (one data pass with ``k`` =
+        number of distinct columns), then a gather.
+        """
+        if batch_indices:
+            raise NotImplementedError(f"{type(self).__name__} has no batch dimensions to index")
+        shape = torch.broadcast_shapes(row_index.shape, col_index.shape)
+        cols, inverse = torch.unique(col_index.reshape(-1), return_inverse=True)
+        unit = torch.zeros(self.m, cols.numel(), dtype=self.dtype, device=self.device)
+        unit[cols, torch.arange(cols.numel(), device=self.device)] = 1.0
+        h_cols = self._matmul(unit)  # (M, distinct columns)
+        return h_cols[row_index.expand(shape), inverse.reshape(col_index.shape).expand(shape)]
+
+    def _unsqueeze_batch(self, dim: int) -> LinearOperator:
+        raise NotImplementedError(
+            f"{type(self).__name__} is a single M x M system (one data set, one set of centers): "
+            "it has no batch mode, so it cannot be unsqueezed, expanded or broadcast to batch dimensions"
+        )
+
+    def _expand_batch(self, batch_shape: torch.Size | List[int]) -> LinearOperator:
+        if len(batch_shape) == 0:
+            return self
+        return self._unsqueeze_batch(0)
+
     def _diagonal(self) -> Tensor:
         e = self.engine
         diag = torch.zeros(self.m, dtype=torch.float64, device=self.x.device)
