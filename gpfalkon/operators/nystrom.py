@@ -88,7 +88,7 @@ class NystromKRROperator(LinearOperator):
         check_inputs("centers", centers, d=x.shape[1])
         if not isinstance(penalty, Tensor):
             penalty = torch.tensor(float(penalty), dtype=x.dtype, device=x.device)
-        check_penalty(penalty)
+        check_penalty(penalty.detach())  # detached: no 'float() of a tensor requiring grad' warning
         if not isinstance(kernel, Kernel):
             raise TypeError(f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}")
         super().__init__(

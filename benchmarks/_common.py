@@ -1,0 +1,149 @@
+"""Helpers shared by the benchmark scripts (not part of the library).
+
+Markdown tables without third-party dependencies, a description of the machine,
+timing helpers and writing a result file that records how it was produced.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pathlib
+import platform
+import shlex
+import statistics
+import sys
+import time
+from typing import Callable, List, Sequence, Tuple
+
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def total_ram_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return float("nan")
+
+
+def command_line() -> str:
+    return " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable, os.getcwd()), *sys.argv])
+
+
+def environment_lines() -> List[str]:
+    now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+    try:
+        load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        load = "n/a"
+    return [
+        f"- command: `{command_line()}` (cwd `{os.getcwd()}`)",
+        f"- date: {now}",
+        f"- torch {torch.__version__}, torch.get_num_threads() = {torch.get_num_threads()}, "
+        f"os.cpu_count() = {os.cpu_count()}",
+        f"- CPU: {cpu_model()}; total RAM {total_ram_gib():.1f} GiB",
+        f"- load average at start (1/5/15 min): {load}",
+    ]
+
+
+def fmt(x, digits: int = 3) -> str:
+    """Compact number formatting for tables (``-`` for None / NaN)."""
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return f"{x:,}"
+    if x != x:  # NaN
+        return "-"
+    ax = abs(x)
+    if ax == 0:
+        return "0"
+    if ax >= 1000:
+        return f"{x:,.0f}"
+    if ax >= 100:
+        return f"{x:.0f}"
+    if ax >= 10:
+        return f"{x:.1f}"
+    if ax >= 0.01:
+        return f"{x:#.{digits}g}" if ax < 1 else f"{x:.{digits - 1}f}"
+    return f"{x:.2e}"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence], align: str | None = None) -> str:
+    """A GitHub-flavoured markdown table; ``align`` is one char per column (l/r)."""
+    cells = [[fmt(c) for c in row] for row in rows]
+    if align is None:
+        align = "l" + "r" * (len(headers) - 1)
+    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) if cells else len(str(h)) for i, h in enumerate(headers)]
+
+    def line(items):
+        return "| " + " | ".join(
+            (s.ljust(w) if a == "l" else s.rjust(w)) for s, w, a in zip(items, widths, align)
+        ) + " |"
+
+    sep = "|" + "|".join(("-" * (w + 1) + ":") if a == "r" else (":" + "-" * (w + 1)) for w, a in zip(widths, align)) + "|"
+    return "\n".join([line([str(h) for h in headers]), sep, *(line(r) for r in cells)])
+
+
+def timed(fn: Callable[[], object]) -> Tuple[float, float, object]:
+    """Run ``fn`` once; return (wall seconds, process CPU seconds, result)."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, time.process_time() - c0, out
+
+
+def median_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> Tuple[float, List[float]]:
+    """Median wall time of ``repeats`` calls after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def matmul_gflops(dtype: torch.dtype, size: int = 4096, repeats: int = 3) -> float:
+    """torch.matmul throughput (GFLOP/s) on ``size x size`` matrices, median of ``repeats``."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=g, dtype=torch.float64).to(dtype)
+    b = torch.randn(size, size, generator=g, dtype=torch.float64).to(dtype)
+    out = torch.empty(size, size, dtype=dtype)
+    med, _ = median_time(lambda: torch.matmul(a, b, out=out), repeats=repeats, warmup=1)
+    return 2.0 * size**3 / med / 1e9
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def write_result(path: pathlib.Path, title: str, env: Sequence[str], body: str) -> pathlib.Path:
+    """Write ``title``, the environment lines ``env`` (from :func:`environment_lines`,
+    taken when the run started) and ``body`` to ``path`` (parents created)."""
+    path = pathlib.Path(path)
+    if not path.is_absolute():
+        path = pathlib.Path(os.getcwd()) / path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = f"# {title}\n\n" + "\n".join(env) + "\n\n" + body.rstrip() + "\n"
+    path.write_text(text)
+    return path
