@@ -156,10 +156,10 @@ def main() -> None:
         int(args.memory_budget_gib * 2**30) if args.memory_budget_gib is not None
         else int(gpfalkon.settings.memory_budget.value())
     )
-    block_rows_list = args.block_rows or [int(gpfalkon.settings.block_rows.value())]
+    block_rows_list = args.block_rows or [gpfalkon.settings.block_rows.value()]  # None: the engine's ~2 MiB blocks
     block_rows = block_rows_list[0]
     stored_rows_list = args.stored_block_rows or [None]
-    naive_rows = args.naive_block_rows if args.naive_block_rows is not None else block_rows
+    naive_rows = args.naive_block_rows if args.naive_block_rows is not None else (block_rows or 2048)
     for line in env:
         log(line)
     log(f"n={n:,} M={m:,} d={ds} k={args.k} dtypes={args.dtype} memory budget {budget / 2**30:.2f} GiB, "
@@ -264,7 +264,7 @@ def main() -> None:
     peak_line = ", ".join(f"{k}: {v:.1f} GFLOP/s" for k, v in peak.items())
     body = "\n".join([
         f"n = {n:,}, M = {m:,}, X ~ N(0, I_d), centers = {m:,} random rows of X, lengthscale sqrt(d). "
-        f"Engine block_rows = {', '.join(map(str, block_rows_list))}; 'block rows' is the rows per block actually "
+        f"Engine block_rows = {', '.join('auto (~2 MiB blocks)' if b is None else str(b) for b in block_rows_list)}; 'block rows' is the rows per block actually "
         "used (stored mode: the engine's `stored_block_rows`, i.e. how the stored K_nM is read); naive baseline: "
         f"{naive_rows}-row blocks from `kernel(x_b, C).to_dense()` (GPyTorch {gpytorch.__version__}: squared distances "
         "by one matmul on [x, ||x||^2, 1], not torch.cdist), product `K_b^T (K_b U)`; cdist: same loop with "

@@ -5,6 +5,8 @@ whose class method ``value()`` returns the value in force.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from linear_operator.settings import _value_context
 
 __all__ = ["memory_budget", "block_rows", "cg_tolerance", "max_cg_iterations"]
@@ -22,13 +24,15 @@ class memory_budget(_value_context):
 
 
 class block_rows(_value_context):
-    """Rows of X per kernel block when ``K_nM`` is computed on the fly (default 2048).
+    """Rows of X per kernel block when ``K_nM`` is computed on the fly.
 
-    Cache-sized blocks are fastest on CPU (see ``benchmarks/engine.py``); the engine
-    lowers this when a block would not fit in the memory budget.
+    Default ``None``: blocks of about 2 MiB (``2 MiB / (M * itemsize)`` rows, at
+    least 32), which keep the in-place kernel passes and the two thin products in
+    cache (``benchmarks/engine.py`` sweeps it). The engine lowers any value whose
+    blocks would not fit in the memory budget.
     """
 
-    _global_value: int = 2048
+    _global_value: Optional[int] = None
 
 
 class cg_tolerance(_value_context):

@@ -34,7 +34,9 @@ def _grad_block_rows(m: int, dtype: torch.dtype, n: int) -> int:
     itemsize = torch.finfo(dtype).bits // 8
     budget = int(settings.memory_budget.value())
     # a GPyTorch kernel forward + backward keeps ~8 block-sized temporaries alive
-    rows = min(int(settings.block_rows.value()), max(1, budget // (8 * m * itemsize)))
+    # (autograd has per-block overhead: taller blocks than the engine's cache-sized ones)
+    setting = settings.block_rows.value()
+    rows = min(2048 if setting is None else int(setting), max(1, budget // (8 * m * itemsize)))
     return max(1, min(rows, n))
 
 
