@@ -276,14 +276,21 @@ class NystromKRROperator(LinearOperator):
             return self
         return self._unsqueeze_batch(0)
 
-    def _diagonal(self) -> Tensor:
+    def diagonal_nograd(self) -> Tensor:
+        """``diag(H) = sum_i K_iM^2 + n lambda diag(K_MM)`` (float64): one engine pass."""
         e = self.engine
         diag = torch.zeros(self.m, dtype=torch.float64, device=self.x.device)
         for _, _, blk in e.iter_blocks():
             diag += blk.square().sum(0).to(torch.float64)
         diag *= e.scale**2
         diag += self.n * float(self.penalty.detach()) * self.kmm.diagonal()
-        return diag.to(self.x.dtype)
+        return diag
+
+    def _diagonal(self) -> Tensor:
+        if torch.is_grad_enabled():
+            params = kernel_params(self.kernel)
+            return _HDiagonal.apply(self, self.x, self.centers, self.penalty, *params)
+        return self.diagonal_nograd().to(self.x.dtype)
 
     def solve(self, right_tensor: Tensor, left_tensor: Optional[Tensor] = None) -> Tensor:  # type: ignore[override]
         """``H^{-1} right`` (or ``left H^{-1} right``) by FALKON, differentiable."""
@@ -296,6 +303,35 @@ class NystromKRROperator(LinearOperator):
         return out
 
     # ------------------------------------------------------- gradient helpers
+    def _add_penalty_term_grads(
+        self,
+        form: Callable[[Tensor], Tensor],
+        params: List[Tensor],
+        grad_params: List[Optional[Tensor]],
+        need_c: bool,
+        need_pen: bool,
+        grad_c_box: List[Optional[Tensor]],
+    ) -> Optional[Tensor]:
+        """Add the gradients of ``n lambda(theta) form(K_MM(theta))`` (an ``O(M^2 d)``
+        term) to ``grad_params`` and ``grad_c_box[0]`` in place; return the penalty's."""
+        inputs: List[Tensor] = list(params) + ([self.centers] if need_c else []) + ([self.penalty] if need_pen else [])
+        if not inputs:
+            return None
+        with torch.enable_grad():
+            s = self.n * self.penalty.to(self.x.dtype) * form(self._differentiable_kmm())
+            if not s.requires_grad:
+                return None
+            grads = torch.autograd.grad(s, inputs, allow_unused=True)
+        for i in range(len(params)):
+            if grads[i] is not None:
+                grad_params[i] = grads[i] if grad_params[i] is None else grad_params[i] + grads[i]
+        j = len(params)
+        if need_c:
+            if grads[j] is not None:
+                grad_c_box[0] = grads[j] if grad_c_box[0] is None else grad_c_box[0] + grads[j]
+            j += 1
+        return grads[j] if need_pen else None
+
     def bilinear_grads(
         self, left: Tensor, right: Tensor, need_x: bool, need_c: bool, need_pen: bool, params: List[Tensor]
     ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], List[Optional[Tensor]]]:
@@ -310,28 +346,9 @@ class NystromKRROperator(LinearOperator):
             return ((kb @ rt) * (kd @ lf)).sum() + ((kb @ lf) * (kd @ rt)).sum()
 
         gx, gc, gp = blockwise_kernel_grad(self.kernel, self.x, self.centers, surrogate, params, need_x, need_c)
-        g_pen = None
-        small_inputs: List[Tensor] = list(params)
-        if need_c:
-            small_inputs.append(self.centers)
-        if need_pen:
-            small_inputs.append(self.penalty)
-        if small_inputs:
-            with torch.enable_grad():
-                kmm = self._differentiable_kmm()
-                s = self.n * self.penalty.to(dtype) * (lf * (kmm @ rt)).sum()
-                if s.requires_grad:
-                    grads = torch.autograd.grad(s, small_inputs, allow_unused=True)
-                    for i in range(len(params)):
-                        if grads[i] is not None:
-                            gp[i] = grads[i] if gp[i] is None else gp[i] + grads[i]
-                    j = len(params)
-                    if need_c:
-                        if grads[j] is not None:
-                            gc = grads[j] if gc is None else gc + grads[j]
-                        j += 1
-                    if need_pen:
-                        g_pen = grads[j]
+        gc_box = [gc]
+        g_pen = self._add_penalty_term_grads(lambda kmm: (lf * (kmm @ rt)).sum(), params, gp, need_c, need_pen, gc_box)
+        gc = gc_box[0]
         return gx, gc, g_pen, gp
 
     def _bilinear_derivative(self, left_vecs: Tensor, right_vecs: Tensor) -> Tuple[Optional[Tensor], ...]:
@@ -379,3 +396,38 @@ class _FalkonSolve(torch.autograd.Function):
             gc = None if gc is None else -gc
             gpen = None if gpen is None else -gpen
         return (None, grad_rhs, gx, gc, gpen, *gp)
+
+
+class _HDiagonal(torch.autograd.Function):
+    """``diag(H)``, differentiable w.r.t. x, centers, penalty and kernel parameters.
+
+    Backward (g = dL/d diag, length M): ``d/dtheta [ sum_b <K_b(theta)^2, 1 g^T>
+    + n lambda(theta) g^T diag(K_MM(theta)) ]``, one blockwise pass."""
+
+    @staticmethod
+    def forward(ctx, op: NystromKRROperator, x: Tensor, centers: Tensor, penalty: Tensor, *params: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.op = op
+        ctx.n_params = len(params)
+        return op.diagonal_nograd().to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        op: NystromKRROperator = ctx.op
+        g = grad.detach().to(op.x.dtype)
+        need_x, need_c, need_pen = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        need_p = list(ctx.needs_input_grad[4:])
+        params = kernel_params(op.kernel)
+        active = [p for p, need in zip(params, need_p) if need]
+
+        def surrogate(start: int, stop: int, kb: Tensor) -> Tensor:
+            return (kb.square() * g).sum()
+
+        gx, gc, g_active = blockwise_kernel_grad(op.kernel, op.x, op.centers, surrogate, active, need_x, need_c)
+        gc_box = [gc]
+        gpen = op._add_penalty_term_grads(
+            lambda kmm: (g * kmm.diagonal()).sum(), active, g_active, need_c, need_pen, gc_box
+        )
+        gc = gc_box[0]
+        it = iter(g_active)
+        gp = [next(it) if need else None for need in need_p]
+        return (None, gx, gc, gpen, *gp)
