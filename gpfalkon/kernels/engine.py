@@ -250,6 +250,14 @@ class KernelEngine:
         work per row want taller blocks). On-the-fly blocks are always ``block_rows``.
         """
         with torch.no_grad():
+            if self.stored and self._k is None:
+                # the first pass fills the stored matrix block by block and serves its
+                # consumer on the way: storing costs no extra kernel pass
+                k = torch.empty(self.n, self.m, dtype=self.dtype, device=self.device)
+                for start, stop in self._blocks():
+                    yield start, stop, self._compute_block(start, stop, out=k[start:stop])
+                self._k = k
+                return
             if self.stored:
                 k = self._ensure_stored()
                 for start, stop in self._blocks(self.stored_block_rows if rows is None else rows):
