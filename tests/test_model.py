@@ -262,3 +262,22 @@ def test_chunked_prediction_equals_unchunked():
         assert s.shape == (3, 23) and torch.isfinite(s).all()
     with pytest.raises(ValueError, match="predict_chunk_size"):
         FalkonGP(x, y, kernel=k, num_centers=5, predict_chunk_size=0)
+
+
+def test_dtype_conversion_moves_data_and_keeps_the_fit():
+    model, x, y, k = _fitted("rbf")
+    xt = make_data(9, 3, seed=6)[0]
+    with torch.no_grad():
+        p64 = model(xt)
+    model.float()
+    assert model.train_inputs[0].dtype == torch.float32 and model.train_targets.dtype == torch.float32
+    with torch.no_grad():
+        p32 = model(xt.float())
+    torch.testing.assert_close(p32.mean.double(), p64.mean, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(p32.variance.double(), p64.variance, rtol=1e-3, atol=1e-5)
+    model.double()  # back, and a fresh fit works in float64 again
+    model.fit()
+    with torch.no_grad():
+        # (the data, centers and hyperparameters went through float32 and back)
+        torch.testing.assert_close(model(xt).mean, p64.mean, rtol=1e-4, atol=1e-5)
+        assert model.alpha.dtype == torch.float64

@@ -314,6 +314,17 @@ class FalkonGP(gpytorch.models.GP):
             a.shape != b.shape or not torch.equal(a, b) for a, b in zip(now, self._snapshot)
         )
 
+    def _apply(self, fn, *args, **kwargs):  # type: ignore[override]
+        # .to(device / dtype), .double(), .cuda() ... move the training data too (as
+        # ExactGP does); a fit that was valid stays valid (alpha moves with the buffers).
+        was_valid = bool(self.fitted) and not self._hyper_changed()
+        super()._apply(fn, *args, **kwargs)
+        self.train_inputs = tuple(fn(t) for t in self.train_inputs)
+        self.train_targets = fn(self.train_targets)
+        self._factors = None
+        self._snapshot = self._hyper_snapshot() if was_valid else None
+        return self
+
     @staticmethod
     def _after_load(module: "FalkonGP", incompatible_keys) -> None:
         module._factors = None
