@@ -5,6 +5,7 @@ sees *which* input is wrong, and none of them mutates anything.
 """
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -62,10 +63,16 @@ def check_penalty(penalty: Tensor | float, name: str = "penalty") -> None:
         raise ValueError(f"{name} must be > 0, got {float(value)}")
 
 
-def check_num_centers(num_centers: int, n: int) -> None:
-    if isinstance(num_centers, bool) or not isinstance(num_centers, int):
-        raise TypeError(f"num_centers must be an int, got {type(num_centers).__name__}")
+def check_num_centers(num_centers: int, n: int) -> int:
+    """Validate ``1 <= num_centers <= n``; accepts any integer type (``numpy.int64`` ...)."""
+    if isinstance(num_centers, bool):
+        raise TypeError("num_centers must be an int, got bool")
+    try:
+        num_centers = operator.index(num_centers)
+    except TypeError:
+        raise TypeError(f"num_centers must be an int, got {type(num_centers).__name__}") from None
     if num_centers < 1:
         raise ValueError(f"num_centers must be >= 1, got {num_centers}")
     if num_centers > n:
         raise ValueError(f"num_centers={num_centers} exceeds the number of training points n={n}")
+    return num_centers

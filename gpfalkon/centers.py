@@ -32,7 +32,7 @@ def uniform_centers(x: Tensor, num_centers: int, generator: Optional[torch.Gener
     Cost O(n) time and memory for the permutation; deterministic given ``generator``.
     """
     check_inputs("train_x", x)
-    check_num_centers(num_centers, x.shape[0])
+    num_centers = check_num_centers(num_centers, x.shape[0])
     device = generator.device if generator is not None else torch.device("cpu")
     idx = torch.randperm(x.shape[0], generator=generator, device=device)[:num_centers]
     idx = idx.sort().values.to(x.device)

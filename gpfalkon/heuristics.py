@@ -22,12 +22,13 @@ def median_lengthscale(x: Tensor, max_points: int = 2000, generator: Optional[to
     if n > max_points:
         if generator is None:
             generator = torch.Generator().manual_seed(0)
-        idx = torch.randperm(n, generator=generator)[:max_points].to(x.device)
+        idx = torch.randperm(n, generator=generator, device=generator.device)[:max_points].to(x.device)
         x = x[idx]
     d = torch.cdist(x.double(), x.double())
     iu = torch.triu_indices(x.shape[0], x.shape[0], offset=1, device=x.device)
     vals = d[iu[0], iu[1]]
-    med = vals.median() if vals.numel() else torch.tensor(1.0, dtype=torch.float64)
+    one = torch.tensor(1.0, dtype=torch.float64, device=x.device)
+    med = vals.median() if vals.numel() else one
     if not bool(med > 0):
-        med = torch.tensor(1.0, dtype=torch.float64)
+        med = one
     return med.to(x.dtype)

@@ -84,3 +84,12 @@ def test_bad_arguments():
         conjugate_gradient(lambda u: u, torch.ones(5, 1, dtype=torch.float64), max_iter=-1)
     with pytest.raises(ValueError, match="tol"):
         conjugate_gradient(lambda u: u, torch.ones(5, 1, dtype=torch.float64), tol=float("nan"))
+
+
+def test_zero_rhs_with_warm_start_returns_zero():
+    A = spd()
+    b = torch.zeros(30, 1, dtype=torch.float64)
+    x, info = conjugate_gradient(lambda u: A @ u, b, x0=torch.ones(30, 1, dtype=torch.float64), tol=1e-10)
+    assert torch.equal(x, torch.zeros_like(x)) and info.converged
+    with pytest.raises(ValueError, match="x0 must have the shape"):
+        conjugate_gradient(lambda u: A @ u, b, x0=torch.ones(30, dtype=torch.float64))

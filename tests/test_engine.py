@@ -62,7 +62,7 @@ def test_memory_budget_decides_storage_and_block_size():
     with settings.memory_budget(10_000):
         e = KernelEngine(k, x, c)
         assert not e.stored and e.block_rows * 50 * 8 * 2 <= 10_000
-    with pytest.raises(ValueError, match="store=True"):
+    with pytest.raises(ValueError, match="store_kernel"):
         KernelEngine(k, x, c, memory_budget=100, store=True)
     with pytest.raises(ValueError, match="block_rows"):
         KernelEngine(k, x, c, block_rows=0)

@@ -190,3 +190,54 @@ def test_diagonal_gradients_match_dense_autograd():
         grads.append([x.grad, c.grad, lam.grad] + [p.grad.clone() for p in ps])
     for a, r in zip(*grads):
         torch.testing.assert_close(a, r, rtol=1e-8, atol=1e-10)
+
+
+def test_reused_operator_follows_hyperparameter_changes():
+    x, y = make_data(200, 2)
+    c = x[:15]
+    k = make_kernel("rbf", 2)
+    lam = torch.tensor(1e-3, dtype=torch.float64)
+    op = NystromKRROperator(x, c, lam, kernel=k, tol=1e-12, max_iter=500)
+    b = torch.randn(15, 1, dtype=torch.float64)
+    with torch.no_grad():
+        first = op.solve(b)
+        k.lengthscale = k.lengthscale * 0.5
+        second = op.solve(b)
+        H, _, _ = dense_nystrom(k, x, c, 1e-3)
+    assert not torch.allclose(first, second)
+    torch.testing.assert_close(second, torch.linalg.solve(H, b), rtol=1e-6, atol=1e-8)
+
+
+def test_inv_quad_gradients_reach_kernel_parameters():
+    x, _ = make_data(60, 2)
+    c = x[:6] + 0.01
+    k = make_kernel("rbf", 2)
+    b = torch.randn(6, 2, dtype=torch.float64)
+    grads = []
+    for dense in (False, True):
+        k.raw_lengthscale.grad = None
+        lam = torch.tensor(1e-2, dtype=torch.float64)
+        if dense:
+            H = dense_nystrom(k, x, c, lam)[0]
+            val = (b * torch.linalg.solve(H, b)).sum()
+        else:
+            op = NystromKRROperator(x, c, lam, kernel=k, tol=1e-13, max_iter=500)
+            val = op.inv_quad(b)
+        val.backward()
+        grads.append((val.detach(), k.raw_lengthscale.grad.clone()))
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-6, atol=1e-10)
+
+
+def test_warm_start_shape_and_float32_operator_with_float64_vectors():
+    x, _ = make_data(50, 2)
+    op = NystromKRROperator(x, x[:5], torch.tensor(1e-2, dtype=torch.float64), kernel=make_kernel("rbf", 2))
+    with pytest.raises(ValueError, match="x0 must have the shape"):
+        op.falkon_solve(torch.ones(5, 1, dtype=torch.float64), x0=torch.ones(5, dtype=torch.float64))
+    k32 = make_kernel("rbf", 2, dtype=torch.float32)
+    op32 = NystromKRROperator(x.float(), x[:5].float(), torch.tensor(1e-2), kernel=k32)
+    u = torch.randn(5, 2, dtype=torch.float64, requires_grad=True)
+    op32.matmul(u).sum().backward()  # float64 right-hand side on a float32 operator
+    assert u.grad is not None and u.grad.dtype == torch.float64
+    with pytest.raises(TypeError, match="centers"):
+        NystromKRROperator(x.float(), x[:5], torch.tensor(1e-2), kernel=k32)

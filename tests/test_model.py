@@ -281,3 +281,76 @@ def test_dtype_conversion_moves_data_and_keeps_the_fit():
         # (the data, centers and hyperparameters went through float32 and back)
         torch.testing.assert_close(model(xt).mean, p64.mean, rtol=1e-4, atol=1e-5)
         assert model.alpha.dtype == torch.float64
+
+
+def test_multi_output_batched_inputs_and_variance_cost():
+    model, x, y, k = _fitted("rbf", t=2)
+    single = FalkonGP(x, y[:, 0], kernel=k, centers=model.centers, penalty=1e-4, tol=1e-12, max_iter=1000)
+    single.fit().eval()
+    xt = make_data(2000, 3, seed=12)[0]
+    with torch.no_grad():
+        p, ps = model(xt), single(xt)
+        # one shared covariance: the variances cost a single diagonal, not t * q^2
+        torch.testing.assert_close(p.variance[:, 1], ps.variance)
+        xb = xt[:20].reshape(4, 5, 3)
+        pb = model(xb)
+        assert pb.mean.shape == (4, 5, 2) and pb.variance.shape == (4, 5, 2)
+        torch.testing.assert_close(pb.variance[2, :, 0], single(xb[2]).variance)
+        assert pb.covariance_matrix.shape == (4, 10, 10)
+
+
+def test_copies_keep_the_fit_and_foreign_state_is_rejected(tmp_path):
+    import copy
+    import warnings as _w
+
+    model, x, y, k = _fitted("rbf")
+    xt = make_data(7, 3, seed=13)[0]
+    with torch.no_grad():
+        p = model(xt)
+        q = copy.deepcopy(model)(xt)
+        torch.save(model, tmp_path / "m.pt")
+        r = torch.load(tmp_path / "m.pt", weights_only=False)(xt)
+    torch.testing.assert_close(q.mean, p.mean)
+    torch.testing.assert_close(r.variance, p.variance)
+    # in-place modification of the training data invalidates the fit
+    clone = copy.deepcopy(model)
+    clone.train_targets.mul_(2.0)
+    with pytest.raises(NotFittedError, match="changed since"):
+        clone(xt)
+    # a state_dict fitted on other data is loaded as unfitted, with a warning
+    other = FalkonGP(x[:300], y[:300], kernel=make_kernel("rbf", 3), num_centers=30, penalty=1e-4)
+    with _w.catch_warnings(record=True) as rec:
+        _w.simplefilter("always")
+        other.load_state_dict(model.state_dict())
+    assert any("different training data" in str(w.message) for w in rec)
+    assert not bool(other.fitted)
+
+
+def test_float_keeps_alpha_in_float64():
+    model, x, y, k = _fitted("rbf")
+    model.float()
+    assert model.alpha.dtype == torch.float64 and model.data_fingerprint.dtype == torch.float64
+
+
+def test_likelihood_must_match_outputs():
+    x, y = make_data(60, 2, t=3)
+    k = make_kernel("rbf", 2)
+    with pytest.raises(TypeError, match="MultitaskGaussianLikelihood"):
+        FalkonGP(x, y, kernel=k, num_centers=5, likelihood=gpytorch.likelihoods.GaussianLikelihood().double())
+    wrong = gpytorch.likelihoods.MultitaskGaussianLikelihood(num_tasks=5, rank=0, has_task_noise=False).double()
+    with pytest.raises(ValueError, match="num_tasks=5"):
+        FalkonGP(x, y, kernel=k, num_centers=5, likelihood=wrong)
+    batched = gpytorch.likelihoods.GaussianLikelihood(batch_shape=torch.Size([3])).double()
+    with pytest.raises(ValueError, match="one \\(scalar\\) noise"):
+        FalkonGP(x, y[:, 0], kernel=k, num_centers=5, likelihood=batched)
+    model = FalkonGP(x, y[:, 0], kernel=k, num_centers=5)
+    with pytest.raises(TypeError, match="dtype"):
+        model.set_train_data(x.float(), y[:, 0].float())
+
+
+def test_num_centers_accepts_numpy_integers():
+    import numpy as np
+
+    x, y = make_data(60, 2)
+    model = FalkonGP(x, y, kernel=make_kernel("rbf", 2), num_centers=np.int64(7))
+    assert model.centers.shape == (7, 2)

@@ -18,11 +18,12 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from gpytorch.kernels import Kernel
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .. import settings
 from .engine import KernelEngine, kernel_block
 
-__all__ = ["kernel_params", "blockwise_kernel_grad", "KernelProduct", "kernel_product"]
+__all__ = ["kernel_params", "blockwise_kernel_grad", "scatter_grads", "KernelProduct", "kernel_product"]
 
 
 def kernel_params(kernel: Kernel) -> List[Tensor]:
@@ -30,14 +31,26 @@ def kernel_params(kernel: Kernel) -> List[Tensor]:
     return [p for p in kernel.parameters() if p.requires_grad]
 
 
-def _grad_block_rows(m: int, dtype: torch.dtype, n: int) -> int:
+def _grad_block_rows(
+    m: int, dtype: torch.dtype, n: int, memory_budget: Optional[int] = None, block_rows: Optional[int] = None
+) -> int:
     itemsize = torch.finfo(dtype).bits // 8
-    budget = int(settings.memory_budget.value())
+    budget = int(settings.memory_budget.value() if memory_budget is None else memory_budget)
     # a GPyTorch kernel forward + backward keeps ~8 block-sized temporaries alive
     # (autograd has per-block overhead: taller blocks than the engine's cache-sized ones)
-    setting = settings.block_rows.value()
+    setting = settings.block_rows.value() if block_rows is None else block_rows
     rows = min(2048 if setting is None else int(setting), max(1, budget // (8 * m * itemsize)))
     return max(1, min(rows, n))
+
+
+def scatter_grads(needs: Sequence[bool], grads: Sequence[Optional[Tensor]], sign: float = 1.0) -> List[Optional[Tensor]]:
+    """Spread the gradients of the needed inputs (in order) back over all inputs."""
+    it = iter(grads)
+    out: List[Optional[Tensor]] = []
+    for need in needs:
+        g = next(it) if need else None
+        out.append(None if g is None else (g if sign == 1.0 else sign * g))
+    return out
 
 
 SurrogateFn = Callable[[int, int, Tensor], Tensor]
@@ -51,6 +64,8 @@ def blockwise_kernel_grad(
     params: Sequence[Tensor],
     need_x: bool,
     need_centers: bool,
+    memory_budget: Optional[int] = None,
+    block_rows: Optional[int] = None,
 ) -> Tuple[Optional[Tensor], Optional[Tensor], List[Optional[Tensor]]]:
     """Gradients of ``sum_b surrogate(start, stop, K_b)`` with ``K_b = k(x[start:stop], centers)``.
 
@@ -58,10 +73,11 @@ def blockwise_kernel_grad(
     it may also accumulate side results computed from ``K_b.detach()``.
 
     Returns ``(grad_x, grad_centers, grad_params)`` (``None`` where not requested
-    or unused). Cost: one pass over the data evaluating the kernel with autograd.
+    or unused). Cost: one pass over the data evaluating the kernel with autograd,
+    in blocks sized from ``memory_budget`` / ``block_rows`` (default: the settings).
     """
     n = x.shape[0]
-    rows = _grad_block_rows(centers.shape[0], x.dtype, n)
+    rows = _grad_block_rows(centers.shape[0], x.dtype, n, memory_budget, block_rows)
     grad_x = torch.zeros_like(x) if need_x else None
     grad_c = torch.zeros_like(centers) if need_centers else None
     grad_p: List[Optional[Tensor]] = [None] * len(params)
@@ -109,12 +125,15 @@ class KernelProduct(torch.autograd.Function):
         out = engine.kmn_k(uu, vv).to(x.dtype)
         ctx.engine = engine
         ctx.has_u, ctx.has_v = uu is not None, vv is not None
+        ctx.u_dtype, ctx.v_dtype = u.dtype, v.dtype
         ctx.save_for_backward(u, v, x, centers, *params)
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         u, v, x, centers, *params = ctx.saved_tensors
+        u, v = u.to(x.dtype), v.to(x.dtype)
         engine: KernelEngine = ctx.engine
         need_u = ctx.has_u and ctx.needs_input_grad[1]
         need_v = ctx.has_v and ctx.needs_input_grad[2]
@@ -127,9 +146,9 @@ class KernelProduct(torch.autograd.Function):
             # only U / V: two fast products, no autograd
             q = engine.k_matmul(g)
             if need_u:
-                grad_u = engine.kmn_k(g).to(u.dtype)
+                grad_u = engine.kmn_k(g).to(ctx.u_dtype)
             if need_v:
-                grad_v = q.to(v.dtype)
+                grad_v = q.to(ctx.v_dtype)
             return (None, grad_u, grad_v, grad_x, grad_c, *grad_p)
         acc_u = torch.zeros(centers.shape[0], g.shape[-1], dtype=torch.float64, device=x.device) if need_u else None
         grad_v = torch.zeros_like(v) if need_v else None
@@ -152,11 +171,14 @@ class KernelProduct(torch.autograd.Function):
             return s
 
         active = [p for p, need in zip(params, need_p) if need]
-        gx, gc, gp = blockwise_kernel_grad(engine.kernel, x, centers, surrogate, active, need_x, need_c)
-        it = iter(gp)
-        grad_p = [next(it) if need else None for need in need_p]
+        gx, gc, gp = blockwise_kernel_grad(
+            engine.kernel, x, centers, surrogate, active, need_x, need_c, engine.memory_budget, engine.block_rows_setting
+        )
+        grad_p = scatter_grads(need_p, gp)
         if acc_u is not None:
-            grad_u = acc_u.to(u.dtype)
+            grad_u = acc_u.to(ctx.u_dtype)
+        if grad_v is not None:
+            grad_v = grad_v.to(ctx.v_dtype)
         return (None, grad_u, grad_v, gx, gc, *grad_p)
 
 

@@ -25,14 +25,15 @@ Matern). Centring keeps the float32 norm expansion accurate however far the data
 sit from the origin. The outputscale ``s`` (times a profile constant) is not
 applied to the block: ``K^T (K U + V) = s K0^T (s K0 U + V)``.
 
-The engine snapshots the kernel's hyperparameters when it is built; build a new
-one after they change. It runs under ``torch.no_grad``: gradients go through
+The engine reads the kernel's hyperparameters when it is built (the fast path
+copies them; a stored ``K_nM`` freezes them): build a new one after they change
+(:class:`~gpfalkon.NystromKRROperator` does this by itself). It runs under ``torch.no_grad``: gradients go through
 :mod:`gpfalkon.kernels.autograd`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
@@ -158,11 +159,12 @@ class KernelEngine:
             store = full_bytes <= budget
         elif store and full_bytes > budget:
             raise ValueError(
-                f"store=True needs {full_bytes / 2**30:.2f} GiB for K_nM but memory_budget is "
-                f"{budget / 2**30:.2f} GiB"
+                f"store=True (store_kernel) needs {full_bytes:,} bytes for K_nM ({self.n} x {self.m}) but "
+                f"memory_budget is {budget:,} bytes"
             )
         self.stored = bool(store)
         rows_setting = settings.block_rows.value() if block_rows is None else block_rows
+        self.block_rows_setting = rows_setting
         if rows_setting is None:
             # blocks of ~2 MiB keep the in-place kernel passes and the two thin products
             # in cache (benchmarks/engine.py sweeps the block size)
@@ -335,11 +337,6 @@ class KernelEngine:
             for start, stop, blk in self.iter_blocks():
                 torch.matmul(u_t, blk.t(), out=out[:, start:stop])
         return out.t()
-
-    def for_each_block(self, fn: Callable[[int, int, Tensor], None]) -> None:
-        """Call ``fn(start, stop, K_b)`` with the full (scaled) kernel block."""
-        for start, stop, blk in self.iter_blocks():
-            fn(start, stop, blk * self.scale if self.scale != 1.0 else blk)
 
     def kmm(self, dtype: torch.dtype = torch.float64) -> Tensor:
         """``K_MM = k(C, C)`` in ``dtype`` (float64 by default, for the preconditioner).

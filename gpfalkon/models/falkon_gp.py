@@ -1,7 +1,7 @@
 """FalkonGP: a GPyTorch model whose posterior is Nyström KRR solved by FALKON."""
 from __future__ import annotations
 
-import math
+import warnings
 from typing import Callable, List, Optional, Tuple
 
 import gpytorch
@@ -10,7 +10,7 @@ from gpytorch.constraints import Positive
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from gpytorch.kernels import Kernel, MaternKernel, ScaleKernel
 from gpytorch.likelihoods import GaussianLikelihood, Likelihood, MultitaskGaussianLikelihood
-from linear_operator.operators import ZeroLinearOperator
+from linear_operator.operators import DiagLinearOperator, KroneckerProductLinearOperator, ZeroLinearOperator
 from torch import Tensor
 
 from .._validation import check_dtype, check_inputs, check_num_centers, check_penalty, check_targets
@@ -29,8 +29,8 @@ class NystromPosteriorFactors:
 
     ``L L^T = K_MM`` and ``L_B L_B^T = I + A A^T / v`` with ``A = L^{-1} K_Mn`` and
     ``v = n lambda`` (MATH.md 3-4). ``A A^T`` is accumulated over row blocks of
-    ``K_nM`` (``2 n M^2`` float64 flops: a triangular solve and a rank update per
-    block), so memory is ``O(M^2 + block x M)``. Then for test inputs with
+    ``K_nM`` (about ``3 n M^2`` float64 flops: a triangular solve and a rank update
+    per block, plus one kernel pass), so memory is ``O(M^2 + block x M)``. Then for test inputs with
     ``a = L^{-1} K_M*`` and ``c = L_B^{-1} a``:
 
         cov(X*) = K_** - a^T a + c^T c
@@ -148,9 +148,12 @@ class FalkonGP(gpytorch.models.GP):
         if train_y.dtype != train_x.dtype:
             raise TypeError(f"train_y has dtype {train_y.dtype} but train_x has {train_x.dtype}")
         if kernel is None:
-            kernel = _default_kernel(d)
+            kernel = _default_kernel(d).to(dtype=train_x.dtype, device=train_x.device)
         if not isinstance(kernel, Kernel):
             raise TypeError(f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}")
+        for name, p in kernel.named_parameters():
+            if p.device != train_x.device:
+                raise ValueError(f"kernel parameter {name} is on {p.device} but train_x is on {train_x.device}")
         self.kernel = kernel
         self.train_inputs: Tuple[Tensor, ...] = (train_x,)
         self.train_targets: Tensor = train_y
@@ -163,11 +166,13 @@ class FalkonGP(gpytorch.models.GP):
             check_dtype("centers", centers)
             if centers.dtype != train_x.dtype:
                 raise TypeError(f"centers has dtype {centers.dtype} but train_x has {train_x.dtype}")
+            if centers.device != train_x.device:
+                raise ValueError(f"centers is on {centers.device} but train_x is on {train_x.device}")
             check_inputs("centers", centers, d=d)
             c = centers.detach().clone()
         else:
             m = min(n, 1000) if num_centers is None else num_centers
-            check_num_centers(m, n)
+            m = check_num_centers(m, n)
             if generator is None:
                 generator = torch.Generator()
                 generator.manual_seed(int(seed))
@@ -195,8 +200,21 @@ class FalkonGP(gpytorch.models.GP):
                     "likelihood must be a GaussianLikelihood or MultitaskGaussianLikelihood, got "
                     f"{type(likelihood).__name__}"
                 )
-            if isinstance(likelihood, MultitaskGaussianLikelihood) and getattr(likelihood, "has_task_noise", False):
-                raise ValueError("likelihood: FALKON needs one shared noise (has_task_noise=False)")
+            if self._num_outputs == 1 and not isinstance(likelihood, GaussianLikelihood):
+                raise TypeError("likelihood: single-output targets need a GaussianLikelihood")
+            if self._num_outputs > 1:
+                if not isinstance(likelihood, MultitaskGaussianLikelihood):
+                    raise TypeError(
+                        f"likelihood: targets with {self._num_outputs} outputs need a MultitaskGaussianLikelihood"
+                    )
+                if likelihood.num_tasks != self._num_outputs:
+                    raise ValueError(
+                        f"likelihood has num_tasks={likelihood.num_tasks} but train_y has {self._num_outputs} outputs"
+                    )
+                if getattr(likelihood, "has_task_noise", False) or not getattr(likelihood, "has_global_noise", True):
+                    raise ValueError("likelihood: FALKON needs one shared noise (has_global_noise=True, has_task_noise=False)")
+            if likelihood.noise.numel() != 1:
+                raise ValueError(f"likelihood must have one (scalar) noise, got shape {tuple(likelihood.noise.shape)}")
         self.likelihood = likelihood
         if penalty is not None:
             self.penalty = penalty  # type: ignore[assignment]
@@ -214,8 +232,11 @@ class FalkonGP(gpytorch.models.GP):
         shape = (c.shape[0],) if self._num_outputs == 1 else (c.shape[0], self._num_outputs)
         self.register_buffer("alpha", torch.full(shape, float("nan"), dtype=torch.float64, device=train_x.device))
         self.register_buffer("fitted", torch.tensor(False, device=train_x.device))
+        # value fingerprint of the training data alpha was fitted on (persists in state_dict)
+        self.register_buffer("data_fingerprint", torch.zeros(6, dtype=torch.float64, device=train_x.device))
         self.fit_info: Optional[CGInfo] = None
         self._snapshot: Optional[List[Tensor]] = None
+        self._fitted_data_key: Optional[tuple] = None
         self._factors: Optional[NystromPosteriorFactors] = None
         self.register_load_state_dict_post_hook(FalkonGP._after_load)
 
@@ -288,52 +309,111 @@ class FalkonGP(gpytorch.models.GP):
             if warm_start and bool(self.fitted):
                 x0 = self.alpha.reshape(op.m, -1).to(torch.float64)
             alpha, info = op.falkon_solve(rhs, x0, tol=tol, max_iter=max_iter, callback=callback, verbose=verbose)
-            self.alpha = alpha.reshape(self.alpha.shape).to(self.alpha.dtype)
-            self.fitted.fill_(True)
+            self.alpha = alpha.reshape(self.alpha.shape).to(torch.float64)
             self.fit_info = info
-            self._snapshot = self._hyper_snapshot()
+            self._mark_fitted()
             self._factors = NystromPosteriorFactors.compute(op) if compute_variance else None
             op.engine.release()
         return self
 
+    # ------------------------------------------------ is the fit still valid?
     def _hyper_snapshot(self) -> List[Tensor]:
+        """Values of everything alpha depends on except the data (kernel, centers, noise)."""
         tensors = [p.detach().clone() for p in self.kernel.parameters()]
         tensors += [b.detach().clone() for b in self.kernel.buffers()]
         tensors.append(self.centers.detach().clone())
         tensors.append(self.likelihood.raw_noise.detach().clone())
-        # the training data: same storage, shape and in-place version counter
-        for t in (self.train_inputs[0], self.train_targets):
-            tensors.append(torch.tensor([t.data_ptr(), t._version, *t.shape], dtype=torch.int64))
         return tensors
+
+    def _data_key(self) -> tuple:
+        """Cheap identity of the training tensors: storage, in-place version, shape."""
+        return tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in (self.train_inputs[0], self.train_targets))
+
+    def _data_fingerprint(self) -> Tensor:
+        """Value fingerprint of the training data, ``O(n d)``: sizes, sums and norms in float64."""
+        x, y = self.train_inputs[0].detach(), self.train_targets.detach()
+        vals = [
+            float(x.shape[0]),
+            float(x.shape[1]),
+            float(x.sum(dtype=torch.float64)),
+            float(torch.linalg.vector_norm(x, dtype=torch.float64)),
+            float(y.sum(dtype=torch.float64)),
+            float(torch.linalg.vector_norm(y, dtype=torch.float64)),
+        ]
+        return torch.tensor(vals, dtype=torch.float64, device=self.data_fingerprint.device)
+
+    def _mark_fitted(self) -> None:
+        self.fitted.fill_(True)
+        self.data_fingerprint = self._data_fingerprint()
+        self._snapshot = self._hyper_snapshot()
+        self._fitted_data_key = self._data_key()
+
+    def _data_changed(self) -> bool:
+        if getattr(self, "_fitted_data_key", None) == self._data_key():
+            return False
+        # new tensors (a copy, pickle, .to()) or modified in place: compare values
+        same = torch.allclose(self._data_fingerprint(), self.data_fingerprint.to(torch.float64), rtol=1e-12, atol=0.0)
+        if same:
+            self._fitted_data_key = self._data_key()
+        return not same
 
     def _hyper_changed(self) -> bool:
         if self._snapshot is None:
             return True
         now = self._hyper_snapshot()
-        return len(now) != len(self._snapshot) or any(
-            a.shape != b.shape or not torch.equal(a, b) for a, b in zip(now, self._snapshot)
-        )
+        if len(now) != len(self._snapshot) or any(
+            a.shape != b.shape or not torch.equal(a, b.to(device=a.device, dtype=a.dtype))
+            for a, b in zip(now, self._snapshot)
+        ):
+            return True
+        return self._data_changed()
 
     def _apply(self, fn, *args, **kwargs):  # type: ignore[override]
         # .to(device / dtype), .double(), .cuda() ... move the training data too (as
-        # ExactGP does); a fit that was valid stays valid (alpha moves with the buffers).
+        # ExactGP does); a fit that was valid stays valid; alpha and the fingerprint
+        # stay float64 (predictions are computed in float64).
         was_valid = bool(self.fitted) and not self._hyper_changed()
         super()._apply(fn, *args, **kwargs)
         self.train_inputs = tuple(fn(t) for t in self.train_inputs)
         self.train_targets = fn(self.train_targets)
+        self.alpha = self.alpha.to(torch.float64)
+        self.data_fingerprint = self.data_fingerprint.to(torch.float64)
         self._factors = None
-        self._snapshot = self._hyper_snapshot() if was_valid else None
+        if was_valid:
+            self._mark_fitted()
+        else:
+            self._snapshot = None
         return self
 
     @staticmethod
     def _after_load(module: "FalkonGP", incompatible_keys) -> None:
         module._factors = None
-        module._snapshot = module._hyper_snapshot() if bool(module.fitted) else None
+        module._snapshot = None
+        module._fitted_data_key = None
+        if not bool(module.fitted):
+            return
+        module._snapshot = module._hyper_snapshot()
+        if module._data_changed():
+            module.fitted.fill_(False)
+            module._snapshot = None
+            warnings.warn(
+                "FalkonGP.load_state_dict: the loaded alpha was fitted on different training data than this "
+                "model holds; the model is marked unfitted (call fit())",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def set_train_data(self, inputs: Tensor, targets: Tensor) -> None:
         """Replace the training data (centers unchanged); the model must be re-fitted."""
         check_inputs("inputs", inputs, d=self.train_inputs[0].shape[1])
         check_targets("targets", targets, inputs.shape[0])
+        if inputs.dtype != self.train_inputs[0].dtype or targets.dtype != inputs.dtype:
+            raise TypeError(
+                f"inputs ({inputs.dtype}) and targets ({targets.dtype}) must have the model's dtype "
+                f"{self.train_inputs[0].dtype}"
+            )
+        if inputs.device != self.centers.device or targets.device != inputs.device:
+            raise ValueError(f"inputs and targets must be on {self.centers.device}")
         if targets.dim() != self.train_targets.dim() or (targets.dim() == 2 and targets.shape[1] != self._num_outputs):
             raise ValueError(f"targets must keep the shape convention of train_y ({tuple(self.train_targets.shape[1:])})")
         pen = self.penalty.detach().clone()
@@ -358,7 +438,7 @@ class FalkonGP(gpytorch.models.GP):
         """The variance factors (formed on first use, ``O(n M^2)``)."""
         self._check_fitted()
         if self._factors is None:
-            op = self.nystrom_operator()
+            op = self.nystrom_operator(store_kernel=False)  # one pass: storing K_nM would not pay
             self._factors = NystromPosteriorFactors.compute(op)
             op.engine.release()
         return self._factors
@@ -388,11 +468,10 @@ class FalkonGP(gpytorch.models.GP):
         if self._num_outputs == 1:
             return MultivariateNormal(mean, covar)
         t = self._num_outputs
-        mvn = MultivariateNormal(
-            mean.unsqueeze(-2).expand(*mean.shape[:-1], t, mean.shape[-1]),
-            covar.unsqueeze(-3).expand(*covar.shape[:-2], t, *covar.shape[-2:]),
+        eye_t = DiagLinearOperator(torch.ones(*x.shape[:-2], t, dtype=x.dtype, device=x.device))
+        return MultitaskMultivariateNormal(
+            mean.unsqueeze(-1).expand(*mean.shape, t), KroneckerProductLinearOperator(covar, eye_t), interleaved=True
         )
-        return MultitaskMultivariateNormal.from_batch_mvn(mvn, task_dim=-1)
 
     def _posterior(self, x: Tensor) -> MultivariateNormal:
         self._check_fitted()
@@ -416,7 +495,8 @@ class FalkonGP(gpytorch.models.GP):
             )
         if self._num_outputs == 1:
             return MultivariateNormal(mean.squeeze(-1), covar)
+        # t outputs share one covariance: cov = C (x) I_t in the interleaved (point, task)
+        # order, so the variances cost one C.diagonal() whatever t is
         t = self._num_outputs
-        batch_mean = mean.movedim(-1, -2)  # (..., t, q)
-        batch_covar = covar.unsqueeze(-3).expand(*covar.shape[:-2], t, q, q)
-        return MultitaskMultivariateNormal.from_batch_mvn(MultivariateNormal(batch_mean, batch_covar), task_dim=-1)
+        eye_t = DiagLinearOperator(torch.ones(*x.shape[:-2], t, dtype=out_dtype, device=x.device))
+        return MultitaskMultivariateNormal(mean, KroneckerProductLinearOperator(covar, eye_t), interleaved=True)

@@ -18,10 +18,11 @@ class NystromPosteriorCovariance(LinearOperator):
     :class:`~gpfalkon.models.NystromPosteriorFactors`; this equals
     ``K_** - K_*M K_MM^{-1} K_M* + n lambda K_*M H^{-1} K_M*`` (MATH.md 3).
 
-    Nothing of size ``q x M`` or ``q x q`` is held: the diagonal (the predictive
-    variances) costs ``O(q M (M + d))`` time in chunks of ``chunk_size`` test
-    points; a product with a ``(q, k)`` right-hand side costs two chunked passes,
-    ``O(q M (M + d + k) + q^2 (d + k))``. Internals run in float64; results are in
+    Nothing of size ``q x M`` or ``q x q`` is held, only ``chunk x M`` and
+    ``chunk x chunk`` tiles: the diagonal (the predictive variances) costs
+    ``O(q M (M + d))`` time in chunks of ``chunk_size`` test points; a product with
+    a ``(q, k)`` right-hand side costs two chunked passes,
+    ``O(q M (M + d + k) + q^2 (d + k))``. Batch dimensions are those of ``x``. Internals run in float64; results are in
     the dtype of ``x``. Differentiable w.r.t. ``x`` (and the kernel's parameters).
     """
 
@@ -74,12 +75,22 @@ class NystromPosteriorCovariance(LinearOperator):
             rs = r[..., s:e, :]
             ar = a @ rs if ar is None else ar + a @ rs
             cr = c @ rs if cr is None else cr + c @ rs
-        # pass 2: rows of K_** r - a^T (A r) + c^T (C r)
+        # pass 2: rows of K_** r - a^T (A r) + c^T (C r); K_** in chunk x chunk tiles
         rows = []
         for s, e in self._chunks():
-            xs = self.x[..., s:e, :]
-            a, c = self._roots(xs)
-            kr = self.kernel(xs.to(torch.float64), x64).to_dense() @ r
-            rows.append(kr - a.mT @ ar + c.mT @ cr)
+            xs = self.x[..., s:e, :].to(torch.float64)
+            a, c = self._roots(self.x[..., s:e, :])
+            row = c.mT @ cr - a.mT @ ar
+            for s2, e2 in self._chunks():
+                row = row + self.kernel(xs, x64[..., s2:e2, :]).to_dense() @ r[..., s2:e2, :]
+            rows.append(row)
         out = torch.cat(rows, -2).to(rhs.dtype if rhs.is_floating_point() else self.x.dtype)
         return out.squeeze(-1) if vec else out
+
+    def _expand_batch(self, batch_shape: torch.Size) -> "NystromPosteriorCovariance":
+        x = self.x.expand(*batch_shape, *self.x.shape[-2:])
+        return self.__class__(x, self.centers, self.L, self.LB, kernel=self.kernel, chunk_size=self.chunk_size)
+
+    def _unsqueeze_batch(self, dim: int) -> "NystromPosteriorCovariance":
+        x = self.x.unsqueeze(dim)
+        return self.__class__(x, self.centers, self.L, self.LB, kernel=self.kernel, chunk_size=self.chunk_size)

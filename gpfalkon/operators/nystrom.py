@@ -1,6 +1,7 @@
 """The Nyström kernel ridge regression system as a linear operator."""
 from __future__ import annotations
 
+import warnings
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -8,10 +9,11 @@ from gpytorch.kernels import Kernel
 from linear_operator import settings as lo_settings
 from linear_operator.operators import LinearOperator
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .. import settings
 from .._validation import check_dtype, check_inputs, check_penalty
-from ..kernels.autograd import blockwise_kernel_grad, kernel_params, kernel_product
+from ..kernels.autograd import blockwise_kernel_grad, kernel_params, kernel_product, scatter_grads
 from ..kernels.engine import KernelEngine, kernel_block
 from ..solvers.cg import CGInfo
 from ..solvers.falkon import falkon_solve
@@ -45,7 +47,8 @@ class NystromKRROperator(LinearOperator):
     * ``H @ u`` (``_matmul``): one pass of the :class:`~gpfalkon.kernels.KernelEngine`
       (``2 n M d + 4 n M k`` flops, or ``4 n M k`` when ``K_nM`` is stored), plus
       ``O(M^2 k)`` for the penalty term; differentiable w.r.t. ``u``, the inputs,
-      the centers, the penalty and the kernel's parameters (one more pass).
+      the centers, the penalty and the kernel's parameters (one more pass; with
+      autograd on, ``K_MM`` is re-evaluated through GPyTorch, ``O(M^2 d)``, per call).
     * ``solve`` (``torch.linalg.solve(H, b)``): FALKON — CG on ``B^T H B`` with the
       :class:`FalkonPreconditioner` ``B`` — never a dense factorisation of ``H``,
       whatever ``linear_operator.settings.max_cholesky_size`` says. Its backward is
@@ -54,9 +57,11 @@ class NystromKRROperator(LinearOperator):
       (iterations, residual history) and accepts a warm start and a callback.
 
     The operator's tensors are ``(x, centers, penalty)``; ``kernel`` is a keyword.
-    The kernel's hyperparameters are read when the engine, ``K_MM`` and the
-    preconditioner are first needed and cached with this operator: build a new
-    operator after changing them.
+    The engine (with a stored ``K_nM``), ``K_MM`` and the preconditioner are built on
+    first use and cached; they are rebuilt automatically when x, the centers, the
+    penalty or a kernel parameter changes (storage or in-place version counter).
+    Note that ``.to(dtype)`` on the operator, as in linear_operator, also converts
+    the (shared) kernel module.
 
     Stopping rule: ``tol`` (relative residual of the preconditioned system) and
     ``max_iter`` given here win; otherwise ``linear_operator.settings.cg_tolerance``
@@ -86,6 +91,10 @@ class NystromKRROperator(LinearOperator):
         if centers.dim() != 2 or centers.shape[0] == 0:
             raise ValueError(f"centers must have shape (M, d) with M >= 1, got {tuple(centers.shape)}")
         check_inputs("centers", centers, d=x.shape[1])
+        if centers.dtype != x.dtype or centers.device != x.device:
+            raise TypeError(
+                f"centers ({centers.dtype}, {centers.device}) must have the dtype and device of x ({x.dtype}, {x.device})"
+            )
         if not isinstance(penalty, Tensor):
             penalty = torch.tensor(float(penalty), dtype=x.dtype, device=x.device)
         check_penalty(penalty.detach())  # detached: no 'float() of a tensor requiring grad' warning
@@ -122,6 +131,7 @@ class NystromKRROperator(LinearOperator):
         self._engine: Optional[KernelEngine] = None
         self._kmm: Optional[Tensor] = None
         self._precond: Optional[FalkonPreconditioner] = None
+        self._cache_key: Optional[tuple] = None
         self.last_info: Optional[CGInfo] = None
 
     # ------------------------------------------------------------ components
@@ -133,9 +143,33 @@ class NystromKRROperator(LinearOperator):
     def m(self) -> int:
         return self.centers.shape[0]
 
+    def _state_key(self) -> tuple:
+        # x by identity (storage + in-place version: O(1)); the small tensors by value,
+        # because GPyTorch's setters write through .data, which bumps no version
+        small = [self.centers, self.penalty, *self.kernel.parameters(), *self.kernel.buffers()]
+        return ((self.x.data_ptr(), self.x._version), tuple(t.detach().clone() for t in small))
+
+    def _key_matches(self, key: tuple) -> bool:
+        old = self._cache_key
+        if old is None or old[0] != key[0] or len(old[1]) != len(key[1]):
+            return False
+        return all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(old[1], key[1]))
+
+    def _refresh(self) -> None:
+        """Drop the engine, ``K_MM`` and the preconditioner if x, the centers, the
+        penalty or any kernel parameter changed since they were built, so a reused
+        operator never solves a stale system (cost: comparing the small tensors)."""
+        key = self._state_key()
+        if not self._key_matches(key):
+            if self._engine is not None:
+                self._engine.release()
+            self._engine = self._kmm = self._precond = None
+            self._cache_key = key
+
     @property
     def engine(self) -> KernelEngine:
         """The kernel-product engine (built on first use; may store ``K_nM``)."""
+        self._refresh()
         if self._engine is None:
             self._engine = KernelEngine(
                 self.kernel,
@@ -150,12 +184,15 @@ class NystromKRROperator(LinearOperator):
     @property
     def kmm(self) -> Tensor:
         """``K_MM`` in float64 (no gradient)."""
+        self._refresh()
         if self._kmm is None:
             self._kmm = self.engine.kmm(torch.float64)
         return self._kmm
 
     @property
     def preconditioner(self) -> FalkonPreconditioner:
+        """The :class:`FalkonPreconditioner` at the current hyperparameters (cached)."""
+        self._refresh()
         if self._precond is None:
             self._precond = FalkonPreconditioner.from_kernel_matrix(
                 self.kmm, self.penalty.detach(), self.n, weights=self.weights, dtype=self.precond_dtype
@@ -203,6 +240,8 @@ class NystromKRROperator(LinearOperator):
         """
         if rhs.dim() != 2 or rhs.shape[0] != self.m:
             raise ValueError(f"rhs must have shape ({self.m}, k), got {tuple(rhs.shape)}")
+        if x0 is not None and x0.shape != rhs.shape:
+            raise ValueError(f"x0 must have the shape of rhs {tuple(rhs.shape)}, got {tuple(x0.shape)}")
         tol_, max_iter_ = self._stopping_rule(tol, max_iter)
         with torch.no_grad():
             sol, info = falkon_solve(
@@ -302,6 +341,39 @@ class NystromKRROperator(LinearOperator):
             return left_tensor @ out
         return out
 
+    def inv_quad(self, inv_quad_rhs: Tensor, reduce_inv_quad: bool = True) -> Tensor:  # type: ignore[override]
+        """``rhs^T H^{-1} rhs`` (per column, summed if ``reduce_inv_quad``) by the FALKON
+        solve: differentiable w.r.t. ``rhs``, x, centers, penalty and kernel parameters."""
+        rhs = inv_quad_rhs.unsqueeze(-1) if inv_quad_rhs.dim() == 1 else inv_quad_rhs
+        out = (rhs * self.solve(rhs)).sum(-2)
+        return out.sum(-1) if reduce_inv_quad else out
+
+    def inv_quad_logdet(  # type: ignore[override]
+        self, inv_quad_rhs: Optional[Tensor] = None, logdet: bool = False, reduce_inv_quad: bool = True
+    ) -> Tuple[Tensor, Tensor]:
+        """``rhs^T H^{-1} rhs`` by FALKON (differentiable w.r.t. everything, kernel
+        parameters included) and, if asked, ``log det H`` by linear_operator's
+        stochastic Lanczos estimator on ``H @ u``.
+
+        The log-determinant's gradient reaches only the operator's tensors (x,
+        centers, penalty), not the kernel's parameters: a :class:`UserWarning` says
+        so when a kernel parameter requires a gradient.
+        """
+        inv_quad = torch.zeros((), dtype=self.dtype, device=self.device)
+        if inv_quad_rhs is not None:
+            inv_quad = self.inv_quad(inv_quad_rhs, reduce_inv_quad)
+        logdet_value = torch.zeros((), dtype=self.dtype, device=self.device)
+        if logdet:
+            if torch.is_grad_enabled() and kernel_params(self.kernel):
+                warnings.warn(
+                    "NystromKRROperator.logdet: gradients w.r.t. the kernel's parameters are not propagated "
+                    "through linear_operator's stochastic log-determinant (only x, centers and penalty are)",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            _, logdet_value = super().inv_quad_logdet(None, logdet=True)
+        return inv_quad, logdet_value
+
     # ------------------------------------------------------- gradient helpers
     def _add_penalty_term_grads(
         self,
@@ -332,6 +404,13 @@ class NystromKRROperator(LinearOperator):
             j += 1
         return grads[j] if need_pen else None
 
+    def blockwise_grad(self, surrogate, params: List[Tensor], need_x: bool, need_c: bool):
+        """:func:`~gpfalkon.kernels.blockwise_kernel_grad` on this operator's data,
+        in blocks that honour its ``memory_budget`` / ``block_rows``."""
+        return blockwise_kernel_grad(
+            self.kernel, self.x, self.centers, surrogate, params, need_x, need_c, self.memory_budget, self.block_rows
+        )
+
     def bilinear_grads(
         self, left: Tensor, right: Tensor, need_x: bool, need_c: bool, need_pen: bool, params: List[Tensor]
     ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], List[Optional[Tensor]]]:
@@ -345,7 +424,7 @@ class NystromKRROperator(LinearOperator):
             kd = kb.detach()
             return ((kb @ rt) * (kd @ lf)).sum() + ((kb @ lf) * (kd @ rt)).sum()
 
-        gx, gc, gp = blockwise_kernel_grad(self.kernel, self.x, self.centers, surrogate, params, need_x, need_c)
+        gx, gc, gp = self.blockwise_grad(surrogate, params, need_x, need_c)
         gc_box = [gc]
         g_pen = self._add_penalty_term_grads(lambda kmm: (lf * (kmm @ rt)).sum(), params, gp, need_c, need_pen, gc_box)
         gc = gc_box[0]
@@ -363,35 +442,33 @@ class NystromKRROperator(LinearOperator):
 class _FalkonSolve(torch.autograd.Function):
     """``alpha = H(theta)^{-1} b`` by FALKON with implicit-differentiation backward:
     ``dL/db = H^{-1} g`` (one more FALKON solve) and
-    ``dL/dtheta = -d/dtheta [ (H^{-1} g)^T H(theta) alpha ]`` (one blockwise pass)."""
+    ``dL/dtheta = -d/dtheta [ (H^{-1} g)^T H(theta) alpha ]`` (one blockwise pass).
+
+    The context keeps ``op`` (and so a stored ``K_nM``) alive until the graph is freed."""
 
     @staticmethod
     def forward(ctx, op: NystromKRROperator, rhs: Tensor, x: Tensor, centers: Tensor, penalty: Tensor, *params: Tensor) -> Tensor:  # type: ignore[override]
         sol, _ = op.falkon_solve(rhs.to(torch.float64))
         ctx.op = op
+        ctx.params = params
         ctx.save_for_backward(sol)
-        ctx.n_params = len(params)
         return sol.to(rhs.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         op: NystromKRROperator = ctx.op
         sol = ctx.saved_tensors[0].detach()
         lam, _ = op.falkon_solve(grad.detach().to(torch.float64))
         grad_rhs = lam.to(grad.dtype) if ctx.needs_input_grad[1] else None
         need_x, need_c, need_pen = ctx.needs_input_grad[2], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
-        params = kernel_params(op.kernel)
         need_p = list(ctx.needs_input_grad[5:])
         gx = gc = gpen = None
-        gp: List[Optional[Tensor]] = [None] * ctx.n_params
+        gp: List[Optional[Tensor]] = [None] * len(need_p)
         if need_x or need_c or need_pen or any(need_p):
-            active = [p for p, need in zip(params, need_p) if need]
+            active = [p for p, need in zip(ctx.params, need_p) if need]
             gx, gc, gpen, g_active = op.bilinear_grads(lam, sol, need_x, need_c, need_pen, active)
-            it = iter(g_active)
-            gp = []
-            for need in need_p:
-                g = next(it) if need else None
-                gp.append(None if g is None else -g)
+            gp = scatter_grads(need_p, g_active, sign=-1.0)
             gx = None if gx is None else -gx
             gc = None if gc is None else -gc
             gpen = None if gpen is None else -gpen
@@ -407,27 +484,24 @@ class _HDiagonal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op: NystromKRROperator, x: Tensor, centers: Tensor, penalty: Tensor, *params: Tensor) -> Tensor:  # type: ignore[override]
         ctx.op = op
-        ctx.n_params = len(params)
+        ctx.params = params
         return op.diagonal_nograd().to(x.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         op: NystromKRROperator = ctx.op
         g = grad.detach().to(op.x.dtype)
         need_x, need_c, need_pen = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         need_p = list(ctx.needs_input_grad[4:])
-        params = kernel_params(op.kernel)
-        active = [p for p, need in zip(params, need_p) if need]
+        active = [p for p, need in zip(ctx.params, need_p) if need]
 
         def surrogate(start: int, stop: int, kb: Tensor) -> Tensor:
             return (kb.square() * g).sum()
 
-        gx, gc, g_active = blockwise_kernel_grad(op.kernel, op.x, op.centers, surrogate, active, need_x, need_c)
+        gx, gc, g_active = op.blockwise_grad(surrogate, active, need_x, need_c)
         gc_box = [gc]
         gpen = op._add_penalty_term_grads(
             lambda kmm: (g * kmm.diagonal()).sum(), active, g_active, need_c, need_pen, gc_box
         )
-        gc = gc_box[0]
-        it = iter(g_active)
-        gp = [next(it) if need else None for need in need_p]
-        return (None, gx, gc, gpen, *gp)
+        return (None, gx, gc_box[0], gpen, *scatter_grads(need_p, g_active))

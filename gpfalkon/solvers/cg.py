@@ -93,7 +93,10 @@ def conjugate_gradient(
         x = torch.zeros_like(b)
         r = b.clone()
     else:
+        if x0.shape != b.shape:
+            raise ValueError(f"x0 must have the shape of b {tuple(b.shape)}, got {tuple(x0.shape)}")
         x = x0.to(b.dtype).clone()
+        x[:, b_norm == 0] = 0.0  # the solution of W x = 0 is 0, whatever the warm start
         r = b - matvec(x)
     p = r.clone()
     rs = (r * r).sum(0)
@@ -167,10 +170,12 @@ def conjugate_gradient(
             bar.close()
     info = CGInfo(
         iterations=it,
-        converged=bool((rel <= tol).all()) or (breakdowns > 0 and not bool(active.any())),
+        converged=bool((rel <= tol).all()),
         residuals=torch.stack(history),
         tol=float(tol),
         max_iter=int(max_iter),
+        # columns stopped at non-positive curvature once already below 1e3 sqrt(eps)
+        # (a singular, consistent system): they count as converged only if <= tol
         extra={"frozen_at_breakdown": breakdowns},
     )
     return x, info

@@ -33,7 +33,8 @@ def falkon_solve(
     CG vectors live in float64 whatever the data dtype (``O(M k)`` memory), so a
     float32 kernel loses precision only in the kernel products themselves.
     ``x0`` warm-starts from a previous ``alpha`` (one extra data pass).
-    Cost: ``(iterations + 1)`` data passes plus ``O(M^2 k)`` per iteration.
+    Cost: one data pass per iteration (one more with a warm start) plus ``O(M^2 k)``
+    per iteration for the triangular solves; forming ``rhs = K_Mn y`` is one more pass.
 
     Emits :class:`CGNotConvergedWarning` when ``tol > 0`` was not reached in
     ``max_iter`` iterations (``tol=0`` asks for exactly ``max_iter`` iterations).
