@@ -1,5 +1,5 @@
 """gpfalkon: FALKON (Nyström kernel ridge regression by preconditioned CG) for GPyTorch."""
-from . import settings
+from . import objectives, settings
 from .centers import CenterSelection, UniformCenters, uniform_centers
 from .errors import CGNotConvergedWarning, FalkonConvergenceError, JitterWarning, NotFittedError, NotPSDError
 from .heuristics import median_lengthscale
@@ -27,6 +27,7 @@ __all__ = [
     "conjugate_gradient",
     "falkon_solve",
     "median_lengthscale",
+    "objectives",
     "settings",
     "uniform_centers",
 ]

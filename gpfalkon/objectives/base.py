@@ -1,0 +1,158 @@
+"""Shared machinery of the hyperparameter objectives (Meanti et al. 2022; MATH.md 4).
+
+Every exact objective is a function of a few ``O(M^2)`` aggregates of the data,
+accumulated over row blocks of ``K_nM`` (MATH.md 4, "common computation"):
+
+    L L^T = K_MM (+ jitter),   A = L^{-1} K_Mn,   B = I + A A^T / v,   L_B L_B^T = B,
+
+    A A^T (M x M),  A y (M x t),  tr(K~) = ||A||_F^2,  tr(K_nn) = sum_i k(x_i, x_i).
+
+Each block's contribution is computed under :func:`torch.utils.checkpoint`, so
+autograd keeps no per-block graph: memory is ``O(M^2 + block x M)`` whatever
+``n``, and the backward pass recomputes each block once. Cost: ``O(n M^2)`` for
+the forward pass and about twice that for the backward pass.
+"""
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from .. import settings
+from ..kernels.engine import kernel_block
+from ..linalg import jittered_cholesky
+
+__all__ = ["NystromObjective", "NystromAggregates"]
+
+
+@dataclass
+class NystromAggregates:
+    """The differentiable ``O(M^2)`` summaries of the data (see module docstring)."""
+
+    L: Tensor  # (M, M) lower Cholesky factor of K_MM (+ jitter)
+    AAt: Tensor  # (M, M)
+    AY: Tensor  # (M, t)
+    tr_ktilde: Tensor  # ()
+    tr_knn: Tensor  # ()
+    yy: Tensor  # (t,)  ||y||^2 per column
+    n: int
+
+
+class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
+    """Base class: ``objective()`` returns the scalar to *minimise* at the model's
+    current kernel, penalty and centers, on its training data.
+
+    Args:
+        model: a :class:`~gpfalkon.FalkonGP` (its ``kernel``, ``centers``,
+            ``penalty`` and training data are used; nothing is copied, so gradients
+            reach the model's parameters).
+        block_rows: rows per block of the blockwise pass (default
+            :class:`gpfalkon.settings.block_rows`, or 2048 when that is automatic).
+    """
+
+    def __init__(self, model, *, block_rows: Optional[int] = None) -> None:
+        super().__init__()
+        self.model = model
+        if block_rows is not None and int(block_rows) < 1:
+            raise ValueError(f"block_rows must be >= 1, got {block_rows}")
+        self.block_rows = block_rows
+
+    # ----------------------------------------------------------------- data
+    def _data(self) -> Tuple[Tensor, Tensor]:
+        x = self.model.train_inputs[0]
+        y = self.model.train_targets
+        return x, (y.unsqueeze(-1) if y.dim() == 1 else y)
+
+    def _rows(self, n: int) -> int:
+        if self.block_rows is not None:
+            return int(self.block_rows)
+        setting = settings.block_rows.value()
+        return max(1, min(n, 2048 if setting is None else int(setting)))
+
+    # --------------------------------------------------------------- pieces
+    def cholesky_kmm(self) -> Tensor:
+        """Differentiable lower Cholesky factor of ``K_MM + j I`` in the data dtype;
+        the jitter ``j`` is chosen (without gradient) by :func:`jittered_cholesky`."""
+        kernel, c = self.model.kernel, self.model.centers
+        kmm = kernel_block(kernel, c, c)
+        _, jit = jittered_cholesky(kmm.detach(), upper=False, name="K_MM")
+        eye = torch.eye(kmm.shape[-1], dtype=kmm.dtype, device=kmm.device)
+        return torch.linalg.cholesky(kmm + jit * eye)
+
+    def aggregates(self, x: Tensor, y: Tensor, L: Tensor) -> NystromAggregates:
+        """Accumulate ``A A^T``, ``A y``, ``tr(K~)`` and ``tr(K_nn)`` over row blocks."""
+        kernel, c = self.model.kernel, self.model.centers
+        n = x.shape[0]
+        rows = self._rows(n)
+
+        def block(xb: Tensor, yb: Tensor, L_: Tensor, c_: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+            kb = kernel_block(kernel, xb, c_)
+            ab = torch.linalg.solve_triangular(L_, kb.mT, upper=False)  # (M, rows)
+            kdiag = kernel(xb, diag=True)
+            return ab @ ab.mT, ab @ yb, ab.square().sum(), kdiag.sum()
+
+        aat = ay = trk = trn = None
+        for s in range(0, n, rows):
+            xb, yb = x[s : s + rows], y[s : s + rows]
+            out = checkpoint(block, xb, yb, L, c, use_reentrant=False)
+            if aat is None:
+                aat, ay, trk, trn = out
+            else:
+                aat, ay, trk, trn = aat + out[0], ay + out[1], trk + out[2], trn + out[3]
+        return NystromAggregates(L=L, AAt=aat, AY=ay, tr_ktilde=trk, tr_knn=trn, yy=y.square().sum(0), n=n)
+
+    def for_each_block(
+        self, x: Tensor, L: Tensor, fn: Callable[[Tensor, int, int], Tensor]
+    ) -> List[Tensor]:
+        """Apply ``fn(A_b, start, stop)`` (checkpointed) to every block ``A_b = L^{-1} K_Mb``."""
+        kernel, c = self.model.kernel, self.model.centers
+        n = x.shape[0]
+        rows = self._rows(n)
+        outs = []
+        for s in range(0, n, rows):
+            e = min(s + rows, n)
+
+            def block(xb: Tensor, L_: Tensor, c_: Tensor, s=s, e=e) -> Tensor:
+                ab = torch.linalg.solve_triangular(L_, kernel_block(kernel, xb, c_).mT, upper=False)
+                return fn(ab, s, e)
+
+            outs.append(checkpoint(block, x[s:e], L, c, use_reentrant=False))
+        return outs
+
+    @staticmethod
+    def cholesky_b(agg: NystromAggregates, v: Tensor) -> Tensor:
+        """``L_B = chol(I + A A^T / v)`` (eigenvalues >= 1: no jitter needed)."""
+        m = agg.AAt.shape[-1]
+        eye = torch.eye(m, dtype=agg.AAt.dtype, device=agg.AAt.device)
+        return torch.linalg.cholesky(eye + agg.AAt / v)
+
+    @staticmethod
+    def smoother_terms(agg: NystromAggregates, LB: Tensor, v: Tensor) -> dict:
+        """``tr(S)``, ``y^T S y``, ``||S y||^2`` (per column) and ``W`` with ``S y = A^T W``."""
+        m = LB.shape[-1]
+        eye = torch.eye(m, dtype=LB.dtype, device=LB.device)
+        lb_inv = torch.linalg.solve_triangular(LB, eye, upper=False)
+        # tr(S) = tr(B^{-1} A A^T) / v = tr(B^{-1} (B - I)) = M - ||L_B^{-1}||_F^2
+        tr_s = m - lb_inv.square().sum()
+        z = lb_inv @ agg.AY  # L_B^{-1} A y
+        ysy = z.square().sum(0) / v
+        w = lb_inv.mT @ z / v  # B^{-1} A y / v
+        sy_sq = (w * (agg.AAt @ w)).sum(0)  # ||A^T w||^2
+        return {"tr_s": tr_s, "ysy": ysy, "sy_sq": sy_sq, "w": w, "z": z}
+
+    # ---------------------------------------------------------------- API
+    @abc.abstractmethod
+    def objective(self) -> Tensor:
+        """The objective's value (a differentiable scalar)."""
+
+    def forward(self) -> Tensor:
+        return self.objective()
+
+    @staticmethod
+    def log2pi() -> float:
+        return math.log(2 * math.pi)

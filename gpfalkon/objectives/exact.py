@@ -1,0 +1,177 @@
+"""Exact hyperparameter objectives (MATH.md 4), ``O(n M^2)`` time, ``O(M^2 + block x M)`` memory.
+
+Notation: ``S = K~ (K~ + v I)^{-1}`` the Nyström smoother, ``K~ = K_nM K_MM^{-1} K_Mn``,
+``v = n lambda`` unless stated. Multi-output targets: the per-column objective is
+summed over columns (HoldOut: mean squared error over all entries). Values are
+exactly MATH.md's formulas, the ones of the paper's reference implementation.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .base import NystromObjective
+
+__all__ = ["CompReg", "NystromCompReg", "GCV", "LOOCV", "HoldOut", "SGPRBound"]
+
+
+class CompReg(NystromObjective):
+    """C-Reg: ``tr(S) + y^T (I - S) y`` (summed over output columns). Cost ``O(n M^2)``."""
+
+    def objective(self) -> Tensor:
+        x, y = self._data()
+        v = self.model.n * self.model.penalty
+        agg = self.aggregates(x, y, self.cholesky_kmm())
+        t = self.smoother_terms(agg, self.cholesky_b(agg, v), v)
+        return (t["tr_s"] + agg.yy - t["ysy"]).sum()
+
+
+class NystromCompReg(NystromObjective):
+    """The paper's proposed bound (eq. 9), per column and summed:
+
+        tr(S) + y^T (I - S) y + [ (tr(K_nn) - tr(K~)) / (n lambda) ] [ y^T (I - S) y / n ]
+
+    (effective dimension + data fit + Nyström-approximation penalty; assumes
+    standardised targets). Cost ``O(n M^2)``.
+    """
+
+    def objective(self) -> Tensor:
+        x, y = self._data()
+        n = self.model.n
+        v = n * self.model.penalty
+        agg = self.aggregates(x, y, self.cholesky_kmm())
+        t = self.smoother_terms(agg, self.cholesky_b(agg, v), v)
+        fit = agg.yy - t["ysy"]
+        nys = (agg.tr_knn - agg.tr_ktilde) / v
+        return (t["tr_s"] + fit + nys * fit / n).sum()
+
+
+class GCV(NystromObjective):
+    """Generalised cross-validation, with ``v = (n - 1) lambda``:
+
+        (1/n) ||(I - S) y||^2 / (1 - tr(S) / n)^2       (summed over columns)
+
+    ``||(I - S) y||^2 = ||y||^2 - 2 y^T S y + ||S y||^2`` needs no per-point pass,
+    so the value does not depend on any prediction batch size. Cost ``O(n M^2)``.
+    """
+
+    def objective(self) -> Tensor:
+        x, y = self._data()
+        n = self.model.n
+        v = (n - 1) * self.model.penalty
+        agg = self.aggregates(x, y, self.cholesky_kmm())
+        t = self.smoother_terms(agg, self.cholesky_b(agg, v), v)
+        res = agg.yy - 2 * t["ysy"] + t["sy_sq"]
+        return ((res / n) / (1 - t["tr_s"] / n) ** 2).sum()
+
+
+class LOOCV(NystromObjective):
+    """Leave-one-out cross-validation (closed form), with ``v = (n - 1) lambda``:
+
+        (1/n) sum_i ( ((I - S) y)_i / (1 - S_ii) )^2      (summed over columns)
+
+    with ``S_ii = ||L_B^{-1} a_i||^2 / v``. Two blockwise passes, ``O(n M^2)``.
+    """
+
+    def objective(self) -> Tensor:
+        x, y = self._data()
+        n = self.model.n
+        v = (n - 1) * self.model.penalty
+        L = self.cholesky_kmm()
+        agg = self.aggregates(x, y, L)
+        LB = self.cholesky_b(agg, v)
+        w = self.smoother_terms(agg, LB, v)["w"]
+
+        def block(ab: Tensor, s: int, e: int) -> Tensor:
+            s_ii = torch.linalg.solve_triangular(LB, ab, upper=False).square().sum(0) / v  # (rows,)
+            r = y[s:e] - ab.mT @ w  # ((I - S) y) on the block
+            return (r / (1 - s_ii).unsqueeze(-1)).square().sum(0)
+
+        return (sum(self.for_each_block(x, L, block)) / n).sum()
+
+
+class HoldOut(NystromObjective):
+    """Hold-out validation error: fit alpha on a training part with ``v = n_train lambda``
+    and return the mean squared error on the validation part.
+
+    ``alpha = L^{-T} (A A^T + v I)^{-1} A y`` (training part only), then
+    ``mean((K_vM alpha - y_v)^2)``. The split is drawn once from ``generator``
+    (reproducible), or redrawn at every call with ``redraw=True``.
+
+    Args:
+        val_fraction: share of the rows held out (default 0.5; must leave both parts non-empty).
+        generator: ``torch.Generator`` for the split (default seeded with 0).
+        redraw: draw a new split at every evaluation.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        val_fraction: float = 0.5,
+        generator: Optional[torch.Generator] = None,
+        redraw: bool = False,
+        block_rows: Optional[int] = None,
+    ) -> None:
+        super().__init__(model, block_rows=block_rows)
+        if not (0.0 < float(val_fraction) < 1.0):
+            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        n = model.n
+        self.n_val = int(round(n * float(val_fraction)))
+        if self.n_val < 1 or self.n_val > n - 1:
+            raise ValueError(f"val_fraction={val_fraction} leaves an empty part with n={n}")
+        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        self.redraw = bool(redraw)
+        self._perm: Optional[Tensor] = None
+
+    def split(self) -> tuple[Tensor, Tensor]:
+        """``(train_idx, val_idx)``: the current split."""
+        if self._perm is None or self.redraw:
+            self._perm = torch.randperm(self.model.n, generator=self.generator)
+        perm = self._perm.to(self.model.train_inputs[0].device)
+        return perm[self.n_val :], perm[: self.n_val]
+
+    def objective(self) -> Tensor:
+        x, y = self._data()
+        tr, va = self.split()
+        xt, yt = x[tr], y[tr]
+        v = xt.shape[0] * self.model.penalty
+        L = self.cholesky_kmm()
+        agg = self.aggregates(xt, yt, L)
+        m = L.shape[-1]
+        eye = torch.eye(m, dtype=L.dtype, device=L.device)
+        beta = torch.linalg.solve(agg.AAt + v * eye, agg.AY)
+        alpha = torch.linalg.solve_triangular(L.mT, beta, upper=True)  # (M, t)
+        xv, yv = x[va], y[va]
+        kernel, c = self.model.kernel, self.model.centers
+        rows = self._rows(xv.shape[0])
+        sq = sum((kernel(xv[s : s + rows], c).to_dense() @ alpha - yv[s : s + rows]).square().sum()
+                 for s in range(0, xv.shape[0], rows))
+        return sq / yv.numel()
+
+
+class SGPRBound(NystromObjective):
+    """The Titsias (SGPR) negative ELBO with noise ``v = n lambda`` (summed over columns):
+
+        (1/2) [ log det(K~ + v I) + y^T (K~ + v I)^{-1} y + (tr(K_nn) - tr(K~)) / v ] + (n/2) log 2 pi,
+
+    ``log det(K~ + v I) = n log v + 2 sum log diag(L_B)`` and
+    ``y^T (K~ + v I)^{-1} y = (||y||^2 - ||L_B^{-1} A y||^2 / v) / v``.
+    GPyTorch's SGPR loss (``-ExactMarginalLogLikelihood``) is this divided by ``n``.
+    Cost ``O(n M^2)``.
+    """
+
+    def objective(self) -> Tensor:
+        x, y = self._data()
+        n = self.model.n
+        v = n * self.model.penalty
+        agg = self.aggregates(x, y, self.cholesky_kmm())
+        LB = self.cholesky_b(agg, v)
+        t = self.smoother_terms(agg, LB, v)
+        logdet = n * torch.log(v) + 2 * torch.log(LB.diagonal()).sum()
+        quad = (agg.yy - t["ysy"]) / v
+        trace = (agg.tr_knn - agg.tr_ktilde) / v
+        per_col = 0.5 * (logdet + quad + trace) + 0.5 * n * self.log2pi()
+        return per_col.sum()

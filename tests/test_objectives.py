@@ -1,0 +1,172 @@
+"""Exact objectives against naive dense formulas (n x n matrices, pseudo-inverses)."""
+from __future__ import annotations
+
+import math
+
+import gpytorch
+import pytest
+import torch
+from conftest import dense_kernel, make_data, make_kernel
+
+from gpfalkon import FalkonGP
+from gpfalkon.objectives import GCV, LOOCV, CompReg, HoldOut, NystromCompReg, SGPRBound
+
+
+def _model(t=None, n=120, m=12, lam=1e-3, learn_centers=True, dtype=torch.float64):
+    x, y = make_data(n, 2, t=t, dtype=dtype)
+    k = make_kernel("scale_matern52", 2, dtype=dtype)
+    k.base_kernel.lengthscale = k.base_kernel.lengthscale * 0.6  # well-conditioned K_MM
+    return FalkonGP(x, y, kernel=k, num_centers=m, penalty=lam, learn_centers=learn_centers)
+
+
+def _smoother(model, v):
+    x, c, k = model.train_inputs[0], model.centers, model.kernel
+    knm, kmm = dense_kernel(k, x, c), dense_kernel(k, c, c)
+    kt = knm @ torch.linalg.pinv(kmm) @ knm.T
+    n = x.shape[0]
+    S = kt @ torch.linalg.inv(kt + v * torch.eye(n, dtype=x.dtype))
+    return S, kt, dense_kernel(k, x, x)
+
+
+def naive(name, model, objective=None):
+    x = model.train_inputs[0]
+    y = model.train_targets
+    y = y.unsqueeze(-1) if y.dim() == 1 else y
+    n, lam = x.shape[0], model.penalty
+    eye = torch.eye(n, dtype=x.dtype)
+    total = 0.0
+    if name in ("GCV", "LOOCV"):
+        S, kt, knn = _smoother(model, (n - 1) * lam)
+    elif name != "HoldOut":
+        S, kt, knn = _smoother(model, n * lam)
+    for j in range(y.shape[1]):
+        yj = y[:, j]
+        if name == "CompReg":
+            total = total + S.trace() + yj @ (eye - S) @ yj
+        elif name == "NystromCompReg":
+            fit = yj @ (eye - S) @ yj
+            total = total + S.trace() + fit + (knn.trace() - kt.trace()) / (n * lam) * fit / n
+        elif name == "GCV":
+            r = (eye - S) @ yj
+            total = total + (r @ r / n) / (1 - S.trace() / n) ** 2
+        elif name == "LOOCV":
+            r = (eye - S) @ yj
+            total = total + ((r / (1 - S.diagonal())) ** 2).mean()
+        elif name == "SGPRBound":
+            v = n * lam
+            C = kt + v * eye
+            total = total + 0.5 * (torch.logdet(C) + yj @ torch.linalg.solve(C, yj) + (knn.trace() - kt.trace()) / v)
+            total = total + 0.5 * n * math.log(2 * math.pi)
+    if name == "HoldOut":
+        tr, va = objective.split()
+        c, k = model.centers, model.kernel
+        ktr = dense_kernel(k, x[tr], c)
+        kmm = dense_kernel(k, c, c)
+        alpha = torch.linalg.solve(ktr.T @ ktr + len(tr) * lam * kmm, ktr.T @ y[tr])
+        total = ((dense_kernel(k, x[va], c) @ alpha - y[va]) ** 2).mean()
+    return total
+
+
+OBJECTIVES = {"CompReg": CompReg, "NystromCompReg": NystromCompReg, "GCV": GCV, "LOOCV": LOOCV,
+              "HoldOut": HoldOut, "SGPRBound": SGPRBound}
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+@pytest.mark.parametrize("t", [None, 2])
+def test_value_and_gradients_match_naive_dense(name, t):
+    model = _model(t=t)
+    obj = OBJECTIVES[name](model, block_rows=37)
+    params = [model.kernel.base_kernel.raw_lengthscale, model.kernel.raw_outputscale,
+              model.likelihood.raw_noise, model.centers]
+    ours = obj()
+    g_ours = torch.autograd.grad(ours, params)
+    ref = naive(name, model, obj)
+    g_ref = torch.autograd.grad(ref, params)
+    torch.testing.assert_close(ours, ref, rtol=1e-8, atol=1e-10)
+    for a, b in zip(g_ours, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("name", ["NystromCompReg", "LOOCV", "SGPRBound"])
+def test_gradients_match_finite_differences(name):
+    model = _model(n=40, m=5)
+    obj = OBJECTIVES[name](model, block_rows=16)
+    ls, noise, c = model.kernel.base_kernel.raw_lengthscale, model.likelihood.raw_noise, model.centers
+
+    # finite differences of the objective against its autograd gradient, per parameter
+    base = obj()
+    grads = torch.autograd.grad(base, [ls, noise, c])
+    for p, g in zip([ls, noise, c], grads):
+        d = torch.randn_like(p)
+        eps = 1e-6
+        with torch.no_grad():
+            p.add_(eps * d)
+        up = obj().detach()
+        with torch.no_grad():
+            p.sub_(2 * eps * d)
+        down = obj().detach()
+        with torch.no_grad():
+            p.add_(eps * d)
+        fd = (up - down) / (2 * eps)
+        torch.testing.assert_close(fd, (g * d).sum(), rtol=1e-5, atol=1e-7)
+
+
+def test_sgpr_bound_equals_gpytorch_sgpr_loss():
+    model = _model(learn_centers=False)
+    x, y = model.train_inputs[0], model.train_targets
+    n = x.shape[0]
+
+    class SGPR(gpytorch.models.ExactGP):
+        def __init__(self, lik):
+            super().__init__(x, y, lik)
+            self.mean_module = gpytorch.means.ZeroMean()
+            self.covar_module = gpytorch.kernels.InducingPointKernel(
+                model.kernel, inducing_points=model.centers.clone(), likelihood=lik
+            )
+
+        def forward(self, z):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(z), self.covar_module(z))
+
+    lik = gpytorch.likelihoods.GaussianLikelihood(noise_constraint=gpytorch.constraints.Positive()).double()
+    lik.noise = model.noise.detach()
+    sgpr = SGPR(lik).double()
+    sgpr.train()
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(lik, sgpr)
+    with gpytorch.settings.max_cholesky_size(10**9):
+        loss = -mll(sgpr(x), y)
+    ours = SGPRBound(model)()
+    torch.testing.assert_close(ours / n, loss, rtol=1e-8, atol=1e-10)
+
+
+def test_holdout_split_is_reproducible_and_validated():
+    model = _model()
+    a = HoldOut(model, val_fraction=0.3, generator=torch.Generator().manual_seed(5))
+    b = HoldOut(model, val_fraction=0.3, generator=torch.Generator().manual_seed(5))
+    assert all(torch.equal(p, q) for p, q in zip(a.split(), b.split()))
+    assert len(a.split()[1]) == 36
+    torch.testing.assert_close(a(), b())
+    r = HoldOut(model, redraw=True)
+    first = r.split()[1].clone()
+    assert not torch.equal(first, r.split()[1])
+    with pytest.raises(ValueError, match="val_fraction"):
+        HoldOut(model, val_fraction=1.0)
+    with pytest.raises(ValueError, match="block_rows"):
+        GCV(model, block_rows=0)
+
+
+def test_objectives_train_in_a_gpytorch_loop():
+    """Adam on NystromCompReg lowers it and the fitted model then predicts."""
+    model = _model(n=200, m=15)
+    obj = NystromCompReg(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    start = obj().item()
+    for _ in range(30):
+        opt.zero_grad()
+        loss = obj()
+        loss.backward()
+        opt.step()
+    assert obj().item() < start
+    model.fit()
+    model.eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(model.train_inputs[0][:5]).mean).all()
