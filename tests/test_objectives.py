@@ -170,3 +170,70 @@ def test_objectives_train_in_a_gpytorch_loop():
     model.eval()
     with torch.no_grad():
         assert torch.isfinite(model(model.train_inputs[0][:5]).mean).all()
+
+
+from gpfalkon.objectives import StochasticNystromCompReg  # noqa: E402
+
+GRAD_PARAMS = lambda m: [m.kernel.base_kernel.raw_lengthscale, m.kernel.raw_outputscale,  # noqa: E731
+                         m.likelihood.raw_noise, m.centers]
+
+
+@pytest.mark.parametrize("ktilde_trace", ["subsample", "hutchinson"])
+def test_stochastic_is_exact_with_identity_trace_vectors(ktilde_trace):
+    """Z Z^T / r = I (Z = sqrt(n) I), all rows in the subset, CG converged: the value and
+    the hand-derived gradients equal the exact objective and its autograd gradients."""
+    model = _model(n=60, m=8, t=None)
+    n = 60
+    z = n**0.5 * torch.eye(n, dtype=torch.float64)
+    sto = StochasticNystromCompReg(model, trace_vectors=z, cg_iterations=2000, cg_tol=1e-13,
+                                   ktilde_trace=ktilde_trace, subsample_size=n, block_rows=17)
+    exact = NystromCompReg(model)
+    params = GRAD_PARAMS(model)
+    v_s = sto()
+    g_s = torch.autograd.grad(v_s, params)
+    v_e = exact()
+    g_e = torch.autograd.grad(v_e, params)
+    torch.testing.assert_close(v_s, v_e, rtol=1e-8, atol=1e-8)
+    for a, b in zip(g_s, g_e):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_stochastic_error_shrinks_with_more_trace_vectors():
+    model = _model(n=300, m=20)
+    exact = NystromCompReg(model)
+    params = GRAD_PARAMS(model)
+    v_e = exact()
+    g_e = torch.cat([g.flatten() for g in torch.autograd.grad(v_e, params)])
+    errs, gerrs = [], []
+    for r in (2, 16, 128):
+        e, ge = 0.0, 0.0
+        for seed in range(4):
+            sto = StochasticNystromCompReg(model, num_trace_vectors=r, generator=torch.Generator().manual_seed(seed),
+                                           cg_iterations=500, cg_tol=1e-12, subsample_size=300)
+            v = sto()
+            g = torch.cat([gg.flatten() for gg in torch.autograd.grad(v, params)])
+            e += abs(float(v - v_e)) / 4
+            ge += float((g - g_e).norm() / g_e.norm()) / 4
+        errs.append(e)
+        gerrs.append(ge)
+    assert errs[2] < errs[1] < errs[0], errs
+    assert gerrs[2] < gerrs[0], gerrs
+
+
+def test_stochastic_warm_start_and_training_loop():
+    model = _model(n=400, m=20)
+    sto = StochasticNystromCompReg(model, num_trace_vectors=20, cg_iterations=10)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    exact = NystromCompReg(model)
+    start = exact().item()
+    for _ in range(25):
+        opt.zero_grad()
+        loss = sto()
+        loss.backward()
+        opt.step()
+    assert sto.last_info.iterations == 10 and sto._alpha is not None
+    assert exact().item() < start
+    with pytest.raises(ValueError, match="trace_vectors"):
+        StochasticNystromCompReg(model, trace_vectors=torch.ones(3, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="ktilde_trace"):
+        StochasticNystromCompReg(model, ktilde_trace="exact")
