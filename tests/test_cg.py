@@ -93,3 +93,13 @@ def test_zero_rhs_with_warm_start_returns_zero():
     assert torch.equal(x, torch.zeros_like(x)) and info.converged
     with pytest.raises(ValueError, match="x0 must have the shape"):
         conjugate_gradient(lambda u: A @ u, b, x0=torch.ones(30, dtype=torch.float64))
+
+
+def test_warm_start_worse_than_zero_is_dropped():
+    A = spd()
+    b = torch.randn(30, 2, dtype=torch.float64)
+    cold, info_cold = conjugate_gradient(lambda u: A @ u, b, tol=0.0, max_iter=5)
+    bad = 1e6 * torch.randn(30, 2, dtype=torch.float64)
+    warm, info_warm = conjugate_gradient(lambda u: A @ u, b, x0=bad, tol=0.0, max_iter=5)
+    torch.testing.assert_close(warm, cold)
+    torch.testing.assert_close(info_warm.residuals[0], torch.ones(2, dtype=torch.float64))

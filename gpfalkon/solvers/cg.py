@@ -66,7 +66,8 @@ def conjugate_gradient(
     Args:
         matvec: ``u -> W u`` for ``u`` of shape ``(M, k)``.
         b: right-hand sides ``(M, k)``; the iteration runs in ``b``'s dtype.
-        x0: warm start (default zero, which saves one operator call).
+        x0: warm start (default zero, which saves one operator call); columns whose
+            initial residual is not below ``||b||`` restart from zero.
         tol: stop when every column has ``||r|| / ||b|| <= tol``.
         max_iter: iteration cap.
         callback: ``callback(iteration, x, relative_residuals)`` after each iteration.
@@ -98,6 +99,12 @@ def conjugate_gradient(
         x = x0.to(b.dtype).clone()
         x[:, b_norm == 0] = 0.0  # the solution of W x = 0 is 0, whatever the warm start
         r = b - matvec(x)
+        # a warm start worse than zero (after a large change of the system) is dropped,
+        # column by column: CG from it would need more iterations than from scratch
+        worse = r.norm(dim=0) >= b_norm
+        if bool(worse.any()):
+            x[:, worse] = 0.0
+            r[:, worse] = b[:, worse]
     p = r.clone()
     rs = (r * r).sum(0)
     rel = rs.sqrt() / safe_norm
