@@ -76,13 +76,19 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
 
     # --------------------------------------------------------------- pieces
     def cholesky_kmm(self) -> Tensor:
-        """Differentiable lower Cholesky factor of ``K_MM + j I`` in the data dtype;
-        the jitter ``j`` is chosen (without gradient) by :func:`jittered_cholesky`."""
+        """Differentiable lower Cholesky factor of ``K_MM + j I``, computed in float64
+        and returned in the data dtype; the jitter ``j`` is chosen (without gradient)
+        by :func:`jittered_cholesky` (duplicate centers escalate it, with a warning)."""
         kernel, c = self.model.kernel, self.model.centers
         kmm = kernel_block(kernel, c, c)
-        _, jit = jittered_cholesky(kmm.detach(), upper=False, name="K_MM")
-        eye = torch.eye(kmm.shape[-1], dtype=kmm.dtype, device=kmm.device)
-        return torch.linalg.cholesky(kmm + jit * eye)
+        kmm64 = kmm.to(torch.float64)  # factor in float64 whatever the data dtype
+        # first jitter: FALKON's eps * M with the eps of the *data* dtype, since the
+        # blocks A = L^{-1} K_Mb are then solved in that dtype
+        m = kmm.shape[-1]
+        first = float(torch.finfo(kmm.dtype).eps) * m * float(kmm64.detach().diagonal().abs().mean())
+        _, jit = jittered_cholesky(kmm64.detach(), upper=False, name="K_MM", jitter=first)
+        eye = torch.eye(kmm.shape[-1], dtype=torch.float64, device=kmm.device)
+        return torch.linalg.cholesky(kmm64 + jit * eye).to(kmm.dtype)
 
     def aggregates(self, x: Tensor, y: Tensor, L: Tensor) -> NystromAggregates:
         """Accumulate ``A A^T``, ``A y``, ``tr(K~)`` and ``tr(K_nn)`` over row blocks."""
