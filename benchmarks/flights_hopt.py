@@ -118,8 +118,8 @@ def main() -> None:
     body = (
         f"flights: n_train = {len(xtr):,}, n_test = {len(xte):,}, {args.dtype}; RBF kernel; FALKON fits use "
         f"{args.fit_iterations} CG iterations. Learned model: ARD lengthscales, lambda (init 1e-4) and centers "
-        f"(init random rows) by Adam (lr {args.lr}), r = {args.trace_vectors} trace vectors, {args.cg_iterations} "
-        f"warm-started CG iterations per step. Predicting the training mean: RMSE {mean_rmse:.4f} "
+        f"(init random rows) by Adam (lr {args.lr}), r = {args.trace_vectors} trace vectors, at most "
+        f"{args.cg_iterations} warm-started CG iterations per step (stopping at relative residual 1e-4). Predicting the training mean: RMSE {mean_rmse:.4f} "
         f"({mean_rmse * float(ys):.2f} min).\n\n" + table + "\n"
     )
     write_result(args.out, "Large-scale hyperparameter learning on flights", env, body)

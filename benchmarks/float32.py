@@ -20,19 +20,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _baselines import SGPR  # noqa: E402
 from _common import REPO, environment_lines, log, markdown_table, write_result  # noqa: E402
 
 from gpfalkon import FalkonGP, median_lengthscale  # noqa: E402
-
-
-class SGPR(gpytorch.models.ExactGP):
-    def __init__(self, x, y, kernel, inducing, likelihood):
-        super().__init__(x, y, likelihood)
-        self.mean_module = gpytorch.means.ZeroMean()
-        self.covar_module = gpytorch.kernels.InducingPointKernel(kernel, inducing_points=inducing, likelihood=likelihood)
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
 
 def make_kernel(ls: float, dtype):

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _baselines import SGPR  # noqa: E402
 from _common import REPO, environment_lines, log, markdown_table, write_result  # noqa: E402
 
 from gpfalkon import CGNotConvergedWarning, FalkonGP, median_lengthscale  # noqa: E402
@@ -80,22 +81,12 @@ def train(model, name: str, steps: int, lr: float) -> None:
         opt.step()
 
 
-class SGPR(gpytorch.models.ExactGP):
-    def __init__(self, x, y, centers, ls0, lik):
-        super().__init__(x, y, lik)
-        self.mean_module = gpytorch.means.ZeroMean()
-        base = gpytorch.kernels.RBFKernel(ard_num_dims=x.shape[1]).double()
-        base.lengthscale = ls0 * torch.ones(1, x.shape[1], dtype=torch.float64)
-        self.covar_module = gpytorch.kernels.InducingPointKernel(base, inducing_points=centers.clone(), likelihood=lik)
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
-
-
 def sgpr_nrmse(x, y, xte, yte, centers, ls0, lam0, steps, lr) -> float:
     lik = gpytorch.likelihoods.GaussianLikelihood().double()
     lik.noise = max(len(x) * lam0, 1.1e-4)
-    m = SGPR(x, y, centers, ls0, lik).double()
+    base = gpytorch.kernels.RBFKernel(ard_num_dims=x.shape[1]).double()
+    base.lengthscale = ls0 * torch.ones(1, x.shape[1], dtype=torch.float64)
+    m = SGPR(x, y, base, centers.clone(), lik).double()
     m.train()
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(lik, m)
     opt = torch.optim.Adam(m.parameters(), lr=lr)

@@ -1,7 +1,7 @@
 """The scalable, stochastic form of the complexity-regularisation objective (MATH.md 4-5)."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
