@@ -87,16 +87,34 @@ def _make_h(**kwargs) -> NystromKRROperator:
     return NystromKRROperator(x, centers, torch.tensor(PENALTY, dtype=torch.float64), kernel=_make_kernel(), **kwargs)
 
 
+# Importing BoTorch (tests/test_botorch.py) changes linear_operator's global defaults
+# (its __init__ turns the fast_* computations off and raises max_cholesky_size /
+# cholesky_max_tries); the upstream suite assumes linear_operator's own defaults.
+_LO_DEFAULTS = (
+    (linear_operator.settings._fast_covar_root_decomposition, "_default", True),
+    (linear_operator.settings._fast_log_prob, "_default", True),
+    (linear_operator.settings._fast_solves, "_default", True),
+    (linear_operator.settings.max_cholesky_size, "_global_value", 800),
+    (linear_operator.settings.cholesky_max_tries, "_global_value", 3),
+)
+
+
 class _Float64Mixin:
-    """Run each upstream test with float64 as the default dtype (restored afterwards)."""
+    """Run each upstream test with float64 as the default dtype and linear_operator's
+    own default settings (both restored afterwards)."""
 
     def setUp(self) -> None:
         self._old_dtype = torch.get_default_dtype()
         torch.set_default_dtype(torch.float64)
+        self._old_settings = [(cls, attr, getattr(cls, attr)) for cls, attr, _ in _LO_DEFAULTS]
+        for cls, attr, value in _LO_DEFAULTS:
+            setattr(cls, attr, value)
         super().setUp()  # type: ignore[misc]
 
     def tearDown(self) -> None:
         super().tearDown()  # type: ignore[misc]
+        for cls, attr, value in self._old_settings:
+            setattr(cls, attr, value)
         torch.set_default_dtype(self._old_dtype)
 
 
