@@ -42,10 +42,19 @@ class NystromPosteriorCovariance(LinearOperator):
             yield s, min(s + self.chunk_size, q)
 
     def _roots(self, xs: Tensor) -> Tuple[Tensor, Tensor]:
-        kxm = self.kernel(xs.to(torch.float64), self.centers.to(torch.float64)).to_dense()
-        a = torch.linalg.solve_triangular(self.L, kxm.mT, upper=False)
+        kxm = self.kernel(xs.to(torch.float64), self.centers.to(torch.float64)).to_dense()  # (..., q, M)
+        # all batches as the columns of one (M, batch * q) right-hand side: a batched
+        # solve would broadcast (copy) the M x M factors once per batch
+        m, q = kxm.shape[-1], kxm.shape[-2]
+        cols = kxm.reshape(-1, m).mT
+        a = torch.linalg.solve_triangular(self.L, cols, upper=False)
         c = torch.linalg.solve_triangular(self.LB, a, upper=False)
-        return a, c
+        batch = kxm.shape[:-2]
+
+        def back(t: Tensor) -> Tensor:  # (M, batch * q) -> (..., M, q)
+            return t.mT.reshape(*batch, q, m).mT
+
+        return back(a), back(c)
 
     # ------------------------------------------------------- LinearOperator API
     def _size(self) -> torch.Size:
