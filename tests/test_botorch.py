@@ -110,3 +110,17 @@ def test_bad_training_shapes():
         FalkonModel(X, Y.squeeze(-1), num_centers=5)
     with pytest.raises(ValueError, match="train_X"):
         FalkonModel(X[0], Y, num_centers=5)
+
+
+def test_posterior_transform_and_subset_of_outputs():
+    from botorch.acquisition.objective import ScalarizedPosteriorTransform
+
+    X, Y = _data(m=2)
+    model = FalkonModel(X, Y, num_centers=30, penalty=1e-4)
+    w = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    Xt = torch.rand(5, 2, dtype=torch.float64)
+    full = model.posterior(Xt)
+    scal = model.posterior(Xt, posterior_transform=ScalarizedPosteriorTransform(weights=w))
+    torch.testing.assert_close(scal.mean.squeeze(-1), full.mean @ w)
+    # outputs are independent given the data (covariance C kron I): Var(w^T f) = sum_j w_j^2 var_j
+    torch.testing.assert_close(scal.variance.squeeze(-1), full.variance @ w**2)
