@@ -1,0 +1,103 @@
+"""Outer-loop search: spaces, random / grid / BoTorch search, resume, FALKON objectives."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import make_data
+
+from gpfalkon.tuning import (
+    BoTorchSearch,
+    Categorical,
+    GridSearch,
+    Integer,
+    LogFloat,
+    RandomSearch,
+    SearchSpace,
+    falkon_validation_error,
+    gradient_tuned_error,
+)
+
+SPACE = {"num_centers": Integer(10, 1000, log=True), "kernel": Categorical(["rbf", "matern12", "matern32"]),
+         "penalty": LogFloat(1e-9, 1e-2)}
+
+
+def synthetic(config):
+    """Known optimum: matern32, penalty 1e-5, num_centers 300 (value 0)."""
+    return ((math.log10(config["penalty"]) + 5) ** 2 / 4 + math.log(config["num_centers"] / 300) ** 2
+            + (0.0 if config["kernel"] == "matern32" else 1.0))
+
+
+def test_bad_spaces_raise():
+    with pytest.raises(ValueError, match="choices is empty"):
+        Categorical([])
+    with pytest.raises(ValueError, match="duplicates"):
+        Categorical(["a", "a"])
+    with pytest.raises(ValueError, match="low=5 > high=3"):
+        Integer(5, 3)
+    with pytest.raises(ValueError, match="log=True"):
+        Integer(0, 3, log=True)
+    with pytest.raises(TypeError, match="ints"):
+        Integer(1.5, 3)
+    with pytest.raises(ValueError, match="LogFloat"):
+        LogFloat(0.0, 1.0)
+    with pytest.raises(ValueError, match="LogFloat"):
+        LogFloat(1e-2, 1e-3)
+    with pytest.raises(ValueError, match="non-empty"):
+        SearchSpace({})
+    with pytest.raises(TypeError, match="entry 'x'"):
+        SearchSpace({"x": (1, 2)})
+    with pytest.raises(ValueError, match="budget"):
+        RandomSearch(SPACE, synthetic, budget=0)
+
+
+def test_encode_decode_round_trip_and_grid():
+    space = SearchSpace(SPACE)
+    cfg = {"num_centers": 123, "kernel": "matern12", "penalty": 3e-7}
+    back = space.decode(space.encode(cfg))
+    assert back["num_centers"] == 123 and back["kernel"] == "matern12"
+    assert math.isclose(back["penalty"], 3e-7, rel_tol=1e-12)
+    grid = space.grid(30)
+    assert 0 < len(grid) <= 30 and {g["kernel"] for g in grid} == {"rbf", "matern12", "matern32"}
+    samples = space.sample(200, torch.Generator().manual_seed(0))
+    assert all(10 <= s["num_centers"] <= 1000 and 1e-9 <= s["penalty"] <= 1e-2 for s in samples)
+
+
+def test_searches_find_the_known_optimum():
+    bo = BoTorchSearch(SPACE, lambda c: synthetic(c), budget=25, seed=0, log_objective=False).run()
+    rnd = RandomSearch(SPACE, lambda c: synthetic(c), budget=25, seed=0).run()
+    grid = GridSearch(SPACE, lambda c: synthetic(c), budget=25).run()
+    assert bo.best_config["kernel"] == "matern32"
+    assert bo.best_value < 0.2, bo.best_value
+    assert bo.best_value <= rnd.best_value and bo.best_value <= grid.best_value
+    assert len(bo.history) == 25 and all(t.seconds >= 0 for t in bo.history)
+    assert bo.best_so_far() == sorted(bo.best_so_far(), reverse=True)
+
+
+def test_resume_from_saved_history(tmp_path):
+    path = tmp_path / "history.json"
+    calls = []
+
+    def f(c):
+        calls.append(c)
+        return synthetic(c)
+
+    first = RandomSearch(SPACE, f, budget=4, seed=1, history_path=path).run()
+    assert path.exists() and len(first.history) == 4
+    second = RandomSearch(SPACE, f, budget=7, seed=1, history_path=path).run()
+    assert len(second.history) == 7 and len(calls) == 7  # only 3 new evaluations
+    assert second.history[:4] == first.history
+
+
+def test_falkon_objectives_run():
+    x, y = make_data(400, 2)
+    xv, yv = make_data(100, 2, seed=3)
+    space = {"num_centers": Integer(10, 100, log=True), "kernel": Categorical(["rbf", "matern32"]),
+             "penalty": LogFloat(1e-8, 1e-3)}
+    res = RandomSearch(space, falkon_validation_error(max_iter=15), budget=3, seed=0).run(x, y, xv, yv)
+    assert 0 < res.best_value < float(yv.std()) and len(res.history) == 3
+    val = gradient_tuned_error("GCV", steps=3)({"num_centers": 20, "kernel": "rbf", "penalty": 1e-4}, x, y, xv, yv)
+    assert math.isfinite(val)
+    with pytest.raises(ValueError, match="center_selection"):
+        falkon_validation_error()({"center_selection": "leverage"}, x, y, xv, yv)
