@@ -188,19 +188,25 @@ class SearchSpace:
         and as many evenly spaced levels per other dimension as the budget allows."""
         cats = [len(d.choices) for d in self.dims.values() if isinstance(d, Categorical)]
         n_cat = math.prod(cats) if cats else 1
-        others = [d for d in self.dims.values() if not isinstance(d, Categorical)]
-        levels = 1
-        if others:
-            while (levels + 1) ** len(others) * n_cat <= budget:
-                levels += 1
+        others = [n for n in self.names if not isinstance(self.dims[n], Categorical)]
+        # levels per non-categorical dimension, raised round-robin while the grid fits
+        levels = {n: 1 for n in others}
+        grown = True
+        while grown:
+            grown = False
+            for n in others:
+                trial = dict(levels, **{n: levels[n] + 1})
+                if n_cat * math.prod(trial.values()) <= budget:
+                    levels, grown = trial, True
         axes = []
         for name in self.names:
             d = self.dims[name]
             if isinstance(d, Categorical):
                 axes.append(list(d.choices))
                 continue
+            lv = levels[name]
             lo, hi = d.encode(d.low), d.encode(d.high)
-            zs = [lo + (hi - lo) * (i + 0.5) / levels for i in range(levels)] if levels > 1 else [(lo + hi) / 2]
+            zs = [lo + (hi - lo) * (i + 0.5) / lv for i in range(lv)] if lv > 1 else [(lo + hi) / 2]
             vals = []
             for z in zs:
                 v = d.decode(z)
