@@ -101,3 +101,21 @@ def test_falkon_objectives_run():
     assert math.isfinite(val)
     with pytest.raises(ValueError, match="center_selection"):
         falkon_validation_error()({"center_selection": "leverage"}, x, y, xv, yv)
+
+
+def test_cost_aware_search_prefers_cheap_configurations():
+    """Cost grows with num_centers; the optimum is flat in num_centers, so per-second
+    improvement should steer the search to cheap configurations."""
+    import time
+
+    def f(c):
+        time.sleep(c["num_centers"] / 20000.0)  # 0.5 ms - 50 ms
+        return (math.log10(c["penalty"]) + 5) ** 2 / 4 + 0.1
+
+    space = {"num_centers": Integer(10, 1000, log=True), "penalty": LogFloat(1e-9, 1e-2)}
+    res = BoTorchSearch(space, f, budget=14, seed=0, cost_aware=True, n_initial=6).run()
+    bo_part = [t for t in res.history[6:]]
+    assert len(bo_part) == 8 and all(t.source == "botorch" for t in res.history)
+    median_m = sorted(t.config["num_centers"] for t in bo_part)[len(bo_part) // 2]
+    assert median_m < 300, [t.config["num_centers"] for t in bo_part]
+    assert res.best_value < 0.6
