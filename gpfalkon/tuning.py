@@ -407,15 +407,19 @@ class BoTorchSearch(_Search):
             cost_model = self._fit_gp(X, torch.tensor([[math.log(max(t.seconds, 1e-6))] for t in ok],
                                                       dtype=torch.float64))
             acqf = _LogEIPerCost(acqf, cost_model)
-        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator)))
-        cand, _ = optimize_acqf_mixed_alternating(
-            acqf,
-            bounds=self.space.bounds(),
-            discrete_dims=self.space.discrete_dims() or None,
-            cat_dims=self.space.cat_dims() or None,
-            num_restarts=self.num_restarts,
-            raw_samples=self.raw_samples,
-        )
+        # BoTorch's optimiser draws its raw samples from the global RNG: seed it from
+        # this search's generator inside fork_rng, leaving the caller's RNG untouched
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            cand, _ = optimize_acqf_mixed_alternating(
+                acqf,
+                bounds=self.space.bounds(),
+                discrete_dims=self.space.discrete_dims() or None,
+                cat_dims=self.space.cat_dims() or None,
+                num_restarts=self.num_restarts,
+                raw_samples=self.raw_samples,
+            )
         config = self.space.decode(cand.reshape(-1))
         if any(config == t.config for t in self.history):
             config = self.space.sample(1, self.generator)[0]

@@ -119,3 +119,11 @@ def test_cost_aware_search_prefers_cheap_configurations():
     median_m = sorted(t.config["num_centers"] for t in bo_part)[len(bo_part) // 2]
     assert median_m < 300, [t.config["num_centers"] for t in bo_part]
     assert res.best_value < 0.6
+
+
+def test_search_leaves_the_global_rng_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    BoTorchSearch(SPACE, synthetic, budget=9, seed=0, n_initial=7, raw_samples=16, num_restarts=1).run()
+    torch.testing.assert_close(torch.rand(3), expected)
