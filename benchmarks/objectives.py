@@ -73,12 +73,7 @@ def nrmse(model, xte, yte) -> float:
 def train(model, name: str, steps: int, lr: float) -> None:
     cls = getattr(O, name)
     obj = cls(model, num_trace_vectors=20) if name == "StochasticNystromCompReg" else cls(model)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = obj()
-        loss.backward()
-        opt.step()
+    obj.minimize(steps, lr=lr)
 
 
 def sgpr_nrmse(x, y, xte, yte, centers, ls0, lam0, steps, lr) -> float:

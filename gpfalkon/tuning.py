@@ -509,13 +509,7 @@ def gradient_tuned_error(objective: str = "NystromCompReg", steps: int = 30, lr:
 
     def run(config, train_x, train_y, val_x, val_y) -> float:
         model = _config_model(config, train_x, train_y, max_iter, seed, learn_centers=True)
-        obj = cls(model)
-        opt = torch.optim.Adam(model.parameters(), lr=lr)
-        for _ in range(steps):
-            opt.zero_grad()
-            loss = obj()
-            loss.backward()
-            opt.step()
+        cls(model).minimize(steps, lr=lr)
         model.fit()
         return _rmse(model, val_x, val_y)
 

@@ -166,6 +166,11 @@ def test_objectives_train_in_a_gpytorch_loop():
         loss.backward()
         opt.step()
     assert obj().item() < start
+    # the same loop through the helper keeps lowering it
+    values = obj.minimize(10, lr=0.05)
+    assert len(values) == 10 and values[-1] < values[0] < start
+    with pytest.raises(ValueError, match="steps"):
+        obj.minimize(-1)
     model.fit()
     model.eval()
     with torch.no_grad():

@@ -159,6 +159,22 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
     def forward(self) -> Tensor:
         return self.objective()
 
+    def minimize(self, steps: int, lr: float = 0.05, optimizer: Optional[torch.optim.Optimizer] = None) -> List[float]:
+        """Run ``steps`` optimiser steps on the model's parameters (Adam with ``lr`` unless
+        ``optimizer`` is given); returns the objective values seen. The usual GPyTorch loop
+        works just as well: this is the loop, written once."""
+        if int(steps) < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        opt = optimizer if optimizer is not None else torch.optim.Adam(self.model.parameters(), lr=lr)
+        values: List[float] = []
+        for _ in range(int(steps)):
+            opt.zero_grad()
+            loss = self.objective()
+            loss.backward()
+            opt.step()
+            values.append(float(loss.detach()))
+        return values
+
     @staticmethod
     def log2pi() -> float:
         return math.log(2 * math.pi)
