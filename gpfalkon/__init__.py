@@ -1,30 +1,45 @@
 """gpfalkon: FALKON (Nyström kernel ridge regression by preconditioned CG) for GPyTorch."""
 from . import objectives, settings
-from .centers import CenterSelection, UniformCenters, uniform_centers
+from .centers import (
+    CenterSelection,
+    LeverageCenters,
+    UniformCenters,
+    approximate_leverage_scores,
+    effective_dimension,
+    leverage_centers,
+    uniform_centers,
+)
 from .errors import CGNotConvergedWarning, FalkonConvergenceError, JitterWarning, NotFittedError, NotPSDError
 from .heuristics import median_lengthscale
-from .kernels import KernelEngine
-from .models import FalkonGP, NystromPosteriorFactors
+from .kernels import FastfoodKernel, KernelEngine
+from .models import FalkonClassifier, FalkonGP, NystromPosteriorFactors, encode_labels
 from .operators import FalkonPreconditioner, NystromKRROperator
 from .solvers import CGInfo, conjugate_gradient, falkon_solve
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "approximate_leverage_scores",
+    "effective_dimension",
+    "leverage_centers",
     "CGInfo",
     "CGNotConvergedWarning",
     "CenterSelection",
+    "FalkonClassifier",
     "FalkonConvergenceError",
     "FalkonGP",
     "FalkonPreconditioner",
+    "FastfoodKernel",
     "NystromPosteriorFactors",
     "JitterWarning",
     "KernelEngine",
+    "LeverageCenters",
     "NotFittedError",
     "NotPSDError",
     "NystromKRROperator",
     "UniformCenters",
     "conjugate_gradient",
+    "encode_labels",
     "falkon_solve",
     "median_lengthscale",
     "objectives",

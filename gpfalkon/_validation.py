@@ -76,3 +76,56 @@ def check_num_centers(num_centers: int, n: int) -> int:
     if num_centers > n:
         raise ValueError(f"num_centers={num_centers} exceeds the number of training points n={n}")
     return num_centers
+
+
+def check_kernel(kernel, name: str = "kernel") -> None:
+    """``kernel`` must be a ``gpytorch.kernels.Kernel``."""
+    from gpytorch.kernels import Kernel
+
+    if not isinstance(kernel, Kernel):
+        raise TypeError(f"{name} must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}")
+
+
+def check_positive_real(
+    name: str, value: float, minimum: float = 0.0, strict_minimum: bool = False
+) -> float:
+    """A finite real ``>= minimum`` (``> minimum`` if ``strict_minimum``); returns it as float."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a real number, got bool")
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}") from None
+    if v != v or v in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {v}")
+    if v < minimum or (strict_minimum and v == minimum):
+        op = ">" if strict_minimum else ">="
+        raise ValueError(f"{name} must be {op} {minimum:g}, got {v:g}")
+    return v
+
+
+def check_scores(name: str, scores: Tensor, n: int) -> None:
+    """Sampling scores: a finite, nonnegative ``(n,)`` tensor with a positive sum."""
+    if not isinstance(scores, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(scores).__name__}")
+    if scores.shape != (n,):
+        raise ValueError(f"{name} must have shape ({n},) (one per row of x), got {tuple(scores.shape)}")
+    if not scores.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {scores.dtype}")
+    check_finite(name, scores)
+    if bool((scores < 0).any()):
+        raise ValueError(f"{name} must be >= 0, got {int((scores < 0).sum())} negative value(s)")
+    if not float(scores.detach().to(torch.float64).sum()) > 0:
+        raise ValueError(f"{name} sum to 0: nothing to sample from")
+
+
+def check_center_weights(name: str, weights: Tensor, m: int, device: Optional[torch.device] = None) -> None:
+    """Preconditioner weights ``D``: a finite, strictly positive float ``(m,)`` tensor."""
+    check_dtype(name, weights)
+    if weights.shape != (m,):
+        raise ValueError(f"{name} must have shape ({m},) (one per center), got {tuple(weights.shape)}")
+    if device is not None and weights.device != device:
+        raise ValueError(f"{name} is on {weights.device} but train_x is on {device}")
+    check_finite(name, weights)
+    if bool((weights <= 0).any()):
+        raise ValueError(f"{name} must be > 0, got {int((weights <= 0).sum())} value(s) <= 0")

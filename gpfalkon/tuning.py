@@ -467,13 +467,13 @@ def _config_model(config: Mapping[str, Any], train_x: Tensor, train_y: Tensor, m
     from .models import FalkonGP
 
     selection = config.get("center_selection", "uniform")
-    if selection != "uniform":
-        raise ValueError(f"center_selection={selection!r}: only 'uniform' is available (leverage scores: issue 6)")
+    if selection not in ("uniform", "leverage"):
+        raise ValueError(f"center_selection={selection!r}: must be 'uniform' or 'leverage'")
     ls = float(median_lengthscale(train_x)) * float(config.get("lengthscale_factor", 1.0))
     kernel = make_kernel(config.get("kernel", "rbf"), ls).to(train_x)
     m = min(int(config.get("num_centers", 1000)), train_x.shape[0])
     return FalkonGP(train_x, train_y, kernel=kernel, num_centers=m, penalty=float(config.get("penalty", 1e-6)),
-                    max_iter=max_iter, tol=0.0, seed=seed, **kw)
+                    max_iter=max_iter, tol=0.0, seed=seed, center_selection=selection, **kw)
 
 
 def _rmse(model, val_x: Tensor, val_y: Tensor) -> float:

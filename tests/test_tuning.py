@@ -100,7 +100,12 @@ def test_falkon_objectives_run():
     val = gradient_tuned_error("GCV", steps=3)({"num_centers": 20, "kernel": "rbf", "penalty": 1e-4}, x, y, xv, yv)
     assert math.isfinite(val)
     with pytest.raises(ValueError, match="center_selection"):
-        falkon_validation_error()({"center_selection": "leverage"}, x, y, xv, yv)
+        falkon_validation_error()({"center_selection": "kmeans"}, x, y, xv, yv)
+    # leverage-score centers are a valid choice (issue 6) and default settings fit
+    val = falkon_validation_error()({"center_selection": "leverage", "num_centers": 50, "penalty": 1e-5}, x, y, xv, yv)
+    assert 0 < val < float(yv.std())
+    val = falkon_validation_error()({}, x, y, xv, yv)  # M = n, lambda = 1e-6: K_MM numerically singular
+    assert 0 < val < float(yv.std())
 
 
 def test_cost_aware_search_prefers_cheap_configurations():

@@ -1,8 +1,10 @@
 """Kernel arithmetic: the blockwise product engine and its gradients."""
 from .autograd import KernelProduct, blockwise_kernel_grad, kernel_params, kernel_product
 from .engine import KernelEngine, StationarySpec, kernel_block, stationary_spec
+from .fastfood import FastfoodKernel, fwht
 
 __all__ = [
+    "FastfoodKernel",
     "KernelEngine",
     "KernelProduct",
     "StationarySpec",
@@ -11,4 +13,5 @@ __all__ = [
     "kernel_params",
     "kernel_product",
     "stationary_spec",
+    "fwht",
 ]

@@ -40,7 +40,6 @@ def jittered_cholesky(
     scale = float(a64.diagonal().abs().mean())
     if scale == 0.0 or not torch.isfinite(torch.tensor(scale)):
         scale = 1.0
-    eye = torch.eye(m, dtype=torch.float64, device=a.device)
     first = float(torch.finfo(torch.float64).eps) * m * scale if jitter is None else float(jitter)
     schedule = [first]
     j = max(first, 1e-10 * scale)
@@ -48,8 +47,14 @@ def jittered_cholesky(
         if j > first:
             schedule.append(j)
         j *= 10.0
+    # a + j I in one work matrix, factored in place: peak 2 M^2 doubles counting ``a``
+    work = torch.empty_like(a64)
+    info = torch.empty((), dtype=torch.int32, device=a64.device)
     for k, jit in enumerate(schedule):
-        factor, info = torch.linalg.cholesky_ex(a64 + jit * eye, upper=upper)
+        work.copy_(a64)
+        work.diagonal().add_(jit)
+        factor, info = torch.linalg.cholesky_ex(work, upper=upper, out=(work, info))
+        factor = factor.triu_() if upper else factor.tril_()
         if int(info) == 0 and bool(torch.isfinite(factor).all()):
             if k > 0:
                 warnings.warn(

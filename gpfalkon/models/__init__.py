@@ -1,5 +1,6 @@
 """GPyTorch models built on FALKON."""
+from .classification import FalkonClassifier, encode_labels
 from .falkon_gp import FalkonGP, NystromPosteriorFactors
 from .posterior import NystromPosteriorCovariance
 
-__all__ = ["FalkonGP", "NystromPosteriorCovariance", "NystromPosteriorFactors"]
+__all__ = ["FalkonClassifier", "FalkonGP", "encode_labels", "NystromPosteriorCovariance", "NystromPosteriorFactors"]

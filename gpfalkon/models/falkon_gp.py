@@ -1,6 +1,7 @@
 """FalkonGP: a GPyTorch model whose posterior is Nyström KRR solved by FALKON."""
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Callable, List, Optional, Tuple
 
@@ -13,8 +14,15 @@ from gpytorch.likelihoods import GaussianLikelihood, Likelihood, MultitaskGaussi
 from linear_operator.operators import DiagLinearOperator, KroneckerProductLinearOperator, ZeroLinearOperator
 from torch import Tensor
 
-from .._validation import check_dtype, check_inputs, check_num_centers, check_penalty, check_targets
-from ..centers import uniform_centers
+from .._validation import (
+    check_center_weights,
+    check_dtype,
+    check_inputs,
+    check_num_centers,
+    check_penalty,
+    check_targets,
+)
+from ..centers import leverage_centers, uniform_centers
 from ..errors import NotFittedError
 from ..linalg import jittered_cholesky
 from ..operators import NystromKRROperator
@@ -101,9 +109,29 @@ class FalkonGP(gpytorch.models.GP):
         train_y: ``(n,)`` or ``(n, t)`` targets (same dtype). Not centred: the
             prior mean is zero, so standardise ``y`` (or use BoTorch's ``Standardize``).
         kernel: any GPyTorch kernel (default ``ScaleKernel(MaternKernel(2.5, ARD))``).
-        num_centers: number of centers sampled uniformly without replacement
-            (default ``min(n, 1000)``), or
+        num_centers: number of centers (default ``min(n, 1000)``): sampled
+            uniformly without replacement, or — with ``center_selection="leverage"`` —
+            the number of with-replacement draws (fewer distinct centers result), or
         centers: user-supplied centers ``(M, d)``.
+        center_selection: ``"uniform"`` (default) or ``"leverage"``: centers drawn with
+            probabilities proportional to approximate ridge leverage scores
+            (:func:`~gpfalkon.centers.leverage_centers`, BLESS scores, ``O(n M_J^2)``,
+            ``M_J ~ 5 d_eff``) with the preconditioner weights ``D`` of FALKON's
+            appendix A. The scores depend on ``lambda`` and on the kernel: they are
+            computed *once, here*, at the initial penalty and kernel hyperparameters;
+            the centers and weights are not re-drawn when those change later (call
+            :func:`~gpfalkon.centers.leverage_centers` again and build a new model).
+            Leverage sampling needs fewer centers than uniform sampling when the data
+            are clustered or have outliers (``M ~ d_eff log d_eff``, see
+            :func:`~gpfalkon.centers.effective_dimension`).
+        center_weights: ``(M,)`` positive preconditioner weights ``D`` for user-given
+            ``centers`` (e.g. ``CenterSelection.weights``); default ``None`` = ``D = I``.
+            Stored as the buffer ``center_weights`` (float64; ``None`` for uniform or
+            unweighted centers), saved in ``state_dict`` and kept by copies and ``.to()``.
+            The weights change only FALKON's preconditioner, never the solution
+            ``H alpha = K_Mn y``. With ``learn_centers=True`` they are kept as they are
+            while the centers move (still a valid preconditioner, possibly a less
+            effective one).
         penalty: ``lambda > 0`` (default ``1e-6`` unless ``likelihood`` is given,
             in which case ``lambda = noise / n``).
         likelihood: a ``GaussianLikelihood`` (single output) or
@@ -135,6 +163,8 @@ class FalkonGP(gpytorch.models.GP):
         penalty: Optional[float | Tensor] = None,
         likelihood: Optional[Likelihood] = None,
         learn_centers: bool = False,
+        center_selection: str = "uniform",
+        center_weights: Optional[Tensor] = None,
         generator: Optional[torch.Generator] = None,
         seed: int = 0,
         max_iter: Optional[int] = None,
@@ -164,8 +194,19 @@ class FalkonGP(gpytorch.models.GP):
         self._num_outputs = 1 if train_y.dim() == 1 else int(train_y.shape[1])
 
         # --- centers
+        if not isinstance(center_selection, str) or center_selection not in ("uniform", "leverage"):
+            raise ValueError(f"center_selection must be 'uniform' or 'leverage', got {center_selection!r}")
         if centers is not None and num_centers is not None:
             raise ValueError("give either centers or num_centers, not both")
+        if centers is not None and center_selection != "uniform":
+            raise ValueError(
+                f"center_selection={center_selection!r} samples the centers: do not also pass centers= "
+                "(pass center_weights= with your own centers instead)"
+            )
+        if center_weights is not None and centers is None:
+            raise ValueError("center_weights= needs centers= (the weights belong to given centers)")
+        weights: Optional[Tensor] = None
+        leverage_m: Optional[int] = None
         if centers is not None:
             check_dtype("centers", centers)
             if centers.dtype != train_x.dtype:
@@ -174,17 +215,24 @@ class FalkonGP(gpytorch.models.GP):
                 raise ValueError(f"centers is on {centers.device} but train_x is on {train_x.device}")
             check_inputs("centers", centers, d=d)
             c = centers.detach().clone()
+            if center_weights is not None:
+                check_center_weights("center_weights", center_weights, c.shape[0], train_x.device)
+                weights = center_weights.detach().to(torch.float64).clone()
         else:
             m = min(n, 1000) if num_centers is None else num_centers
             m = check_num_centers(m, n)
             if generator is None:
                 generator = torch.Generator()
                 generator.manual_seed(int(seed))
-            c = uniform_centers(train_x, m, generator).centers
-        if learn_centers:
-            self.centers = torch.nn.Parameter(c)
-        else:
-            self.register_buffer("centers", c)
+            if center_selection == "leverage":
+                leverage_m = m  # drawn below, once the penalty is known
+                c = None
+            else:
+                c = uniform_centers(train_x, m, generator).centers
+        if c is not None:
+            self._register_centers(c, learn_centers)
+            if weights is not None and weights.shape != (c.shape[0],):
+                raise ValueError(f"center_weights must have shape ({c.shape[0]},), got {tuple(weights.shape)}")
 
         # --- likelihood and penalty (noise = n * penalty is the single source of truth)
         if likelihood is None:
@@ -222,6 +270,12 @@ class FalkonGP(gpytorch.models.GP):
         self.likelihood = likelihood
         if penalty is not None:
             self.penalty = penalty  # type: ignore[assignment]
+        if leverage_m is not None:
+            # leverage scores at the initial lambda and kernel hyperparameters (computed once)
+            sel = leverage_centers(train_x, leverage_m, kernel, self.penalty.detach(), generator=generator)
+            c, weights = sel.centers, sel.weights
+            self._register_centers(c, learn_centers)
+        self.register_buffer("center_weights", None if weights is None else weights.to(torch.float64))
 
         self.max_iter = max_iter
         self.tol = tol
@@ -243,6 +297,12 @@ class FalkonGP(gpytorch.models.GP):
         self._fitted_data_key: Optional[tuple] = None
         self._factors: Optional[NystromPosteriorFactors] = None
         self.register_load_state_dict_post_hook(FalkonGP._after_load)
+
+    def _register_centers(self, c: Tensor, learn_centers: bool) -> None:
+        if learn_centers:
+            self.centers = torch.nn.Parameter(c)
+        else:
+            self.register_buffer("centers", c)
 
     # ------------------------------------------------------------ properties
     @property
@@ -277,6 +337,7 @@ class FalkonGP(gpytorch.models.GP):
         """The :class:`~gpfalkon.NystromKRROperator` at the current hyperparameters."""
         kw = dict(
             kernel=self.kernel,
+            weights=self.center_weights,
             memory_budget=self.memory_budget,
             block_rows=self.block_rows,
             store_kernel=self.store_kernel,
@@ -377,17 +438,54 @@ class FalkonGP(gpytorch.models.GP):
         # ExactGP does); a fit that was valid stays valid; alpha and the fingerprint
         # stay float64 (predictions are computed in float64).
         was_valid = bool(self.fitted) and not self._hyper_changed()
+        weights = self.center_weights  # kept in float64: a float32 round trip would round them
         super()._apply(fn, *args, **kwargs)
         self.train_inputs = tuple(fn(t) for t in self.train_inputs)
         self.train_targets = fn(self.train_targets)
         self.alpha = self.alpha.to(torch.float64)
         self.data_fingerprint = self.data_fingerprint.to(torch.float64)
+        if weights is not None:
+            self.center_weights = weights.to(device=self.centers.device, dtype=torch.float64)
         self._factors = None
         if was_valid:
             self._mark_fitted()
         else:
             self._snapshot = None
         return self
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        # The state dict is the source of truth for the centers, their number (leverage
+        # sampling draws a data-dependent number of distinct centers) and their weights
+        # (``center_weights`` is ``None``, hence absent from the state dict, for
+        # unweighted centers): adopt its shapes before the copy.
+        c_key, w_key, a_key = prefix + "centers", prefix + "center_weights", prefix + "alpha"
+        if c_key in state_dict and isinstance(state_dict[c_key], Tensor):
+            new_c = state_dict[c_key]
+            if new_c.dim() == 2 and new_c.shape[-1] == self.centers.shape[-1] and new_c.shape != self.centers.shape:
+                empty = torch.empty(new_c.shape, dtype=self.centers.dtype, device=self.centers.device)
+                if isinstance(self.centers, torch.nn.Parameter):
+                    self.centers = torch.nn.Parameter(empty, requires_grad=self.centers.requires_grad)
+                else:
+                    self.centers = empty
+            if w_key not in state_dict:
+                self.center_weights = None  # the loaded centers carry no weights
+        new_a = state_dict.get(a_key)
+        if (
+            isinstance(new_a, Tensor)
+            and new_a.dim() == self.alpha.dim()
+            and new_a.shape[1:] == self.alpha.shape[1:]  # same number of outputs
+            and new_a.shape != self.alpha.shape
+        ):
+            self.alpha = torch.empty(new_a.shape, dtype=torch.float64, device=self.alpha.device)
+        if w_key in state_dict and isinstance(state_dict[w_key], Tensor):
+            w = state_dict[w_key]
+            if self.center_weights is None or self.center_weights.shape != w.shape:
+                self.center_weights = torch.empty(w.shape, dtype=torch.float64, device=self.centers.device)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     @staticmethod
     def _after_load(module: "FalkonGP", incompatible_keys) -> None:
@@ -408,7 +506,12 @@ class FalkonGP(gpytorch.models.GP):
             )
 
     def set_train_data(self, inputs: Tensor, targets: Tensor) -> None:
-        """Replace the training data (centers unchanged); the model must be re-fitted."""
+        """Replace the training data (centers unchanged); the model must be re-fitted.
+
+        Preconditioner weights ``D`` (leverage centers) are rescaled by
+        ``sqrt(n_old / n_new)``: ``D^2`` holds the factor ``1 / n`` of the importance
+        weights ``count_j / (n p_j)``, the probabilities ``p_j`` being kept as they were.
+        """
         check_inputs("inputs", inputs, d=self.train_inputs[0].shape[1])
         check_targets("targets", targets, inputs.shape[0])
         if inputs.dtype != self.train_inputs[0].dtype or targets.dtype != inputs.dtype:
@@ -421,6 +524,8 @@ class FalkonGP(gpytorch.models.GP):
         if targets.dim() != self.train_targets.dim() or (targets.dim() == 2 and targets.shape[1] != self._num_outputs):
             raise ValueError(f"targets must keep the shape convention of train_y ({tuple(self.train_targets.shape[1:])})")
         pen = self.penalty.detach().clone()
+        if self.center_weights is not None:
+            self.center_weights = self.center_weights * math.sqrt(self.n / inputs.shape[0])
         self.train_inputs = (inputs,)
         self.train_targets = targets
         self.penalty = pen  # keep lambda: the noise n * lambda follows n

@@ -15,6 +15,7 @@ from .. import settings
 from .._validation import check_dtype, check_inputs, check_penalty
 from ..kernels.autograd import blockwise_kernel_grad, kernel_params, kernel_product, scatter_grads
 from ..kernels.engine import KernelEngine, kernel_block
+from ..errors import FalkonConvergenceError, JitterWarning
 from ..solvers.cg import CGInfo
 from ..solvers.falkon import falkon_solve
 from .preconditioner import FalkonPreconditioner
@@ -131,6 +132,8 @@ class NystromKRROperator(LinearOperator):
         self._engine: Optional[KernelEngine] = None
         self._kmm: Optional[Tensor] = None
         self._precond: Optional[FalkonPreconditioner] = None
+        # multiplier of the preconditioner's jitter, raised after a CG breakdown (kept)
+        self._jitter_boost = 1.0
         self._cache_key: Optional[tuple] = None
         self.last_info: Optional[CGInfo] = None
 
@@ -195,9 +198,30 @@ class NystromKRROperator(LinearOperator):
         self._refresh()
         if self._precond is None:
             self._precond = FalkonPreconditioner.from_kernel_matrix(
-                self.kmm, self.penalty.detach(), self.n, weights=self.weights, dtype=self.precond_dtype
+                self.kmm, self.penalty.detach(), self.n, weights=self.weights, dtype=self.precond_dtype,
+                jitter=self._precond_jitter(),
             )
         return self._precond
+
+    def _precond_jitter(self) -> Optional[float]:
+        """FALKON's ``eps M`` jitter with ``eps`` the machine epsilon of the *data* dtype.
+
+        When ``K_nM`` products are computed in float32, ``H`` is only known to about
+        ``eps_32 ||K||`` per entry; a preconditioner that resolves eigenvalues of
+        ``K_MM`` below that level amplifies the rounding noise until CG breaks down
+        (seen on abalone: ``p^T W p < 0``). Jittering ``T`` at ``eps_32 M mean(diag K_MM)``
+        (the paper's choice, ``eps`` of the working precision) keeps ``B^T H B`` well
+        conditioned; the solution is that of ``H`` itself (``K_MM`` enters ``H`` exactly).
+        float64 data keeps the float64 jitter of :func:`~gpfalkon.linalg.jittered_cholesky`.
+        """
+        dtype = self.x.dtype
+        if dtype == torch.float64 and self._jitter_boost == 1.0:
+            return None
+        kmm = self.kmm
+        scale = float(kmm.diagonal().abs().mean())
+        if not scale > 0:
+            scale = 1.0
+        return float(torch.finfo(dtype).eps) * kmm.shape[-1] * scale * self._jitter_boost
 
     def _stopping_rule(self, tol: Optional[float], max_iter: Optional[int]) -> Tuple[float, int]:
         if tol is None:
@@ -244,19 +268,49 @@ class NystromKRROperator(LinearOperator):
             raise ValueError(f"x0 must have the shape of rhs {tuple(rhs.shape)}, got {tuple(x0.shape)}")
         tol_, max_iter_ = self._stopping_rule(tol, max_iter)
         with torch.no_grad():
-            sol, info = falkon_solve(
-                self.h_matmul_nograd,
-                self.preconditioner,
-                rhs.detach(),
-                None if x0 is None else x0.detach(),
-                tol=tol_,
-                max_iter=max_iter_,
-                callback=callback if callback is not None else self.callback,
-                verbose=self.verbose if verbose is None else verbose,
-                warn=warn,
-            )
+            while True:
+                try:
+                    sol, info = falkon_solve(
+                        self.h_matmul_nograd,
+                        self.preconditioner,
+                        rhs.detach(),
+                        None if x0 is None else x0.detach(),
+                        tol=tol_,
+                        max_iter=max_iter_,
+                        callback=callback if callback is not None else self.callback,
+                        verbose=self.verbose if verbose is None else verbose,
+                        warn=warn,
+                    )
+                    break
+                except FalkonConvergenceError as exc:
+                    if "positive definiteness" not in str(exc) or not self._boost_jitter(str(exc)):
+                        raise
         self.last_info = info
         return sol, info
+
+    def _boost_jitter(self, reason: str) -> bool:
+        """After a CG breakdown: rebuild the preconditioner with 100x its jitter.
+
+        ``p^T W p <= 0`` on a PSD kernel means the preconditioner resolves eigenvalues of
+        ``K_MM`` below the rounding noise of ``H`` (numerically singular ``K_MM``: M close
+        to n, near-duplicate centers, a long lengthscale, a tiny penalty). A larger jitter
+        in ``T`` only weakens the preconditioner; the system solved is still ``H``.
+        Returns ``False`` once the jitter would exceed the kernel's mean diagonal
+        (the breakdown is then real: a non-PSD kernel).
+        """
+        self._jitter_boost *= 100.0
+        jitter = self._precond_jitter()
+        scale = float(self.kmm.diagonal().abs().mean()) or 1.0
+        if jitter is None or jitter > scale:
+            return False
+        warnings.warn(
+            f"FALKON CG broke down ({reason.split(':')[0]}); rebuilt the preconditioner with jitter "
+            f"{jitter:.3g} ({jitter / scale:.1e} x mean diagonal of K_MM) and restarted",
+            JitterWarning,
+            stacklevel=4,
+        )
+        self._precond = None
+        return True
 
     # ------------------------------------------------------- LinearOperator API
     def _size(self) -> torch.Size:

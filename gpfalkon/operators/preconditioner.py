@@ -77,11 +77,14 @@ class FalkonPreconditioner(LinearOperator):
             if not bool(torch.isfinite(d).all()) or bool((d <= 0).any()):
                 raise ValueError("weights must be finite and > 0")
         lam = float(torch.as_tensor(penalty).detach())
-        dkd = d.unsqueeze(1) * k64 * d.unsqueeze(0)
+        dkd = k64 if weights is None else d.unsqueeze(1) * k64 * d.unsqueeze(0)
         T, _ = jittered_cholesky(dkd, upper=True, name="K_MM", jitter=jitter)
-        inner = T @ T.mT / m
+        del dkd
+        inner = T @ T.mT
+        inner.div_(m)
         inner.diagonal().add_(lam)
         A, _ = jittered_cholesky(inner, upper=True, name="T T^T / M + lambda I")
+        del inner
         out_dtype = torch.float64 if dtype is None else dtype
         return cls(T.to(out_dtype), A.to(out_dtype), d.to(out_dtype), n=n)
 

@@ -10,13 +10,14 @@ on a well-preconditioned system whatever the scale of ``b``.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from ..errors import FalkonConvergenceError
+from ..errors import CGNotConvergedWarning, FalkonConvergenceError
 
 __all__ = ["CGInfo", "conjugate_gradient"]
 
@@ -113,6 +114,10 @@ def conjugate_gradient(
     active = rel > tol
     best = rel.clone()
     since_best = 0
+    # the iterate with the smallest residual per column: an inaccurate operator (float32
+    # kernel products at a tiny penalty) can make the CG residual grow again
+    x_best = x.clone()
+    rel_best = rel.clone()
     bar = None
     if verbose:
         from tqdm.auto import tqdm
@@ -121,6 +126,8 @@ def conjugate_gradient(
     it = 0
     breakdowns = 0
     breakdown_rtol = 1e3 * float(torch.finfo(b.dtype).eps) ** 0.5
+    curvature_rtol = float(torch.finfo(b.dtype).eps) ** 0.5
+    rq_max = torch.zeros_like(b_norm)
     try:
         while it < max_iter and bool(active.any()):
             wp = matvec(p)
@@ -133,7 +140,11 @@ def conjugate_gradient(
             # Non-positive curvature on a column that has already converged as far as
             # rounding allows (a singular but consistent system, e.g. a low-rank
             # kernel): freeze that column. Anywhere else it is a real breakdown.
-            done = active & (pwp <= 0) & (rel <= breakdown_rtol)
+            # Rounding-level curvature: |p^T W p| below sqrt(eps) times the largest Rayleigh
+            # quotient seen (an estimate of ||W||) is noise, not indefiniteness.
+            pp = (p * p).sum(0)
+            rounding = (pwp <= 0) & (pwp.abs() <= curvature_rtol * rq_max * pp)
+            done = active & (pwp <= 0) & ((rel <= breakdown_rtol) | rounding)
             if bool(done.any()):
                 active = active & ~done
                 breakdowns += int(done.sum())
@@ -144,6 +155,7 @@ def conjugate_gradient(
                     f"{float(pwp[bad].min()):.3g}): the kernel matrix is not positive semi-definite "
                     "or the system is too ill-conditioned for this dtype"
                 )
+            rq_max = torch.maximum(rq_max, torch.where(pp > 0, pwp / torch.where(pp > 0, pp, torch.ones_like(pp)), rq_max))
             step = torch.where(active, rs / torch.where(active, pwp, torch.ones_like(pwp)), torch.zeros_like(rs))
             x.add_(p * step)
             r.sub_(wp * step)
@@ -161,6 +173,10 @@ def conjugate_gradient(
             else:
                 since_best += 1
             best = torch.minimum(best, rel)
+            better = rel < rel_best
+            if bool(better.any()):
+                x_best[:, better] = x[:, better]
+                rel_best = torch.where(better, rel, rel_best)
             if callback is not None:
                 callback(it, x, rel)
             if bar is not None:
@@ -175,6 +191,28 @@ def conjugate_gradient(
     finally:
         if bar is not None:
             bar.close()
+    # divergence: the residual has grown far above the best one seen -> return the best
+    diverged = (rel > 10 * rel_best) & (rel > tol)
+    if bool(diverged.any()):
+        x[:, diverged] = x_best[:, diverged]
+        warnings.warn(
+            f"CG diverged on {int(diverged.sum())} column(s) (relative residual {float(rel.max()):.3g} after "
+            f"{it} iterations, best {float(rel_best[diverged].max()):.3g}); returning the best iterate. "
+            "The operator is too inaccurate for this penalty (float32 kernel products?): use float64 or "
+            "a larger penalty",
+            CGNotConvergedWarning,
+            stacklevel=3,
+        )
+        rel = torch.where(diverged, rel_best, rel)
+        history.append(rel.clone())
+    if it >= 10 and bool((rel >= 0.5).any()):
+        warnings.warn(
+            f"CG made almost no progress: relative residual {float(rel.max()):.3g} after {it} iterations. "
+            "The solution is unreliable; the system is too ill-conditioned for the dtype of the kernel "
+            "products (use float64) or the penalty is too small",
+            CGNotConvergedWarning,
+            stacklevel=3,
+        )
     info = CGInfo(
         iterations=it,
         converged=bool((rel <= tol).all()),
@@ -183,6 +221,6 @@ def conjugate_gradient(
         max_iter=int(max_iter),
         # columns stopped at non-positive curvature once already below 1e3 sqrt(eps)
         # (a singular, consistent system): they count as converged only if <= tol
-        extra={"frozen_at_breakdown": breakdowns},
+        extra={"frozen_at_breakdown": breakdowns, "returned_best": int(diverged.sum())},
     )
     return x, info

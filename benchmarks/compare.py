@@ -1,0 +1,796 @@
+"""Side-by-side comparison: gpfalkon vs GPyTorch SGPR / SVGP / exact GP, scikit-learn
+Nystroem + RidgeCV, and random features (Random Kitchen Sinks via GPyTorch's RFFKernel,
+Fastfood via gpfalkon's FastfoodKernel) + ridge, on real datasets, in one run.
+
+    .venv/bin/python benchmarks/compare.py                      # the full run (~60 min on 2 cores)
+    .venv/bin/python benchmarks/compare.py --datasets abalone --budget 20   # a quick look
+
+Every (dataset, method) runs in its own subprocess (fresh memory accounting, a hard
+timeout) and appends one JSON line per result to ``benchmarks/results/compare.jsonl``;
+``compare.md`` (table) and ``compare.png`` (error vs fit time) are rebuilt from it
+after each dataset, so an interrupted run keeps what it measured (``--resume`` skips
+what is there).
+
+Data (``../shared/data``): the source's fixed split 0 where there is one (treforevans
+``test_mask[:, 0]``, yaringal ``train_idx[0]``, a9a's own test file), otherwise a random
+80/20 split (seed 0); flights: shuffled (seed 0), 2/3 train and 1/3 test, as in
+``benchmarks/flights_hopt.py``. X standardised with training statistics, regression y
+standardised likewise (RMSE reported in the original units; NRMSE = RMSE / std(y_test));
+binary labels coded -1/+1 and fitted by least squares (FALKON paper's practice) by every
+method, decision sign(score), AUC from the score. All torch methods run in float32 (the
+GPyTorch default; gpfalkon keeps its CG and Cholesky factors in float64).
+
+How each method is configured (its own documentation's recipe, same everywhere):
+
+* FALKON: ``FalkonGP`` with M = min(5000, n) uniform centers, RBF kernel with the
+  median-heuristic lengthscale, 20 CG iterations (FALKON's practice); lambda from a
+  4-value grid (noise n*lambda in {1e-3, 1e-2, 0.1, 1}) by hold-out (20% of at most
+  100k training rows, M <= 2000); the selection is included in the fit time.
+* FalkonGP learned (M=500): ARD RBF lengthscales, lambda and the 500 centers learned by
+  ``StochasticNystromCompReg`` (Adam lr 0.05, <= 100 steps, 20 trace vectors, 20 CG
+  iterations per step; on at most 20k training rows, 100k on flights), then fitted on
+  all rows. "-> M=5000" refits FALKON with the learned kernel on 5000 random centers,
+  lambda re-selected by the same hold-out as FALKON (its fit time includes the learning).
+* GPyTorch SGPR (GPyTorch's "SGPR regression" example): ConstantMean,
+  ScaleKernel(RBF) through InducingPointKernel with 500 inducing points initialised at
+  random training rows, Adam lr 0.1, exact marginal likelihood (the example runs 50
+  iterations; we allow 100 or the time budget); ARD lengthscales (one per feature, as for
+  every GP here). Full batch, so at most 100k training rows.
+* GPyTorch SVGP (GPyTorch's "SVGP regression" example): ConstantMean, ScaleKernel(RBF),
+  500 learned inducing points (random training rows), CholeskyVariationalDistribution,
+  VariationalStrategy, VariationalELBO, Adam lr 0.01 on all parameters, minibatches of
+  1024; the example runs 4 epochs, we run epochs until the time budget (at most 100).
+* GPyTorch exact GP (the "simple GP regression" example): ConstantMean, ScaleKernel(RBF),
+  Adam lr 0.1, 50 iterations (or the time budget), GPyTorch's default CG/Lanczos
+  inference; only where n_train <= 20,000.
+* scikit-learn ``Nystroem`` (rbf, gamma = 1 / (2 median^2), n_components = M) +
+  ``RidgeCV`` (alphas 1e-6..1e2, efficient leave-one-out), as in scikit-learn's kernel
+  approximation guide; rows subsampled so the n x M float64 feature matrix fits 2 GiB.
+* RFF / Fastfood + ridge: 2 x 2048 features (2 x 1024 on flights) at the median-heuristic
+  lengthscale, Z^T Z accumulated over row blocks (all rows), ridge penalty chosen on a 20%
+  hold-out from one eigendecomposition.
+
+Time budget: ``--budget`` seconds per method (default 60; flights 240), enforced inside
+the training loops and by a hard timeout of 2 x budget + 180 s on the subprocess.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _common import REPO, environment_lines, log, markdown_table, write_result  # noqa: E402
+
+DATA = pathlib.Path(os.environ.get("GPFALKON_DATA", REPO.parent / "shared" / "data"))
+RESULTS = REPO / "benchmarks" / "results"
+DATASETS = ["abalone", "powerplant", "magic", "cadata", "kin40k", "a9a", "protein", "flights"]
+METHODS = ["falkon", "falkon-learned", "sgpr", "svgp", "exact", "nystroem", "rff", "fastfood"]
+BINARY = {"magic", "a9a", "breast_cancer"}
+EXACT_MAX_N = 20_000
+FULL_BATCH_MAX_N = 100_000
+M_LARGE = 5000
+M_SMALL = 500
+HOPT_ROWS = 20_000  # rows the hyperparameters are learned on (100k on flights)
+
+
+# ----------------------------------------------------------------------------- data
+def load_dataset(name: str) -> Dict:
+    """Standardised float32 train/test tensors and how they were made."""
+    import torch
+
+    with np.load(DATA / f"{name}.npz") as z:
+        X, y = z["X"].astype(np.float64), z["y"].astype(np.float64)
+        if "X_test" in z:
+            Xtr, ytr, Xte, yte = X, y, z["X_test"].astype(np.float64), z["y_test"].astype(np.float64)
+            split = "fixed source test set"
+        elif "test_mask" in z:
+            m = z["test_mask"][:, 0]
+            Xtr, ytr, Xte, yte = X[~m], y[~m], X[m], y[m]
+            split = "treforevans split 0"
+        elif "train_idx" in z:
+            tr, te = z["train_idx"][0], z["test_idx"][0]
+            Xtr, ytr, Xte, yte = X[tr], y[tr], X[te], y[te]
+            split = "yaringal split 0"
+        else:
+            perm = np.random.default_rng(0).permutation(len(y))
+            ntr = (2 * len(y)) // 3 if name == "flights" else int(0.8 * len(y))
+            tr, te = perm[:ntr], perm[ntr:]
+            Xtr, ytr, Xte, yte = X[tr], y[tr], X[te], y[te]
+            split = "random 2/3-1/3 (seed 0)" if name == "flights" else "random 80/20 (seed 0)"
+    mu, sd = Xtr.mean(0), Xtr.std(0)
+    sd[sd == 0] = 1.0
+    Xtr, Xte = (Xtr - mu) / sd, (Xte - mu) / sd
+    task = "binary" if name in BINARY else "regression"
+    if task == "binary":
+        classes = np.unique(ytr)
+        assert len(classes) == 2, classes
+        ytr, yte = np.where(ytr == classes[1], 1.0, -1.0), np.where(yte == classes[1], 1.0, -1.0)
+        ym, ys = 0.0, 1.0
+    else:
+        ym, ys = ytr.mean(), ytr.std()
+        ytr, yte = (ytr - ym) / ys, (yte - ym) / ys
+    f32 = lambda a: torch.as_tensor(a, dtype=torch.float32).contiguous()  # noqa: E731
+    return dict(name=name, task=task, split=split, xtr=f32(Xtr), ytr=f32(ytr), xte=f32(Xte), yte=f32(yte),
+                y_mean=float(ym), y_scale=float(ys), y_test_std=float(yte.std() * ys))
+
+
+def metrics(data: Dict, scores) -> Dict:
+    s = np.asarray(scores, dtype=np.float64).reshape(-1)
+    yte = data["yte"].double().numpy()
+    if not np.all(np.isfinite(s)):
+        return dict(error=float("nan"))
+    if data["task"] == "binary":
+        from sklearn.metrics import roc_auc_score
+
+        err = float(np.mean(np.sign(s) != yte))
+        return dict(error=err, auc=float(roc_auc_score(yte > 0, s)))
+    rmse = float(np.sqrt(np.mean((s - yte) ** 2))) * data["y_scale"]
+    return dict(rmse=rmse, error=rmse / data["y_test_std"])
+
+
+# --------------------------------------------------------------------- measurement
+class PeakRSS:
+    """Peak resident-set growth during a ``with`` block (sampled every 20 ms)."""
+
+    def __init__(self, period: float = 0.02) -> None:
+        self.period = period
+        self.page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> "PeakRSS":
+        self.base = self.peak = self.rss()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self.rss())
+        self.peak_mib = (self.peak - self.base) / 2**20
+
+
+def predict_chunks(fn: Callable, x, chunk: int = 20_000):
+    import torch
+
+    with torch.no_grad():
+        return torch.cat([fn(x[s : s + chunk]).reshape(-1).double() for s in range(0, len(x), chunk)])
+
+
+def subsample(data: Dict, n: int, seed: int = 1):
+    import torch
+
+    x, y = data["xtr"], data["ytr"]
+    if n >= len(x):
+        return x, y
+    idx = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))[:n]
+    return x[idx], y[idx]
+
+
+def median_ls(x) -> float:
+    from gpfalkon import median_lengthscale
+
+    return float(median_lengthscale(x))
+
+
+# ------------------------------------------------------------------------ methods
+NOISE_GRID = (1e-3, 1e-2, 1e-1, 1.0)
+
+
+def _cg_note(caught) -> str:
+    """Report CG trouble (divergence / no progress) of a final fit in the table's notes."""
+    bad = [str(w.message) for w in caught if "diverged" in str(w.message) or "no progress" in str(w.message)]
+    return f"; CG warning: {bad[0][:80]}" if bad else ""
+
+
+def select_noise(data: Dict, kernel_factory: Callable, m: int) -> float:
+    """Noise ``n lambda`` from :data:`NOISE_GRID` by hold-out: FALKON fits (20 iterations,
+    <= 2000 centers) on 80% of at most 100k training rows, squared error on the rest."""
+    import gpytorch
+    import torch
+
+    from gpfalkon import CGNotConvergedWarning, FalkonGP
+
+    xs, ys = subsample(data, FULL_BATCH_MAX_N)
+    nv = len(xs) // 5
+    xa, ya, xv, yv = xs[nv:], ys[nv:], xs[:nv], ys[:nv]
+    best = None
+    for noise in NOISE_GRID:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CGNotConvergedWarning)
+            mod = FalkonGP(xa, ya, kernel=kernel_factory(), num_centers=min(m, 2000, len(xa)),
+                           penalty=noise / len(xa), max_iter=20, tol=0, seed=0).fit()
+        mod.eval()
+        with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
+            err = float((mod(xv).mean.double() - yv.double()).square().mean())
+        if best is None or err < best[0]:
+            best = (err, noise)
+    return best[1]
+
+
+def run_falkon(data: Dict, budget: float) -> List[Dict]:
+    import gpytorch
+    import torch
+
+    from gpfalkon import CGNotConvergedWarning, FalkonGP
+
+    xtr, ytr = data["xtr"], data["ytr"]
+    n = len(xtr)
+    m = min(M_LARGE, n)
+    t0 = time.perf_counter()
+    ls = median_ls(xtr)
+
+    def kern():
+        k = gpytorch.kernels.RBFKernel()
+        k.lengthscale = ls
+        return k
+
+    noise = select_noise(data, kern, m)
+    model = FalkonGP(xtr, ytr, kernel=kern(), num_centers=m, penalty=noise / n, max_iter=20, tol=0, seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CGNotConvergedWarning)
+        model.fit()
+    fit_s = time.perf_counter() - t0
+    model.eval()
+    t1 = time.perf_counter()
+    with gpytorch.settings.skip_posterior_variances():
+        scores = predict_chunks(lambda x: model(x).mean, data["xte"])
+    pred_s = time.perf_counter() - t1
+    return [dict(method="FALKON", M=m, n_used=n, fit_s=fit_s, predict_s=pred_s, scores=scores,
+                 info=f"lengthscale {ls:.3g} (median), noise n*lambda={noise:g} (hold-out)" + _cg_note(caught))]
+
+
+def run_falkon_learned(data: Dict, budget: float) -> List[Dict]:
+    import gpytorch
+    import torch
+
+    from gpfalkon import CGNotConvergedWarning, FalkonGP
+    from gpfalkon.objectives import StochasticNystromCompReg
+
+    xtr, ytr = data["xtr"], data["ytr"]
+    n, d = xtr.shape
+    t0 = time.perf_counter()
+    xh, yh = subsample(data, HOPT_ROWS if n <= FULL_BATCH_MAX_N else FULL_BATCH_MAX_N)
+    nh = len(xh)
+    k = gpytorch.kernels.RBFKernel(ard_num_dims=d)
+    k.lengthscale = median_ls(xh) * torch.ones(1, d)
+    model = FalkonGP(xh, yh, kernel=k, num_centers=min(M_SMALL, nh), penalty=1e-4, learn_centers=True,
+                     max_iter=20, tol=0, seed=0)
+    obj = StochasticNystromCompReg(model, num_trace_vectors=20, cg_iterations=20)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    steps = 0
+    # leave room for the final fits inside the budget
+    while steps < 100 and time.perf_counter() - t0 < 0.7 * budget:
+        opt.zero_grad()
+        loss = obj()
+        loss.backward()
+        opt.step()
+        steps += 1
+    noise = float(model.penalty) * nh
+    learn_s = time.perf_counter() - t0
+    kernel = model.kernel
+    centers = model.centers.detach()
+    rows = []
+    for label, mm in (("FalkonGP learned", min(M_SMALL, nh)), (f"FalkonGP learned -> M={min(M_LARGE, n)}", min(M_LARGE, n))):
+        t1 = time.perf_counter()
+        if label == "FalkonGP learned":
+            kw, nz = dict(centers=centers), noise
+        else:  # the learned kernel, many random centers, the noise re-selected by hold-out for this M
+            kw = dict(num_centers=mm, seed=0)
+            nz = select_noise(data, lambda: copy.deepcopy(kernel), mm)
+        fit = FalkonGP(xtr, ytr, kernel=kernel, penalty=nz / n, max_iter=20, tol=0, **kw)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CGNotConvergedWarning)
+            fit.fit()
+        fit_s = learn_s + time.perf_counter() - t1
+        fit.eval()
+        t2 = time.perf_counter()
+        with gpytorch.settings.skip_posterior_variances():
+            scores = predict_chunks(lambda x: fit(x).mean, data["xte"])
+        pred_s = time.perf_counter() - t2
+        rows.append(dict(method=label, M=mm, n_used=n, fit_s=fit_s, predict_s=pred_s, scores=scores,
+                         info=f"{steps} Adam steps on {nh:,} rows ({learn_s:.0f} s), learned noise {noise:.3g}"
+                         + ("" if nz == noise else f"; noise {nz:g} (hold-out)") + _cg_note(caught)))
+        del fit
+    return rows
+
+
+def _gp_kernel(d: int, ls: float):
+    import gpytorch
+    import torch
+
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=d))
+    k.base_kernel.lengthscale = ls * torch.ones(1, d)
+    return k
+
+
+def run_sgpr(data: Dict, budget: float) -> List[Dict]:
+    import gpytorch
+    import torch
+
+    xtr, ytr = subsample(data, FULL_BATCH_MAX_N)
+    n, d = xtr.shape
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    lik = gpytorch.likelihoods.GaussianLikelihood()
+    ind = xtr[torch.randperm(n, generator=torch.Generator().manual_seed(0))[:M_SMALL]].clone()
+
+    class SGPR(gpytorch.models.ExactGP):
+        def __init__(self):
+            super().__init__(xtr, ytr, lik)
+            self.mean_module = gpytorch.means.ConstantMean()
+            self.covar_module = gpytorch.kernels.InducingPointKernel(_gp_kernel(d, median_ls(xtr)), inducing_points=ind,
+                                                                     likelihood=lik)
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+    model = SGPR()
+    model.train()
+    lik.train()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(lik, model)
+    it = 0
+    while it < 100 and time.perf_counter() - t0 < budget:
+        opt.zero_grad()
+        loss = -mll(model(xtr), ytr)
+        loss.backward()
+        opt.step()
+        it += 1
+    model.eval()
+    lik.eval()
+    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
+        model(data["xte"][:2])  # the prediction cache belongs to fitting
+    fit_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    with gpytorch.settings.skip_posterior_variances():
+        scores = predict_chunks(lambda x: model(x).mean, data["xte"])
+    pred_s = time.perf_counter() - t1
+    return [dict(method="GPyTorch SGPR", M=M_SMALL, n_used=n, fit_s=fit_s, predict_s=pred_s, scores=scores,
+                 info=f"{it} Adam iterations")]
+
+
+def run_svgp(data: Dict, budget: float) -> List[Dict]:
+    import gpytorch
+    import torch
+
+    xtr, ytr = data["xtr"], data["ytr"]
+    n, d = xtr.shape
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    ind = xtr[torch.randperm(n, generator=torch.Generator().manual_seed(0))[:M_SMALL]].clone()
+
+    class SVGP(gpytorch.models.ApproximateGP):
+        def __init__(self):
+            dist = gpytorch.variational.CholeskyVariationalDistribution(ind.shape[0])
+            strat = gpytorch.variational.VariationalStrategy(self, ind, dist, learn_inducing_locations=True)
+            super().__init__(strat)
+            self.mean_module = gpytorch.means.ConstantMean()
+            self.covar_module = _gp_kernel(d, median_ls(xtr))
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+    model = SVGP()
+    lik = gpytorch.likelihoods.GaussianLikelihood()
+    model.train()
+    lik.train()
+    opt = torch.optim.Adam([{"params": model.parameters()}, {"params": lik.parameters()}], lr=0.01)
+    mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=n)
+    g = torch.Generator().manual_seed(0)
+    epochs = 0
+    out_of_time = False
+    while epochs < 100 and not out_of_time:
+        perm = torch.randperm(n, generator=g)
+        for s in range(0, n, 1024):
+            idx = perm[s : s + 1024]
+            opt.zero_grad()
+            loss = -mll(model(xtr[idx]), ytr[idx])
+            loss.backward()
+            opt.step()
+            if time.perf_counter() - t0 > budget:
+                out_of_time = True
+                break
+        epochs += 1
+    fit_s = time.perf_counter() - t0
+    model.eval()
+    lik.eval()
+    t1 = time.perf_counter()
+    with gpytorch.settings.skip_posterior_variances():
+        scores = predict_chunks(lambda x: model(x).mean, data["xte"])
+    pred_s = time.perf_counter() - t1
+    return [dict(method="GPyTorch SVGP", M=M_SMALL, n_used=n, fit_s=fit_s, predict_s=pred_s, scores=scores,
+                 info=f"{epochs} epochs{' (budget)' if out_of_time else ''}")]
+
+
+def run_exact(data: Dict, budget: float) -> List[Dict]:
+    import gpytorch
+    import torch
+
+    xtr, ytr = data["xtr"], data["ytr"]
+    n, d = xtr.shape
+    if n > EXACT_MAX_N:
+        return [dict(method="GPyTorch exact GP", skipped=f"n_train {n:,} > {EXACT_MAX_N:,}")]
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    lik = gpytorch.likelihoods.GaussianLikelihood()
+
+    class Exact(gpytorch.models.ExactGP):
+        def __init__(self):
+            super().__init__(xtr, ytr, lik)
+            self.mean_module = gpytorch.means.ConstantMean()
+            self.covar_module = _gp_kernel(d, median_ls(xtr))
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+    model = Exact()
+    model.train()
+    lik.train()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(lik, model)
+    it = 0
+    while it < 50 and time.perf_counter() - t0 < budget:
+        opt.zero_grad()
+        loss = -mll(model(xtr), ytr)
+        loss.backward()
+        opt.step()
+        it += 1
+    model.eval()
+    lik.eval()
+    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
+        model(data["xte"][:2])  # builds the prediction cache (the n x n solve): part of fitting
+    fit_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    with gpytorch.settings.skip_posterior_variances():
+        scores = predict_chunks(lambda x: model(x).mean, data["xte"])
+    pred_s = time.perf_counter() - t1
+    return [dict(method="GPyTorch exact GP", M=n, n_used=n, fit_s=fit_s, predict_s=pred_s, scores=scores,
+                 info=f"{it} Adam iterations")]
+
+
+def run_nystroem(data: Dict, budget: float) -> List[Dict]:
+    from sklearn.kernel_approximation import Nystroem
+    from sklearn.linear_model import RidgeCV
+    from sklearn.pipeline import make_pipeline
+
+    n_all = len(data["xtr"])
+    m = min(M_LARGE, n_all)
+    n = min(n_all, int(2 * 2**30 / (8 * m)))
+    xtr, ytr = subsample(data, n)
+    t0 = time.perf_counter()
+    ls = median_ls(xtr)
+    pipe = make_pipeline(
+        Nystroem(kernel="rbf", gamma=1.0 / (2 * ls**2), n_components=m, random_state=0),
+        RidgeCV(alphas=np.logspace(-6, 2, 9)),
+    )
+    pipe.fit(xtr.double().numpy(), ytr.double().numpy())
+    fit_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    xte = data["xte"].double().numpy()
+    scores = np.concatenate([pipe.predict(xte[s : s + 50_000]) for s in range(0, len(xte), 50_000)])
+    pred_s = time.perf_counter() - t1
+    alpha = pipe[-1].alpha_
+    return [dict(method="sklearn Nystroem+RidgeCV", M=m, n_used=n, fit_s=fit_s, predict_s=pred_s, scores=scores,
+                 info=f"alpha {alpha:g} (LOO)" + ("" if n == n_all else f"; {n:,} of {n_all:,} rows (2 GiB features)"))]
+
+
+def _ridge_random_features(data: Dict, kernel, label: str, num_samples: int) -> List[Dict]:
+    """Ridge regression on the kernel's random features ``z(x) = [cos, sin] / sqrt(D)``, blockwise."""
+    import torch
+
+    xtr, ytr = data["xtr"], data["ytr"]
+    n = len(xtr)
+    t0 = time.perf_counter()
+    nv = n // 5  # hold-out rows for the penalty: training rows are in random order? shuffle to be safe
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(2))
+    is_val = torch.zeros(n, dtype=torch.bool)
+    is_val[perm[:nv]] = True
+    f = 2 * num_samples
+    G = {k: torch.zeros(f, f, dtype=torch.float64) for k in ("a", "v")}
+    b = {k: torch.zeros(f, dtype=torch.float64) for k in ("a", "v")}
+    yy_v = 0.0
+    scale = 1.0 / math.sqrt(num_samples)
+
+    def feats(x):
+        with torch.no_grad():
+            return kernel._featurize(x, normalize=False) * scale
+
+    for s in range(0, n, 16_384):
+        z = feats(xtr[s : s + 16_384])
+        yb = ytr[s : s + 16_384]
+        mv = is_val[s : s + 16_384]
+        for key, mask in (("a", ~mv), ("v", mv)):
+            zk, yk = z[mask], yb[mask]
+            G[key] += (zk.t() @ zk).double()
+            b[key] += (zk.t() @ yk).double()
+        yy_v += float(yb[mv].double().square().sum())
+    evals, Q = torch.linalg.eigh(G["a"])
+    qb = Q.t() @ b["a"]
+    na = n - nv
+    best = None
+    for lam in 10.0 ** np.arange(-9, 0):
+        w = Q @ (qb / (evals + na * lam))
+        mse = float(w @ G["v"] @ w - 2 * w @ b["v"] + yy_v) / max(nv, 1)
+        if best is None or mse < best[0]:
+            best = (mse, lam)
+    lam = best[1]
+    Gall, ball = G["a"] + G["v"], b["a"] + b["v"]
+    w = torch.linalg.solve(Gall + n * lam * torch.eye(f, dtype=torch.float64), ball)
+    fit_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    w32 = w.float()
+    scores = predict_chunks(lambda x: feats(x) @ w32, data["xte"])
+    pred_s = time.perf_counter() - t1
+    return [dict(method=label, M=f, n_used=n, fit_s=fit_s, predict_s=pred_s, scores=scores,
+                 info=f"lambda {lam:g} (hold-out)")]
+
+
+def _num_samples(n: int) -> int:
+    return 2048 if n <= FULL_BATCH_MAX_N else 1024
+
+
+def run_rff(data: Dict, budget: float) -> List[Dict]:
+    import gpytorch
+    import torch
+
+    d = data["xtr"].shape[1]
+    ns = _num_samples(len(data["xtr"]))
+    torch.manual_seed(0)
+    k = gpytorch.kernels.RFFKernel(num_samples=ns, num_dims=d)
+    k.lengthscale = median_ls(data["xtr"])
+    return _ridge_random_features(data, k, "RFF + ridge", ns)
+
+
+def run_fastfood(data: Dict, budget: float) -> List[Dict]:
+    import torch
+
+    from gpfalkon.kernels import FastfoodKernel
+
+    d = data["xtr"].shape[1]
+    ns = _num_samples(len(data["xtr"]))
+    k = FastfoodKernel(num_samples=ns, num_dims=d, generator=torch.Generator().manual_seed(0))
+    k.lengthscale = median_ls(data["xtr"])
+    return _ridge_random_features(data, k, "Fastfood + ridge", ns)
+
+
+RUNNERS = {
+    "falkon": run_falkon,
+    "falkon-learned": run_falkon_learned,
+    "sgpr": run_sgpr,
+    "svgp": run_svgp,
+    "exact": run_exact,
+    "nystroem": run_nystroem,
+    "rff": run_rff,
+    "fastfood": run_fastfood,
+}
+
+
+def worker(dataset: str, method: str, budget: float, out: pathlib.Path) -> None:
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    # import everything before measuring memory: module imports are not the method's memory
+    import gpytorch  # noqa: F401
+    import sklearn.kernel_approximation  # noqa: F401
+    import sklearn.linear_model  # noqa: F401
+    import sklearn.metrics  # noqa: F401
+
+    import gpfalkon  # noqa: F401
+    import gpfalkon.objectives  # noqa: F401
+
+    data = load_dataset(dataset)
+    _ = torch.ones(64, 64) @ torch.ones(64, 64)  # BLAS initialisation
+    with PeakRSS() as mem:
+        rows = RUNNERS[method](data, budget)
+    lines = []
+    for r in rows:
+        r.update(dataset=dataset, key=method, task=data["task"], n_train=len(data["xtr"]), n_test=len(data["xte"]),
+                 d=int(data["xtr"].shape[1]), split=data["split"], peak_mib=mem.peak_mib, budget=budget)
+        if "scores" in r:
+            s = r.pop("scores")
+            r.update(metrics(data, s.numpy() if hasattr(s, "numpy") else s))
+        lines.append(json.dumps(r))
+    out.write_text("\n".join(lines) + "\n")
+
+
+# ------------------------------------------------------------------------- report
+def load_results(path: pathlib.Path) -> List[Dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _describe(ds: str, results: List[Dict]) -> str:
+    r = next((r for r in results if r["dataset"] == ds and "split" in r), None)
+    if r is None:
+        return ds
+    return f"{ds} ({r['split']}, n_train {r['n_train']:,}, n_test {r['n_test']:,}, d {r['d']})"
+
+
+def report(results: List[Dict], env: List[str], out_md: pathlib.Path, out_png: pathlib.Path, total_s: float) -> None:
+    headers = ["dataset", "method", "M / features", "train rows used", "fit s", "predict s", "peak MiB",
+               "RMSE", "NRMSE", "class. error", "AUC", "notes"]
+    rows = []
+    datasets = [d for d in DATASETS if any(r["dataset"] == d for r in results)]
+    summary = []
+    for ds in datasets:
+        rs = [r for r in results if r["dataset"] == ds]
+        for r in rs:
+            if "skipped" in r or "failed" in r:
+                rows.append([ds, r["method"], "-", "-", "-", "-", "-", "-", "-", "-", "-", r.get("skipped") or r.get("failed")])
+                continue
+            binary = r["task"] == "binary"
+            rows.append([ds, r["method"], r["M"], r["n_used"], r["fit_s"], r["predict_s"], r["peak_mib"],
+                         None if binary else r.get("rmse"), None if binary else r.get("error"),
+                         r.get("error") if binary else None, r.get("auc"), r.get("info", "")])
+        ok = [r for r in rs if "error" in r and r["error"] == r["error"]]
+        fal = [r for r in ok if r["key"].startswith("falkon")]
+        base = [r for r in ok if r["key"] in ("sgpr", "svgp")]
+        if fal and base:
+            bb = min(base, key=lambda r: r["error"])
+            # the fastest FALKON row that is no worse than the best of SGPR / SVGP
+            good = [r for r in fal if r["error"] <= bb["error"] * 1.0 + 1e-12]
+            bf = min(fal, key=lambda r: r["error"])
+            if good:
+                g = min(good, key=lambda r: r["fit_s"])
+                verdict = "yes" if g["fit_s"] < bb["fit_s"] else "no (slower)"
+                summary.append([ds, bb["method"], bb["error"], bb["fit_s"], g["method"], g["error"], g["fit_s"],
+                                bb["fit_s"] / g["fit_s"], verdict])
+            else:
+                summary.append([ds, bb["method"], bb["error"], bb["fit_s"], bf["method"], bf["error"], bf["fit_s"],
+                                bb["fit_s"] / bf["fit_s"], "no (higher error)"])
+    first = results[0] if results else {}
+    body = [
+        "Error: NRMSE = RMSE / std(y_test) for regression (RMSE in the target's units), classification "
+        "error (sign of the score) and AUC for binary tasks. Fit s includes hyperparameter selection / "
+        "learning; predict s is the mean at all test points; peak MiB is the growth of the process's "
+        "resident memory during fit + predict (sampled every 20 ms, data already loaded). Each method ran "
+        f"in its own subprocess with a time budget of {first.get('budget', '?')} s per method "
+        "(flights: the --flights-budget). See the module docstring of benchmarks/compare.py for how "
+        "each method is configured.",
+        "",
+        markdown_table(headers, rows, align="llrrrrrrrrrl"),
+        "",
+        "## Does FALKON reach the best of SGPR / SVGP in less time?",
+        "",
+        "For each dataset: the best of GPyTorch SGPR / SVGP (lowest error), and the fastest gpfalkon row "
+        "whose error is no worse (or, if none is, the most accurate gpfalkon row).",
+        "",
+        markdown_table(["dataset", "best GPyTorch sparse", "its error", "its fit s", "gpfalkon", "error", "fit s",
+                        "speed-up", "no worse and faster?"], summary, align="llrrlrrrl"),
+        "",
+        "Datasets: " + "; ".join(_describe(ds, results) for ds in datasets) + ".",
+        "",
+        f"Total wall time of this run: {total_s / 60:.1f} min.",
+    ]
+    write_result(out_md, "gpfalkon vs GPyTorch SGPR / SVGP / exact GP, scikit-learn Nystroem, RFF, Fastfood", env,
+                 "\n".join(body))
+    plot(results, datasets, out_png)
+
+
+def plot(results: List[Dict], datasets: List[str], out_png: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not datasets:
+        return
+    cols = min(4, len(datasets))
+    nrow = math.ceil(len(datasets) / cols)
+    fig, axes = plt.subplots(nrow, cols, figsize=(4.2 * cols, 3.6 * nrow), squeeze=False)
+    methods = []
+    for r in results:
+        if r["method"] not in methods:
+            methods.append(r["method"])
+    markers = "os^vDP*Xph<>"
+    cmap = plt.get_cmap("tab10")
+    style = {m: (cmap(i % 10), markers[i % len(markers)]) for i, m in enumerate(methods)}
+    for ax, ds in zip(axes.flat, datasets):
+        for r in results:
+            if r["dataset"] != ds or "error" not in r or r["error"] != r["error"]:
+                continue
+            c, mk = style[r["method"]]
+            ax.scatter(r["fit_s"], r["error"], color=c, marker=mk, s=55, label=r["method"], edgecolor="k", linewidth=0.4)
+        task = next(r["task"] for r in results if r["dataset"] == ds)
+        ax.set_xscale("log")
+        ax.set_title(ds)
+        ax.set_xlabel("fit time (s, log scale)")
+        ax.set_ylabel("classification error" if task == "binary" else "test NRMSE")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in list(axes.flat)[len(datasets):]:
+        ax.axis("off")
+    handles = [plt.Line2D([], [], color=style[m][0], marker=style[m][1], linestyle="", markeredgecolor="k",
+                          markersize=8, label=m) for m in methods]
+    ncol = max(1, min(len(methods), 2 * cols))
+    legend_rows = math.ceil(len(methods) / ncol)
+    fig.legend(handles=handles, loc="lower center", ncol=ncol, frameon=False, fontsize=8)
+    fig.tight_layout(rect=(0, min(0.4, 0.045 * legend_rows / nrow + 0.02), 1, 1))
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--datasets", nargs="+", default=DATASETS, choices=DATASETS)
+    ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    ap.add_argument("--budget", type=float, default=60.0, help="seconds per method (datasets other than flights)")
+    ap.add_argument("--flights-budget", type=float, default=240.0, help="seconds per method on flights")
+    ap.add_argument("--out", type=pathlib.Path, default=RESULTS / "compare.md")
+    ap.add_argument("--resume", action="store_true", help="keep results already in the .jsonl and skip them")
+    ap.add_argument("--worker", nargs=3, metavar=("DATASET", "METHOD", "OUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        ds, method, out = args.worker
+        budget = args.flights_budget if ds == "flights" else args.budget
+        worker(ds, method, budget, pathlib.Path(out))
+        return
+    env = environment_lines()
+    jsonl = args.out.with_suffix(".jsonl")
+    png = args.out.with_suffix(".png")
+    results = load_results(jsonl) if args.resume else []
+    if not args.resume and jsonl.exists():
+        jsonl.unlink()
+    done = {(r["dataset"], r["key"]) for r in results}
+    t_start = time.perf_counter()
+    for ds in args.datasets:
+        for method in args.methods:
+            if (ds, method) in done:
+                continue
+            budget = args.flights_budget if ds == "flights" else args.budget
+            tmp = RESULTS / f".compare-{ds}-{method}.json"
+            cmd = [sys.executable, __file__, "--worker", ds, method, str(tmp),
+                   "--budget", str(args.budget), "--flights-budget", str(args.flights_budget)]
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(cmd, timeout=2 * budget + 180, capture_output=True, text=True)
+                if proc.returncode != 0 or not tmp.exists():
+                    tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
+                    new = [dict(dataset=ds, key=method, method=method, failed=f"failed: {tail[0][:120]}")]
+                    log(proc.stderr[-3000:])
+                else:
+                    new = load_results(tmp)
+            except subprocess.TimeoutExpired:
+                new = [dict(dataset=ds, key=method, method=method, failed=f"timeout after {2 * budget + 180:.0f} s")]
+            if tmp.exists():
+                tmp.unlink()
+            for r in new:
+                r.setdefault("task", "binary" if ds in BINARY else "regression")
+                log(f"{ds:>10s} {r['method']:<28s} " + (
+                    f"fit {r['fit_s']:7.1f} s  predict {r['predict_s']:6.2f} s  error {r['error']:.4f}  "
+                    f"peak {r['peak_mib']:.0f} MiB  {r.get('info', '')}" if "fit_s" in r else
+                    r.get("skipped", r.get("failed", ""))) + f"  [{time.perf_counter() - t0:.0f} s wall]")
+            with jsonl.open("a") as f:
+                for r in new:
+                    f.write(json.dumps(r) + "\n")
+            results.extend(new)
+        report(results, env, args.out, png, time.perf_counter() - t_start)
+    report(results, env, args.out, png, time.perf_counter() - t_start)
+    log(f"written {args.out} and {png}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,422 @@
+"""Leverage-score centers: BLESS scores against dense exact ones, the sampling and its
+weights D, weighted FALKON against the dense Nyström solution, the preconditioner
+identity of MATH.md 2 with D, condition numbers on clustered data, FalkonGP."""
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+
+import gpytorch
+import pytest
+import torch
+from conftest import dense_kernel, dense_nystrom, make_data, make_kernel
+
+from gpfalkon import FalkonGP, FalkonPreconditioner, NystromKRROperator
+from gpfalkon.centers import (
+    CenterSelection,
+    LeverageCenters,
+    approximate_leverage_scores,
+    effective_dimension,
+    leverage_centers,
+    uniform_centers,
+)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _exact_scores(kernel, x, lam):
+    """Dense reference: diag(K (K + n lam I)^{-1}), float64, O(n^3)."""
+    n = x.shape[0]
+    with torch.no_grad():
+        K = dense_kernel(kernel, x, x).to(torch.float64)
+        return torch.linalg.solve(K + n * lam * torch.eye(n, dtype=torch.float64), K).diagonal()
+
+
+def _rbf(ls: float, dtype=torch.float64):
+    k = gpytorch.kernels.RBFKernel().to(dtype)
+    k.lengthscale = ls
+    return k
+
+
+# ----------------------------------------------------------------- scores
+@pytest.mark.parametrize("lam", [1e-3, 1e-5])
+def test_scores_within_constant_factor_of_exact(lam):
+    x, _ = make_data(1000, 3)
+    k = _rbf(0.5)
+    exact = _exact_scores(k, x, lam)
+    approx = approximate_leverage_scores(x, k, lam, generator=_gen(0))
+    assert approx.dtype == torch.float64 and approx.shape == (1000,)
+    ratio = approx / exact
+    # BLESS: a multiplicative approximation; measured: >= 98.5 % in [1/3, 3] over 20 seeds
+    assert float(((ratio > 1 / 3) & (ratio < 3)).double().mean()) >= 0.95, torch.quantile(ratio, 0.05)
+    assert float(((ratio > 1 / 2) & (ratio < 2)).double().mean()) >= 0.90
+    # effective dimension: measured overestimate 1-22 %
+    d_exact = float(exact.sum())
+    d_approx = effective_dimension(x, k, lam, generator=_gen(0))
+    assert abs(d_approx / d_exact - 1) < 0.3, (d_approx, d_exact)
+    assert d_approx == pytest.approx(float(approx.sum()), rel=1e-12)  # same generator state -> same scores
+    # every estimate lies in the interval that holds every exact score
+    diag = torch.ones(1000, dtype=torch.float64)
+    n = 1000
+    assert bool((approx <= diag / (diag + n * lam) + 1e-15).all())
+    assert bool((approx >= diag / (diag.sum() + n * lam) - 1e-15).all())
+    assert bool((exact <= diag / (diag + n * lam) + 1e-12).all())
+
+
+def test_scores_are_deterministic_and_float64_for_float32_inputs():
+    x, _ = make_data(300, 2)
+    x32 = x.float()
+    k32 = _rbf(0.4, torch.float32)
+    a = approximate_leverage_scores(x32, k32, 1e-4, generator=_gen(3))
+    b = approximate_leverage_scores(x32, k32, 1e-4, generator=_gen(3))
+    assert a.dtype == torch.float64 and torch.equal(a, b)
+    # float32 data are scored in float64: identical to the float64 computation on the same values
+    k64 = copy.deepcopy(k32).double()
+    c = approximate_leverage_scores(x32.double(), k64, 1e-4, generator=_gen(3))
+    torch.testing.assert_close(a, c, rtol=1e-12, atol=0.0)
+    assert k32.lengthscale.dtype == torch.float32  # the user's kernel is untouched
+    d = approximate_leverage_scores(x32, k32, 1e-4, generator=_gen(4))
+    assert not torch.equal(a, d)
+
+
+def test_scores_blockwise_and_generic_kernel():
+    """Row blocks of any height give the same scores; a kernel without the fast path works."""
+    x, _ = make_data(400, 3)
+    k = make_kernel("rbf+linear", 3)
+    lam = 1e-3
+    a = approximate_leverage_scores(x, k, lam, generator=_gen(1), block_rows=37)
+    b = approximate_leverage_scores(x, k, lam, generator=_gen(1))
+    torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    ratio = a / _exact_scores(k, x, lam)
+    assert float(((ratio > 1 / 3) & (ratio < 3)).double().mean()) >= 0.95
+
+
+def test_dictionary_cap_warns():
+    x, _ = make_data(400, 3)
+    with pytest.warns(RuntimeWarning, match="max_dictionary_size"):
+        s = approximate_leverage_scores(x, _rbf(0.3), 1e-6, generator=_gen(0), max_dictionary_size=20)
+    assert bool(torch.isfinite(s).all()) and bool((s > 0).all())
+
+
+# --------------------------------------------------------------- sampling
+def test_sampling_counts_probabilities_and_weights():
+    n, r = 2000, 500
+    x, _ = make_data(n, 2)
+    g = _gen(7)
+    scores = torch.rand(n, generator=g, dtype=torch.float64) ** 4  # very non-uniform
+    scores[:100] = 0.0  # never drawn
+    sel = leverage_centers(x, r, None, None, generator=_gen(1), scores=scores)
+    idx, counts = sel.indices, sel.counts
+    m = idx.numel()
+    assert isinstance(sel, CenterSelection)
+    assert int(counts.sum()) == r and bool((counts >= 1).all())
+    assert bool((idx[1:] > idx[:-1]).all())  # unique and sorted
+    assert bool((idx >= 100).all())
+    assert m < r  # duplicates were merged
+    assert torch.equal(sel.centers, x[idx])
+    p = scores / scores.sum()
+    torch.testing.assert_close(sel.probabilities, p[idx], rtol=1e-12, atol=0.0)
+    # D_jj = sqrt(M count_j / (n R p_j)): (n / M) D^2 = count / (R p), the importance weights
+    expected = torch.sqrt(m * counts.double() / (n * r * p[idx]))
+    torch.testing.assert_close(sel.weights, expected, rtol=1e-12, atol=0.0)
+    # deterministic given the generator
+    again = leverage_centers(x, r, None, None, generator=_gen(1), scores=scores)
+    assert torch.equal(again.indices, idx) and torch.equal(again.weights, sel.weights)
+
+
+def test_sampling_frequencies_follow_probabilities():
+    n = 4000
+    x, _ = make_data(n, 2)
+    scores = torch.ones(n, dtype=torch.float64)
+    scores[n // 2 :] = 3.0  # the second half holds 3/4 of the mass
+    sel = leverage_centers(x, n, None, None, generator=_gen(0), scores=scores)
+    frac = float(sel.counts[sel.indices >= n // 2].sum()) / n
+    assert abs(frac - 0.75) < 4 * math.sqrt(0.75 * 0.25 / n)
+
+
+def test_uniform_probabilities_give_unit_weights():
+    n, r = 10000, 20
+    x, _ = make_data(n, 2)
+    sel = leverage_centers(x, r, None, None, generator=_gen(0), scores=torch.full((n,), 0.3, dtype=torch.float64))
+    assert bool((sel.counts == 1).all())  # no duplicate for this seed
+    torch.testing.assert_close(sel.weights, torch.ones(r, dtype=torch.float64), rtol=1e-12, atol=0.0)
+    torch.testing.assert_close(sel.probabilities, torch.full((r,), 1 / n, dtype=torch.float64))
+
+
+def test_weights_make_an_unbiased_nystrom_sketch():
+    """(n/M) sum_j D_j^2 f(x_j) = sum_j count_j f(x_j) / (R p_j) has mean sum_i f(x_i): the
+    sketch (n/M) K_MM D^2 K_MM of K_Mn K_nM is unbiased. The paper's D = 1/sqrt(n p count)
+    is not (it divides by count_j)."""
+    n, r, reps = 200, 150, 400
+    x, _ = make_data(n, 2)
+    scores = torch.linspace(0.05, 1.0, n, dtype=torch.float64) ** 2
+    f = torch.rand(n, generator=_gen(2), dtype=torch.float64) + 0.5
+    ours, paper = [], []
+    g = _gen(5)
+    for _ in range(reps):
+        sel = leverage_centers(x, r, None, None, generator=g, scores=scores)
+        m = sel.indices.numel()
+        ours.append(float((n / m) * (sel.weights**2 * f[sel.indices]).sum()))
+        d_paper = 1 / torch.sqrt(n * sel.probabilities * sel.counts)
+        paper.append(float((n / m) * (d_paper**2 * f[sel.indices]).sum()))
+    target = float(f.sum())
+    se = statistics.stdev(ours) / math.sqrt(reps)
+    assert abs(statistics.mean(ours) - target) < 4 * se
+    assert abs(statistics.mean(paper) - target) > 0.1 * target  # biased: what we avoid
+
+
+def test_leverage_centers_selector_and_validation():
+    x, _ = make_data(300, 2)
+    k = _rbf(0.5)
+    a = LeverageCenters(1e-3, seed=4)(x, 40, k)
+    b = LeverageCenters(1e-3, seed=4)(x, 40, k)
+    assert torch.equal(a.indices, b.indices) and torch.equal(a.weights, b.weights)
+    assert int(a.counts.sum()) == 40
+    c = leverage_centers(x, 40, k, 1e-3, generator=_gen(4))
+    assert torch.equal(a.indices, c.indices)
+    with pytest.raises(ValueError, match="penalty"):
+        leverage_centers(x, 40, k, 0.0)
+    with pytest.raises(ValueError, match="penalty"):
+        approximate_leverage_scores(x, k, -1e-3)
+    with pytest.raises(ValueError, match="penalty"):
+        LeverageCenters(float("nan"))
+    with pytest.raises(ValueError, match="num_centers"):
+        leverage_centers(x, 301, k, 1e-3)
+    with pytest.raises(ValueError, match="num_centers"):
+        leverage_centers(x, 0, k, 1e-3)
+    bad = x.clone()
+    bad[3, 1] = float("nan")
+    with pytest.raises(ValueError, match="x contains"):
+        leverage_centers(bad, 10, k, 1e-3)
+    with pytest.raises(TypeError, match="kernel"):
+        approximate_leverage_scores(x, "rbf", 1e-3)
+    with pytest.raises(ValueError, match="scores"):
+        leverage_centers(x, 10, k, 1e-3, scores=torch.ones(299, dtype=torch.float64))
+    with pytest.raises(ValueError, match="scores"):
+        leverage_centers(x, 10, k, 1e-3, scores=-torch.ones(300, dtype=torch.float64))
+    with pytest.raises(ValueError, match="scores"):
+        leverage_centers(x, 10, k, 1e-3, scores=torch.zeros(300, dtype=torch.float64))
+    with pytest.raises(ValueError, match="oversampling"):
+        approximate_leverage_scores(x, k, 1e-3, oversampling=0.5)
+    with pytest.raises(ValueError, match="lambda_step"):
+        approximate_leverage_scores(x, k, 1e-3, lambda_step=1.0)
+    with pytest.raises(ValueError, match="max_dictionary_size"):
+        approximate_leverage_scores(x, k, 1e-3, max_dictionary_size=0)
+
+
+# ------------------------------------------------- weighted FALKON and B
+def _weighted_problem():
+    x, y = make_data(500, 3)
+    k = make_kernel("matern52", 3)
+    k.lengthscale = k.lengthscale * 0.5  # cond(H) ~ 1e4: the dense reference is accurate
+    lam = 1e-4
+    sel = leverage_centers(x, 80, k, lam, generator=_gen(0))
+    return x, y, k, lam, sel
+
+
+def test_weighted_falkon_equals_dense_nystrom_solution():
+    x, y, k, lam, sel = _weighted_problem()
+    w = sel.weights
+    assert float(w.max() / w.min()) > 1.5 and int(sel.counts.max()) > 1  # a non-trivial D
+    op = NystromKRROperator(x, sel.centers, torch.tensor(lam, dtype=torch.float64), kernel=k, weights=w)
+    alpha, info = op.falkon_solve(op.kmn_y(y.unsqueeze(-1)), tol=1e-13, max_iter=500, warn=False)
+    with torch.no_grad():
+        H, knm, _ = dense_nystrom(k, x, sel.centers, lam)
+        ref = torch.linalg.solve(H, knm.T @ y.unsqueeze(-1))
+    assert float((alpha - ref).norm() / ref.norm()) < 1e-8, info.iterations
+    # the weights change the preconditioner only: unweighted FALKON reaches the same alpha
+    op1 = NystromKRROperator(x, sel.centers, torch.tensor(lam, dtype=torch.float64), kernel=k)
+    alpha1, _ = op1.falkon_solve(op1.kmn_y(y.unsqueeze(-1)), tol=1e-13, max_iter=500, warn=False)
+    assert float((alpha1 - ref).norm() / ref.norm()) < 1e-8
+
+
+def test_weighted_preconditioner_identity_math_md():
+    """B B^T = ((n/M) K_MM D^2 K_MM + n lam K_MM)^{-1} with M = number of *distinct*
+    centers (the size of K_MM, what FalkonPreconditioner uses), here < R draws."""
+    x, _, k, lam, sel = _weighted_problem()
+    n, m, r = x.shape[0], sel.indices.numel(), int(sel.counts.sum())
+    assert m < r
+    with torch.no_grad():
+        kmm = dense_kernel(k, sel.centers, sel.centers)
+    P = FalkonPreconditioner.from_kernel_matrix(kmm, lam, n, weights=sel.weights, jitter=0.0)
+    D2 = torch.diag(sel.weights**2)
+    target = (n / m) * kmm @ D2 @ kmm + n * lam * kmm
+    bbt = P.apply_bbt(torch.eye(m, dtype=torch.float64))
+    err = (target @ bbt - torch.eye(m, dtype=torch.float64)).abs().max()
+    assert float(err) < 1e-6
+    # with R (draws) in place of M the identity does not hold: the code's M is the distinct count
+    wrong = (n / r) * kmm @ D2 @ kmm + n * lam * kmm
+    assert float((wrong @ bbt - torch.eye(m, dtype=torch.float64)).abs().max()) > 1e-2
+
+
+# ------------------------------------------------------ condition numbers
+def _clustered_data(seed: int = 0):
+    """2-d: one dense cluster with 99 % of the points (std 0.3 lengthscales), two small tight
+    clusters and 12 isolated points, all far apart (>= 20 lengthscales)."""
+    g = _gen(seed)
+    big = 0.3 * torch.randn(1960, 2, generator=g, dtype=torch.float64)
+    small = [torch.tensor([20.0, 0.0]) + 0.1 * torch.randn(20, 2, generator=g, dtype=torch.float64),
+             torch.tensor([0.0, 20.0]) + 0.1 * torch.randn(8, 2, generator=g, dtype=torch.float64)]
+    ang = torch.arange(12, dtype=torch.float64) * (2 * math.pi / 12)
+    lone = 60.0 * torch.stack([ang.cos(), ang.sin()], -1)
+    return torch.cat([big, *small, lone])
+
+
+def _cond_bhb(x, kernel, centers, lam, weights=None) -> float:
+    """cond(B^T H B), dense, with B the code's FalkonPreconditioner."""
+    n, m = x.shape[0], centers.shape[0]
+    with torch.no_grad():
+        H, _, kmm = dense_nystrom(kernel, x, centers, lam)
+        B = FalkonPreconditioner.from_kernel_matrix(kmm, lam, n, weights=weights).apply_b(
+            torch.eye(m, dtype=torch.float64)
+        )
+        W = B.T @ H @ B
+        ev = torch.linalg.eigvalsh((W + W.T) / 2)
+    assert float(ev[0]) > 0
+    return float(ev[-1] / ev[0])
+
+
+def test_leverage_centers_condition_clustered_data():
+    """Uniform centers over-weight any isolated point they happen to hit by n/M (it stands
+    for one point, not n/M); leverage centers weight it by count/(R p) ~ 1.
+
+    Matern 5/2 rather than RBF: with RBF, uniform sampling puts ~M centers in the dense
+    cluster and K_MM is numerically singular (eigenvalues ~1e-16), so the dense
+    cond(B^T H B) would measure rounding, not sampling. Both methods get the same number
+    of distinct centers M (R = 300 leverage draws give ~200). Measured (seeds 0-9):
+    leverage median 4.3 (3.6-6.4), uniform median 28 (5.7-40; the low values when no
+    isolated point is drawn), leverage with the paper's D = 1/sqrt(n p count) 12.
+    """
+    x = _clustered_data()
+    k = make_kernel("matern52", 2)
+    k.lengthscale = torch.ones(1, 2, dtype=torch.float64)
+    lam, r = 1e-4, 300
+    scores = approximate_leverage_scores(x, k, lam, generator=_gen(11))
+    uni, lev, lev_paper = [], [], []
+    for seed in range(5):
+        sel = leverage_centers(x, r, k, lam, generator=_gen(100 + seed), scores=scores)
+        lev.append(_cond_bhb(x, k, sel.centers, lam, sel.weights))
+        paper_d = 1 / torch.sqrt(x.shape[0] * sel.probabilities * sel.counts)
+        lev_paper.append(_cond_bhb(x, k, sel.centers, lam, paper_d))
+        cu = uniform_centers(x, sel.indices.numel(), _gen(seed))
+        uni.append(_cond_bhb(x, k, cu.centers, lam))
+    med = statistics.median
+    report = f"uniform {uni}, leverage {lev}, paper D {lev_paper}"
+    assert med(lev) < 6, report
+    assert med(uni) > 4 * med(lev), report
+    assert med(lev_paper) > 1.8 * med(lev), report
+
+
+# ---------------------------------------------------------------- FalkonGP
+def _leverage_model(**kw):
+    x, y = make_data(400, 3)
+    k = make_kernel("scale_matern52", 3)
+    model = FalkonGP(x, y, kernel=k, num_centers=60, penalty=1e-4, center_selection="leverage",
+                     tol=1e-12, max_iter=500, **kw)
+    return model, x, y, k
+
+
+def test_falkon_gp_leverage_fits_the_dense_nystrom_solution():
+    model, x, y, k = _leverage_model()
+    w = model.center_weights
+    assert w is not None and w.dtype == torch.float64 and w.shape == (model.centers.shape[0],)
+    sel = leverage_centers(x, 60, k, model.penalty.detach(), generator=_gen(0))
+    assert torch.equal(model.centers, sel.centers) and torch.equal(w, sel.weights)
+    assert model.nystrom_operator().weights is w
+    model.fit()
+    model.eval()
+    with torch.no_grad():
+        H, knm, _ = dense_nystrom(k, x, model.centers, 1e-4)
+        ref = torch.linalg.solve(H, knm.T @ y.unsqueeze(-1)).squeeze(-1)
+        xt = make_data(20, 3, seed=3)[0]
+        pred = model(xt)
+        mean_ref = dense_kernel(k, xt, model.centers) @ ref
+    assert float((model.alpha - ref).norm() / ref.norm()) < 1e-8
+    torch.testing.assert_close(pred.mean, mean_ref, rtol=1e-7, atol=1e-9)
+    assert bool((pred.variance > 0).all())
+
+
+def test_falkon_gp_leverage_weights_survive_copies_and_state_dict():
+    model, x, y, k = _leverage_model()
+    model.fit()
+    model.eval()
+    xt = make_data(15, 3, seed=3)[0]
+    with torch.no_grad():
+        p = model(xt)
+    sd = model.state_dict()
+    assert "center_weights" in sd
+    # a fresh model with another number of centers (another seed) adopts centers and weights
+    fresh = FalkonGP(x, y, kernel=make_kernel("scale_matern52", 3), num_centers=30, seed=9, penalty=1e-4)
+    assert fresh.center_weights is None and "center_weights" not in fresh.state_dict()
+    fresh.load_state_dict(sd)
+    fresh.eval()
+    assert torch.equal(fresh.center_weights, model.center_weights)
+    with torch.no_grad():
+        q = fresh(xt)
+    assert torch.equal(p.mean, q.mean) and torch.equal(p.variance, q.variance)
+    # loading unweighted centers drops the weights
+    fresh.load_state_dict(FalkonGP(x, y, kernel=make_kernel("scale_matern52", 3), num_centers=30).state_dict())
+    assert fresh.center_weights is None
+    # deepcopy and dtype conversions keep them (float64)
+    assert torch.equal(copy.deepcopy(model).center_weights, model.center_weights)
+    m32 = copy.deepcopy(model).float()
+    assert m32.center_weights.dtype == torch.float64 and torch.equal(m32.center_weights, model.center_weights)
+    # learn_centers keeps the weights as a buffer next to the Parameter centers
+    learn, *_ = _leverage_model(learn_centers=True)
+    assert isinstance(learn.centers, torch.nn.Parameter) and learn.center_weights is not None
+
+
+def test_falkon_gp_user_center_weights_and_errors():
+    x, y = make_data(300, 3)
+    k = make_kernel("rbf", 3)
+    sel = leverage_centers(x, 40, k, 1e-3, generator=_gen(2))
+    model = FalkonGP(x, y, kernel=k, centers=sel.centers, center_weights=sel.weights, penalty=1e-3)
+    assert torch.equal(model.center_weights, sel.weights)
+    assert torch.equal(model.nystrom_operator().weights, sel.weights)
+    n0 = x.shape[0]
+    model.set_train_data(x[:200], y[:200])  # D^2 carries 1/n: rescaled
+    torch.testing.assert_close(model.center_weights, sel.weights * math.sqrt(n0 / 200))
+    assert FalkonGP(x, y, kernel=k, num_centers=20).center_weights is None
+    with pytest.raises(ValueError, match="center_selection"):
+        FalkonGP(x, y, kernel=k, num_centers=20, center_selection="kmeans")
+    with pytest.raises(ValueError, match="center_selection"):
+        FalkonGP(x, y, kernel=k, centers=sel.centers, center_selection="leverage")
+    with pytest.raises(ValueError, match="center_weights"):
+        FalkonGP(x, y, kernel=k, num_centers=20, center_weights=sel.weights)
+    with pytest.raises(ValueError, match="center_weights"):
+        FalkonGP(x, y, kernel=k, centers=sel.centers, center_weights=sel.weights[:-1])
+    with pytest.raises(ValueError, match="center_weights"):
+        FalkonGP(x, y, kernel=k, centers=sel.centers, center_weights=-sel.weights)
+
+
+def test_validation_objective_accepts_leverage():
+    from gpfalkon.tuning import falkon_validation_error
+
+    x, y = make_data(300, 2)
+    xv, yv = make_data(100, 2, seed=3)
+    f = falkon_validation_error(max_iter=15)
+    val = f({"num_centers": 40, "penalty": 1e-4, "center_selection": "leverage"}, x, y, xv, yv)
+    assert 0 < val < float(yv.std())
+    with pytest.raises(ValueError, match="center_selection"):
+        f({"center_selection": "kmeans"}, x, y, xv, yv)
+
+
+def test_paper_weighting_option():
+    import gpytorch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(300, 2, generator=g, dtype=torch.float64)
+    k = gpytorch.kernels.RBFKernel().double()
+    k.lengthscale = 0.3
+    scores = torch.rand(300, generator=g, dtype=torch.float64) + 0.1
+    a = leverage_centers(x, 200, k, 1e-3, generator=torch.Generator().manual_seed(1), scores=scores)
+    b = leverage_centers(x, 200, k, 1e-3, generator=torch.Generator().manual_seed(1), scores=scores, weighting="paper")
+    assert torch.equal(a.indices, b.indices) and bool((a.counts > 1).any())
+    torch.testing.assert_close(b.weights, 1 / torch.sqrt(300 * b.probabilities * b.counts.double()))
+    m = a.indices.numel()
+    torch.testing.assert_close(a.weights, torch.sqrt(m * a.counts.double() / (300 * 200 * a.probabilities)))
+    with pytest.raises(ValueError, match="weighting"):
+        leverage_centers(x, 20, k, 1e-3, scores=scores, weighting="other")

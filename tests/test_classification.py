@@ -1,0 +1,70 @@
+"""FalkonClassifier: +-1 / one-hot targets as right-hand sides, sign / argmax decisions,
+checked against the dense Nyström KRR solution."""
+import gpytorch
+import pytest
+import torch
+
+from gpfalkon import FalkonClassifier, encode_labels
+
+from conftest import dense_kernel, dense_nystrom
+
+
+def _blobs(n_per: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    means = torch.tensor([[0.0, 0.0], [2.0, 0.5], [0.5, 2.0], [2.0, 2.0]])[:k]
+    x = torch.cat([means[c] + 0.6 * torch.randn(n_per, 2, generator=g, dtype=torch.float64) for c in range(k)])
+    labels = torch.arange(k).repeat_interleave(n_per)
+    return x, labels
+
+
+def _kernel():
+    k = gpytorch.kernels.RBFKernel().double()
+    k.lengthscale = 0.7
+    return k
+
+
+def test_encode_labels_binary_and_multiclass():
+    t, c = encode_labels(torch.tensor([5, 3, 5, 3, 3]))
+    assert c.tolist() == [3, 5]
+    assert t.tolist() == [1.0, -1.0, 1.0, -1.0, -1.0]
+    t, c = encode_labels(torch.tensor([2, 0, 1, 2]))
+    assert t.shape == (4, 3)
+    assert torch.equal(t.argmax(-1), torch.tensor([2, 0, 1, 2]))
+    assert torch.equal(t.sum(-1), torch.ones(4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_classifier_matches_dense_nystrom(k):
+    x, labels = _blobs(60, k)
+    labels = labels * 10 + 7  # arbitrary label values
+    kern = _kernel()
+    lam = 1e-3
+    clf = FalkonClassifier(x, labels, kern, num_centers=50, penalty=lam, tol=1e-12, max_iter=500, seed=3).fit()
+    centers = clf.model.centers
+    targets, classes = encode_labels(labels)
+    H, knm, _ = dense_nystrom(kern, x, centers, lam)
+    alpha = torch.linalg.solve(H, knm.T @ targets.reshape(x.shape[0], -1))
+    xq = x[::7] + 0.05
+    ref_scores = dense_kernel(kern, xq, centers) @ alpha
+    scores = clf.decision_function(xq)
+    torch.testing.assert_close(scores.reshape(ref_scores.shape), ref_scores, rtol=1e-7, atol=1e-8)
+    if k == 2:
+        ref_pred = classes[(ref_scores.squeeze(-1) > 0).long()]
+    else:
+        ref_pred = classes[ref_scores.argmax(-1)]
+    assert torch.equal(clf.predict(xq), ref_pred)
+    # separable-ish blobs: the classifier is far better than chance on its training data
+    acc = (clf.predict(x) == labels).double().mean()
+    assert acc > 0.85
+
+
+def test_classifier_bad_labels():
+    x, labels = _blobs(10, 2)
+    with pytest.raises(ValueError, match="labels"):
+        FalkonClassifier(x, torch.zeros(20, dtype=torch.long), _kernel())
+    with pytest.raises(ValueError, match="labels"):
+        FalkonClassifier(x, labels[:-1], _kernel())
+    with pytest.raises(ValueError, match="labels"):
+        FalkonClassifier(x, torch.full((20,), float("nan"), dtype=torch.float64), _kernel())
+    with pytest.raises(ValueError, match="labels"):
+        encode_labels(torch.tensor([0, 1, 2]), classes=torch.tensor([0, 1]))

@@ -1,0 +1,103 @@
+"""float32 kernel products on an ill-conditioned real problem (protein rows, small noise):
+FALKON's eps_32 * M jitter keeps CG stable, and CG never hands back a diverged iterate."""
+import pathlib
+import warnings
+
+import gpytorch
+import numpy as np
+import pytest
+import torch
+
+from gpfalkon import CGNotConvergedWarning, FalkonGP, conjugate_gradient, median_lengthscale
+from gpfalkon.operators.nystrom import NystromKRROperator
+
+DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "protein.npz"
+
+
+def _protein(n_train=3000, n_test=1000):
+    with np.load(DATA) as z:
+        X, y = z["X"][: n_train + n_test], z["y"][: n_train + n_test]
+    X = (X - X[:n_train].mean(0)) / X[:n_train].std(0)
+    y = (y - y[:n_train].mean()) / y[:n_train].std()
+    x, y = torch.as_tensor(X), torch.as_tensor(y)
+    return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
+
+
+def _fit_rmse(dtype, noise, m):
+    xtr, ytr, xte, yte = _protein()
+    k = gpytorch.kernels.RBFKernel().to(dtype)
+    k.lengthscale = float(median_lengthscale(xtr))
+    model = FalkonGP(xtr.to(dtype), ytr.to(dtype), kernel=k, num_centers=m, penalty=noise / len(xtr),
+                     max_iter=20, tol=0, seed=0).fit()
+    model.eval()
+    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
+        return float((model(xte.to(dtype)).mean.double() - yte).square().mean().sqrt())
+
+
+@pytest.mark.parametrize("noise,m", [(1e-2, 2000), (1e-3, 1000)])
+def test_float32_ill_conditioned_matches_float64(noise, m):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CGNotConvergedWarning)
+        r32 = _fit_rmse(torch.float32, noise, m)
+    r64 = _fit_rmse(torch.float64, noise, m)
+    assert abs(r32 - r64) <= 0.03 * r64, (r32, r64)
+
+
+def test_float32_without_data_dtype_jitter_breaks_down(monkeypatch):
+    """The reference behaviour the jitter fixes (so the test above can fail)."""
+    monkeypatch.setattr(NystromKRROperator, "_precond_jitter", lambda self: None)
+    with pytest.raises(Exception):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CGNotConvergedWarning)
+            _fit_rmse(torch.float32, 1e-2, 2000)
+
+
+@pytest.mark.parametrize("skew,diverges", [(1e-4, False), (1e-3, True)])
+def test_cg_returns_best_iterate_when_the_operator_is_inaccurate(skew, diverges):
+    """A symmetric PD matrix plus a skew part (an inconsistent operator, as float32 products
+    of an ill-conditioned kernel are): p^T W p stays > 0 but the residual can blow up."""
+    g = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(60, 60, generator=g, dtype=torch.float64))
+    b = torch.randn(60, 1, generator=g, dtype=torch.float64)
+    r = torch.randn(60, 60, generator=g, dtype=torch.float64)
+    a = q @ torch.diag(torch.logspace(0, -3, 60, dtype=torch.float64)) @ q.T + skew * (r - r.T)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x, info = conjugate_gradient(lambda u: a @ u, b, tol=0, max_iter=60, stagnation_window=None)
+    messages = [str(w.message) for w in caught if issubclass(w.category, CGNotConvergedWarning)]
+    hist = info.residuals[:, 0]
+    true_rel = float((b - a @ x).norm() / b.norm())
+    if diverges:
+        assert any("diverged" in m for m in messages)
+        assert info.extra["returned_best"] == 1
+        assert float(hist[-2]) > 10 * float(hist[:-1].min())  # the last iterate was far worse
+        assert float(hist[-1]) == pytest.approx(float(hist[:-1].min()))
+        assert true_rel <= float(hist[:-1].min()) + 1e-12  # what is returned is the best iterate
+    else:
+        assert messages == []
+        assert info.extra["returned_best"] == 0
+        assert true_rel == pytest.approx(float(hist[-1]), rel=1e-6)
+
+
+def test_breakdown_on_singular_kmm_rebuilds_preconditioner():
+    """M = n with a tiny penalty (K_MM numerically singular, float64): the first CG breaks
+    down; the operator raises the jitter, warns, and still solves H alpha = K_Mn y."""
+    from conftest import make_data
+
+    from gpfalkon import JitterWarning, NystromKRROperator
+
+    x, y = make_data(400, 2)
+    k = gpytorch.kernels.RBFKernel().double()
+    k.lengthscale = float(median_lengthscale(x))
+    op = NystromKRROperator(x, x.clone(), 1e-6, kernel=k)
+    rhs = op.kmn_y(y.unsqueeze(-1))
+    with pytest.warns(JitterWarning, match="broke down"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CGNotConvergedWarning)
+            alpha, info = op.falkon_solve(rhs, tol=0, max_iter=20)
+    assert op._jitter_boost > 1
+    h_alpha = op.h_matmul_nograd(alpha)
+    assert float((h_alpha - rhs).norm() / rhs.norm()) < 1e-4
+    # the fit itself is good: K_nM alpha reproduces the smooth targets
+    knm = k(x, x).to_dense()
+    assert float((knm @ alpha.squeeze(-1) - y).square().mean().sqrt()) < 0.15
