@@ -22,10 +22,12 @@ GPyTorch default; gpfalkon keeps its CG and Cholesky factors in float64).
 
 How each method is configured (its own documentation's recipe, same everywhere):
 
-* FALKON: ``FalkonGP`` with M = min(5000, n) uniform centers, RBF kernel with the
-  median-heuristic lengthscale, 20 CG iterations (FALKON's practice); lambda from a
-  4-value grid (noise n*lambda in {1e-3, 1e-2, 0.1, 1}) by hold-out (20% of at most
-  100k training rows, M <= 2000); the selection is included in the fit time.
+* FALKON: ``FalkonGP`` with M = min(5000, n) uniform centers, RBF kernel, 20 CG
+  iterations (FALKON's practice); lengthscale = median heuristic x {1/4, 1/2, 1} and
+  lambda from a 4-value grid (noise n*lambda in {1e-3, 1e-2, 0.1, 1}) by hold-out (FALKON
+  fits with M <= 2000 on 80% of at most 100k training rows, error on the other 20%); the
+  selection is included in FALKON's fit time. Nystroem, RFF and Fastfood use the same
+  lengthscale without paying for it (their own penalty selection is timed).
 * FalkonGP learned (M=500): ARD RBF lengthscales, lambda and the 500 centers learned by
   ``StochasticNystromCompReg`` (Adam lr 0.05, <= 100 steps, 20 trace vectors, 20 CG
   iterations per step; on at most 20k training rows, 100k on flights), then fitted on
@@ -43,10 +45,12 @@ How each method is configured (its own documentation's recipe, same everywhere):
 * GPyTorch exact GP (the "simple GP regression" example): ConstantMean, ScaleKernel(RBF),
   Adam lr 0.1, 50 iterations (or the time budget), GPyTorch's default CG/Lanczos
   inference; only where n_train <= 20,000.
-* scikit-learn ``Nystroem`` (rbf, gamma = 1 / (2 median^2), n_components = M) +
+* scikit-learn ``Nystroem`` (rbf, gamma = 1 / (2 lengthscale^2), n_components = M) +
   ``RidgeCV`` (alphas 1e-6..1e2, efficient leave-one-out), as in scikit-learn's kernel
   approximation guide; rows subsampled so the n x M float64 feature matrix fits 2 GiB.
-* RFF / Fastfood + ridge: 2 x 2048 features (2 x 1024 on flights) at the median-heuristic
+  Its fit cannot be interrupted, so M (<= 5000) is the largest whose fit time, predicted
+  from a cost model measured on this machine, is within 3/4 of the budget.
+* RFF / Fastfood + ridge: 2 x 2048 features (2 x 1024 on flights) at FALKON's
   lengthscale, Z^T Z accumulated over row blocks (all rows), ridge penalty chosen on a 20%
   hold-out from one eigendecomposition.
 
@@ -61,6 +65,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import threading
@@ -204,7 +209,7 @@ def _cg_note(caught) -> str:
     return f"; CG warning: {bad[0][:80]}" if bad else ""
 
 
-def select_noise(data: Dict, kernel_factory: Callable, m: int) -> float:
+def select_noise(data: Dict, kernel_factory: Callable, m: int, return_error: bool = False):
     """Noise ``n lambda`` from :data:`NOISE_GRID` by hold-out: FALKON fits (20 iterations,
     <= 2000 centers) on 80% of at most 100k training rows, squared error on the rest."""
     import gpytorch
@@ -226,7 +231,39 @@ def select_noise(data: Dict, kernel_factory: Callable, m: int) -> float:
             err = float((mod(xv).mean.double() - yv.double()).square().mean())
         if best is None or err < best[0]:
             best = (err, noise)
-    return best[1]
+    return (best[1], best[0]) if return_error else best[1]
+
+
+LS_MULTIPLIERS = (0.25, 0.5, 1.0)
+
+
+def heuristic_hypers(data: Dict) -> Dict:
+    """The lengthscale shared by the kernel-approximation methods (FALKON, Nystroem, RFF,
+    Fastfood): median heuristic x a multiplier in :data:`LS_MULTIPLIERS`, chosen with the
+    noise by hold-out FALKON fits (:func:`select_noise`). Computed (and timed) by the FALKON
+    worker, cached per dataset for the others, which get it for free."""
+    import gpytorch
+
+    cache = RESULTS / f".compare-hyper-{data['name']}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())
+    t0 = time.perf_counter()
+    ls0 = median_ls(data["xtr"])
+    best = None
+    for mult in LS_MULTIPLIERS:
+        def kern(ls=ls0 * mult):
+            k = gpytorch.kernels.RBFKernel()
+            k.lengthscale = ls
+            return k
+
+        noise, err = select_noise(data, kern, M_LARGE, return_error=True)
+        if best is None or err < best[0]:
+            best = (err, mult, noise)
+    out = dict(lengthscale=ls0 * best[1], multiplier=best[1], noise=best[2], median=ls0,
+               seconds=time.perf_counter() - t0)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(out))
+    return out
 
 
 def run_falkon(data: Dict, budget: float) -> List[Dict]:
@@ -238,27 +275,29 @@ def run_falkon(data: Dict, budget: float) -> List[Dict]:
     xtr, ytr = data["xtr"], data["ytr"]
     n = len(xtr)
     m = min(M_LARGE, n)
+    cached = (RESULTS / f".compare-hyper-{data['name']}.json").exists()
     t0 = time.perf_counter()
-    ls = median_ls(xtr)
+    hyp = heuristic_hypers(data)
+    ls, noise = hyp["lengthscale"], hyp["noise"]
 
     def kern():
         k = gpytorch.kernels.RBFKernel()
         k.lengthscale = ls
         return k
 
-    noise = select_noise(data, kern, m)
     model = FalkonGP(xtr, ytr, kernel=kern(), num_centers=m, penalty=noise / n, max_iter=20, tol=0, seed=0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CGNotConvergedWarning)
         model.fit()
-    fit_s = time.perf_counter() - t0
+    fit_s = time.perf_counter() - t0 + (hyp["seconds"] if cached else 0.0)
     model.eval()
     t1 = time.perf_counter()
     with gpytorch.settings.skip_posterior_variances():
         scores = predict_chunks(lambda x: model(x).mean, data["xte"])
     pred_s = time.perf_counter() - t1
     return [dict(method="FALKON", M=m, n_used=n, fit_s=fit_s, predict_s=pred_s, scores=scores,
-                 info=f"lengthscale {ls:.3g} (median), noise n*lambda={noise:g} (hold-out)" + _cg_note(caught))]
+                 info=f"lengthscale {ls:.3g} = {hyp['multiplier']:g} x median, noise {noise:g} (hold-out, "
+                      f"{hyp['seconds']:.0f} s)" + _cg_note(caught))]
 
 
 def run_falkon_learned(data: Dict, budget: float) -> List[Dict]:
@@ -470,17 +509,39 @@ def run_exact(data: Dict, budget: float) -> List[Dict]:
                  info=f"{it} Adam iterations")]
 
 
+# scikit-learn's Nystroem + RidgeCV cannot be stopped mid-fit, so its size is chosen up front
+# from a cost model measured on this machine (float64, 2 cores; the 2026-11-22 run with
+# M=5000 everywhere): the M x M SVD inside Nystroem costs ~3.8e-10 s * M^3 and RidgeCV's
+# leave-one-out SVD of the n x M features ~1.7e-10 s * n * M^2.
+_NYS_SVD_S, _NYS_RIDGE_S = 3.8e-10, 1.7e-10
+
+
+def nystroem_size(n_all: int, budget: float, feature_bytes: int = 2 * 2**30):
+    """The largest ``M`` (multiple of 500, at most ``M_LARGE``) and rows ``n`` (the n x M
+    float64 features within ``feature_bytes``) whose predicted fit time is within 3/4 of
+    ``budget``; at least ``M = 500``."""
+    best = None
+    for m in range(500, min(M_LARGE, n_all) + 1, 500):
+        n = min(n_all, feature_bytes // (8 * m))
+        if best is None or _NYS_SVD_S * m**3 + _NYS_RIDGE_S * n * m**2 <= 0.75 * budget:
+            best = (m, n)
+    if n_all < 500:
+        best = (n_all, n_all)
+    elif M_LARGE >= n_all and _NYS_SVD_S * n_all**3 + _NYS_RIDGE_S * n_all**3 <= 0.75 * budget:
+        best = (n_all, n_all)
+    return best
+
+
 def run_nystroem(data: Dict, budget: float) -> List[Dict]:
     from sklearn.kernel_approximation import Nystroem
     from sklearn.linear_model import RidgeCV
     from sklearn.pipeline import make_pipeline
 
     n_all = len(data["xtr"])
-    m = min(M_LARGE, n_all)
-    n = min(n_all, int(2 * 2**30 / (8 * m)))
+    m, n = nystroem_size(n_all, budget)
     xtr, ytr = subsample(data, n)
+    ls = heuristic_hypers(data)["lengthscale"]  # shared, not timed here
     t0 = time.perf_counter()
-    ls = median_ls(xtr)
     pipe = make_pipeline(
         Nystroem(kernel="rbf", gamma=1.0 / (2 * ls**2), n_components=m, random_state=0),
         RidgeCV(alphas=np.logspace(-6, 2, 9)),
@@ -559,7 +620,7 @@ def run_rff(data: Dict, budget: float) -> List[Dict]:
     ns = _num_samples(len(data["xtr"]))
     torch.manual_seed(0)
     k = gpytorch.kernels.RFFKernel(num_samples=ns, num_dims=d)
-    k.lengthscale = median_ls(data["xtr"])
+    k.lengthscale = heuristic_hypers(data)["lengthscale"]
     return _ridge_random_features(data, k, "RFF + ridge", ns)
 
 
@@ -571,7 +632,7 @@ def run_fastfood(data: Dict, budget: float) -> List[Dict]:
     d = data["xtr"].shape[1]
     ns = _num_samples(len(data["xtr"]))
     k = FastfoodKernel(num_samples=ns, num_dims=d, generator=torch.Generator().manual_seed(0))
-    k.lengthscale = median_ls(data["xtr"])
+    k.lengthscale = heuristic_hypers(data)["lengthscale"]
     return _ridge_random_features(data, k, "Fastfood + ridge", ns)
 
 
@@ -629,6 +690,14 @@ def _describe(ds: str, results: List[Dict]) -> str:
     return f"{ds} ({r['split']}, n_train {r['n_train']:,}, n_test {r['n_test']:,}, d {r['d']})"
 
 
+def _total_wall(results: List[Dict]) -> float:
+    """Sum of subprocess wall times, once per (dataset, method) (a method may give several rows)."""
+    walls = {}
+    for r in results:
+        walls[(r["dataset"], r["key"])] = r.get("wall_s", 0.0)
+    return sum(walls.values())
+
+
 def report(results: List[Dict], env: List[str], out_md: pathlib.Path, out_png: pathlib.Path, total_s: float) -> None:
     headers = ["dataset", "method", "M / features", "train rows used", "fit s", "predict s", "peak MiB",
                "RMSE", "NRMSE", "class. error", "AUC", "notes"]
@@ -683,7 +752,8 @@ def report(results: List[Dict], env: List[str], out_md: pathlib.Path, out_png: p
         "",
         "Datasets: " + "; ".join(_describe(ds, results) for ds in datasets) + ".",
         "",
-        f"Total wall time of this run: {total_s / 60:.1f} min.",
+        f"Total wall time: {_total_wall(results) / 60:.1f} min (the sum of every method's subprocess wall "
+        f"time, data loading and prediction included; this invocation took {total_s / 60:.1f} min).",
     ]
     write_result(out_md, "gpfalkon vs GPyTorch SGPR / SVGP / exact GP, scikit-learn Nystroem, RFF, Fastfood", env,
                  "\n".join(body))
@@ -695,16 +765,20 @@ def plot(results: List[Dict], datasets: List[str], out_png: pathlib.Path) -> Non
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     if not datasets:
         return
     cols = min(4, len(datasets))
     nrow = math.ceil(len(datasets) / cols)
     fig, axes = plt.subplots(nrow, cols, figsize=(4.2 * cols, 3.6 * nrow), squeeze=False)
+    def label(r: Dict) -> str:  # one legend entry for "FalkonGP learned -> M=<min(5000, n)>"
+        return re.sub(r"-> M=\d+$", "-> M large", r["method"])
+
     methods = []
     for r in results:
-        if r["method"] not in methods:
-            methods.append(r["method"])
+        if label(r) not in methods:
+            methods.append(label(r))
     markers = "os^vDP*Xph<>"
     cmap = plt.get_cmap("tab10")
     style = {m: (cmap(i % 10), markers[i % len(markers)]) for i, m in enumerate(methods)}
@@ -712,10 +786,17 @@ def plot(results: List[Dict], datasets: List[str], out_png: pathlib.Path) -> Non
         for r in results:
             if r["dataset"] != ds or "error" not in r or r["error"] != r["error"]:
                 continue
-            c, mk = style[r["method"]]
-            ax.scatter(r["fit_s"], r["error"], color=c, marker=mk, s=55, label=r["method"], edgecolor="k", linewidth=0.4)
+            c, mk = style[label(r)]
+            ax.scatter(r["fit_s"], r["error"], color=c, marker=mk, s=55, edgecolor="k", linewidth=0.4)
         task = next(r["task"] for r in results if r["dataset"] == ds)
         ax.set_xscale("log")
+        lo, hi = ax.get_xlim()
+        ticks = [t * 10.0**e for e in range(-2, 5) for t in (1, 2, 5) if lo <= t * 10.0**e <= hi]
+        if len(ticks) < 2:
+            ticks = [t * 10.0**e for e in range(-2, 5) for t in range(1, 10) if lo <= t * 10.0**e <= hi]
+        ax.set_xticks(ticks)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_title(ds)
         ax.set_xlabel("fit time (s, log scale)")
         ax.set_ylabel("classification error" if task == "binary" else "test NRMSE")
@@ -752,8 +833,11 @@ def main() -> None:
     jsonl = args.out.with_suffix(".jsonl")
     png = args.out.with_suffix(".png")
     results = load_results(jsonl) if args.resume else []
-    if not args.resume and jsonl.exists():
-        jsonl.unlink()
+    if not args.resume:
+        if jsonl.exists():
+            jsonl.unlink()
+        for f in RESULTS.glob(".compare-hyper-*.json"):
+            f.unlink()
     done = {(r["dataset"], r["key"]) for r in results}
     t_start = time.perf_counter()
     for ds in args.datasets:
@@ -777,8 +861,10 @@ def main() -> None:
                 new = [dict(dataset=ds, key=method, method=method, failed=f"timeout after {2 * budget + 180:.0f} s")]
             if tmp.exists():
                 tmp.unlink()
+            wall = time.perf_counter() - t0
             for r in new:
                 r.setdefault("task", "binary" if ds in BINARY else "regression")
+                r["wall_s"] = wall
                 log(f"{ds:>10s} {r['method']:<28s} " + (
                     f"fit {r['fit_s']:7.1f} s  predict {r['predict_s']:6.2f} s  error {r['error']:.4f}  "
                     f"peak {r['peak_mib']:.0f} MiB  {r.get('info', '')}" if "fit_s" in r else
