@@ -728,8 +728,11 @@ def report(results: List[Dict], env: List[str], out_md: pathlib.Path, out_png: p
                 summary.append([ds, bb["method"], bb["error"], bb["fit_s"], g["method"], g["error"], g["fit_s"],
                                 bb["fit_s"] / g["fit_s"], verdict])
             else:
+                gap = f"{100 * (bf['error'] / bb['error'] - 1):.2f} % higher"
+                if bf["task"] == "binary":
+                    gap += f", {round((bf['error'] - bb['error']) * bf['n_test'])} of {bf['n_test']:,} test points"
                 summary.append([ds, bb["method"], bb["error"], bb["fit_s"], bf["method"], bf["error"], bf["fit_s"],
-                                bb["fit_s"] / bf["fit_s"], "no (higher error)"])
+                                bb["fit_s"] / bf["fit_s"], f"no (error {gap})"])
     first = results[0] if results else {}
     body = [
         "Error: NRMSE = RMSE / std(y_test) for regression (RMSE in the target's units), classification "

@@ -23,15 +23,16 @@ def _protein(n_train=3000, n_test=1000):
     return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
 
 
-def _fit_rmse(dtype, noise, m):
+def _fit_rmse(dtype, noise, m, lengthscale_factor=1.0, return_info=False):
     xtr, ytr, xte, yte = _protein()
     k = gpytorch.kernels.RBFKernel().to(dtype)
-    k.lengthscale = float(median_lengthscale(xtr))
+    k.lengthscale = float(median_lengthscale(xtr)) * lengthscale_factor
     model = FalkonGP(xtr.to(dtype), ytr.to(dtype), kernel=k, num_centers=m, penalty=noise / len(xtr),
                      max_iter=20, tol=0, seed=0).fit()
     model.eval()
     with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
-        return float((model(xte.to(dtype)).mean.double() - yte).square().mean().sqrt())
+        rmse = float((model(xte.to(dtype)).mean.double() - yte).square().mean().sqrt())
+    return (rmse, model.fit_info) if return_info else rmse
 
 
 @pytest.mark.parametrize("noise,m", [(1e-2, 2000), (1e-3, 1000)])
@@ -43,6 +44,17 @@ def test_float32_ill_conditioned_matches_float64(noise, m):
     assert abs(r32 - r64) <= 0.03 * r64, (r32, r64)
 
 
+def test_float32_residual_rise_returns_best_iterate():
+    """A smoother kernel (4 x median lengthscale) in float32: the CG residual bottoms out near
+    0.05 and then climbs ~5x as round-off takes over. The last iterate's test RMSE is ~5 %
+    above float64's (0.839 vs 0.800 when measured); the best iterate, which CG now returns
+    for any rise above 2x, matches float64 to 1 %."""
+    r32, info = _fit_rmse(torch.float32, 1e-3, 1000, lengthscale_factor=4.0, return_info=True)
+    r64 = _fit_rmse(torch.float64, 1e-3, 1000, lengthscale_factor=4.0)
+    assert info.extra["returned_best"] == 1
+    assert abs(r32 - r64) <= 0.01 * r64, (r32, r64)
+
+
 def test_float32_without_data_dtype_jitter_breaks_down(monkeypatch):
     """The reference behaviour the jitter fixes (so the test above can fail)."""
     monkeypatch.setattr(NystromKRROperator, "_precond_jitter", lambda self: None)
@@ -52,10 +64,12 @@ def test_float32_without_data_dtype_jitter_breaks_down(monkeypatch):
             _fit_rmse(torch.float32, 1e-2, 2000)
 
 
-@pytest.mark.parametrize("skew,diverges", [(1e-4, False), (1e-3, True)])
-def test_cg_returns_best_iterate_when_the_operator_is_inaccurate(skew, diverges):
+@pytest.mark.parametrize("skew,diverges,rise", [(1e-4, False, None), (3e-4, True, 2.0), (1e-3, True, 10.0)])
+def test_cg_returns_best_iterate_when_the_operator_is_inaccurate(skew, diverges, rise):
     """A symmetric PD matrix plus a skew part (an inconsistent operator, as float32 products
-    of an ill-conditioned kernel are): p^T W p stays > 0 but the residual can blow up."""
+    of an ill-conditioned kernel are): p^T W p stays > 0 but the residual can blow up.
+    A final residual above twice the best is replaced by the best iterate (3e-4: a ~4x rise,
+    which a tenfold rule would have handed back)."""
     g = torch.Generator().manual_seed(0)
     q, _ = torch.linalg.qr(torch.randn(60, 60, generator=g, dtype=torch.float64))
     b = torch.randn(60, 1, generator=g, dtype=torch.float64)
@@ -68,9 +82,9 @@ def test_cg_returns_best_iterate_when_the_operator_is_inaccurate(skew, diverges)
     hist = info.residuals[:, 0]
     true_rel = float((b - a @ x).norm() / b.norm())
     if diverges:
-        assert any("diverged" in m for m in messages)
+        assert any("diverged" in m for m in messages) == (rise >= 10)
         assert info.extra["returned_best"] == 1
-        assert float(hist[-2]) > 10 * float(hist[:-1].min())  # the last iterate was far worse
+        assert float(hist[-2]) > rise * float(hist[:-1].min())  # the last iterate was worse
         assert float(hist[-1]) == pytest.approx(float(hist[:-1].min()))
         assert true_rel <= float(hist[:-1].min()) + 1e-12  # what is returned is the best iterate
     else:
