@@ -66,9 +66,52 @@ def test_fwht_rejects_non_power_of_two(d):
         fwht(torch.randn(2, d))
 
 
-def test_fwht_is_differentiable():
-    x = torch.randn(2, 8, dtype=F64, requires_grad=True, generator=_gen(1))
+@pytest.mark.parametrize("d", [8, 256])  # one dense matmul; the Kronecker split
+def test_fwht_is_differentiable(d):
+    x = torch.randn(2, d, dtype=F64, requires_grad=True, generator=_gen(1))
     assert torch.autograd.gradcheck(fwht, (x,))
+
+
+def _butterfly(x: torch.Tensor) -> torch.Tensor:
+    """Textbook in-order FWHT (log2 d butterfly passes), an independent reference for large d."""
+    y = x.clone()
+    d, h = y.shape[-1], 1
+    while h < d:
+        y = y.reshape(*x.shape[:-1], d // (2 * h), 2, h)
+        y = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2)
+        h *= 2
+    return y.reshape(x.shape)
+
+
+@pytest.mark.parametrize("d", [128, 256, 1024, 1 << 15])  # dense; 16 x 16; 32 x 32; (16 x 16) x 128
+def test_fwht_kronecker_split_equals_butterfly(d):
+    x = torch.randn(2, 3, d, dtype=F64, generator=_gen(d + 1))
+    torch.testing.assert_close(fwht(x), _butterfly(x), rtol=1e-12, atol=1e-10)
+    if d <= 1024:
+        torch.testing.assert_close(fwht(x), x @ _hadamard(d), rtol=1e-12, atol=1e-10)
+    # non-contiguous input, and float32
+    xt = torch.randn(d, 3, dtype=F64, generator=_gen(d + 2)).T
+    torch.testing.assert_close(fwht(xt), _butterfly(xt.contiguous()), rtol=1e-12, atol=1e-10)
+    x32 = x.float()
+    torch.testing.assert_close(fwht(x32), _butterfly(x).float(), rtol=1e-4, atol=1e-3 * math.sqrt(d))
+
+
+@pytest.mark.parametrize("d,n", [(5, 30), (5, 4), (200, 300), (200, 100), (1500, 50), (1500, 2100)])
+def test_dense_and_structured_projections_agree(d, n):
+    """``_project`` picks the dense frequency matrix for d' <= 2048 and n >= d', the structured
+    transform otherwise; both must equal x @ V^T with V built densely from the buffers."""
+    k = _kernel(32 if d > 1000 else 300, d, seed=21)
+    x = torch.randn(n, d, dtype=F64, generator=_gen(22))
+    v = k.frequencies()
+    expected = x @ v.T
+    torch.testing.assert_close(k._project(x), expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(k._project_structured(x), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_input_dtype_must_match_the_kernel():
+    k = _kernel(16, 3)
+    with pytest.raises(ValueError, match="`x1` has dtype torch.float32"):
+        k(torch.rand(5, 3)).to_dense()
 
 
 # --------------------------------------------------------------------------- exact algebra
