@@ -368,6 +368,52 @@ def _gp_kernel(d: int, ls: float):
     return k
 
 
+def _fit_exact_mll(xtr, ytr, covar_module, lik, max_iters: int, t0: float, budget: float, xte):
+    """GPyTorch's ExactGP recipe (ConstantMean, Adam lr 0.1 on the exact marginal log likelihood,
+    at most ``max_iters`` steps or until ``budget`` seconds since ``t0``), then the prediction
+    cache built on two test points (part of fitting). Returns (model, iterations)."""
+    import gpytorch
+    import torch
+
+    class _GP(gpytorch.models.ExactGP):
+        def __init__(self):
+            super().__init__(xtr, ytr, lik)
+            self.mean_module = gpytorch.means.ConstantMean()
+            self.covar_module = covar_module
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+    model = _GP()
+    model.train()
+    lik.train()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(lik, model)
+    it = 0
+    while it < max_iters and time.perf_counter() - t0 < budget:
+        opt.zero_grad()
+        loss = -mll(model(xtr), ytr)
+        loss.backward()
+        opt.step()
+        it += 1
+    model.eval()
+    lik.eval()
+    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
+        model(xte[:2])
+    return model, it
+
+
+def _gp_row(method: str, model, data: Dict, M: int, n: int, fit_s: float, info: str) -> Dict:
+    """Predict the test means of a fitted GPyTorch model (variances skipped) and build the result row."""
+    import gpytorch
+
+    t1 = time.perf_counter()
+    with gpytorch.settings.skip_posterior_variances():
+        scores = predict_chunks(lambda x: model(x).mean, data["xte"])
+    return dict(method=method, M=M, n_used=n, fit_s=fit_s, predict_s=time.perf_counter() - t1, scores=scores,
+                info=info)
+
+
 def run_sgpr(data: Dict, budget: float) -> List[Dict]:
     import gpytorch
     import torch
@@ -379,39 +425,10 @@ def run_sgpr(data: Dict, budget: float) -> List[Dict]:
     lik = gpytorch.likelihoods.GaussianLikelihood()
     ind = xtr[torch.randperm(n, generator=torch.Generator().manual_seed(0))[:M_SMALL]].clone()
 
-    class SGPR(gpytorch.models.ExactGP):
-        def __init__(self):
-            super().__init__(xtr, ytr, lik)
-            self.mean_module = gpytorch.means.ConstantMean()
-            self.covar_module = gpytorch.kernels.InducingPointKernel(_gp_kernel(d, median_ls(xtr)), inducing_points=ind,
-                                                                     likelihood=lik)
-
-        def forward(self, x):
-            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
-
-    model = SGPR()
-    model.train()
-    lik.train()
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    mll = gpytorch.mlls.ExactMarginalLogLikelihood(lik, model)
-    it = 0
-    while it < 100 and time.perf_counter() - t0 < budget:
-        opt.zero_grad()
-        loss = -mll(model(xtr), ytr)
-        loss.backward()
-        opt.step()
-        it += 1
-    model.eval()
-    lik.eval()
-    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
-        model(data["xte"][:2])  # the prediction cache belongs to fitting
+    covar = gpytorch.kernels.InducingPointKernel(_gp_kernel(d, median_ls(xtr)), inducing_points=ind, likelihood=lik)
+    model, it = _fit_exact_mll(xtr, ytr, covar, lik, 100, t0, budget, data["xte"])
     fit_s = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    with gpytorch.settings.skip_posterior_variances():
-        scores = predict_chunks(lambda x: model(x).mean, data["xte"])
-    pred_s = time.perf_counter() - t1
-    return [dict(method="GPyTorch SGPR", M=M_SMALL, n_used=n, fit_s=fit_s, predict_s=pred_s, scores=scores,
-                 info=f"{it} Adam iterations")]
+    return [_gp_row("GPyTorch SGPR", model, data, M_SMALL, n, fit_s, f"{it} Adam iterations")]
 
 
 def run_svgp(data: Dict, budget: float) -> List[Dict]:
@@ -459,12 +476,8 @@ def run_svgp(data: Dict, budget: float) -> List[Dict]:
     fit_s = time.perf_counter() - t0
     model.eval()
     lik.eval()
-    t1 = time.perf_counter()
-    with gpytorch.settings.skip_posterior_variances():
-        scores = predict_chunks(lambda x: model(x).mean, data["xte"])
-    pred_s = time.perf_counter() - t1
-    return [dict(method="GPyTorch SVGP", M=M_SMALL, n_used=n, fit_s=fit_s, predict_s=pred_s, scores=scores,
-                 info=f"{epochs} epochs{' (budget)' if out_of_time else ''}")]
+    info = f"{epochs} epochs{' (budget)' if out_of_time else ''}"
+    return [_gp_row("GPyTorch SVGP", model, data, M_SMALL, n, fit_s, info)]
 
 
 def run_exact(data: Dict, budget: float) -> List[Dict]:
@@ -479,38 +492,10 @@ def run_exact(data: Dict, budget: float) -> List[Dict]:
     t0 = time.perf_counter()
     lik = gpytorch.likelihoods.GaussianLikelihood()
 
-    class Exact(gpytorch.models.ExactGP):
-        def __init__(self):
-            super().__init__(xtr, ytr, lik)
-            self.mean_module = gpytorch.means.ConstantMean()
-            self.covar_module = _gp_kernel(d, median_ls(xtr))
-
-        def forward(self, x):
-            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
-
-    model = Exact()
-    model.train()
-    lik.train()
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    mll = gpytorch.mlls.ExactMarginalLogLikelihood(lik, model)
-    it = 0
-    while it < 50 and time.perf_counter() - t0 < budget:
-        opt.zero_grad()
-        loss = -mll(model(xtr), ytr)
-        loss.backward()
-        opt.step()
-        it += 1
-    model.eval()
-    lik.eval()
-    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
-        model(data["xte"][:2])  # builds the prediction cache (the n x n solve): part of fitting
+    # the prediction cache (the n x n solve) is built inside: part of fitting
+    model, it = _fit_exact_mll(xtr, ytr, _gp_kernel(d, median_ls(xtr)), lik, 50, t0, budget, data["xte"])
     fit_s = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    with gpytorch.settings.skip_posterior_variances():
-        scores = predict_chunks(lambda x: model(x).mean, data["xte"])
-    pred_s = time.perf_counter() - t1
-    return [dict(method="GPyTorch exact GP", M=n, n_used=n, fit_s=fit_s, predict_s=pred_s, scores=scores,
-                 info=f"{it} Adam iterations")]
+    return [_gp_row("GPyTorch exact GP", model, data, n, n, fit_s, f"{it} Adam iterations")]
 
 
 # scikit-learn's Nystroem + RidgeCV cannot be stopped mid-fit, so its size is chosen up front
@@ -837,6 +822,7 @@ def main() -> None:
         worker(ds, method, budget, pathlib.Path(out))
         return
     env = environment_lines()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     jsonl = args.out.with_suffix(".jsonl")
     png = args.out.with_suffix(".png")
     results = load_results(jsonl) if args.resume else []
