@@ -54,7 +54,14 @@ def check_targets(name: str, y: Tensor, n: int) -> None:
 
 
 def check_penalty(penalty: Tensor | float, name: str = "penalty") -> None:
-    value = torch.as_tensor(penalty)
+    if penalty is None or isinstance(penalty, (bool, str)):
+        raise TypeError(f"{name} must be a positive number or a scalar tensor, got {penalty!r}")
+    try:
+        value = torch.as_tensor(penalty)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{name} must be a positive number or a scalar tensor, got {type(penalty).__name__}") from None
+    if value.dtype == torch.bool or value.is_complex():
+        raise TypeError(f"{name} must be a real number, got dtype {value.dtype}")
     if value.numel() != 1:
         raise ValueError(f"{name} must be a scalar, got shape {tuple(value.shape)}")
     if not bool(torch.isfinite(value).all()):
@@ -129,3 +136,9 @@ def check_center_weights(name: str, weights: Tensor, m: int, device: Optional[to
     check_finite(name, weights)
     if bool((weights <= 0).any()):
         raise ValueError(f"{name} must be > 0, got {int((weights <= 0).sum())} value(s) <= 0")
+
+
+def check_generator(generator: object, name: str = "generator") -> None:
+    """``None`` or a :class:`torch.Generator`."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"{name} must be a torch.Generator or None, got {type(generator).__name__}")

@@ -38,6 +38,7 @@ from . import settings
 from ._validation import (
     check_inputs,
     check_kernel,
+    check_generator,
     check_num_centers,
     check_penalty,
     check_positive_real,
@@ -94,6 +95,7 @@ def uniform_centers(x: Tensor, num_centers: int, generator: Optional[torch.Gener
     """
     check_inputs("train_x", x)
     num_centers = check_num_centers(num_centers, x.shape[0])
+    check_generator(generator)
     device = generator.device if generator is not None else torch.device("cpu")
     idx = torch.randperm(x.shape[0], generator=generator, device=device)[:num_centers]
     idx = idx.sort().values.to(x.device)
@@ -324,6 +326,7 @@ def approximate_leverage_scores(
     check_inputs("x", x)
     check_kernel(kernel)
     check_penalty(penalty)
+    check_generator(generator)
     q2 = check_positive_real("oversampling", oversampling, minimum=1.0)
     q = check_positive_real("lambda_step", lambda_step, minimum=1.0, strict_minimum=True)
     if isinstance(max_dictionary_size, bool) or int(max_dictionary_size) != max_dictionary_size or max_dictionary_size < 1:
@@ -469,6 +472,7 @@ def leverage_centers(
     check_inputs("x", x)
     n = x.shape[0]
     num_centers = check_num_centers(num_centers, n)
+    check_generator(generator)
     if weighting not in ("unbiased", "paper"):
         raise ValueError(f"weighting must be 'unbiased' or 'paper', got {weighting!r}")
     if scores is None:

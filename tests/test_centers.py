@@ -252,6 +252,68 @@ def test_weighted_preconditioner_identity_math_md():
     assert float((wrong @ bbt - torch.eye(m, dtype=torch.float64)).abs().max()) > 1e-2
 
 
+def _assert_weighted_identity(P, kmm, weights, n, lam):
+    m = kmm.shape[0]
+    target = (n / m) * kmm @ torch.diag(weights**2) @ kmm + n * lam * kmm
+    err = (target @ P.apply_bbt(torch.eye(m, dtype=torch.float64)) - torch.eye(m, dtype=torch.float64)).abs().max()
+    assert float(err) < 1e-4, float(err)
+
+
+def test_solver_preconditioner_uses_the_weights():
+    """D changes only the preconditioner, so the dense-solution tests cannot see it: check
+    that the preconditioner the CG solve uses (the operator's, also via FalkonGP) is the
+    weighted one of MATH.md 2, and not the D = I one."""
+    x, y, k, lam, sel = _weighted_problem()
+    n = x.shape[0]
+    with torch.no_grad():
+        kmm = dense_kernel(k, sel.centers, sel.centers)
+    op = NystromKRROperator(x, sel.centers, torch.tensor(lam, dtype=torch.float64), kernel=k, weights=sel.weights)
+    _assert_weighted_identity(op.preconditioner, kmm, sel.weights, n, lam)
+    with pytest.raises(AssertionError):  # the identity does tell D from I here
+        _assert_weighted_identity(op.preconditioner, kmm, torch.ones_like(sel.weights), n, lam)
+    model = FalkonGP(x, y, kernel=k, centers=sel.centers, center_weights=sel.weights, penalty=lam)
+    _assert_weighted_identity(model.nystrom_operator().preconditioner, kmm, sel.weights, n, lam)
+    # and a different D gives a different CG path on the same system
+    _, info_d = op.falkon_solve(op.kmn_y(y.unsqueeze(-1)), tol=1e-10, max_iter=500, warn=False)
+    op_i = NystromKRROperator(x, sel.centers, torch.tensor(lam, dtype=torch.float64), kernel=k)
+    _, info_i = op_i.falkon_solve(op_i.kmn_y(y.unsqueeze(-1)), tol=1e-10, max_iter=500, warn=False)
+    assert not torch.allclose(info_d.residuals[1], info_i.residuals[1])
+
+
+def test_falkon_gp_leverage_options():
+    x, y = make_data(400, 3)
+    k = make_kernel("scale_matern52", 3)
+    kw = dict(kernel=k, num_centers=60, penalty=1e-4, center_selection="leverage", seed=4)
+    model = FalkonGP(x, y, leverage_options={"weighting": "paper", "oversampling": 3.0}, **kw)
+    sel = leverage_centers(x, 60, k, model.penalty.detach(), generator=_gen(4), weighting="paper", oversampling=3.0)
+    assert torch.equal(model.centers, sel.centers)
+    torch.testing.assert_close(model.center_weights, 1 / torch.sqrt(400 * sel.probabilities * sel.counts))
+    with pytest.raises(ValueError, match="leverage_options.*bogus"):
+        FalkonGP(x, y, leverage_options={"bogus": 1}, **kw)
+    with pytest.raises(TypeError, match="leverage_options"):
+        FalkonGP(x, y, leverage_options=[("weighting", "paper")], **kw)
+    with pytest.raises(ValueError, match="leverage_options"):
+        FalkonGP(x, y, kernel=k, num_centers=60, leverage_options={"weighting": "paper"})
+    with pytest.raises(ValueError, match="weighting"):
+        FalkonGP(x, y, leverage_options={"weighting": "other"}, **kw)
+
+
+def test_center_functions_reject_bad_penalty_and_generator():
+    x, _ = make_data(50, 2)
+    k = make_kernel("rbf", 2)
+    for bad in (None, "1e-3", True, [1e-3, 1e-4]):
+        with pytest.raises((TypeError, ValueError), match="penalty"):
+            approximate_leverage_scores(x, k, bad)
+        with pytest.raises((TypeError, ValueError), match="penalty"):
+            leverage_centers(x, 10, k, bad)
+    with pytest.raises(TypeError, match="generator"):
+        approximate_leverage_scores(x, k, 1e-3, generator=0)
+    with pytest.raises(TypeError, match="generator"):
+        leverage_centers(x, 10, k, 1e-3, generator="seed")
+    with pytest.raises(TypeError, match="generator"):
+        uniform_centers(x, 10, generator=1)
+
+
 # ------------------------------------------------------ condition numbers
 def _clustered_data(seed: int = 0):
     """2-d: one dense cluster with 99 % of the points (std 0.3 lengthscales), two small tight

@@ -407,6 +407,16 @@ def test_bad_arguments():
     k = FastfoodKernel(10, num_dims=3)
     with pytest.raises(ValueError, match="x1"):
         k(torch.rand(5, 4)).to_dense()
+    with pytest.raises(ValueError, match="`x1` contains 1 NaN"):
+        k(torch.tensor([[0.0, float("nan"), 1.0]])).to_dense()
+    with pytest.raises(ValueError, match="`x2` contains 1 NaN"):
+        k(torch.rand(2, 3), torch.tensor([[0.0, float("inf"), 1.0]])).to_dense()
+    with pytest.raises(ValueError, match="`x1` must be a floating-point"):
+        k(torch.ones(2, 3, dtype=torch.long)).to_dense()
+    # any integer type for the sizes (not bool)
+    assert FastfoodKernel(np.int64(16), num_dims=np.int32(3)).num_samples == 16
+    with pytest.raises(ValueError, match="num_samples"):
+        FastfoodKernel(True)
     with pytest.raises(ValueError, match="`x`"):
         k._featurize(torch.rand(5, 2))
 
@@ -435,3 +445,14 @@ def test_batched_inputs_and_batched_kernel():
     torch.testing.assert_close(kbat._featurize(x2), torch.cat([proj.cos(), proj.sin()], -1))
     with torch.no_grad():
         assert kbat(x2).to_dense().shape == (2, 9, 9)
+
+
+
+@pytest.mark.parametrize("d", [3, 3000])  # dense path; structured path (d' > 2048)
+def test_empty_inputs(d):
+    k = FastfoodKernel(8, num_dims=d)
+    x = torch.rand(4, d)
+    assert k._featurize(torch.rand(0, d)).shape == (0, 16)
+    with torch.no_grad():
+        assert k(torch.rand(0, d), x).to_dense().shape == (0, 4)
+        assert k(x, torch.rand(0, d)).to_dense().shape == (4, 0)

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from typing import Any, Optional
 
 import torch
@@ -68,6 +69,19 @@ _FWHT_BLOCK = 128
 # (built by the structured transform, then one BLAS matmul): faster than the structured
 # transform on CPU up to about this size (``benchmarks/fastfood.py``)
 _DENSE_MAX_DIMS = 2048
+
+
+def _positive_int(name: str, value: Any, extra: str = "") -> int:
+    """``value`` as an ``int >= 1`` (any integer type, e.g. ``numpy.int64``; not bool)."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        out = operator.index(value)
+    except TypeError:
+        out = 0
+    if out < 1:
+        raise ValueError(f"FastfoodKernel: `{name}` must be a positive integer{' ' + extra if extra else ''}, got {value!r}")
+    return out
 
 
 def _is_power_of_two(d: int) -> bool:
@@ -168,10 +182,9 @@ class FastfoodKernel(Kernel):
         generator: Optional[torch.Generator] = None,
         **kwargs: Any,
     ) -> None:
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"FastfoodKernel: `num_samples` must be a positive integer, got {num_samples!r}")
-        if num_dims is not None and (isinstance(num_dims, bool) or not isinstance(num_dims, int) or num_dims < 1):
-            raise ValueError(f"FastfoodKernel: `num_dims` must be a positive integer or None, got {num_dims!r}")
+        num_samples = _positive_int("num_samples", num_samples)
+        if num_dims is not None:
+            num_dims = _positive_int("num_dims", num_dims, "or None")
         if nu is not None and (isinstance(nu, bool) or nu not in _SUPPORTED_NU):
             raise ValueError(f"FastfoodKernel: `nu` must be None (RBF) or one of {_SUPPORTED_NU}, got {nu!r}")
         if generator is not None and not isinstance(generator, torch.Generator):
@@ -279,6 +292,8 @@ class FastfoodKernel(Kernel):
 
     # ------------------------------------------------------------------ features
     def _check_input(self, x: Tensor, name: str) -> None:
+        if not x.is_floating_point():
+            raise ValueError(f"FastfoodKernel: `{name}` must be a floating-point tensor, got dtype {x.dtype}")
         if x.dtype != self.ff_gauss.dtype:
             raise ValueError(
                 f"FastfoodKernel: `{name}` has dtype {x.dtype} but the kernel's random parameters are "
@@ -288,6 +303,8 @@ class FastfoodKernel(Kernel):
             raise ValueError(
                 f"FastfoodKernel: the last dimension of `{name}` ({x.size(-1)}) must equal num_dims ({self.num_dims})"
             )
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"FastfoodKernel: `{name}` contains {int((~torch.isfinite(x)).sum())} NaN or Inf value(s)")
 
     def _project(self, x: Tensor) -> Tensor:
         """``x @ V^T`` for ``x`` of shape ``(..., n, num_dims)``, shape ``(..., n, D)``.
@@ -316,7 +333,7 @@ class FastfoodKernel(Kernel):
         y = torch.gather(y, -1, self.ff_perm.unsqueeze(-3).expand(y.shape))  # Pi H B x
         y = fwht(y * self.ff_gauss.unsqueeze(-3))  # H G Pi H B x
         y = y * (self.ff_scale.unsqueeze(-3) / math.sqrt(dp))  # S H G Pi H B x / sqrt(d')
-        return y.reshape(*y.shape[:-2], -1)[..., : self.num_samples]
+        return y.reshape(*y.shape[:-2], y.shape[-2] * y.shape[-1])[..., : self.num_samples]
 
     def _featurize(self, x: Tensor, normalize: bool = False) -> Tensor:
         """Features ``[cos(V x / l), sin(V x / l)]`` of shape ``(..., n, 2 num_samples)``; divided by

@@ -31,11 +31,17 @@ def encode_labels(labels: Tensor, classes: Optional[Tensor] = None, dtype: torch
     """Coded targets for ``labels`` (``(n,)`` integer or float class labels).
 
     Returns ``(targets, classes)``: ``classes`` are the sorted distinct labels (or the
-    given ones); ``targets`` is ``(n,)`` in ``{-1, +1}`` for two classes (``+1`` =
-    ``classes[1]``), or ``(n, k)`` one-hot for ``k > 2`` classes.
+    given ones, which must be 1-D, strictly increasing, i.e. sorted and distinct);
+    ``targets`` is ``(n,)`` in ``{-1, +1}`` for two classes (``+1`` = ``classes[1]``), or
+    ``(n, k)`` one-hot for ``k > 2`` classes. Boolean labels are coded as ``0 / 1``
+    (``int64`` classes).
     """
     if not isinstance(labels, Tensor):
         raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.is_complex():
+        raise TypeError(f"labels must be real (integer, float or bool), got dtype {labels.dtype}")
+    if labels.dtype == torch.bool:
+        labels = labels.long()
     if labels.dim() != 1:
         raise ValueError(f"labels must be 1-D (n,), got shape {tuple(labels.shape)}")
     if labels.numel() == 0:
@@ -44,6 +50,16 @@ def encode_labels(labels: Tensor, classes: Optional[Tensor] = None, dtype: torch
         raise ValueError("labels contains NaN or Inf values")
     if classes is None:
         classes = torch.unique(labels)
+    else:
+        if not isinstance(classes, Tensor):
+            raise TypeError(f"classes must be a torch.Tensor, got {type(classes).__name__}")
+        if classes.dtype == torch.bool:
+            classes = classes.long()
+        if classes.dim() != 1:
+            raise ValueError(f"classes must be 1-D, got shape {tuple(classes.shape)}")
+        if classes.numel() > 1 and not bool((classes[1:] > classes[:-1]).all()):
+            raise ValueError("classes must be strictly increasing (sorted, no duplicates)")
+        classes = classes.to(device=labels.device, dtype=labels.dtype)
     if classes.numel() < 2:
         raise ValueError(f"labels must contain at least 2 classes, got {classes.numel()}")
     pos = torch.searchsorted(classes, labels)
@@ -71,10 +87,12 @@ class FalkonClassifier(torch.nn.Module):
         super().__init__()
         if not isinstance(train_x, Tensor):
             raise TypeError(f"train_x must be a torch.Tensor, got {type(train_x).__name__}")
+        if not isinstance(labels, Tensor):
+            raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
         if labels.dim() == 1 and train_x.dim() == 2 and labels.shape[0] != train_x.shape[0]:
             raise ValueError(f"labels has {labels.shape[0]} entries but train_x has {train_x.shape[0]} rows")
         targets, classes = encode_labels(labels, dtype=train_x.dtype)
-        self.register_buffer("classes", classes.clone())
+        self.register_buffer("classes", classes.to(train_x.device).clone())
         self.model = FalkonGP(train_x, targets.to(train_x.device), kernel, **falkon_kwargs)
 
     @property

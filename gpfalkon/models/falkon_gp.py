@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import gpytorch
 import torch
@@ -30,6 +30,11 @@ from ..solvers import CGInfo
 from .posterior import NystromPosteriorCovariance
 
 __all__ = ["FalkonGP", "NystromPosteriorFactors"]
+
+# keyword options FalkonGP(center_selection="leverage") passes to leverage_centers
+_LEVERAGE_OPTIONS = frozenset(
+    {"weighting", "oversampling", "lambda_step", "max_dictionary_size", "min_dictionary_size", "block_rows"}
+)
 
 
 class NystromPosteriorFactors:
@@ -117,13 +122,19 @@ class FalkonGP(gpytorch.models.GP):
             probabilities proportional to approximate ridge leverage scores
             (:func:`~gpfalkon.centers.leverage_centers`, BLESS scores, ``O(n M_J^2)``,
             ``M_J ~ 5 d_eff``) with the preconditioner weights ``D`` of FALKON's
-            appendix A. The scores depend on ``lambda`` and on the kernel: they are
+            appendix A (by default their unbiased form ``sqrt(M count_j / (n R p_j))``;
+            ``leverage_options={"weighting": "paper"}`` gives ``1 / sqrt(n p_j count_j)``). The scores depend on ``lambda`` and on the kernel: they are
             computed *once, here*, at the initial penalty and kernel hyperparameters;
             the centers and weights are not re-drawn when those change later (call
             :func:`~gpfalkon.centers.leverage_centers` again and build a new model).
             Leverage sampling needs fewer centers than uniform sampling when the data
             are clustered or have outliers (``M ~ d_eff log d_eff``, see
             :func:`~gpfalkon.centers.effective_dimension`).
+        leverage_options: with ``center_selection="leverage"``, keyword options of
+            :func:`~gpfalkon.centers.leverage_centers`: ``weighting`` and the BLESS
+            options of :func:`~gpfalkon.centers.approximate_leverage_scores`
+            (``oversampling``, ``lambda_step``, ``max_dictionary_size``,
+            ``min_dictionary_size``, ``block_rows``).
         center_weights: ``(M,)`` positive preconditioner weights ``D`` for user-given
             ``centers`` (e.g. ``CenterSelection.weights``); default ``None`` = ``D = I``.
             Stored as the buffer ``center_weights`` (float64; ``None`` for uniform or
@@ -165,6 +176,7 @@ class FalkonGP(gpytorch.models.GP):
         learn_centers: bool = False,
         center_selection: str = "uniform",
         center_weights: Optional[Tensor] = None,
+        leverage_options: Optional[Dict[str, Any]] = None,
         generator: Optional[torch.Generator] = None,
         seed: int = 0,
         max_iter: Optional[int] = None,
@@ -196,6 +208,16 @@ class FalkonGP(gpytorch.models.GP):
         # --- centers
         if not isinstance(center_selection, str) or center_selection not in ("uniform", "leverage"):
             raise ValueError(f"center_selection must be 'uniform' or 'leverage', got {center_selection!r}")
+        if leverage_options is not None:
+            if not isinstance(leverage_options, dict):
+                raise TypeError(f"leverage_options must be a dict, got {type(leverage_options).__name__}")
+            if center_selection != "leverage":
+                raise ValueError("leverage_options only applies with center_selection='leverage'")
+            unknown = set(leverage_options) - _LEVERAGE_OPTIONS
+            if unknown:
+                raise ValueError(
+                    f"leverage_options: unknown option(s) {sorted(unknown)}; allowed: {sorted(_LEVERAGE_OPTIONS)}"
+                )
         if centers is not None and num_centers is not None:
             raise ValueError("give either centers or num_centers, not both")
         if centers is not None and center_selection != "uniform":
@@ -272,7 +294,9 @@ class FalkonGP(gpytorch.models.GP):
             self.penalty = penalty  # type: ignore[assignment]
         if leverage_m is not None:
             # leverage scores at the initial lambda and kernel hyperparameters (computed once)
-            sel = leverage_centers(train_x, leverage_m, kernel, self.penalty.detach(), generator=generator)
+            sel = leverage_centers(
+                train_x, leverage_m, kernel, self.penalty.detach(), generator=generator, **(leverage_options or {})
+            )
             c, weights = sel.centers, sel.weights
             self._register_centers(c, learn_centers)
         self.register_buffer("center_weights", None if weights is None else weights.to(torch.float64))

@@ -24,7 +24,8 @@ class FalkonPreconditioner(LinearOperator):
 
     the Nyström approximation of ``H^{-1}``, ``H = K_Mn K_nM + n lambda K_MM``,
     that replaces ``K_Mn K_nM`` by ``(n/M) K_MM D^2 K_MM``. With uniform centers
-    ``D = I``; leverage-score centers use ``D_jj = 1 / sqrt(n p_j count_j)``.
+    ``D = I``; leverage-score centers use ``D_jj = sqrt(M count_j / (n R p_j))`` by default
+    (:func:`~gpfalkon.centers.leverage_centers`; ``1 / sqrt(n p_j count_j)`` with ``weighting="paper"``).
 
     Applying ``B``, ``B^T``, ``B B^T`` or ``B^{-1}`` costs two triangular solves
     (``O(M^2)`` per column); building it costs two Cholesky factorisations
