@@ -1,5 +1,6 @@
 """gpfalkon: FALKON (Nyström kernel ridge regression by preconditioned CG) for GPyTorch."""
 from . import objectives, settings
+from .auto import AutoFitReport, auto_fit
 from .centers import (
     CenterSelection,
     LeverageCenters,
@@ -19,6 +20,8 @@ from .solvers import CGInfo, conjugate_gradient, falkon_solve
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoFitReport",
+    "auto_fit",
     "approximate_leverage_scores",
     "effective_dimension",
     "leverage_centers",

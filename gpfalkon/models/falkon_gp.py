@@ -161,6 +161,10 @@ class FalkonGP(gpytorch.models.GP):
         verbose: tqdm progress bar during ``fit()``.
         predict_chunk_size: test points per chunk when predicting (bounds the
             ``chunk x M`` kernel blocks held at once).
+        mean_constant: constant prior mean ``c`` (a float, or one value per output
+            column; default 0), GPyTorch's ``ConstantMean`` held fixed: the fit solves
+            ``H alpha = K_Mn (y - c)``, the posterior mean is ``c + K_*M alpha`` and the
+            objectives see ``y - c``. Stored as the buffer ``mean_constant``.
     """
 
     def __init__(
@@ -186,6 +190,7 @@ class FalkonGP(gpytorch.models.GP):
         store_kernel: Optional[bool] = None,
         verbose: bool = False,
         predict_chunk_size: int = 4096,
+        mean_constant: float | Tensor = 0.0,
     ) -> None:
         super().__init__()
         check_inputs("train_x", train_x)
@@ -311,6 +316,22 @@ class FalkonGP(gpytorch.models.GP):
         if self.predict_chunk_size < 1:
             raise ValueError(f"predict_chunk_size must be >= 1, got {predict_chunk_size}")
 
+        try:
+            mc = torch.as_tensor(mean_constant, dtype=torch.float64).detach().clone().to(train_x.device)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(f"mean_constant must be a number or a tensor, got {type(mean_constant).__name__}") from exc
+        mshape = () if self._num_outputs == 1 else (self._num_outputs,)
+        if mc.numel() == 1:
+            mc = mc.reshape(()).expand(mshape).clone()
+        if tuple(mc.shape) != mshape:
+            raise ValueError(
+                f"mean_constant must be a scalar or have shape {mshape} (one value per output), "
+                f"got shape {tuple(mc.shape)}"
+            )
+        if not bool(torch.isfinite(mc).all()):
+            raise ValueError(f"mean_constant must be finite, got {mc.tolist()}")
+        self.register_buffer("mean_constant", mc)
+
         shape = (c.shape[0],) if self._num_outputs == 1 else (c.shape[0], self._num_outputs)
         self.register_buffer("alpha", torch.full(shape, float("nan"), dtype=torch.float64, device=train_x.device))
         self.register_buffer("fitted", torch.tensor(False, device=train_x.device))
@@ -356,6 +377,16 @@ class FalkonGP(gpytorch.models.GP):
         except RuntimeError as exc:  # the likelihood's constraint cannot hold it
             raise ValueError(f"penalty={float(value):g} (noise {float(noise):g}) violates the likelihood's noise constraint: {exc}") from exc
 
+    def centered_targets(self) -> Tensor:
+        """``y - c`` as ``(n, t)`` (``c = mean_constant``): what the fit and the objectives use."""
+        y = self.train_targets
+        y2 = y.unsqueeze(-1) if y.dim() == 1 else y
+        c = getattr(self, "mean_constant", None)
+        if c is None or not bool(c.ne(0).any()):
+            return y2
+        # subtract in float64 (the constant is not rounded to the data dtype first)
+        return (y2.to(torch.float64) - c.reshape(1, -1).to(torch.float64)).to(y2.dtype)
+
     # ---------------------------------------------------------------- fitting
     def nystrom_operator(self, **overrides) -> NystromKRROperator:
         """The :class:`~gpfalkon.NystromKRROperator` at the current hyperparameters."""
@@ -389,8 +420,7 @@ class FalkonGP(gpytorch.models.GP):
         ``compute_variance`` also forms the posterior factors now, sharing a stored
         ``K_nM``. Convergence information lands in ``self.fit_info``.
         """
-        y = self.train_targets
-        y2 = y.unsqueeze(-1) if y.dim() == 1 else y
+        y2 = self.centered_targets()
         with torch.no_grad():
             op = self.nystrom_operator()
             rhs = op.kmn_y(y2)
@@ -412,6 +442,7 @@ class FalkonGP(gpytorch.models.GP):
         tensors += [b.detach().clone() for b in self.kernel.buffers()]
         tensors.append(self.centers.detach().clone())
         tensors.append(self.likelihood.raw_noise.detach().clone())
+        tensors.append(self.mean_constant.detach().clone())
         return tensors
 
     def _data_key(self) -> tuple:
@@ -463,10 +494,12 @@ class FalkonGP(gpytorch.models.GP):
         # stay float64 (predictions are computed in float64).
         was_valid = bool(self.fitted) and not self._hyper_changed()
         weights = self.center_weights  # kept in float64: a float32 round trip would round them
+        mean_c = self.mean_constant  # likewise
         super()._apply(fn, *args, **kwargs)
         self.train_inputs = tuple(fn(t) for t in self.train_inputs)
         self.train_targets = fn(self.train_targets)
         self.alpha = self.alpha.to(torch.float64)
+        self.mean_constant = mean_c.to(device=self.alpha.device, dtype=torch.float64)
         self.data_fingerprint = self.data_fingerprint.to(torch.float64)
         if weights is not None:
             self.center_weights = weights.to(device=self.centers.device, dtype=torch.float64)
@@ -507,9 +540,17 @@ class FalkonGP(gpytorch.models.GP):
             w = state_dict[w_key]
             if self.center_weights is None or self.center_weights.shape != w.shape:
                 self.center_weights = torch.empty(w.shape, dtype=torch.float64, device=self.centers.device)
+        m_key = prefix + "mean_constant"
+        # a full model state dict (it has alpha) without the constant predates it: zero mean; a partial
+        # dict (strict=False, e.g. only kernel hyperparameters) leaves the current constant alone
+        had_mean = m_key in state_dict or a_key not in state_dict
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        if not had_mean:  # state dicts saved before the constant mean existed: zero mean
+            self.mean_constant.zero_()
+            if m_key in missing_keys:
+                missing_keys.remove(m_key)
 
     @staticmethod
     def _after_load(module: "FalkonGP", incompatible_keys) -> None:
@@ -597,14 +638,13 @@ class FalkonGP(gpytorch.models.GP):
 
     def _prior(self, x: Tensor) -> MultivariateNormal:
         covar = self.kernel(x)
-        mean = torch.zeros(x.shape[:-1], dtype=x.dtype, device=x.device)
+        mc = self.mean_constant.to(dtype=x.dtype, device=x.device)
         if self._num_outputs == 1:
-            return MultivariateNormal(mean, covar)
+            return MultivariateNormal(mc.expand(x.shape[:-1]).clone(), covar)
         t = self._num_outputs
         eye_t = DiagLinearOperator(torch.ones(*x.shape[:-2], t, dtype=x.dtype, device=x.device))
-        return MultitaskMultivariateNormal(
-            mean.unsqueeze(-1).expand(*mean.shape, t), KroneckerProductLinearOperator(covar, eye_t), interleaved=True
-        )
+        mean = mc.expand(*x.shape[:-1], t).clone()
+        return MultitaskMultivariateNormal(mean, KroneckerProductLinearOperator(covar, eye_t), interleaved=True)
 
     def _posterior(self, x: Tensor) -> MultivariateNormal:
         self._check_fitted()
@@ -618,7 +658,7 @@ class FalkonGP(gpytorch.models.GP):
         for s in range(0, q, self.predict_chunk_size):
             xs = x[..., s : s + self.predict_chunk_size, :].to(torch.float64)
             chunks.append(self.kernel(xs, c64).to_dense() @ a2)
-        mean = torch.cat(chunks, -2).to(out_dtype)  # (..., q, t)
+        mean = (torch.cat(chunks, -2) + self.mean_constant.to(torch.float64).reshape(-1)).to(out_dtype)  # (..., q, t)
         if gpytorch.settings.skip_posterior_variances.on():
             covar = ZeroLinearOperator(*x.shape[:-1], q, dtype=out_dtype, device=x.device)
         else:

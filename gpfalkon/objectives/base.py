@@ -65,6 +65,9 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
     # ----------------------------------------------------------------- data
     def _data(self) -> Tuple[Tensor, Tensor]:
         x = self.model.train_inputs[0]
+        centered = getattr(self.model, "centered_targets", None)
+        if centered is not None:  # y - mean_constant
+            return x, centered()
         y = self.model.train_targets
         return x, (y.unsqueeze(-1) if y.dim() == 1 else y)
 

@@ -1,0 +1,770 @@
+"""Automatic fit: hyperparameters, number of centers and penalty chosen under a wall-clock budget.
+
+:func:`auto_fit` turns ``(x, y, budget)`` into a fitted :class:`~gpfalkon.FalkonGP`, in three stages
+(every choice lands in ``model.auto_report``):
+
+1. **Learn** ARD lengthscales, outputscale and the penalty (optionally the centers) on a subsample
+   of ``hyper_rows`` rows with ``hyper_centers`` centers, by Adam on each objective in
+   ``objectives`` (SGPR bound, GCV, C-Reg, Nyström C-Reg, ...: Meanti et al. 2022 find each best
+   on some datasets). Every ``eval_every`` steps the current hyperparameters are scored by the
+   validation error of a FALKON fit on the subsample; after ``race_rounds`` such rounds only the
+   leading objective goes on, and whenever it stalls it continues from its best point on twice
+   the rows (up to ``max_hyper_rows``). The best (objective, rows, step) over the whole race wins,
+   so the objective *and* the stopping point are chosen on validation data.
+2. **Select** on at most ``select_rows`` training rows: a coordinate search over the noise
+   ``sigma^2 = n lambda`` and a common lengthscale multiplier, each a log-spaced 1-D grid around
+   the learned value that keeps extending while the best point is at its edge; then the number
+   of centers is doubled (nested centers) while the validation error improves by more than
+   ``min_gain`` and the measured cost of the next size fits the remaining budget, re-tuning the
+   noise (it falls as the Nyström approximation improves) at each size.
+3. **Refit** on all rows (training rows plus the held-out rows, unless ``val_x`` was given) with
+   the chosen kernel, noise and number of centers.
+
+Inputs and targets are standardised internally, ``z = (x - mu) / s`` per feature and
+``u = (y - m) / r``, and mapped back exactly: for a stationary ARD kernel
+``k(z, z') = sigma_f^2 rho(|z_j - z'_j| / l_j)``, ``k`` on raw ``x`` has lengthscales ``l_j s_j``;
+the model on raw ``y`` has outputscale ``r^2 sigma_f^2``, noise ``r^2 sigma_n^2`` (so the same
+``alpha`` up to the factor ``r``) and the constant prior mean ``m`` (``FalkonGP(mean_constant=m)``).
+The returned model takes and predicts raw data. Cost: stage 1 ``O(steps hyper_rows hyper_centers^2)`` per objective; stages 2-3
+FALKON fits, ``O(n M t + M^3)`` each; ``budget`` bounds the sum (measured, not predicted, except
+for the final fit whose time is extrapolated from the measured selection fits).
+
+Written here because no ecosystem package has it: BoTorch's ``fit_gpytorch_mll`` optimises one
+marginal likelihood on all rows (``O(n M^2)`` per step for SGPR) and knows neither FALKON's cheap
+refits nor budget-driven choice of ``M``.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import gpytorch
+import torch
+from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
+from torch import Tensor
+
+from ._validation import check_inputs, check_targets
+from .errors import CGNotConvergedWarning
+from .models import FalkonGP
+from .objectives import GCV, LOOCV, CompReg, NystromCompReg, SGPRBound, StochasticNystromCompReg
+
+__all__ = ["auto_fit", "AutoFitReport", "OBJECTIVES", "KERNEL_FAMILIES"]
+
+#: objective name -> class (the names ``objectives=`` accepts)
+OBJECTIVES: Dict[str, type] = {
+    "sgpr": SGPRBound,
+    "gcv": GCV,
+    "compreg": CompReg,
+    "nystrom-compreg": NystromCompReg,
+    "loocv": LOOCV,
+    "stochastic-nystrom-compreg": StochasticNystromCompReg,
+}
+
+#: kernel family name -> ``(d) -> ScaleKernel(base kernel with d ARD lengthscales)``
+KERNEL_FAMILIES: Dict[str, Callable[[int], Kernel]] = {
+    "rbf": lambda d: ScaleKernel(RBFKernel(ard_num_dims=d)),
+    "matern12": lambda d: ScaleKernel(MaternKernel(nu=0.5, ard_num_dims=d)),
+    "matern32": lambda d: ScaleKernel(MaternKernel(nu=1.5, ard_num_dims=d)),
+    "matern52": lambda d: ScaleKernel(MaternKernel(nu=2.5, ard_num_dims=d)),
+}
+
+
+@dataclass
+class AutoFitReport:
+    """What :func:`auto_fit` tried and chose (attached to the model as ``model.auto_report``).
+
+    Errors are validation mean squared errors on standardised targets (``val_rmse`` in the
+    targets' units). ``stages`` holds the seconds spent per stage; ``learn`` one record per
+    objective (its validation-error trajectory); ``search`` every selection fit
+    ``(M, noise, multiplier, error, seconds)``; ``chosen`` the final choices.
+    """
+
+    budget: float
+    n_train: int
+    n_val: int
+    val_source: str
+    kernel: str
+    learn: List[Dict[str, Any]] = field(default_factory=list)
+    search: List[Dict[str, Any]] = field(default_factory=list)
+    chosen: Dict[str, Any] = field(default_factory=dict)
+    stages: Dict[str, float] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return float(sum(self.stages.values()))
+
+    def summary(self) -> str:
+        c = self.chosen
+        lines = [
+            f"auto_fit: {self.seconds:.1f} s of a {self.budget:g} s budget; n_train {self.n_train:,}, "
+            f"validation {self.n_val:,} rows ({self.val_source})",
+            f"  objective {c.get('objective')} (step {c.get('step')}), kernel {self.kernel}, "
+            f"M {c.get('num_centers')}, noise {c.get('noise', float('nan')):.4g} (standardised), "
+            f"lengthscale multiplier {c.get('multiplier', float('nan')):.3g}",
+            f"  validation RMSE {c.get('val_rmse', float('nan')):.5g}; stages "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in self.stages.items()),
+        ]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+class _Clock:
+    """Wall clock against a budget, mirrored on an optional tqdm bar (one unit = one second)."""
+
+    def __init__(self, budget: float, verbose: bool) -> None:
+        self.t0 = time.perf_counter()
+        self.budget = float(budget)
+        self.bar = None
+        if verbose:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=round(self.budget, 1), unit="s", desc="auto_fit", leave=True)
+        self._shown = 0.0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def left(self) -> float:
+        return self.budget - self.elapsed()
+
+    def tick(self, stage: str, **postfix: Any) -> None:
+        if self.bar is None:
+            return
+        now = min(self.elapsed(), self.budget)
+        self.bar.update(round(now - self._shown, 1))
+        self._shown = round(now, 1)
+        self.bar.set_description(f"auto_fit [{stage}]")
+        if postfix:
+            self.bar.set_postfix(**postfix, refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.tick("done")
+            self.bar.close()
+
+
+def _lengthscale_modules(kernel: Kernel) -> List[Kernel]:
+    return [m for m in kernel.modules() if isinstance(m, Kernel) and getattr(m, "has_lengthscale", False)]
+
+
+def _scale_lengthscales(kernel: Kernel, factor: Tensor | float) -> None:
+    with torch.no_grad():
+        for m in _lengthscale_modules(kernel):
+            m.lengthscale = m.lengthscale * factor
+
+
+def _val_mse(model: FalkonGP, xv: Tensor, yv: Tensor) -> float:
+    model.eval()
+    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
+        pred = model(xv).mean.to(torch.float64)
+    return float((pred - yv.to(torch.float64)).square().mean())
+
+
+def _fit_quiet(model: FalkonGP) -> Tuple[FalkonGP, bool]:
+    """Fit, recording (not printing) CG's cap warning; returns (model, converged)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit()
+    for w in caught:  # other warnings (jitter escalation, ...) reach the caller as usual
+        if not issubclass(w.category, CGNotConvergedWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return model, not any(issubclass(w.category, CGNotConvergedWarning) for w in caught)
+
+
+def _check_budget(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _check_count(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class _ObjectiveRun:
+    """One objective of stage 1: its model (on the subsample), optimiser and validation record."""
+
+    def __init__(self, name: str, model: FalkonGP, optimizer: str, lr: float, eval_every: int,
+                 start_error: float) -> None:
+        rows = model.n
+        self.name = name
+        self.model = model
+        self.obj = OBJECTIVES[name](model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if optimizer == "lbfgs":
+            self.opt: torch.optim.Optimizer = torch.optim.LBFGS(
+                params, lr=1.0, max_iter=eval_every, history_size=20, line_search_fn="strong_wolfe"
+            )
+        else:
+            self.opt = torch.optim.Adam(params, lr=lr)
+        self.lbfgs = optimizer == "lbfgs"
+        self.eval_every = eval_every
+        self.t0 = time.perf_counter()
+        self.step = 0  # objective evaluations (gradient steps for Adam, function evaluations for L-BFGS)
+        self.since_best = 0
+        self.active = True
+        self.failed: Optional[str] = None
+        self.best: Optional[Dict[str, Any]] = None
+        self.rec: Dict[str, Any] = dict(objective=name, rows=rows, steps=0, best_step=0, best_error=start_error,
+                                        curve=[(0, 0.0, start_error)], stopped="")
+
+    def stalled(self, evals: int = 5, rel: float = 0.01) -> bool:
+        """No new best in the last 3 evaluations, or less than ``rel`` relative gain over the last ``evals``."""
+        if self.since_best >= 3:
+            return True
+        c = self.rec["curve"]
+        if len(c) <= evals:
+            return False
+        old = c[-1 - evals][2]
+        return old - self.rec["best_error"] < rel * old
+
+    def stop(self, why: str) -> None:
+        self.active = False
+        self.rec["stopped"] = why
+        self.rec["seconds"] = time.perf_counter() - self.t0
+
+    def _closure(self) -> Tensor:
+        self.opt.zero_grad()
+        loss = self.obj()
+        if not bool(torch.isfinite(loss)):
+            raise FloatingPointError("non-finite objective value")
+        loss.backward()
+        self.step += 1
+        return loss
+
+    def advance(self, max_steps: int, deadline: float) -> None:
+        """``eval_every`` steps (fewer at ``max_steps`` or the deadline)."""
+        t = time.perf_counter()
+        before = self.step
+        try:
+            if self.lbfgs:
+                self.opt.step(self._closure)
+            else:
+                for _ in range(min(self.eval_every, max_steps - self.step)):
+                    if time.perf_counter() >= deadline:
+                        break
+                    self._closure()
+                    self.opt.step()
+        except Exception as exc:  # noqa: BLE001 - an objective that breaks down loses the race
+            self.failed = f"step {self.step}: {type(exc).__name__}: {exc}"
+            self.stop(self.failed)
+            return
+        if self.step == before:
+            self.stop("no step taken (deadline or L-BFGS converged)")
+        self.rec.setdefault("step_seconds", 0.0)
+        self.rec["step_seconds"] += time.perf_counter() - t
+
+    def evaluate(self, xv: Tensor, yv: Tensor, patience: int, max_steps: int) -> None:
+        """Validation error of a FALKON fit at the current hyperparameters; early stopping."""
+        try:
+            _fit_quiet(self.model)
+            err = _val_mse(self.model, xv, yv)
+        except Exception as exc:  # noqa: BLE001
+            self.failed = f"fit at step {self.step}: {type(exc).__name__}: {exc}"
+            self.stop(self.failed)
+            return
+        if not math.isfinite(err):
+            self.failed = f"non-finite validation error at step {self.step}"
+            self.stop(self.failed)
+            return
+        self.rec["curve"].append((self.step, time.perf_counter() - self.t0, err))
+        if err < self.rec["best_error"]:
+            self.rec["best_error"], self.rec["best_step"] = err, self.step
+            self.since_best = 0
+            m = self.model
+            self.best = dict(kernel=copy.deepcopy(m.kernel), noise=float(m.noise.detach()),
+                             centers=m.centers.detach().clone(), objective=self.name, step=self.step, error=err,
+                             rows=self.rec["rows"])
+        else:
+            self.since_best += 1
+        if self.since_best >= patience:
+            self.stop(f"no better validation error in {patience} evaluations")
+        elif self.step >= max_steps:
+            self.stop("max_steps")
+
+
+def auto_fit(
+    train_x: Tensor,
+    train_y: Tensor,
+    *,
+    budget: float = 120.0,
+    val_x: Optional[Tensor] = None,
+    val_y: Optional[Tensor] = None,
+    kernel: str | Kernel = "matern52",
+    objectives: Sequence[str] = ("sgpr", "gcv", "nystrom-compreg"),
+    learn_centers: bool = False,
+    val_fraction: float = 0.2,
+    max_val_rows: int = 20_000,
+    hyper_rows: int = 2_000,
+    hyper_centers: int = 300,
+    max_hyper_rows: int = 16_000,
+    select_rows: int = 50_000,
+    min_centers: int = 1_000,
+    max_centers: int = 50_000,
+    learn_share: float = 0.5,
+    optimizer: str = "adam",
+    lr: float = 0.1,
+    max_steps: int = 2000,
+    eval_every: int = 10,
+    patience: int = 10,
+    race_rounds: int = 5,
+    min_gain: float = 0.005,
+    max_iter: int = 50,
+    tol: float = 1e-4,
+    refit_on_all: bool = True,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    verbose: bool = False,
+) -> FalkonGP:
+    r"""Fit a :class:`~gpfalkon.FalkonGP` with hyperparameters, penalty and centers chosen automatically.
+
+    .. code-block:: python
+
+        model = gpfalkon.auto_fit(train_x, train_y, budget=120, verbose=True)
+        model.eval(); pred = model(test_x)         # raw units; pred.mean, pred.variance
+        print(model.auto_report.summary())
+
+    Args:
+        train_x: ``(n, d)`` inputs, train_y: ``(n,)`` or ``(n, 1)`` targets (one output), raw
+            units (standardised internally).
+        budget: wall-clock seconds for the whole call (learning, selection and final fit; the
+            last fit's time is extrapolated from measured ones, so the call can run a little over).
+        val_x, val_y: validation data for every choice; default: ``val_fraction`` of the rows
+            (at most ``max_val_rows``) are held out, and put back for the final fit when
+            ``refit_on_all``.
+        kernel: a family in :data:`KERNEL_FAMILIES` (``ScaleKernel`` of an ARD kernel; inputs are
+            standardised and the scaling folded into the lengthscales), or any GPyTorch kernel
+            (used on the inputs as given, its own initial values; lengthscales found through
+            ``has_lengthscale`` are what the multiplier scales; a kernel that is not a
+            ``ScaleKernel`` is wrapped in one to carry the target scale).
+        objectives: names in :data:`OBJECTIVES` learned in stage 1 (together within
+            ``learn_share * budget``; each stops early after ``patience`` evaluations without a
+            better validation error).
+        learn_centers: also learn the ``hyper_centers`` centers in stage 1 (used as the first
+            centers of stages 2-3).
+        hyper_rows, hyper_centers: subsample and number of centers of stage 1.
+        max_hyper_rows: when the leading objective stalls (no new best in 3 validation scores, or
+            less than 1% gain over 5), it goes on from its best point on twice the rows (nested
+            subsamples), up to this many.
+        select_rows: rows of the stage-2 selection fits.
+        min_centers, max_centers: the first and the largest number of centers of stage 2.
+        optimizer: ``"lbfgs"`` (``torch.optim.LBFGS`` with a strong-Wolfe line search, ``eval_every``
+            iterations between validation scores: the stage-1 objectives are deterministic) or
+            ``"adam"`` (learning rate ``lr``).
+        lr, max_steps, eval_every, patience: Adam learning rate, cap on objective evaluations per
+            objective, validation period and early-stopping patience of stage 1.
+        race_rounds: after this many rounds of ``eval_every`` steps of every objective, only the
+            one with the best validation error so far goes on (the others' best points stay
+            candidates).
+        min_gain: relative validation-error gain needed to keep doubling the centers.
+        max_iter, tol: FALKON's CG stopping rule for every fit.
+        refit_on_all: fit the final model on training plus held-out rows.
+        dtype: dtype of the data passes (float32 by default: half the time; CG, Cholesky factors
+            and predictions stay float64 inside FALKON).
+        seed: seeds subsampling, splits and centers.
+        verbose: a tqdm bar (seconds of the budget) naming the stage.
+
+    Returns:
+        A fitted ``FalkonGP`` on ``train_x`` (plus held-out rows) in ``dtype``, with
+        ``model.auto_report`` (:class:`AutoFitReport`).
+    """
+    # ------------------------------------------------------------------ validation
+    budget = _check_budget("budget", budget)
+    check_inputs("train_x", train_x)
+    n_all, d = train_x.shape
+    check_targets("train_y", train_y, n_all)
+    if train_y.dim() == 2:
+        if train_y.shape[1] != 1:
+            raise ValueError(f"train_y: auto_fit handles one output, got {train_y.shape[1]} columns")
+        train_y = train_y.reshape(-1)
+    if (val_x is None) != (val_y is None):
+        raise ValueError("give both val_x and val_y, or neither")
+    if val_x is not None:
+        check_inputs("val_x", val_x, d=d)
+        if val_y.dim() >= 1 and val_y.shape[0] != val_x.shape[0]:
+            raise ValueError(f"val_y has {val_y.shape[0]} rows but val_x has {val_x.shape[0]}")
+        check_targets("val_y", val_y, val_x.shape[0])
+        if val_y.dim() == 2:
+            if val_y.shape[1] != 1:
+                raise ValueError(f"val_y: auto_fit handles one output, got {val_y.shape[1]} columns")
+            val_y = val_y.reshape(-1)
+        if val_x.device != train_x.device or val_y.device != train_x.device:
+            raise ValueError(f"val_x and val_y must be on train_x's device {train_x.device}")
+    if train_y.device != train_x.device:
+        raise ValueError(f"train_y is on {train_y.device} but train_x is on {train_x.device}")
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    if isinstance(kernel, str):
+        if kernel not in KERNEL_FAMILIES:
+            raise ValueError(f"kernel must be one of {sorted(KERNEL_FAMILIES)} or a gpytorch Kernel, got {kernel!r}")
+    elif not isinstance(kernel, Kernel):
+        raise TypeError(f"kernel must be a family name or a gpytorch.kernels.Kernel, got {type(kernel).__name__}")
+    if isinstance(objectives, str) or not objectives:
+        raise ValueError(f"objectives must be a non-empty sequence of names from {sorted(OBJECTIVES)}")
+    unknown = [o for o in objectives if o not in OBJECTIVES]
+    if unknown:
+        raise ValueError(f"objectives: unknown {unknown}; known: {sorted(OBJECTIVES)}")
+    if not (isinstance(val_fraction, float) and 0.0 < val_fraction < 1.0):
+        raise ValueError(f"val_fraction must be a float in (0, 1), got {val_fraction!r}")
+    if not (isinstance(learn_share, (int, float)) and 0.0 <= learn_share < 1.0):
+        raise ValueError(f"learn_share must be in [0, 1), got {learn_share!r}")
+    if not (isinstance(min_gain, (int, float)) and min_gain >= 0.0):
+        raise ValueError(f"min_gain must be >= 0, got {min_gain!r}")
+    if optimizer not in ("lbfgs", "adam"):
+        raise ValueError(f"optimizer must be 'lbfgs' or 'adam', got {optimizer!r}")
+    if not (isinstance(lr, (int, float)) and lr > 0):
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    if not (isinstance(tol, (int, float)) and tol >= 0):
+        raise ValueError(f"tol must be >= 0, got {tol!r}")
+    max_val_rows = _check_count("max_val_rows", max_val_rows)
+    hyper_rows = _check_count("hyper_rows", hyper_rows, 2)
+    hyper_centers = _check_count("hyper_centers", hyper_centers)
+    max_hyper_rows = _check_count("max_hyper_rows", max_hyper_rows, 2)
+    select_rows = _check_count("select_rows", select_rows, 2)
+    min_centers = _check_count("min_centers", min_centers)
+    max_centers = _check_count("max_centers", max_centers)
+    max_steps = _check_count("max_steps", max_steps, 0)
+    eval_every = _check_count("eval_every", eval_every)
+    patience = _check_count("patience", patience)
+    race_rounds = _check_count("race_rounds", race_rounds)
+    max_iter = _check_count("max_iter", max_iter)
+    if val_x is None and n_all < 10:
+        raise ValueError(f"train_x: auto_fit needs at least 10 rows to hold some out for validation, got {n_all}")
+
+    clock = _Clock(budget, verbose)
+    try:
+        dev = train_x.device
+        gen = torch.Generator().manual_seed(int(seed))
+        x_all = train_x.detach().to(torch.float64)
+        y_all = train_y.detach().to(torch.float64)
+
+        # ------------------------------------------------------------------ splits
+        if val_x is None:
+            n_val = min(max_val_rows, max(1, int(round(val_fraction * n_all))))
+            if n_all - n_val < 2:
+                raise ValueError(f"val_fraction={val_fraction} leaves {n_all - n_val} of {n_all} rows for training; "
+                                 "lower it or pass val_x / val_y")
+            perm = torch.randperm(n_all, generator=gen).to(dev)
+            val_idx, tr_idx = perm[:n_val], perm[n_val:]
+            xt, yt = x_all[tr_idx], y_all[tr_idx]
+            xv, yv = x_all[val_idx], y_all[val_idx]
+            val_source = f"held out {n_val:,} of {n_all:,} training rows"
+        else:
+            xt, yt = x_all, y_all
+            xv, yv = val_x.detach().to(torch.float64), val_y.detach().to(torch.float64)
+            val_source = "given val_x / val_y"
+        n_tr = xt.shape[0]
+
+        # standardisation (training-split statistics)
+        family = kernel if isinstance(kernel, str) else type(kernel).__name__
+        if isinstance(kernel, str):
+            x_mu, x_sd = xt.mean(0), xt.std(0) if n_tr > 1 else torch.ones(d, dtype=torch.float64, device=dev)
+            x_sd = torch.where(x_sd > 0, x_sd, torch.ones_like(x_sd))
+        else:
+            x_mu, x_sd = torch.zeros(d, dtype=torch.float64, device=dev), torch.ones(d, dtype=torch.float64, device=dev)
+        y_mu = yt.mean()
+        y_sd = yt.std() if n_tr > 1 else torch.ones((), dtype=torch.float64, device=dev)
+        if not bool(y_sd > 0):
+            y_sd = torch.ones((), dtype=torch.float64, device=dev)
+
+        def zx(x: Tensor) -> Tensor:
+            return ((x - x_mu) / x_sd).to(dtype)
+
+        def zy(y: Tensor) -> Tensor:
+            return ((y - y_mu) / y_sd).to(dtype)
+
+        xt_z, yt_z, xv_z, yv_z = zx(xt), zy(yt), zx(xv), zy(yv)
+        if dtype == torch.float32 and isinstance(kernel, str):
+            ratio = float((x_mu.abs() / x_sd).max())
+            if ratio > 1e4:
+                warnings.warn(
+                    f"train_x: a feature's |mean| / std is {ratio:.3g}; the returned model stores raw inputs in float32, "
+                    "which resolve that feature only to ~1e-7 x |mean|: centre such features or pass dtype=torch.float64",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        report = AutoFitReport(budget=budget, n_train=n_tr, n_val=xv.shape[0], val_source=val_source, kernel=family)
+
+        def new_kernel() -> Kernel:
+            if isinstance(kernel, str):
+                k = KERNEL_FAMILIES[kernel](d)
+            else:
+                k = copy.deepcopy(kernel)
+            return k.to(dtype=dtype, device=dev)
+
+        # ------------------------------------------------------------ stage 1: learn
+        t_stage = time.perf_counter()
+        n_h = min(n_tr, hyper_rows)
+        h_perm = torch.randperm(n_tr, generator=gen).to(dev)
+        h_idx = h_perm[:n_h]
+        xh, yh = xt_z[h_idx], yt_z[h_idx]
+        m_h = min(n_h, hyper_centers)
+        c_idx = torch.randperm(n_h, generator=gen).to(dev)[:m_h]
+        centers0 = xh[c_idx].clone()
+        k0 = new_kernel()
+        if isinstance(kernel, str):
+            from .heuristics import median_lengthscale
+
+            ls0 = float(median_lengthscale(xh))
+            with torch.no_grad():
+                k0.base_kernel.lengthscale = torch.full((1, d), ls0, dtype=dtype, device=dev)
+                k0.outputscale = torch.tensor(1.0, dtype=dtype, device=dev)
+        noise0 = 0.1
+        best_state: Dict[str, Any] = dict(
+            kernel=copy.deepcopy(k0), noise=noise0, centers=centers0, objective="initial", step=0, error=math.inf,
+            rows=n_h,
+        )
+
+        def h_model(k: Kernel, noise: float, centers: Tensor, learn: bool, rows: Optional[int] = None) -> FalkonGP:
+            r = n_h if rows is None else rows
+            x_, y_ = (xh, yh) if rows is None else (xt_z[h_perm[:r]], yt_z[h_perm[:r]])
+            return FalkonGP(x_, y_, kernel=k, centers=centers, penalty=noise / r, learn_centers=learn,
+                            max_iter=max_iter, tol=tol)
+
+        # the starting point's score
+        try:
+            m0, _ = _fit_quiet(h_model(copy.deepcopy(k0), noise0, centers0, False))
+            best_state["error"] = _val_mse(m0, xv_z, yv_z)
+            del m0
+        except Exception as exc:  # noqa: BLE001 - recorded, the learning below may still succeed
+            report.notes.append(f"initial hyperparameters failed to fit: {type(exc).__name__}: {exc}")
+        report.learn.append(dict(objective="initial", rows=n_h, steps=0, best_step=0, best_error=best_state["error"],
+                                 curve=[]))
+
+        learn_deadline = clock.t0 + learn_share * budget
+        runners = [
+            _ObjectiveRun(name, h_model(copy.deepcopy(k0), noise0, centers0.clone(), learn_centers), optimizer, lr,
+                          eval_every, best_state["error"])
+            for name in objectives
+        ]
+        rounds = 0
+        rows_h = n_h
+        while True:
+            active = [r for r in runners if r.active]
+            if not active:
+                break
+            for r in active:
+                clock.tick(f"learn {r.name}", step=r.step)
+                r.advance(max_steps, learn_deadline)
+                if r.active:
+                    r.evaluate(xv_z, yv_z, patience, max_steps)
+                if r.rec["best_error"] < best_state["error"] and r.best is not None:
+                    best_state.update(r.best)
+                if r.rec["curve"]:
+                    err = r.rec["curve"][-1][2]
+                    clock.tick(f"learn {r.name}", step=r.step, val_rmse=f"{math.sqrt(err):.4f}")
+            rounds += 1
+            if time.perf_counter() >= learn_deadline or clock.left() <= 0:
+                for r in runners:
+                    if r.active:
+                        r.stop("learning share of the budget used")
+                break
+            if rounds == race_rounds:  # the race: only the leader goes on
+                still = [r for r in runners if r.active]
+                if len(still) > 1:
+                    leader = min(still, key=lambda r: r.rec["best_error"])
+                    for r in still:
+                        if r is not leader:
+                            r.stop(f"dropped after {race_rounds} rounds (leader: {leader.name})")
+            live = [r for r in runners if r.active]
+            if rounds >= race_rounds and len(live) == 1 and live[0].stalled() and rows_h < min(n_tr, max_hyper_rows):
+                # progressive subsampling: the leader has stalled on this many rows; go on from the best point
+                # with twice the rows (nested subsamples; a fresh optimiser)
+                old = live[0]
+                rows_h = min(2 * rows_h, n_tr, max_hyper_rows)
+                old.stop(f"stalled; continued on {rows_h:,} rows")
+                start = best_state if best_state["objective"] == old.name else (old.best or best_state)
+                runners.append(_ObjectiveRun(
+                    old.name, h_model(copy.deepcopy(start["kernel"]), float(start["noise"]), start["centers"].clone(),
+                                      learn_centers, rows=rows_h),
+                    optimizer, lr, eval_every, best_state["error"]))
+        for r in runners:
+            r.rec["steps"] = r.step
+            if r.failed:
+                report.notes.append(f"objective {r.name} stopped: {r.failed}")
+            report.learn.append(r.rec)
+        del runners
+        report.stages["learn"] = time.perf_counter() - t_stage
+
+        # ------------------------------------------------------------ stage 2: select
+        t_stage = time.perf_counter()
+        n_s = min(n_tr, select_rows)
+        s_idx = torch.randperm(n_tr, generator=gen).to(dev)[:n_s]
+        xs, ys = xt_z[s_idx], yt_z[s_idx]
+        learned_c = best_state["centers"]
+        # nested centers: the learned / stage-1 centers first, then random selection rows
+        extra = xs[torch.randperm(n_s, generator=gen).to(dev)]
+        c_pool = torch.cat([learned_c.to(dtype), extra], 0) if learn_centers else extra
+        base_kernel = best_state["kernel"]
+        cache: Dict[Tuple[int, float, float], float] = {}
+
+        def score(m: int, noise: float, mult: float) -> float:
+            key = (m, round(math.log(noise), 6), round(math.log(mult), 6))
+            if key in cache:
+                return cache[key]
+            t = time.perf_counter()
+            try:
+                k = copy.deepcopy(base_kernel)
+                _scale_lengthscales(k, mult)
+                mod, conv = _fit_quiet(FalkonGP(xs, ys, kernel=k, centers=c_pool[:m], penalty=noise / n_s,
+                                                max_iter=max_iter, tol=tol))
+                err = _val_mse(mod, xv_z, yv_z)
+                iters = mod.fit_info.iterations if mod.fit_info is not None else None
+                del mod
+                if not math.isfinite(err):  # NaN / inf predictions: an infeasible point
+                    err = math.inf
+            except Exception as exc:  # noqa: BLE001 - an infeasible point scores +inf
+                err, conv, iters = math.inf, False, None
+                report.notes.append(f"selection fit M={m} noise={noise:.3g} mult={mult:.3g} failed: {exc}")
+            sec = time.perf_counter() - t
+            cache[key] = err
+            report.search.append(dict(M=m, noise=noise, multiplier=mult, error=err, seconds=sec, converged=conv,
+                                      iterations=iters))
+            clock.tick(f"select M={m}", val_rmse=f"{math.sqrt(err):.4f}" if math.isfinite(err) else "inf")
+            return err
+
+        def line_search(m: int, point: Dict[str, float], which: str, factor: float, lo: float, hi: float,
+                        deadline: float) -> None:
+            """Log-spaced 1-D search around ``v = point[which]``: steps of ``factor`` downwards while the error
+            falls; if the first step down did not improve, steps upwards while it falls (so the grid keeps
+            extending past its edge as long as the best point is at that edge), within ``[lo, hi]`` and the
+            deadline. A start outside ``[lo, hi]`` is first moved to the nearest bound."""
+            if not lo <= point[which] <= hi:
+                clamped = min(max(point[which], lo), hi)
+                trial = dict(point, **{which: clamped})
+                point.update(trial, error=score(m, trial["noise"], trial["multiplier"]))
+            best = point["error"]
+            for direction in (1.0 / factor, factor):
+                v = point[which]
+                moved = False
+                while time.perf_counter() < deadline:
+                    cand = v * direction
+                    if not lo <= cand <= hi:
+                        break
+                    trial = dict(point, **{which: cand})
+                    e = score(m, trial["noise"], trial["multiplier"])
+                    if e < best:
+                        best, v, moved = e, cand, True
+                        point.update(trial, error=e)
+                    else:
+                        break
+                if moved:
+                    return  # went down: the first step up is not tried (one descent direction per search)
+
+        def last_fit_seconds(m: int) -> float:
+            times = [r["seconds"] for r in report.search if r["M"] == m]
+            return max(times) if times else 0.0
+
+        n_final = n_tr + (xv.shape[0] if (val_x is None and refit_on_all) else 0)
+
+        def final_cost(m: int) -> float:
+            # FALKON's cost is linear in the rows for the passes and independent of them for the
+            # M^3 factorisations: scaling the whole measured time by the rows ratio is an upper bound
+            return last_fit_seconds(m) * max(1.0, n_final / n_s)
+
+        m = min(n_s, max(min_centers, m_h), max_centers)
+        point = dict(noise=float(best_state["noise"]), multiplier=1.0)
+        point["error"] = score(m, point["noise"], point["multiplier"])
+        # coordinate search at the first size: noise, multiplier, noise again (finer)
+        stage_deadline = clock.t0 + budget  # refined below once a fit has been timed
+        for which, factor, lo, hi in (("noise", 4.0, 1e-8, 1e2), ("multiplier", 1.5, 1e-3, 1e3),
+                                      ("noise", 2.0, 1e-8, 1e2)):
+            stage_deadline = clock.t0 + budget - 1.2 * final_cost(m)
+            line_search(m, point, which, factor, lo, hi, stage_deadline)
+        levels = [dict(M=m, **point)]
+        while True:
+            m_next = min(2 * m, n_s, max_centers)
+            if m_next <= m:
+                report.notes.append(f"centers stopped at M={m}: " + ("all selection rows" if m >= n_s else "max_centers"))
+                break
+            # predicted cost of the next size: FALKON's fit time grows between 2x (data passes, linear in M)
+            # and 8x (the M^3 factorisations) per doubling; the growth measured over the last doubling is
+            # used (4x before one is seen), at least two fits there, then the final fit at that size
+            growth = 4.0
+            if len(levels) >= 2 and last_fit_seconds(levels[-2]["M"]) > 0:
+                growth = min(8.0, max(2.0, last_fit_seconds(m) / last_fit_seconds(levels[-2]["M"])))
+            predicted = growth * (2 * last_fit_seconds(m) + final_cost(m))
+            if predicted > clock.left():
+                report.notes.append(f"centers stopped at M={m}: M={m_next} would not fit the remaining budget")
+                break
+            m = m_next
+            point = dict(noise=levels[-1]["noise"], multiplier=levels[-1]["multiplier"])
+            point["error"] = score(m, point["noise"], point["multiplier"])
+            line_search(m, point, "noise", 2.0, 1e-8, 1e2, clock.t0 + budget - 1.2 * final_cost(m))
+            levels.append(dict(M=m, **point))
+            if not math.isfinite(point["error"]):
+                report.notes.append(f"centers stopped at M={m}: the fits failed")
+                break
+            if point["error"] > levels[-2]["error"] * (1.0 - min_gain):
+                report.notes.append(
+                    f"centers stopped at M={m}: validation error gained less than {100 * min_gain:g}% over M={levels[-2]['M']}"
+                )
+                break
+        best_level = min(levels, key=lambda r: (r["error"], r["M"]))
+        report.stages["select"] = time.perf_counter() - t_stage
+
+        # ------------------------------------------------------------ stage 3: refit
+        t_stage = time.perf_counter()
+        clock.tick("final fit", M=best_level["M"])
+        if val_x is None and refit_on_all:
+            x_fin, y_fin = torch.cat([xt, xv], 0), torch.cat([yt, yv], 0)
+        else:
+            x_fin, y_fin = xt, yt
+        x_fin_t = x_fin.to(dtype)
+        y_fin_t = y_fin.to(dtype)
+        m_fin = min(best_level["M"], x_fin.shape[0])
+        fin_kernel = copy.deepcopy(base_kernel)
+        _scale_lengthscales(fin_kernel, best_level["multiplier"])
+        # back to raw units: x = mu + sd * z, so an ARD lengthscale l on z is l * sd on x; y = y_mu + y_sd * z
+        if isinstance(kernel, str):
+            with torch.no_grad():
+                fin_kernel.base_kernel.lengthscale = fin_kernel.base_kernel.lengthscale * x_sd.to(dtype)
+        if isinstance(fin_kernel, ScaleKernel):
+            with torch.no_grad():
+                fin_kernel.outputscale = fin_kernel.outputscale * float(y_sd) ** 2
+        else:
+            wrapped = ScaleKernel(fin_kernel).to(dtype=dtype, device=dev)
+            with torch.no_grad():
+                wrapped.outputscale = torch.tensor(float(y_sd) ** 2, dtype=dtype, device=dev)
+            fin_kernel = wrapped
+        centers_z = c_pool[:m_fin].to(torch.float64)
+        centers_raw = (centers_z * x_sd + x_mu).to(dtype)
+        noise_raw = best_level["noise"] * float(y_sd) ** 2
+        final = FalkonGP(x_fin_t, y_fin_t, kernel=fin_kernel, centers=centers_raw, penalty=noise_raw / x_fin.shape[0],
+                         mean_constant=float(y_mu), max_iter=max_iter, tol=tol)
+        final, converged = _fit_quiet(final)
+        report.stages["final fit"] = time.perf_counter() - t_stage
+        if not converged:
+            report.notes.append(f"final CG stopped at max_iter={max_iter} before tol={tol:g}")
+
+        best_obj = next((r for r in report.learn if r["objective"] == best_state["objective"]
+                         and r.get("rows") == best_state["rows"]), {})
+        report.chosen = dict(
+            objective=best_state["objective"],
+            step=best_state["step"],
+            learn_error=best_state["error"],
+            objective_steps=best_obj.get("steps"),
+            learn_rows=best_state["rows"],
+            y_scale=float(y_sd),
+            num_centers=m_fin,
+            noise=best_level["noise"],
+            noise_raw=noise_raw,
+            penalty=noise_raw / x_fin.shape[0],
+            multiplier=best_level["multiplier"],
+            val_error=best_level["error"],
+            val_rmse=math.sqrt(best_level["error"]) * float(y_sd),
+            levels=[dict(r) for r in levels],
+            final_rows=x_fin.shape[0],
+            final_iterations=final.fit_info.iterations if final.fit_info is not None else None,
+        )
+        final.auto_report = report
+        return final
+    finally:
+        clock.close()

@@ -1,0 +1,304 @@
+"""auto_fit (gpfalkon.auto) and FalkonGP's constant prior mean."""
+from __future__ import annotations
+
+import math
+
+import gpytorch
+import pytest
+import torch
+
+from gpfalkon import FalkonGP, auto_fit
+from gpfalkon.objectives import GCV, SGPRBound
+
+from conftest import dense_kernel
+
+
+def _data(n: int = 500, seed: int = 0, noise: float = 0.05):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.rand(n, 3, generator=g, dtype=torch.float64) * 2 - 1
+    f = torch.sin(3 * z[:, 0]) + 0.5 * torch.cos(2 * z[:, 1]) + 0.1 * z[:, 2]
+    y = f + noise * torch.randn(n, generator=g, dtype=torch.float64)
+    # raw units: features on very different scales and offsets, targets far from zero mean / unit scale
+    x = z * torch.tensor([100.0, 0.01, 3.0], dtype=torch.float64) + torch.tensor([5e3, -2.0, 0.0], dtype=torch.float64)
+    return x, 1000.0 + 50.0 * y, 1000.0 + 50.0 * f
+
+
+# deterministic settings: every stop is by a count, never by the clock
+SMALL = dict(budget=1e4, hyper_rows=300, hyper_centers=40, select_rows=400, min_centers=60, max_centers=120,
+             max_steps=20, eval_every=5, dtype=torch.float64, seed=0)
+
+
+# ------------------------------------------------------------------ constant mean
+def _dense_alpha(model: FalkonGP, y_centered: torch.Tensor) -> torch.Tensor:
+    x, c = model.train_inputs[0], model.centers
+    knm = dense_kernel(model.kernel, x, c)
+    kmm = dense_kernel(model.kernel, c, c)
+    h = knm.T @ knm + model.n * model.penalty.detach() * kmm
+    return torch.linalg.solve(h, knm.T @ y_centered)
+
+
+def test_mean_constant_matches_dense_solve_and_shifts_prediction():
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(200, 3, generator=g, dtype=torch.float64) * 2 - 1
+    y = 1000.0 + 50.0 * torch.sin(3 * x[:, 0]) + torch.randn(200, generator=g, dtype=torch.float64)
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+    k.base_kernel.lengthscale = 0.7
+    k.outputscale = 2500.0
+    m = FalkonGP(x, y, kernel=k, num_centers=40, penalty=1e-3, mean_constant=1000.0, tol=1e-12, max_iter=500).fit()
+    alpha = _dense_alpha(m, y - 1000.0)
+    torch.testing.assert_close(m.alpha, alpha, rtol=1e-6, atol=1e-8)
+    m.eval()
+    xs = x[:7] + 0.01
+    with torch.no_grad():
+        mean = m(xs).mean
+    ref = 1000.0 + dense_kernel(k, xs, m.centers) @ alpha
+    torch.testing.assert_close(mean, ref, rtol=1e-8, atol=1e-6)
+    # the prior mean is the constant too
+    m.train()
+    torch.testing.assert_close(m(xs).mean, torch.full((7,), 1000.0, dtype=torch.float64))
+
+
+def test_mean_constant_objectives_see_centered_targets():
+    x, y, _ = _data(150)
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+    k.base_kernel.lengthscale = 50.0
+    a = FalkonGP(x, y, kernel=k, num_centers=30, penalty=1e-3, mean_constant=float(y.mean()))
+    b = FalkonGP(x, y - y.mean(), kernel=k, centers=a.centers, penalty=1e-3)
+    for obj in (SGPRBound, GCV):
+        torch.testing.assert_close(obj(a)(), obj(b)(), rtol=1e-10, atol=1e-10)
+
+
+def test_mean_constant_validation_state_dict_and_staleness():
+    x, y, _ = _data(100)
+    with pytest.raises(ValueError, match="mean_constant"):
+        FalkonGP(x, y, num_centers=10, mean_constant=float("nan"))
+    with pytest.raises(ValueError, match="mean_constant"):
+        FalkonGP(x, torch.stack([y, y], -1), num_centers=10, mean_constant=torch.ones(3))
+    m = FalkonGP(x, y, num_centers=10, penalty=1e-3, mean_constant=3.0).fit()
+    sd = m.state_dict()
+    fresh = FalkonGP(x, y, num_centers=10, penalty=1e-3)
+    fresh.load_state_dict(sd)
+    assert float(fresh.mean_constant) == 3.0
+    fresh.eval()
+    m.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x[:5]).mean, m(x[:5]).mean)
+    # a state dict from before the constant mean existed loads as zero mean
+    old = {k: v for k, v in sd.items() if k != "mean_constant"}
+    legacy = FalkonGP(x, y, num_centers=10, penalty=1e-3, mean_constant=7.0)
+    legacy.load_state_dict(old)
+    assert float(legacy.mean_constant) == 0.0
+    # changing the constant after fit() makes the fit stale
+    m.mean_constant.fill_(4.0)
+    from gpfalkon import NotFittedError
+
+    with pytest.raises(NotFittedError):
+        m(x[:2])
+
+
+def test_mean_constant_survives_dtype_moves_and_partial_loads():
+    x, y, _ = _data(100)
+    m = FalkonGP(x, y, num_centers=10, penalty=1e-3, mean_constant=1000.0 + 1e-5).fit()
+    m.float()
+    assert m.mean_constant.dtype == torch.float64 and float(m.mean_constant) == 1000.0 + 1e-5
+    # strict=False with only kernel hyperparameters keeps the constant
+    other = FalkonGP(x, y, num_centers=10, penalty=1e-3, mean_constant=5.0)
+    kernel_only = {k: v for k, v in m.state_dict().items() if k.startswith("kernel.")}
+    other.load_state_dict(kernel_only, strict=False)
+    assert float(other.mean_constant) == 5.0
+
+
+def test_mean_constant_multi_output():
+    x, y, _ = _data(120)
+    y2 = torch.stack([y, 2 * y], -1)
+    c = torch.tensor([1000.0, 2000.0], dtype=torch.float64)
+    m = FalkonGP(x, y2, num_centers=20, penalty=1e-3, mean_constant=c, tol=1e-12, max_iter=500).fit()
+    ref = FalkonGP(x, y2 - c, kernel=m.kernel, centers=m.centers, penalty=1e-3, tol=1e-12, max_iter=500).fit()
+    m.eval()
+    ref.eval()
+    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
+        torch.testing.assert_close(m(x[:4]).mean, ref(x[:4]).mean + c, rtol=1e-8, atol=1e-6)
+
+
+# ------------------------------------------------------------------------ auto_fit
+@pytest.fixture(scope="module")
+def fitted():
+    x, y, f = _data(500)
+    xt, yt, ft = _data(300, seed=1)
+    model = auto_fit(x, y, **SMALL)
+    return model, (x, y), (xt, yt, ft)
+
+
+def test_auto_fit_predicts_in_raw_units(fitted):
+    model, _, (xt, yt, ft) = fitted
+    model.eval()
+    with torch.no_grad():
+        pred = model(xt)
+    rmse_f = float((pred.mean - ft).square().mean().sqrt())
+    # the signal has std ~ 50 * 0.7 and the noise std is 50 * 0.05 = 2.5
+    assert rmse_f < 0.1 * float(ft.std()), rmse_f
+    assert bool((pred.variance > 0).all())
+    rep = model.auto_report
+    assert rep.chosen["objective"] in ("initial", "sgpr", "gcv", "nystrom-compreg")
+    assert rep.chosen["num_centers"] == model.centers.shape[0]
+    assert rep.chosen["final_rows"] == 500  # held-out rows put back
+    assert model.train_inputs[0].shape[0] == 500
+    assert "auto_fit" in rep.summary()
+
+
+def test_auto_fit_final_model_is_the_dense_nystrom_solution(fitted):
+    """The returned model, with its reported hyperparameters, equals a dense direct Nystrom KRR solve."""
+    model, _, (xt, _, _) = fitted
+    x, y = model.train_inputs[0], model.train_targets
+    alpha = _dense_alpha(model, y - model.mean_constant)
+    pred_ref = model.mean_constant + dense_kernel(model.kernel, xt, model.centers) @ alpha
+    model.eval()
+    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
+        pred = model(xt).mean
+    scale = float(pred_ref.std())
+    assert float((pred - pred_ref).abs().max()) < 1e-3 * scale
+    # the noise is chosen for validation error (with few centers it may sit well below the data's), reported in
+    # standardised units and carried to raw units by the targets' variance
+    ch = model.auto_report.chosen
+    assert math.isclose(float(model.noise.detach()), ch["noise"] * ch["y_scale"] ** 2, rel_tol=1e-6)
+    assert math.isclose(float(model.penalty.detach()) * model.n, ch["noise_raw"], rel_tol=1e-6)
+    # the validation RMSE (raw units) is near the data's noise std 50 * 0.05 = 2.5, never below half of it
+    assert 1.25 < ch["val_rmse"] < 2.5 * 2, ch["val_rmse"]
+
+
+def test_auto_fit_choices_are_the_validation_minimum(fitted):
+    model, _, _ = fitted
+    rep = model.auto_report
+    best_learn = min(rep.learn, key=lambda r: r["best_error"])
+    assert rep.chosen["objective"] == best_learn["objective"]
+    assert math.isclose(rep.chosen["learn_error"], best_learn["best_error"])
+    at_level = [r["error"] for r in rep.search if r["M"] == rep.chosen["num_centers"]]
+    assert math.isclose(rep.chosen["val_error"], min(at_level))
+    # the best level is the chosen one
+    assert rep.chosen["val_error"] == min(lv["error"] for lv in rep.chosen["levels"])
+    for rec in rep.learn[1:]:
+        steps = [s for s, _, _ in rec["curve"]]
+        assert steps == sorted(steps) and rec["steps"] <= SMALL["max_steps"]
+
+
+def test_auto_fit_invariant_to_affine_rescaling():
+    """Standardisation inside: an affine change of units of x (per feature) and y changes nothing
+    but the units of the prediction (every stop is by count here, so the runs are deterministic)."""
+    x, y, _ = _data(400, seed=3)
+    xt, _, _ = _data(50, seed=4)
+    a = torch.tensor([2.0, 1e3, 0.5], dtype=torch.float64)
+    b = torch.tensor([-7.0, 3.0, 1e4], dtype=torch.float64)
+    m1 = auto_fit(x, y, **SMALL)
+    m2 = auto_fit(x * a + b, 0.01 * y - 4.0, **SMALL)
+    for m in (m1, m2):
+        m.eval()
+    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
+        p1 = m1(xt).mean
+        p2 = m2(xt * a + b).mean
+    torch.testing.assert_close(0.01 * p1 - 4.0, p2, rtol=1e-5, atol=1e-5 * float(p2.abs().max()))
+    # variances scale by the square of the target scale (outputscale and noise both by r^2)
+    with torch.no_grad():
+        v1, v2 = m1(xt).variance, m2(xt * a + b).variance
+    torch.testing.assert_close(1e-4 * v1, v2, rtol=1e-4, atol=1e-12)
+    torch.testing.assert_close(1e-4 * m1.noise.detach(), m2.noise.detach(), rtol=1e-6, atol=0.0)
+    assert m1.auto_report.chosen["objective"] == m2.auto_report.chosen["objective"]
+
+
+def test_auto_fit_grid_extends_past_its_edge():
+    """No learning (max_steps=0): noise starts at 0.1 (standardised) on nearly noise-free data, so the
+    best noise lies several grid steps below: the 1-D grid must keep extending downwards."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.rand(400, 2, generator=g, dtype=torch.float64)
+    y = torch.sin(4 * x[:, 0]) + x[:, 1] ** 2  # no noise
+    m = auto_fit(x, y, **dict(SMALL, max_steps=0, objectives=("sgpr",)))
+    rep = m.auto_report
+    first_m = rep.search[0]["M"]
+    tried = sorted({r["noise"] for r in rep.search if r["M"] == first_m})
+    below = [v for v in tried if v < 0.1 * (1 - 1e-9)]
+    assert len(below) >= 3, tried  # 0.025, 0.00625, 0.0016, ...: the search kept extending past its edge
+    assert rep.chosen["noise"] < 0.1 / 16
+
+
+def test_auto_fit_given_validation_and_learned_centers():
+    x, y, f = _data(400)
+    xv, yv, _ = _data(100, seed=2)
+    m = auto_fit(x, y, val_x=xv, val_y=yv, learn_centers=True, objectives=("sgpr",), **SMALL)
+    rep = m.auto_report
+    assert rep.chosen["final_rows"] == 400 and rep.n_val == 100 and rep.val_source == "given val_x / val_y"
+    m.eval()
+    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
+        err = float((m(x).mean - f).square().mean().sqrt())
+    assert err < 0.1 * float(f.std())
+
+
+def test_auto_fit_user_kernel_and_float32_and_verbose():
+    x, y, f = _data(300)
+    k = gpytorch.kernels.RBFKernel(ard_num_dims=3)
+    k.lengthscale = torch.tensor([[50.0, 0.005, 1.5]])
+    m = auto_fit(x.float(), y.float(), kernel=k, verbose=True, **dict(SMALL, dtype=torch.float32, max_steps=10))
+    assert m.train_inputs[0].dtype == torch.float32
+    assert isinstance(m.kernel, gpytorch.kernels.ScaleKernel)  # wrapped to carry the target scale
+    m.eval()
+    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
+        err = float((m(x.float()).mean.double() - f).square().mean().sqrt())
+    assert err < 0.2 * float(f.std())
+
+
+def test_auto_fit_respects_a_small_budget():
+    x, y, _ = _data(3000)
+    import time
+
+    t = time.perf_counter()
+    m = auto_fit(x, y, budget=3.0, hyper_rows=500, hyper_centers=50, min_centers=100)
+    took = time.perf_counter() - t
+    assert bool(m.fitted)
+    # the learning stage stops at its share (learn_share=0.5 of the budget, plus at most one round of
+    # steps and the validation fit that ends it); only the final fit may overrun (its time is extrapolated)
+    assert m.auto_report.stages["learn"] <= 0.5 * 3.0 + 1.5, m.auto_report.stages
+    assert took < 3.0 + 5.0, took
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(budget=0), "budget"),
+        (dict(budget=float("inf")), "budget"),
+        (dict(kernel="cosine"), "kernel"),
+        (dict(kernel=3), "kernel"),
+        (dict(objectives=("sgpr", "nope")), "objectives"),
+        (dict(objectives=()), "objectives"),
+        (dict(objectives="sgpr"), "objectives"),
+        (dict(val_fraction=1.5), "val_fraction"),
+        (dict(hyper_rows=1), "hyper_rows"),
+        (dict(max_steps=-1), "max_steps"),
+        (dict(optimizer="sgd"), "optimizer"),
+        (dict(dtype=torch.float16), "dtype"),
+        (dict(min_gain=-1.0), "min_gain"),
+    ],
+)
+def test_auto_fit_bad_arguments(kwargs, match):
+    x, y, _ = _data(50)
+    with pytest.raises((ValueError, TypeError), match=match):
+        auto_fit(x, y, **kwargs)
+
+
+def test_auto_fit_bad_data():
+    x, y, _ = _data(50)
+    with pytest.raises(ValueError, match="one output"):
+        auto_fit(x, torch.stack([y, y], -1))
+    with pytest.raises(ValueError, match="val_x and val_y"):
+        auto_fit(x, y, val_x=x)
+    with pytest.raises(ValueError, match="features"):
+        auto_fit(x, y, val_x=x[:, :2], val_y=y)
+    with pytest.raises(ValueError, match="rows"):
+        auto_fit(x, y[:-1])
+    with pytest.raises(ValueError, match="val_x has 50"):
+        auto_fit(x, y, val_x=x, val_y=y[:-1])
+    with pytest.raises(ValueError, match="val_fraction"):
+        auto_fit(x[:10], y[:10], val_fraction=0.95)
+    with pytest.raises(ValueError, match="at least 10 rows"):
+        auto_fit(x[:5], y[:5])
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="train_x"):
+        auto_fit(bad, y)
