@@ -5,13 +5,13 @@
 * :func:`leverage_centers` / :class:`LeverageCenters`: ``M`` draws *with*
   replacement with probabilities proportional to approximate ridge leverage
   scores (FALKON, appendix A), duplicates merged into counts, and the diagonal
-  weights ``D`` of the generalised preconditioner (MATH.md 2).
+  weights ``D`` of the generalised preconditioner (docs/math.md §3.1, §3.3).
 * :func:`approximate_leverage_scores`: the scores themselves, by BLESS-R
   (Rudi, Calandriello, Carratino, Rosasco, NeurIPS 2018), in ``O(n M_J^2)`` time
   and ``O(n + M_J^2)`` memory, ``M_J = O(d_eff)`` the size of BLESS's dictionary.
 * :func:`effective_dimension`: ``d_eff(lambda) = sum_i l_i(lambda)``.
 
-Ridge leverage scores (MATH.md 2), with ``K = K_nn``:
+Ridge leverage scores (docs/math.md §3.3), with ``K = K_nn``:
 
     l_i(lambda) = ( K (K + n lambda I)^{-1} )_ii,     d_eff(lambda) = sum_i l_i(lambda).
 
@@ -440,7 +440,7 @@ def leverage_centers(
         D_jj = sqrt( M count_j / (n R p_j) ).
 
     Why this ``D`` (and not the ``1 / sqrt(n p_j count_j)`` of the paper's MATLAB
-    code): the preconditioner (:class:`~gpfalkon.FalkonPreconditioner`, MATH.md 2)
+    code): the preconditioner (:class:`~gpfalkon.FalkonPreconditioner`, docs/math.md §3)
     replaces ``K_Mn K_nM = sum_i K_Mi K_iM`` by ``(n / M) K_MM D^2 K_MM`` with
     ``M`` the number of *distinct* centers (the size of ``K_MM``). The importance-
     sampling estimate of that sum from the ``R`` draws is
@@ -461,7 +461,7 @@ def leverage_centers(
         scores: precomputed nonnegative scores ``(n,)`` (e.g. exact ones, or from an
             earlier call); then ``kernel`` and ``penalty`` are not used.
         weighting: ``"unbiased"`` (default, the ``D`` above) or ``"paper"``, the
-            literal ``D_jj = 1 / sqrt(n p_j count_j)`` of the paper / MATH.md section 2
+            literal ``D_jj = 1 / sqrt(n p_j count_j)`` of the paper (docs/math.md §3.3)
             (equal when all counts are 1; measured worse otherwise, see ``tests/test_centers.py``).
         kwargs: options of :func:`approximate_leverage_scores`.
 

@@ -35,7 +35,7 @@ def test_posterior_equals_falkongp_and_dense_sgpr_formulas():
         p = ref(Xt)
         torch.testing.assert_close(post.mean.squeeze(-1), p.mean)
         torch.testing.assert_close(post.distribution.covariance_matrix, p.covariance_matrix)
-        # MATH.md 3 with sigma^2 = n lambda, dense
+        # docs/math.md §4 with sigma^2 = n lambda, dense
         c, n, lam = model.centers, X.shape[0], 1e-4
         knm, kmm, ktm = dense_kernel(k, X, c), dense_kernel(k, c, c), dense_kernel(k, Xt[1], c)
         H = knm.T @ knm + n * lam * kmm

@@ -1,6 +1,6 @@
 """Leverage-score centers: BLESS scores against dense exact ones, the sampling and its
 weights D, weighted FALKON against the dense Nyström solution, the preconditioner
-identity of MATH.md 2 with D, condition numbers on clustered data, FalkonGP."""
+identity of docs/math.md §3 with D, condition numbers on clustered data, FalkonGP."""
 from __future__ import annotations
 
 import copy
@@ -262,7 +262,7 @@ def _assert_weighted_identity(P, kmm, weights, n, lam):
 def test_solver_preconditioner_uses_the_weights():
     """D changes only the preconditioner, so the dense-solution tests cannot see it: check
     that the preconditioner the CG solve uses (the operator's, also via FalkonGP) is the
-    weighted one of MATH.md 2, and not the D = I one."""
+    weighted one of docs/math.md §3, and not the D = I one."""
     x, y, k, lam, sel = _weighted_problem()
     n = x.shape[0]
     with torch.no_grad():

@@ -269,7 +269,7 @@ class TestFalkonPreconditioner(_Float64Mixin, RectangularLinearOperatorTestCase,
             self.assertAllClose(arg.grad, arg_copy.grad, rtol=1e-6, atol=1e-8)
 
     def test_identity_b_bt(self):
-        # MATH.md 2: with eps -> 0, B B^T = ((n/M) K_MM D^2 K_MM + n lambda K_MM)^{-1}
+        # docs/math.md §3: with eps -> 0, B B^T = ((n/M) K_MM D^2 K_MM + n lambda K_MM)^{-1}
         _, centers = _data()
         with torch.no_grad():
             kmm = _make_kernel()(centers, centers).to_dense()

@@ -41,7 +41,7 @@ def test_posterior_equals_gpytorch_sgpr(name):
     ref = SGPR(x, y, k, model.centers.clone(), lik).double()
     ref.eval()
     # GPyTorch's default "diagonal correction" turns SGPR into a FITC-like model at
-    # prediction time; the Titsias/DTC posterior (MATH.md 3) is the one without it.
+    # prediction time; the Titsias/DTC posterior (docs/math.md §4) is the one without it.
     # GPyTorch's test covariance is then the low-rank Q_** part, so the DTC term
     # K_** - Q_** is added from the dense closed form.
     with torch.no_grad(), gpytorch.settings.sgpr_diagonal_correction(False), gpytorch.settings.max_cholesky_size(10**9):
@@ -61,7 +61,7 @@ def test_posterior_equals_gpytorch_sgpr(name):
 
 
 def test_posterior_matches_dense_formulas():
-    """MATH.md 3: mean K_*M alpha; cov K_** - K_*M K_MM^-1 K_M* + n lam K_*M H^-1 K_M*."""
+    """docs/math.md §4: mean K_*M alpha; cov K_** - K_*M K_MM^-1 K_M* + n lam K_*M H^-1 K_M*."""
     model, x, y, k = _fitted("rbf", lam=1e-3)
     xt = make_data(10, 3, seed=9)[0]
     n, lam, c = x.shape[0], 1e-3, model.centers

@@ -1,4 +1,4 @@
-"""FalkonPreconditioner: the identities of MATH.md section 2, robust Cholesky."""
+"""FalkonPreconditioner: the identities of docs/math.md §3, robust Cholesky."""
 from __future__ import annotations
 
 import pytest

@@ -41,7 +41,7 @@ class NystromPosteriorFactors:
     r"""Cholesky factors of the SGPR/DTC posterior, formed once in ``O(n M^2)``.
 
     ``L L^T = K_MM`` and ``L_B L_B^T = I + A A^T / v`` with ``A = L^{-1} K_Mn`` and
-    ``v = n lambda`` (MATH.md 3-4). ``A A^T`` is accumulated over row blocks of
+    ``v = n lambda`` (docs/math.md §4-5). ``A A^T`` is accumulated over row blocks of
     ``K_nM`` (about ``3 n M^2`` float64 flops: a triangular solve and a rank update
     per block, plus one kernel pass), so memory is ``O(M^2 + block x M)``. Then for test inputs with
     ``a = L^{-1} K_M*`` and ``c = L_B^{-1} a``:
@@ -84,7 +84,7 @@ def _default_kernel(d: int) -> Kernel:
 class FalkonGP(gpytorch.models.GP):
     r"""Sparse GP / Nyström kernel ridge regression fitted by FALKON.
 
-    Posterior (MATH.md 3), with ``sigma^2 = n lambda`` and ``H = K_Mn K_nM + n lambda K_MM``:
+    Posterior (docs/math.md §4), with ``sigma^2 = n lambda`` and ``H = K_Mn K_nM + n lambda K_MM``:
 
         mean(X*) = K_*M alpha,              H alpha = K_Mn y   (FALKON: PCG, O(n M t) per iteration)
         cov(X*)  = K_** - K_*M K_MM^{-1} K_M* + n lambda K_*M H^{-1} K_M*

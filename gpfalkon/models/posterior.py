@@ -16,7 +16,7 @@ class NystromPosteriorCovariance(LinearOperator):
 
     ``L L^T = K_MM`` and ``L_B L_B^T = I + A A^T / (n lambda)`` come from
     :class:`~gpfalkon.models.NystromPosteriorFactors`; this equals
-    ``K_** - K_*M K_MM^{-1} K_M* + n lambda K_*M H^{-1} K_M*`` (MATH.md 3).
+    ``K_** - K_*M K_MM^{-1} K_M* + n lambda K_*M H^{-1} K_M*`` (docs/math.md §4).
 
     Nothing of size ``q x M`` or ``q x q`` is held, only ``chunk x M`` and
     ``chunk x chunk`` tiles: the diagonal (the predictive variances) costs

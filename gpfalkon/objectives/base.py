@@ -1,7 +1,7 @@
-"""Shared machinery of the hyperparameter objectives (Meanti et al. 2022; MATH.md 4).
+"""Shared machinery of the hyperparameter objectives (Meanti et al. 2022; docs/math.md §5).
 
 Every exact objective is a function of a few ``O(M^2)`` aggregates of the data,
-accumulated over row blocks of ``K_nM`` (MATH.md 4, "common computation"):
+accumulated over row blocks of ``K_nM`` (docs/math.md §5.1):
 
     L L^T = K_MM (+ jitter),   A = L^{-1} K_Mn,   B = I + A A^T / v,   L_B L_B^T = B,
 

@@ -1,9 +1,9 @@
-"""Exact hyperparameter objectives (MATH.md 4), ``O(n M^2)`` time, ``O(M^2 + block x M)`` memory.
+"""Exact hyperparameter objectives (docs/math.md §5), ``O(n M^2)`` time, ``O(M^2 + block x M)`` memory.
 
 Notation: ``S = K~ (K~ + v I)^{-1}`` the Nyström smoother, ``K~ = K_nM K_MM^{-1} K_Mn``,
 ``v = n lambda`` unless stated. Multi-output targets: the per-column objective is
 summed over columns (HoldOut: mean squared error over all entries). Values are
-exactly MATH.md's formulas, the ones of the paper's reference implementation.
+exactly the formulas of docs/math.md §5.2, the ones of the paper's reference implementation.
 """
 from __future__ import annotations
 

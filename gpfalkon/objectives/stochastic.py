@@ -1,4 +1,4 @@
-"""The scalable, stochastic form of the complexity-regularisation objective (MATH.md 4-5)."""
+"""The scalable, stochastic form of the complexity-regularisation objective (docs/math.md §5.3)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -18,7 +18,7 @@ __all__ = ["StochasticNystromCompReg", "nystrom_quadratic_forms"]
 class _QuadForms(torch.autograd.Function):
     """``q_j = u_j^T K_nM H^{-1} K_Mn u_j`` for the columns of ``U``, by FALKON.
 
-    Backward (hand-derived, MATH.md 4; no unrolled CG), with ``w_j = H^{-1} K_Mn u_j``
+    Backward (hand-derived, docs/math.md §5.3; no unrolled CG), with ``w_j = H^{-1} K_Mn u_j``
     and ``g_j = dL/dq_j``:
 
         dq = 2 u^T dK_nM w - 2 (K_nM w)^T dK_nM w - n lambda w^T dK_MM w - n dlambda w^T K_MM w,
@@ -88,7 +88,7 @@ def nystrom_quadratic_forms(
 
 class StochasticNystromCompReg(NystromObjective):
     r"""The complexity-regularisation bound (paper eq. 9) for large ``n``, estimated by
-    FALKON solves and stochastic traces (the paper's section 4; MATH.md 4-5):
+    FALKON solves and stochastic traces (the paper's section 4; docs/math.md §5.3):
 
         tr(S)      ~ (1/r) sum_k z_k^T K_nM alpha_{z_k}          (Hutchinson, fixed Z in R^{n x r})
         y^T S y    =  y^T K_nM alpha_y,                            H alpha_[y, Z] = K_Mn [y, Z]

@@ -42,8 +42,8 @@ def _as_columns(rhs: Tensor, m: int) -> Tuple[Tensor, Callable[[Tensor], Tensor]
 class NystromKRROperator(LinearOperator):
     r"""``H = K_Mn K_nM + n lambda K_MM`` (M x M), the Nyström KRR normal-equations matrix.
 
-    ``H alpha = K_Mn y`` gives the Nyström KRR coefficients (MATH.md 1); with
-    ``sigma^2 = n lambda`` it is the SGPR/DTC posterior mean's system (MATH.md 3).
+    ``H alpha = K_Mn y`` gives the Nyström KRR coefficients (docs/math.md §2); with
+    ``sigma^2 = n lambda`` it is the SGPR/DTC posterior mean's system (docs/math.md §4).
 
     * ``H @ u`` (``_matmul``): one pass of the :class:`~gpfalkon.kernels.KernelEngine`
       (``2 n M d + 4 n M k`` flops, or ``4 n M k`` when ``K_nM`` is stored), plus
