@@ -1,8 +1,10 @@
 """gpfalkon: FALKON (Nyström kernel ridge regression by preconditioned CG) for GPyTorch."""
-from . import objectives, settings
+from . import backend, objectives, settings
 from .auto import AutoFitReport, auto_fit
 from .centers import (
     CenterSelection,
+    CenterSelector,
+    FixedCenters,
     LeverageCenters,
     UniformCenters,
     approximate_leverage_scores,
@@ -12,10 +14,12 @@ from .centers import (
 )
 from .errors import CGNotConvergedWarning, FalkonConvergenceError, JitterWarning, NotFittedError, NotPSDError
 from .heuristics import median_lengthscale
-from .kernels import FastfoodKernel, KernelEngine
+from .backend import KernelEngine
+from .kernels import FastfoodKernel
 from .models import FalkonClassifier, FalkonGP, NystromPosteriorFactors, encode_labels
 from .operators import FalkonPreconditioner, NystromKRROperator
-from .solvers import CGInfo, conjugate_gradient, falkon_solve
+from .options import FalkonOptions
+from .solvers import CGInfo, Preconditioner, PreconditionerBuilder, Solver, conjugate_gradient, falkon_solve
 
 __version__ = "0.1.0"
 
@@ -23,14 +27,18 @@ __all__ = [
     "AutoFitReport",
     "auto_fit",
     "approximate_leverage_scores",
+    "backend",
     "effective_dimension",
     "leverage_centers",
     "CGInfo",
     "CGNotConvergedWarning",
     "CenterSelection",
+    "CenterSelector",
+    "FixedCenters",
     "FalkonClassifier",
     "FalkonConvergenceError",
     "FalkonGP",
+    "FalkonOptions",
     "FalkonPreconditioner",
     "FastfoodKernel",
     "NystromPosteriorFactors",
@@ -40,6 +48,9 @@ __all__ = [
     "NotFittedError",
     "NotPSDError",
     "NystromKRROperator",
+    "Preconditioner",
+    "PreconditionerBuilder",
+    "Solver",
     "UniformCenters",
     "conjugate_gradient",
     "encode_labels",

@@ -28,14 +28,15 @@ import copy
 import itertools
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 from gpytorch.kernels import Kernel
 from torch import Tensor
 
-from . import settings
 from ._validation import (
+    check_center_weights,
+    check_dtype,
     check_inputs,
     check_kernel,
     check_generator,
@@ -45,12 +46,16 @@ from ._validation import (
     check_scores,
 )
 from .errors import JitterWarning
+from .backend.blocks import FACTOR, block_rows_for
+from .backend.passes import kernel_diagonal, whitened_sq_norms
 from .linalg import jittered_cholesky
 
 __all__ = [
     "CenterSelection",
     "uniform_centers",
     "UniformCenters",
+    "FixedCenters",
+    "CenterSelector",
     "approximate_leverage_scores",
     "effective_dimension",
     "leverage_centers",
@@ -102,17 +107,72 @@ def uniform_centers(x: Tensor, num_centers: int, generator: Optional[torch.Gener
     return CenterSelection(centers=x[idx].clone(), indices=idx)
 
 
+@runtime_checkable
+class CenterSelector(Protocol):
+    """The one call signature of every center choice (uniform, leverage scores, given centers):
+
+        selector(x, num_centers, kernel=None, penalty=None) -> CenterSelection
+
+    ``kernel`` and ``penalty`` are the model's at selection time (leverage scores depend on
+    both; uniform sampling and given centers ignore them). ``num_centers=None`` asks for the
+    selector's default (``min(n, 1000)`` for sampling; all of them for given centers). Learning the centers afterwards
+    is the model's business (``FalkonGP(learn_centers=True)`` makes them a parameter).
+    """
+
+    def __call__(
+        self, x: Tensor, num_centers: Optional[int], kernel: Optional[Kernel] = None, penalty: Optional[float | Tensor] = None
+    ) -> CenterSelection:
+        ...
+
+
+def default_num_centers(x: Tensor) -> int:
+    """``min(n, 1000)``: the number of centers drawn when none is asked for."""
+    return min(int(x.shape[0]), 1000)
+
+
+def _generator(seed: Optional[int], generator: Optional[torch.Generator]) -> torch.Generator:
+    if generator is None:
+        generator = torch.Generator()
+        generator.manual_seed(0 if seed is None else int(seed))
+    check_generator(generator)
+    return generator
+
+
 class UniformCenters:
-    """Callable center selector: ``UniformCenters(seed)(x, M) -> CenterSelection``."""
+    """Center selector: ``M`` rows drawn uniformly without replacement (:func:`uniform_centers`)."""
 
     def __init__(self, seed: Optional[int] = None, generator: Optional[torch.Generator] = None) -> None:
-        if generator is None:
-            generator = torch.Generator()
-            generator.manual_seed(0 if seed is None else int(seed))
-        self.generator = generator
+        self.generator = _generator(seed, generator)
 
-    def __call__(self, x: Tensor, num_centers: int) -> CenterSelection:
-        return uniform_centers(x, num_centers, self.generator)
+    def __call__(
+        self, x: Tensor, num_centers: Optional[int], kernel: Optional[Kernel] = None, penalty: Optional[float | Tensor] = None
+    ) -> CenterSelection:
+        return uniform_centers(x, default_num_centers(x) if num_centers is None else num_centers, self.generator)
+
+
+class FixedCenters:
+    """Center selector that returns given centers (and optional preconditioner weights ``D``)."""
+
+    def __init__(self, centers: Tensor, weights: Optional[Tensor] = None) -> None:
+        check_dtype("centers", centers)
+        if centers.dim() != 2 or centers.shape[0] == 0:
+            raise ValueError(f"centers must have shape (M, d) with M >= 1, got {tuple(centers.shape)}")
+        if weights is not None:
+            check_center_weights("center_weights", weights, centers.shape[0], centers.device)
+        self.centers = centers.detach().clone()
+        self.weights = None if weights is None else weights.detach().to(torch.float64).clone()
+
+    def __call__(
+        self, x: Tensor, num_centers: Optional[int], kernel: Optional[Kernel] = None, penalty: Optional[float | Tensor] = None
+    ) -> CenterSelection:
+        if num_centers is not None and num_centers != self.centers.shape[0]:
+            raise ValueError(f"num_centers={num_centers} but {self.centers.shape[0]} centers were given")
+        if self.centers.dtype != x.dtype:
+            raise TypeError(f"centers has dtype {self.centers.dtype} but train_x has {x.dtype}")
+        if self.centers.device != x.device:
+            raise ValueError(f"centers is on {self.centers.device} but train_x is on {x.device}")
+        check_inputs("centers", self.centers, d=x.shape[1])
+        return CenterSelection(centers=self.centers.clone(), weights=None if self.weights is None else self.weights.clone())
 
 
 # --------------------------------------------------------------- leverage scores
@@ -130,37 +190,14 @@ def _dense(t) -> Tensor:
 
 
 def _rows_per_block(m: int, n: int, block_rows: Optional[int]) -> int:
-    """Row-block height: about 8 MiB of float64 ``(rows x m)`` blocks, within the budget."""
-    if block_rows is not None:
-        rows = int(block_rows)
-        if rows < 1:
-            raise ValueError(f"block_rows must be >= 1, got {block_rows}")
-    else:
-        rows = max(64, (8 * 2**20) // (8 * max(m, 1)))
-    budget = int(settings.memory_budget.value())
-    rows = min(rows, max(1, budget // (3 * 8 * max(m, 1))))  # kernel block + solved block + slack
-    return max(1, min(rows, n))
-
-
-def _row_blocks(count: int, rows: int) -> Iterator[Tuple[int, int]]:
-    for start in range(0, count, rows):
-        yield start, min(start + rows, count)
+    """Row-block height of the leverage-score passes (float64, ``O(M_J^2)`` work per row)."""
+    return block_rows_for(n, m, 8, FACTOR, block_rows=block_rows)
 
 
 def _kernel_diag(kernel64: Kernel, x: Tensor, rows: int) -> Tensor:
-    """``K_ii`` for all rows of ``x`` (float64, ``O(n d)``)."""
-    n = x.shape[0]
-    out = torch.empty(n, dtype=torch.float64, device=x.device)
-    for start, stop in _row_blocks(n, rows):
-        xb = x[start:stop].to(torch.float64)
-        d = _dense(kernel64(xb, xb, diag=True))
-        if d.shape != (stop - start,):
-            raise ValueError(
-                f"kernel must be a single-output kernel without batch dimensions: its diagonal on "
-                f"{stop - start} points has shape {tuple(d.shape)}"
-            )
-        out[start:stop] = d
-    return out
+    """``K_ii`` for all rows of ``x`` (float64, ``O(n d)``): one backend pass."""
+    with torch.no_grad():
+        return _dense(kernel_diagonal(kernel64, x, rows, dtype=torch.float64)).to(torch.float64)
 
 
 class _Dictionary:
@@ -213,13 +250,8 @@ class _Dictionary:
                 # jitter only perturbs sampling probabilities: no need to alarm the user
                 warnings.simplefilter("ignore", JitterWarning)
                 chol, _ = jittered_cholesky(g, upper=False, name="K_JJ + n lambda A (BLESS dictionary)")
-            est = torch.empty(count, dtype=torch.float64, device=x.device)
             rows = _rows_per_block(self.size, count, block_rows)
-            for start, stop in _row_blocks(count, rows):
-                xb = x[start:stop] if rows_idx is None else x[rows_idx[start:stop]]
-                kb = _dense(kernel64(xb.to(torch.float64), xj)).to(torch.float64)  # (b, M_J)
-                z = torch.linalg.solve_triangular(chol, kb.mT, upper=False)  # (M_J, b)
-                est[start:stop] = (d_i[start:stop] - z.square().sum(0)) / lam_n
+            est = (d_i - whitened_sq_norms(kernel64, x, xj, chol, rows, indices=rows_idx)) / lam_n
         upper = d_i / (d_i + lam_n)
         lower = d_i / (trace + lam_n)
         return torch.minimum(torch.maximum(est, lower), upper)
@@ -496,26 +528,38 @@ def leverage_centers(
 
 
 class LeverageCenters:
-    """Callable center selector: ``LeverageCenters(penalty, seed)(x, M, kernel) -> CenterSelection``.
+    """Center selector: ``M`` draws proportional to approximate ridge leverage scores
+    (:func:`leverage_centers`), with the preconditioner weights ``D``.
 
-    Mirrors :class:`UniformCenters`; the kernel is an argument of the call because
-    the scores depend on it. ``kwargs`` are options of :func:`approximate_leverage_scores`.
+    The scores depend on the kernel and the penalty: the call's ``kernel`` and ``penalty``
+    (the model's, when :class:`~gpfalkon.FalkonGP` calls it) are used; a ``penalty`` given
+    here wins over the call's. ``kwargs`` are options of :func:`leverage_centers`
+    (``weighting``) and :func:`approximate_leverage_scores`.
     """
 
     def __init__(
         self,
-        penalty: float | Tensor,
+        penalty: Optional[float | Tensor] = None,
         seed: Optional[int] = None,
         generator: Optional[torch.Generator] = None,
         **kwargs,
     ) -> None:
-        check_penalty(penalty)
-        if generator is None:
-            generator = torch.Generator()
-            generator.manual_seed(0 if seed is None else int(seed))
+        if penalty is not None:
+            check_penalty(penalty)
         self.penalty = penalty
-        self.generator = generator
+        self.generator = _generator(seed, generator)
         self.kwargs = kwargs
 
-    def __call__(self, x: Tensor, num_centers: int, kernel: Kernel) -> CenterSelection:
-        return leverage_centers(x, num_centers, kernel, self.penalty, generator=self.generator, **self.kwargs)
+    def __call__(
+        self, x: Tensor, num_centers: Optional[int], kernel: Optional[Kernel] = None, penalty: Optional[float | Tensor] = None
+    ) -> CenterSelection:
+        if num_centers is None:
+            num_centers = default_num_centers(x)
+        if kernel is None:
+            raise ValueError("leverage-score centers need the kernel (kernel=)")
+        lam = self.penalty if self.penalty is not None else penalty
+        if lam is None:
+            raise ValueError("leverage-score centers need a penalty (LeverageCenters(penalty=...) or penalty=)")
+        if isinstance(lam, Tensor):
+            lam = lam.detach()
+        return leverage_centers(x, num_centers, kernel, lam, generator=self.generator, **self.kwargs)

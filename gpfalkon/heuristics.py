@@ -21,7 +21,7 @@ def median_lengthscale(x: Tensor, max_points: int = 2000, generator: Optional[to
     n = x.shape[0]
     if n > max_points:
         if generator is None:
-            generator = torch.Generator().manual_seed(0)
+            generator = torch.Generator(device=x.device).manual_seed(0)
         idx = torch.randperm(n, generator=generator, device=generator.device)[:max_points].to(x.device)
         x = x[idx]
     d = torch.cdist(x.double(), x.double())

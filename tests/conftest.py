@@ -1,9 +1,28 @@
 """Shared fixtures: small synthetic problems and dense reference formulas."""
 from __future__ import annotations
 
+import os
+
 import gpytorch
 import pytest
 import torch
+
+
+def test_devices() -> list[str]:
+    """Devices the device-sensitive tests run on: CPU always, plus ``GPFALKON_TEST_DEVICE``
+    (e.g. ``cuda``, ``cuda:1``) or, when that is unset, ``cuda`` if one is present.
+    ``GPFALKON_TEST_DEVICE=cpu`` restricts them to the CPU."""
+    want = os.environ.get("GPFALKON_TEST_DEVICE")
+    if want is None:
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    devices = ["cpu"]
+    if want != "cpu":
+        devices.append(want)
+    return devices
+
+
+DEVICES = test_devices()
+test_devices.__test__ = False  # a helper, not a test
 
 
 def make_data(n: int = 300, d: int = 3, t: int | None = None, dtype=torch.float64, seed: int = 0):

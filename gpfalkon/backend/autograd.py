@@ -9,7 +9,7 @@ correctly), a scalar surrogate is formed and differentiated, and the graph is
 dropped before the next block. Peak memory: one block's autograd graph.
 
 :class:`KernelProduct` is the differentiable ``K_nM^T (K_nM U + V)``: forward by
-the fast :class:`~gpfalkon.kernels.engine.KernelEngine`, backward by one such pass.
+the fast :class:`~gpfalkon.backend.KernelEngine`, backward by one such pass.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from gpytorch.kernels import Kernel
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .. import settings
+from .blocks import GRADIENT, block_rows_for, row_blocks
 from .engine import KernelEngine, kernel_block
 
 __all__ = ["kernel_params", "blockwise_kernel_grad", "scatter_grads", "KernelProduct", "kernel_product"]
@@ -29,18 +29,6 @@ __all__ = ["kernel_params", "blockwise_kernel_grad", "scatter_grads", "KernelPro
 def kernel_params(kernel: Kernel) -> List[Tensor]:
     """The kernel's parameters that require a gradient (the raw, unconstrained ones)."""
     return [p for p in kernel.parameters() if p.requires_grad]
-
-
-def _grad_block_rows(
-    m: int, dtype: torch.dtype, n: int, memory_budget: Optional[int] = None, block_rows: Optional[int] = None
-) -> int:
-    itemsize = torch.finfo(dtype).bits // 8
-    budget = int(settings.memory_budget.value() if memory_budget is None else memory_budget)
-    # a GPyTorch kernel forward + backward keeps ~8 block-sized temporaries alive
-    # (autograd has per-block overhead: taller blocks than the engine's cache-sized ones)
-    setting = settings.block_rows.value() if block_rows is None else block_rows
-    rows = min(2048 if setting is None else int(setting), max(1, budget // (8 * m * itemsize)))
-    return max(1, min(rows, n))
 
 
 def scatter_grads(needs: Sequence[bool], grads: Sequence[Optional[Tensor]], sign: float = 1.0) -> List[Optional[Tensor]]:
@@ -77,14 +65,15 @@ def blockwise_kernel_grad(
     in blocks sized from ``memory_budget`` / ``block_rows`` (default: the settings).
     """
     n = x.shape[0]
-    rows = _grad_block_rows(centers.shape[0], x.dtype, n, memory_budget, block_rows)
+    rows = block_rows_for(
+        n, centers.shape[0], torch.finfo(x.dtype).bits // 8, GRADIENT, memory_budget=memory_budget, block_rows=block_rows
+    )
     grad_x = torch.zeros_like(x) if need_x else None
     grad_c = torch.zeros_like(centers) if need_centers else None
     grad_p: List[Optional[Tensor]] = [None] * len(params)
     with torch.enable_grad():
         c = centers.detach().requires_grad_(True) if need_centers else centers.detach()
-        for start in range(0, n, rows):
-            stop = min(start + rows, n)
+        for start, stop in row_blocks(n, rows):
             xb = x[start:stop].detach()
             if need_x:
                 xb.requires_grad_(True)

@@ -28,7 +28,7 @@ applied to the block: ``K^T (K U + V) = s K0^T (s K0 U + V)``.
 The engine reads the kernel's hyperparameters when it is built (the fast path
 copies them; a stored ``K_nM`` freezes them): build a new one after they change
 (:class:`~gpfalkon.NystromKRROperator` does this by itself). It runs under ``torch.no_grad``: gradients go through
-:mod:`gpfalkon.kernels.autograd`.
+:mod:`gpfalkon.backend.autograd`.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ import torch
 from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from torch import Tensor
 
-from .. import settings
+from .blocks import PRODUCT, STORED, block_rows_for, memory_budget_for, resolve_block_rows, row_blocks
 
 __all__ = ["KernelEngine", "StationarySpec", "stationary_spec", "kernel_block"]
 
@@ -151,7 +151,7 @@ class KernelEngine:
         self.dtype = x.dtype
         self.device = x.device
         self.acc_dtype = torch.float64
-        budget = int(settings.memory_budget.value() if memory_budget is None else memory_budget)
+        budget = memory_budget_for(memory_budget)
         itemsize = torch.finfo(self.dtype).bits // 8
         row_bytes = self.m * itemsize
         full_bytes = self.n * row_bytes
@@ -163,21 +163,17 @@ class KernelEngine:
                 f"memory_budget is {budget:,} bytes"
             )
         self.stored = bool(store)
-        rows_setting = settings.block_rows.value() if block_rows is None else block_rows
-        self.block_rows_setting = rows_setting
-        if rows_setting is None:
-            # blocks of ~2 MiB keep the in-place kernel passes and the two thin products
-            # in cache (benchmarks/engine.py sweeps the block size)
-            rows = max(32, (2 * 2**20) // row_bytes)
-        else:
-            rows = int(rows_setting)
-        if rows < 1:
-            raise ValueError(f"block_rows must be >= 1, got {rows}")
-        rows = min(rows, max(1, budget // (2 * row_bytes)), self.n)
-        self.block_rows = rows
+        # resolved now (the setting in force when the engine is built also sizes its gradient passes)
+        self.block_rows_setting = resolve_block_rows(block_rows)
+        self.block_rows = block_rows_for(
+            self.n, self.m, itemsize, PRODUCT, memory_budget=budget, block_rows=self.block_rows_setting
+        )
         # A stored K_nM is read twice per block (K_b u, then (.)^T K_b): blocks of about
-        # 2 MiB let the second read hit cache (benchmarks/engine.py measures it).
-        self.stored_block_rows = max(1, min(rows, max(16, (2 * 2**20) // row_bytes)))
+        # 2 MiB let the second read hit cache (benchmarks/engine.py measures it), whatever block_rows says.
+        cache_rows = max(STORED.min_rows, STORED.target_bytes // row_bytes)
+        self.stored_block_rows = min(
+            self.block_rows, block_rows_for(self.n, self.m, itemsize, STORED, memory_budget=budget, block_rows=cache_rows)
+        )
         self.memory_budget = budget
 
         self.spec = stationary_spec(kernel)
@@ -208,9 +204,7 @@ class KernelEngine:
 
     # ------------------------------------------------------------------ blocks
     def _blocks(self, rows: Optional[int] = None) -> Iterator[Tuple[int, int]]:
-        rows = self.block_rows if rows is None else rows
-        for start in range(0, self.n, rows):
-            yield start, min(start + rows, self.n)
+        return row_blocks(self.n, self.block_rows if rows is None else rows)
 
     def _compute_block(self, start: int, stop: int, out: Optional[Tensor] = None) -> Tensor:
         """Base kernel values ``K0[start:stop]`` (without the outputscale of the fast path)."""
@@ -356,3 +350,31 @@ class KernelEngine:
                 kmm = _apply_profile_(self.spec.kind, d2, torch.empty_like(d2))
                 return kmm.mul_(self.scale) if self.scale != 1.0 else kmm
             return kernel_block(self.kernel, c, c).to(dtype)
+
+    # ------------------------------------------------ M-sized aggregates (shard-summable)
+    # Each method below returns a sum over the rows' blocks of an M-sized (M, M x k or M x M)
+    # term: results of row shards of the same data are combined by summing them.
+    def whitened_gram(self, L: Tensor) -> Tensor:
+        """``A A^T`` with ``A = L^{-1} K_Mn`` for a lower-triangular float64 ``L`` (``M x M``).
+
+        One pass: ``O(n M (M + d))`` flops (a triangular solve and a rank-``rows`` update
+        per block), float64 ``M x M`` result, memory ``O(M^2 + rows M)``. The posterior
+        factors (docs/math.md §4) use it with ``L L^T = K_MM``.
+        """
+        aat = torch.zeros(self.m, self.m, dtype=torch.float64, device=self.device)
+        with torch.no_grad():
+            for _, _, blk in self.iter_blocks(rows=self.block_rows):
+                kb = blk.t().to(torch.float64)
+                if self.scale != 1.0:
+                    kb = kb * self.scale
+                ab = torch.linalg.solve_triangular(L, kb, upper=False)
+                aat.addmm_(ab, ab.t())
+        return aat
+
+    def column_sq_norms(self) -> Tensor:
+        """``sum_i K_iM^2`` (float64, length ``M``): the diagonal of ``K_Mn K_nM``, one pass."""
+        out = torch.zeros(self.m, dtype=torch.float64, device=self.device)
+        with torch.no_grad():
+            for _, _, blk in self.iter_blocks():
+                out += blk.square().sum(0).to(torch.float64)
+        return out.mul_(self.scale**2)

@@ -1,6 +1,7 @@
-"""Kernel arithmetic: the blockwise product engine and its gradients."""
-from .autograd import KernelProduct, blockwise_kernel_grad, kernel_params, kernel_product
-from .engine import KernelEngine, StationarySpec, kernel_block, stationary_spec
+"""Kernels: the Fastfood random-feature kernel; the engine names are re-exported from
+:mod:`gpfalkon.backend`, where the data passes live."""
+from ..backend import KernelEngine, KernelProduct, StationarySpec, blockwise_kernel_grad, kernel_block, kernel_params
+from ..backend import kernel_product, stationary_spec
 from .fastfood import FastfoodKernel, fwht
 
 __all__ = [

@@ -58,6 +58,8 @@ from gpytorch.models import exact_prediction_strategies
 from linear_operator.operators import LowRankRootLinearOperator, MatmulLinearOperator, RootLinearOperator
 from torch import Tensor
 
+from ..backend.blocks import row_blocks
+
 __all__ = ["FastfoodKernel", "fwht"]
 
 _SUPPORTED_NU = (0.5, 1.5, 2.5)
@@ -214,8 +216,7 @@ class FastfoodKernel(Kernel):
         n = math.prod(shape)
         out = torch.empty(n, dtype=torch.float64, device=device)
         rows = max(1, _CHI_CHUNK // dof)
-        for start in range(0, n, rows):
-            stop = min(n, start + rows)
+        for start, stop in row_blocks(n, rows):
             z = torch.randn(stop - start, dof, dtype=torch.float64, device=device, generator=self.generator)
             out[start:stop] = z.square().sum(-1)
         return out.reshape(shape)

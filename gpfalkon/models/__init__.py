@@ -1,6 +1,16 @@
 """GPyTorch models built on FALKON."""
 from .classification import FalkonClassifier, encode_labels
-from .falkon_gp import FalkonGP, NystromPosteriorFactors
-from .posterior import NystromPosteriorCovariance
+from .defaults import default_kernel, default_likelihood
+from .falkon_gp import FalkonGP
+from .posterior import NystromPosteriorCovariance, NystromPosteriorFactors, nystrom_posterior_mean
 
-__all__ = ["FalkonClassifier", "FalkonGP", "encode_labels", "NystromPosteriorCovariance", "NystromPosteriorFactors"]
+__all__ = [
+    "FalkonClassifier",
+    "FalkonGP",
+    "NystromPosteriorCovariance",
+    "NystromPosteriorFactors",
+    "default_kernel",
+    "default_likelihood",
+    "encode_labels",
+    "nystrom_posterior_mean",
+]

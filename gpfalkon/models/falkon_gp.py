@@ -1,16 +1,16 @@
 """FalkonGP: a GPyTorch model whose posterior is Nyström KRR solved by FALKON."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import gpytorch
 import torch
-from gpytorch.constraints import Positive
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
-from gpytorch.kernels import Kernel, MaternKernel, ScaleKernel
-from gpytorch.likelihoods import GaussianLikelihood, Likelihood, MultitaskGaussianLikelihood
+from gpytorch.kernels import Kernel
+from gpytorch.likelihoods import Likelihood
 from linear_operator.operators import DiagLinearOperator, KroneckerProductLinearOperator, ZeroLinearOperator
 from torch import Tensor
 
@@ -22,12 +22,14 @@ from .._validation import (
     check_penalty,
     check_targets,
 )
-from ..centers import leverage_centers, uniform_centers
+from ..centers import CenterSelector, FixedCenters, LeverageCenters, UniformCenters, default_num_centers
 from ..errors import NotFittedError
-from ..linalg import jittered_cholesky
 from ..operators import NystromKRROperator
+from ..options import FalkonOptions
 from ..solvers import CGInfo
-from .posterior import NystromPosteriorCovariance
+from .defaults import check_likelihood, default_kernel, default_likelihood
+from .fit_state import FitTracker
+from .posterior import NystromPosteriorCovariance, NystromPosteriorFactors, nystrom_posterior_mean
 
 __all__ = ["FalkonGP", "NystromPosteriorFactors"]
 
@@ -37,48 +39,62 @@ _LEVERAGE_OPTIONS = frozenset(
 )
 
 
-class NystromPosteriorFactors:
-    r"""Cholesky factors of the SGPR/DTC posterior, formed once in ``O(n M^2)``.
-
-    ``L L^T = K_MM`` and ``L_B L_B^T = I + A A^T / v`` with ``A = L^{-1} K_Mn`` and
-    ``v = n lambda`` (docs/math.md §4-5). ``A A^T`` is accumulated over row blocks of
-    ``K_nM`` (about ``3 n M^2`` float64 flops: a triangular solve and a rank update
-    per block, plus one kernel pass), so memory is ``O(M^2 + block x M)``. Then for test inputs with
-    ``a = L^{-1} K_M*`` and ``c = L_B^{-1} a``:
-
-        cov(X*) = K_** - a^T a + c^T c
-                = K_** - K_*M K_MM^{-1} K_M* + n lambda K_*M H^{-1} K_M*.
-
-    ``B = I + A A^T / v`` has eigenvalues >= 1, so this form stays accurate where
-    the Woodbury form of GPyTorch's SGPR (entries ~ n / sigma^2) does not.
-    """
-
-    def __init__(self, L: Tensor, LB: Tensor) -> None:
-        self.L = L
-        self.LB = LB
-
-    @classmethod
-    def compute(cls, op: NystromKRROperator) -> "NystromPosteriorFactors":
-        v = op.n * float(op.penalty.detach())
-        L, _ = jittered_cholesky(op.kmm, upper=False, name="K_MM")
-        m = op.m
-        aat = torch.zeros(m, m, dtype=torch.float64, device=L.device)
-        eng = op.engine
-        with torch.no_grad():
-            for _, _, blk in eng.iter_blocks(rows=eng.block_rows):
-                kb = blk.t().to(torch.float64)
-                if eng.scale != 1.0:
-                    kb = kb * eng.scale
-                ab = torch.linalg.solve_triangular(L, kb, upper=False)
-                aat.addmm_(ab, ab.t())
-        bmat = aat.div_(v)
-        bmat.diagonal().add_(1.0)
-        LB, _ = jittered_cholesky(bmat, upper=False, name="I + A A^T / (n lambda)", jitter=0.0)
-        return cls(L, LB)
-
-
-def _default_kernel(d: int) -> Kernel:
-    return ScaleKernel(MaternKernel(nu=2.5, ard_num_dims=d))
+def _center_selector(
+    train_x: Tensor,
+    num_centers: Optional[int],
+    centers: Optional[Tensor],
+    center_selection: Union[str, CenterSelector],
+    center_weights: Optional[Tensor],
+    leverage_options: Optional[Dict[str, Any]],
+    generator: Optional[torch.Generator],
+    seed: int,
+) -> Tuple[CenterSelector, Optional[int]]:
+    """FalkonGP's center arguments as one :class:`~gpfalkon.centers.CenterSelector` and ``M``."""
+    is_selector = not isinstance(center_selection, str)
+    if is_selector and not callable(center_selection):
+        raise ValueError(
+            "center_selection must be 'uniform', 'leverage' or a CenterSelector (callable "
+            f"(x, num_centers, kernel=, penalty=) -> CenterSelection), got {center_selection!r}"
+        )
+    if not is_selector and center_selection not in ("uniform", "leverage"):
+        raise ValueError(f"center_selection must be 'uniform', 'leverage' or a CenterSelector, got {center_selection!r}")
+    if leverage_options is not None:
+        if not isinstance(leverage_options, dict):
+            raise TypeError(f"leverage_options must be a dict, got {type(leverage_options).__name__}")
+        if center_selection != "leverage":
+            raise ValueError("leverage_options only applies with center_selection='leverage'")
+        unknown = set(leverage_options) - _LEVERAGE_OPTIONS
+        if unknown:
+            raise ValueError(f"leverage_options: unknown option(s) {sorted(unknown)}; allowed: {sorted(_LEVERAGE_OPTIONS)}")
+    if centers is not None and num_centers is not None:
+        raise ValueError("give either centers or num_centers, not both")
+    if centers is not None and center_selection != "uniform":
+        raise ValueError(
+            f"center_selection={center_selection!r} chooses the centers: do not also pass centers= "
+            "(pass center_weights= with your own centers instead)"
+        )
+    if center_weights is not None and centers is None:
+        raise ValueError("center_weights= needs centers= (the weights belong to given centers)")
+    if centers is not None:
+        check_dtype("centers", centers)
+        if centers.dtype != train_x.dtype:
+            raise TypeError(f"centers has dtype {centers.dtype} but train_x has {train_x.dtype}")
+        if centers.device != train_x.device:
+            raise ValueError(f"centers is on {centers.device} but train_x is on {train_x.device}")
+        check_inputs("centers", centers, d=train_x.shape[1])
+        if center_weights is not None:
+            check_center_weights("center_weights", center_weights, centers.shape[0], train_x.device)
+        return FixedCenters(centers, center_weights), None
+    if is_selector:
+        return center_selection, num_centers  # type: ignore[return-value]  # None: the selector's default
+    n = train_x.shape[0]
+    m = check_num_centers(default_num_centers(train_x) if num_centers is None else num_centers, n)
+    if generator is None:  # on the data's device: the draws happen there
+        generator = torch.Generator(device=train_x.device)
+        generator.manual_seed(int(seed))
+    if center_selection == "leverage":
+        return LeverageCenters(generator=generator, **(leverage_options or {})), m
+    return UniformCenters(generator=generator), m
 
 
 class FalkonGP(gpytorch.models.GP):
@@ -118,7 +134,10 @@ class FalkonGP(gpytorch.models.GP):
             uniformly without replacement, or — with ``center_selection="leverage"`` —
             the number of with-replacement draws (fewer distinct centers result), or
         centers: user-supplied centers ``(M, d)``.
-        center_selection: ``"uniform"`` (default) or ``"leverage"``: centers drawn with
+        center_selection: ``"uniform"`` (default), ``"leverage"``, or any
+            :class:`~gpfalkon.centers.CenterSelector` (called once as
+            ``selector(train_x, num_centers, kernel=kernel, penalty=lambda)``, e.g.
+            :class:`~gpfalkon.centers.LeverageCenters` with its own options). ``"leverage"``: centers drawn with
             probabilities proportional to approximate ridge leverage scores
             (:func:`~gpfalkon.centers.leverage_centers`, BLESS scores, ``O(n M_J^2)``,
             ``M_J ~ 5 d_eff``) with the preconditioner weights ``D`` of FALKON's
@@ -159,6 +178,8 @@ class FalkonGP(gpytorch.models.GP):
             test error is the same (``benchmarks/fit.py``) at a fraction of the passes.
         memory_budget, block_rows, store_kernel: kernel-engine options.
         verbose: tqdm progress bar during ``fit()``.
+        options: a :class:`~gpfalkon.FalkonOptions` instead of (or with, if they do not
+            conflict) the keyword options above; stored as ``model.options``.
         predict_chunk_size: test points per chunk when predicting (bounds the
             ``chunk x M`` kernel blocks held at once).
         mean_constant: constant prior mean ``c`` (a float, or one value per output
@@ -178,7 +199,7 @@ class FalkonGP(gpytorch.models.GP):
         penalty: Optional[float | Tensor] = None,
         likelihood: Optional[Likelihood] = None,
         learn_centers: bool = False,
-        center_selection: str = "uniform",
+        center_selection: Union[str, CenterSelector] = "uniform",
         center_weights: Optional[Tensor] = None,
         leverage_options: Optional[Dict[str, Any]] = None,
         generator: Optional[torch.Generator] = None,
@@ -191,6 +212,7 @@ class FalkonGP(gpytorch.models.GP):
         verbose: bool = False,
         predict_chunk_size: int = 4096,
         mean_constant: float | Tensor = 0.0,
+        options: Optional[FalkonOptions] = None,
     ) -> None:
         super().__init__()
         check_inputs("train_x", train_x)
@@ -199,7 +221,7 @@ class FalkonGP(gpytorch.models.GP):
         if train_y.dtype != train_x.dtype:
             raise TypeError(f"train_y has dtype {train_y.dtype} but train_x has {train_x.dtype}")
         if kernel is None:
-            kernel = _default_kernel(d).to(dtype=train_x.dtype, device=train_x.device)
+            kernel = default_kernel(d, dtype=train_x.dtype, device=train_x.device)
         if not isinstance(kernel, Kernel):
             raise TypeError(f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}")
         for name, p in kernel.named_parameters():
@@ -210,108 +232,54 @@ class FalkonGP(gpytorch.models.GP):
         self.train_targets: Tensor = train_y
         self._num_outputs = 1 if train_y.dim() == 1 else int(train_y.shape[1])
 
-        # --- centers
-        if not isinstance(center_selection, str) or center_selection not in ("uniform", "leverage"):
-            raise ValueError(f"center_selection must be 'uniform' or 'leverage', got {center_selection!r}")
-        if leverage_options is not None:
-            if not isinstance(leverage_options, dict):
-                raise TypeError(f"leverage_options must be a dict, got {type(leverage_options).__name__}")
-            if center_selection != "leverage":
-                raise ValueError("leverage_options only applies with center_selection='leverage'")
-            unknown = set(leverage_options) - _LEVERAGE_OPTIONS
-            if unknown:
-                raise ValueError(
-                    f"leverage_options: unknown option(s) {sorted(unknown)}; allowed: {sorted(_LEVERAGE_OPTIONS)}"
-                )
-        if centers is not None and num_centers is not None:
-            raise ValueError("give either centers or num_centers, not both")
-        if centers is not None and center_selection != "uniform":
-            raise ValueError(
-                f"center_selection={center_selection!r} samples the centers: do not also pass centers= "
-                "(pass center_weights= with your own centers instead)"
-            )
-        if center_weights is not None and centers is None:
-            raise ValueError("center_weights= needs centers= (the weights belong to given centers)")
-        weights: Optional[Tensor] = None
-        leverage_m: Optional[int] = None
-        if centers is not None:
-            check_dtype("centers", centers)
-            if centers.dtype != train_x.dtype:
-                raise TypeError(f"centers has dtype {centers.dtype} but train_x has {train_x.dtype}")
-            if centers.device != train_x.device:
-                raise ValueError(f"centers is on {centers.device} but train_x is on {train_x.device}")
-            check_inputs("centers", centers, d=d)
-            c = centers.detach().clone()
-            if center_weights is not None:
-                check_center_weights("center_weights", center_weights, c.shape[0], train_x.device)
-                weights = center_weights.detach().to(torch.float64).clone()
-        else:
-            m = min(n, 1000) if num_centers is None else num_centers
-            m = check_num_centers(m, n)
-            if generator is None:
-                generator = torch.Generator()
-                generator.manual_seed(int(seed))
-            if center_selection == "leverage":
-                leverage_m = m  # drawn below, once the penalty is known
-                c = None
-            else:
-                c = uniform_centers(train_x, m, generator).centers
-        if c is not None:
-            self._register_centers(c, learn_centers)
-            if weights is not None and weights.shape != (c.shape[0],):
-                raise ValueError(f"center_weights must have shape ({c.shape[0]},), got {tuple(weights.shape)}")
+        # options first: a bad one is reported before any expensive center selection
+        self.options = FalkonOptions.merged(
+            options,
+            max_iter=max_iter,
+            tol=tol,
+            memory_budget=memory_budget,
+            block_rows=block_rows,
+            store_kernel=store_kernel,
+            verbose=verbose,
+        )
+
+        # --- centers: one selector, called once the penalty is known
+        selector, m = _center_selector(
+            train_x, num_centers, centers, center_selection, center_weights, leverage_options, generator, seed
+        )
 
         # --- likelihood and penalty (noise = n * penalty is the single source of truth)
         if likelihood is None:
-            constraint = Positive(transform=torch.exp, inv_transform=torch.log)
-            if self._num_outputs == 1:
-                likelihood = GaussianLikelihood(noise_constraint=constraint)
-            else:
-                likelihood = MultitaskGaussianLikelihood(
-                    num_tasks=self._num_outputs, rank=0, has_task_noise=False, noise_constraint=constraint
-                )
-            likelihood = likelihood.to(dtype=train_x.dtype, device=train_x.device)
+            likelihood = default_likelihood(self._num_outputs, dtype=train_x.dtype, device=train_x.device)
             if penalty is None:
                 penalty = 1e-6
         else:
-            if not isinstance(likelihood, (GaussianLikelihood, MultitaskGaussianLikelihood)):
-                raise TypeError(
-                    "likelihood must be a GaussianLikelihood or MultitaskGaussianLikelihood, got "
-                    f"{type(likelihood).__name__}"
-                )
-            if self._num_outputs == 1 and not isinstance(likelihood, GaussianLikelihood):
-                raise TypeError("likelihood: single-output targets need a GaussianLikelihood")
-            if self._num_outputs > 1:
-                if not isinstance(likelihood, MultitaskGaussianLikelihood):
-                    raise TypeError(
-                        f"likelihood: targets with {self._num_outputs} outputs need a MultitaskGaussianLikelihood"
-                    )
-                if likelihood.num_tasks != self._num_outputs:
-                    raise ValueError(
-                        f"likelihood has num_tasks={likelihood.num_tasks} but train_y has {self._num_outputs} outputs"
-                    )
-                if getattr(likelihood, "has_task_noise", False) or not getattr(likelihood, "has_global_noise", True):
-                    raise ValueError("likelihood: FALKON needs one shared noise (has_global_noise=True, has_task_noise=False)")
-            if likelihood.noise.numel() != 1:
-                raise ValueError(f"likelihood must have one (scalar) noise, got shape {tuple(likelihood.noise.shape)}")
+            check_likelihood(likelihood, self._num_outputs)
         self.likelihood = likelihood
         if penalty is not None:
             self.penalty = penalty  # type: ignore[assignment]
-        if leverage_m is not None:
-            # leverage scores at the initial lambda and kernel hyperparameters (computed once)
-            sel = leverage_centers(
-                train_x, leverage_m, kernel, self.penalty.detach(), generator=generator, **(leverage_options or {})
+        sel = selector(train_x, m, kernel=kernel, penalty=self.penalty.detach())
+        c, weights = sel.centers, sel.weights
+        if (
+            not isinstance(c, Tensor)
+            or c.dim() != 2
+            or c.shape[0] < 1
+            or c.shape[1] != d
+            or c.dtype != train_x.dtype
+            or c.device != train_x.device
+        ):
+            got = f"{tuple(c.shape)} ({c.dtype}, {c.device})" if isinstance(c, Tensor) else type(c).__name__
+            raise ValueError(
+                f"center_selection returned centers {got}; expected (M, {d}) with M >= 1 in {train_x.dtype} "
+                f"on {train_x.device}"
             )
-            c, weights = sel.centers, sel.weights
-            self._register_centers(c, learn_centers)
+        if not bool(torch.isfinite(c).all()):
+            raise ValueError("center_selection returned centers with NaN or Inf values")
+        if weights is not None:
+            check_center_weights("center_weights", weights, c.shape[0], train_x.device)
+        self._register_centers(c.detach().clone(), learn_centers)
         self.register_buffer("center_weights", None if weights is None else weights.to(torch.float64))
 
-        self.max_iter = max_iter
-        self.tol = tol
-        self.memory_budget = memory_budget
-        self.block_rows = block_rows
-        self.store_kernel = store_kernel
-        self.verbose = verbose
         self.predict_chunk_size = int(predict_chunk_size)
         if self.predict_chunk_size < 1:
             raise ValueError(f"predict_chunk_size must be >= 1, got {predict_chunk_size}")
@@ -338,10 +306,23 @@ class FalkonGP(gpytorch.models.GP):
         # value fingerprint of the training data alpha was fitted on (persists in state_dict)
         self.register_buffer("data_fingerprint", torch.zeros(6, dtype=torch.float64, device=train_x.device))
         self.fit_info: Optional[CGInfo] = None
-        self._snapshot: Optional[List[Tensor]] = None
-        self._fitted_data_key: Optional[tuple] = None
+        self._fit_tracker = FitTracker()
         self._factors: Optional[NystromPosteriorFactors] = None
         self.register_load_state_dict_post_hook(FalkonGP._after_load)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        # models pickled before FalkonOptions / FitTracker existed kept the options as
+        # attributes and the fit snapshot inline: rebuild both (the fit revalidates by value)
+        if "options" not in state:
+            keys = ("max_iter", "tol", "memory_budget", "block_rows", "store_kernel", "verbose")
+            state["options"] = FalkonOptions.merged(None, **{k: state.pop(k) for k in keys if k in state})
+        if "_fit_tracker" not in state:
+            tracker = FitTracker()
+            # the old snapshot lists the same tensors in the same order as _fit_dependencies()
+            tracker.snapshot = state.pop("_snapshot", None)
+            state.pop("_fitted_data_key", None)  # the data are re-checked by value
+            state["_fit_tracker"] = tracker
+        super().__setstate__(state)
 
     def _register_centers(self, c: Tensor, learn_centers: bool) -> None:
         if learn_centers:
@@ -377,6 +358,25 @@ class FalkonGP(gpytorch.models.GP):
         except RuntimeError as exc:  # the likelihood's constraint cannot hold it
             raise ValueError(f"penalty={float(value):g} (noise {float(noise):g}) violates the likelihood's noise constraint: {exc}") from exc
 
+    # -------------------------------------------------------------- options
+    # the FalkonOptions fields, readable and assignable as attributes (as before FalkonOptions)
+    def _option(name: str, doc: str) -> property:  # type: ignore[misc]
+        def get(self: "FalkonGP") -> Any:
+            return getattr(self.options, name)
+
+        def set_(self: "FalkonGP", value: Any) -> None:
+            self.options = self.options.replace(**{name: value})
+
+        return property(get, set_, doc=doc)
+
+    max_iter = _option("max_iter", "CG iteration cap (:class:`~gpfalkon.FalkonOptions`).")
+    tol = _option("tol", "CG relative-residual tolerance (:class:`~gpfalkon.FalkonOptions`).")
+    memory_budget = _option("memory_budget", "Bytes for kernel values (:class:`~gpfalkon.FalkonOptions`).")
+    block_rows = _option("block_rows", "Rows per kernel block (:class:`~gpfalkon.FalkonOptions`).")
+    store_kernel = _option("store_kernel", "Store ``K_nM`` (:class:`~gpfalkon.FalkonOptions`).")
+    verbose = _option("verbose", "tqdm bar during ``fit()`` (:class:`~gpfalkon.FalkonOptions`).")
+    del _option
+
     def centered_targets(self) -> Tensor:
         """``y - c`` as ``(n, t)`` (``c = mean_constant``): what the fit and the objectives use."""
         y = self.train_targets
@@ -388,19 +388,20 @@ class FalkonGP(gpytorch.models.GP):
         return (y2.to(torch.float64) - c.reshape(1, -1).to(torch.float64)).to(y2.dtype)
 
     # ---------------------------------------------------------------- fitting
-    def nystrom_operator(self, **overrides) -> NystromKRROperator:
-        """The :class:`~gpfalkon.NystromKRROperator` at the current hyperparameters."""
-        kw = dict(
-            kernel=self.kernel,
-            weights=self.center_weights,
-            memory_budget=self.memory_budget,
-            block_rows=self.block_rows,
-            store_kernel=self.store_kernel,
-            max_iter=self.max_iter,
-            tol=self.tol,
-            verbose=self.verbose,
-        )
-        kw.update(overrides)
+    def nystrom_operator(self, **overrides: Any) -> NystromKRROperator:
+        """The :class:`~gpfalkon.NystromKRROperator` at the current hyperparameters.
+
+        ``overrides``: :class:`~gpfalkon.FalkonOptions` fields (``store_kernel=False``, ...)
+        replace the model's options for this operator; others (``callback``) go to it as is.
+        """
+        fields = {f.name for f in dataclasses.fields(FalkonOptions)}
+        base = overrides.pop("options", None) or self.options
+        if not isinstance(base, FalkonOptions):
+            raise TypeError(f"options must be a gpfalkon.FalkonOptions, got {type(base).__name__}")
+        opts = base.replace(**{k: v for k, v in overrides.items() if k in fields})
+        rest = {k: v for k, v in overrides.items() if k not in fields}
+        kw = dict(kernel=self.kernel, weights=self.center_weights, options=opts)
+        kw.update(rest)
         return NystromKRROperator(self.train_inputs[0], self.centers, self.penalty, **kw)
 
     def fit(
@@ -436,57 +437,26 @@ class FalkonGP(gpytorch.models.GP):
         return self
 
     # ------------------------------------------------ is the fit still valid?
-    def _hyper_snapshot(self) -> List[Tensor]:
-        """Values of everything alpha depends on except the data (kernel, centers, noise)."""
-        tensors = [p.detach().clone() for p in self.kernel.parameters()]
-        tensors += [b.detach().clone() for b in self.kernel.buffers()]
-        tensors.append(self.centers.detach().clone())
-        tensors.append(self.likelihood.raw_noise.detach().clone())
-        tensors.append(self.mean_constant.detach().clone())
-        return tensors
-
-    def _data_key(self) -> tuple:
-        """Cheap identity of the training tensors: storage, in-place version, shape."""
-        return tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in (self.train_inputs[0], self.train_targets))
-
-    def _data_fingerprint(self) -> Tensor:
-        """Value fingerprint of the training data, ``O(n d)``: sizes, sums and norms in float64."""
-        x, y = self.train_inputs[0].detach(), self.train_targets.detach()
-        vals = [
-            float(x.shape[0]),
-            float(x.shape[1]),
-            float(x.sum(dtype=torch.float64)),
-            float(torch.linalg.vector_norm(x, dtype=torch.float64)),
-            float(y.sum(dtype=torch.float64)),
-            float(torch.linalg.vector_norm(y, dtype=torch.float64)),
+    def _fit_dependencies(self) -> List[Tensor]:
+        """Everything alpha depends on except the data: kernel, centers, noise, constant mean."""
+        return [
+            *self.kernel.parameters(),
+            *self.kernel.buffers(),
+            self.centers,
+            self.likelihood.raw_noise,
+            self.mean_constant,
         ]
-        return torch.tensor(vals, dtype=torch.float64, device=self.data_fingerprint.device)
+
+    def _fit_data(self) -> Tuple[Tensor, Tensor]:
+        return self.train_inputs[0], self.train_targets
 
     def _mark_fitted(self) -> None:
         self.fitted.fill_(True)
-        self.data_fingerprint = self._data_fingerprint()
-        self._snapshot = self._hyper_snapshot()
-        self._fitted_data_key = self._data_key()
-
-    def _data_changed(self) -> bool:
-        if getattr(self, "_fitted_data_key", None) == self._data_key():
-            return False
-        # new tensors (a copy, pickle, .to()) or modified in place: compare values
-        same = torch.allclose(self._data_fingerprint(), self.data_fingerprint.to(torch.float64), rtol=1e-12, atol=0.0)
-        if same:
-            self._fitted_data_key = self._data_key()
-        return not same
+        fp = self._fit_tracker.mark(self._fit_dependencies(), self._fit_data())
+        self.data_fingerprint = fp.to(self.data_fingerprint.device)
 
     def _hyper_changed(self) -> bool:
-        if self._snapshot is None:
-            return True
-        now = self._hyper_snapshot()
-        if len(now) != len(self._snapshot) or any(
-            a.shape != b.shape or not torch.equal(a, b.to(device=a.device, dtype=a.dtype))
-            for a, b in zip(now, self._snapshot)
-        ):
-            return True
-        return self._data_changed()
+        return self._fit_tracker.stale(self._fit_dependencies(), self._fit_data(), self.data_fingerprint)
 
     def _apply(self, fn, *args, **kwargs):  # type: ignore[override]
         # .to(device / dtype), .double(), .cuda() ... move the training data too (as
@@ -507,7 +477,7 @@ class FalkonGP(gpytorch.models.GP):
         if was_valid:
             self._mark_fitted()
         else:
-            self._snapshot = None
+            self._fit_tracker.forget()
         return self
 
     def _load_from_state_dict(
@@ -555,14 +525,13 @@ class FalkonGP(gpytorch.models.GP):
     @staticmethod
     def _after_load(module: "FalkonGP", incompatible_keys) -> None:
         module._factors = None
-        module._snapshot = None
-        module._fitted_data_key = None
+        module._fit_tracker.forget()
         if not bool(module.fitted):
             return
-        module._snapshot = module._hyper_snapshot()
-        if module._data_changed():
+        module._fit_tracker.adopt(module._fit_dependencies())
+        if module._fit_tracker.data_changed(module._fit_data(), module.data_fingerprint):
             module.fitted.fill_(False)
-            module._snapshot = None
+            module._fit_tracker.forget()
             warnings.warn(
                 "FalkonGP.load_state_dict: the loaded alpha was fitted on different training data than this "
                 "model holds; the model is marked unfitted (call fit())",
@@ -595,7 +564,7 @@ class FalkonGP(gpytorch.models.GP):
         self.train_targets = targets
         self.penalty = pen  # keep lambda: the noise n * lambda follows n
         self.fitted.fill_(False)
-        self._snapshot = None
+        self._fit_tracker.forget()
         self._factors = None
 
     # ------------------------------------------------------------- prediction
@@ -649,16 +618,9 @@ class FalkonGP(gpytorch.models.GP):
     def _posterior(self, x: Tensor) -> MultivariateNormal:
         self._check_fitted()
         out_dtype = x.dtype
-        c64 = self.centers.detach().to(torch.float64)
-        alpha = self.alpha.to(torch.float64)
-        a2 = alpha.unsqueeze(-1) if alpha.dim() == 1 else alpha
         q = x.shape[-2]
-        # mean = K_*M alpha in chunks of test points: never a (q x M) block beyond a chunk
-        chunks = []
-        for s in range(0, q, self.predict_chunk_size):
-            xs = x[..., s : s + self.predict_chunk_size, :].to(torch.float64)
-            chunks.append(self.kernel(xs, c64).to_dense() @ a2)
-        mean = (torch.cat(chunks, -2) + self.mean_constant.to(torch.float64).reshape(-1)).to(out_dtype)  # (..., q, t)
+        kxa = nystrom_posterior_mean(self.kernel, x, self.centers, self.alpha, self.predict_chunk_size)
+        mean = (kxa + self.mean_constant.to(torch.float64).reshape(-1)).to(out_dtype)  # (..., q, t)
         if gpytorch.settings.skip_posterior_variances.on():
             covar = ZeroLinearOperator(*x.shape[:-1], q, dtype=out_dtype, device=x.device)
         else:

@@ -21,10 +21,10 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
-from .. import settings
-from ..kernels.engine import kernel_block
+from ..backend.blocks import AGGREGATE, block_rows_for
+from ..backend.passes import map_whitened_blocks, whitened_aggregates
+from ..backend.engine import kernel_block
 from ..linalg import jittered_cholesky
 
 __all__ = ["NystromObjective", "NystromAggregates"]
@@ -52,7 +52,8 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
             ``penalty`` and training data are used; nothing is copied, so gradients
             reach the model's parameters).
         block_rows: rows per block of the blockwise pass (default
-            :class:`gpfalkon.settings.block_rows`, or 2048 when that is automatic).
+            :class:`gpfalkon.settings.block_rows`, or 2048 when that is automatic;
+            capped by the model's ``memory_budget``, :mod:`gpfalkon.backend.blocks`).
     """
 
     def __init__(self, model, *, block_rows: Optional[int] = None) -> None:
@@ -72,10 +73,17 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
         return x, (y.unsqueeze(-1) if y.dim() == 1 else y)
 
     def _rows(self, n: int) -> int:
-        if self.block_rows is not None:
-            return int(self.block_rows)
-        setting = settings.block_rows.value()
-        return max(1, min(n, 2048 if setting is None else int(setting)))
+        """Block height of the aggregate passes (:data:`~gpfalkon.backend.AGGREGATE`), within
+        the model's ``memory_budget``."""
+        c = self.model.centers
+        return block_rows_for(
+            n,
+            c.shape[0],
+            torch.finfo(c.dtype).bits // 8,
+            AGGREGATE,
+            memory_budget=getattr(self.model, "memory_budget", None),
+            block_rows=self.block_rows,
+        )
 
     # --------------------------------------------------------------- pieces
     def cholesky_kmm(self) -> Tensor:
@@ -94,44 +102,18 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
         return torch.linalg.cholesky(kmm64 + jit * eye).to(kmm.dtype)
 
     def aggregates(self, x: Tensor, y: Tensor, L: Tensor) -> NystromAggregates:
-        """Accumulate ``A A^T``, ``A y``, ``tr(K~)`` and ``tr(K_nn)`` over row blocks."""
-        kernel, c = self.model.kernel, self.model.centers
-        n = x.shape[0]
-        rows = self._rows(n)
-
-        def block(xb: Tensor, yb: Tensor, L_: Tensor, c_: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-            kb = kernel_block(kernel, xb, c_)
-            ab = torch.linalg.solve_triangular(L_, kb.mT, upper=False)  # (M, rows)
-            kdiag = kernel(xb, diag=True)
-            return ab @ ab.mT, ab @ yb, ab.square().sum(), kdiag.sum()
-
-        aat = ay = trk = trn = None
-        for s in range(0, n, rows):
-            xb, yb = x[s : s + rows], y[s : s + rows]
-            out = checkpoint(block, xb, yb, L, c, use_reentrant=False)
-            if aat is None:
-                aat, ay, trk, trn = out
-            else:
-                aat, ay, trk, trn = aat + out[0], ay + out[1], trk + out[2], trn + out[3]
-        return NystromAggregates(L=L, AAt=aat, AY=ay, tr_ktilde=trk, tr_knn=trn, yy=y.square().sum(0), n=n)
+        """``A A^T``, ``A y``, ``tr(K~)`` and ``tr(K_nn)``: one backend pass
+        (:func:`~gpfalkon.backend.passes.whitened_aggregates`)."""
+        agg = whitened_aggregates(self.model.kernel, x, y, self.model.centers, L, self._rows(x.shape[0]))
+        return NystromAggregates(
+            L=L, AAt=agg.AAt, AY=agg.AY, tr_ktilde=agg.tr_ktilde, tr_knn=agg.tr_knn, yy=y.square().sum(0), n=x.shape[0]
+        )
 
     def for_each_block(
         self, x: Tensor, L: Tensor, fn: Callable[[Tensor, int, int], Tensor]
     ) -> List[Tensor]:
         """Apply ``fn(A_b, start, stop)`` (checkpointed) to every block ``A_b = L^{-1} K_Mb``."""
-        kernel, c = self.model.kernel, self.model.centers
-        n = x.shape[0]
-        rows = self._rows(n)
-        outs = []
-        for s in range(0, n, rows):
-            e = min(s + rows, n)
-
-            def block(xb: Tensor, L_: Tensor, c_: Tensor, s=s, e=e) -> Tensor:
-                ab = torch.linalg.solve_triangular(L_, kernel_block(kernel, xb, c_).mT, upper=False)
-                return fn(ab, s, e)
-
-            outs.append(checkpoint(block, x[s:e], L, c, use_reentrant=False))
-        return outs
+        return map_whitened_blocks(self.model.kernel, x, self.model.centers, L, fn, self._rows(x.shape[0]))
 
     @staticmethod
     def cholesky_b(agg: NystromAggregates, v: Tensor) -> Tensor:

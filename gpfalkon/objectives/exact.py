@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..backend.passes import kernel_matmul
 from .base import NystromObjective
 
 __all__ = ["CompReg", "NystromCompReg", "GCV", "LOOCV", "HoldOut", "SGPRBound"]
@@ -122,14 +123,15 @@ class HoldOut(NystromObjective):
         self.n_val = int(round(n * float(val_fraction)))
         if self.n_val < 1 or self.n_val > n - 1:
             raise ValueError(f"val_fraction={val_fraction} leaves an empty part with n={n}")
-        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        dev = model.train_inputs[0].device
+        self.generator = generator if generator is not None else torch.Generator(device=dev).manual_seed(0)
         self.redraw = bool(redraw)
         self._perm: Optional[Tensor] = None
 
     def split(self) -> tuple[Tensor, Tensor]:
         """``(train_idx, val_idx)``: the current split."""
         if self._perm is None or self.redraw:
-            self._perm = torch.randperm(self.model.n, generator=self.generator)
+            self._perm = torch.randperm(self.model.n, generator=self.generator, device=self.generator.device)
         perm = self._perm.to(self.model.train_inputs[0].device)
         return perm[self.n_val :], perm[: self.n_val]
 
@@ -147,8 +149,7 @@ class HoldOut(NystromObjective):
         xv, yv = x[va], y[va]
         kernel, c = self.model.kernel, self.model.centers
         rows = self._rows(xv.shape[0])
-        sq = sum((kernel(xv[s : s + rows], c).to_dense() @ alpha - yv[s : s + rows]).square().sum()
-                 for s in range(0, xv.shape[0], rows))
+        sq = (kernel_matmul(kernel, xv, c, alpha, rows) - yv).square().sum()
         return sq / yv.numel()
 
 

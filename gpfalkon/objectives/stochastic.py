@@ -7,8 +7,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..kernels.autograd import kernel_params, scatter_grads
-from ..kernels.engine import kernel_block
+from ..backend.autograd import kernel_params, scatter_grads
+from ..backend.passes import kernel_diagonal
+from ..backend.engine import kernel_block
 from ..operators import NystromKRROperator
 from .base import NystromObjective
 
@@ -65,12 +66,10 @@ class _QuadForms(torch.autograd.Function):
                 grad_u[start:stop] = 2 * kw * g
             return 2 * (((Ud[start:stop] - kw) * g) * (kb @ W)).sum()
 
-        _, gc, g_active = op.blockwise_grad(surrogate, active, False, need_c)
-        gc_box = [gc]
-        gpen = op._add_penalty_term_grads(
-            lambda kmm: -((W * g) * (kmm @ W)).sum(), active, g_active, need_c, need_pen, gc_box
+        h = op.surrogate_grads(
+            surrogate, lambda kmm: -((W * g) * (kmm @ W)).sum(), active, need_x=False, need_c=need_c, need_pen=need_pen
         )
-        return (None, grad_u, gc_box[0], gpen, *scatter_grads(need_p, g_active))
+        return (None, grad_u, h.centers, h.penalty, *scatter_grads(need_p, h.params))
 
 
 def nystrom_quadratic_forms(
@@ -137,11 +136,13 @@ class StochasticNystromCompReg(NystromObjective):
         super().__init__(model, block_rows=block_rows)
         x = model.train_inputs[0]
         n = x.shape[0]
-        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        # default: a generator on the data's device, so the draws happen there
+        self.generator = generator if generator is not None else torch.Generator(device=x.device).manual_seed(0)
+        gdev = self.generator.device
         if trace_vectors is None:
             if int(num_trace_vectors) < 1:
                 raise ValueError(f"num_trace_vectors must be >= 1, got {num_trace_vectors}")
-            z = torch.randn(n, int(num_trace_vectors), generator=self.generator, dtype=torch.float64)
+            z = torch.randn(n, int(num_trace_vectors), generator=self.generator, dtype=torch.float64, device=gdev)
         else:
             if trace_vectors.dim() != 2 or trace_vectors.shape[0] != n:
                 raise ValueError(f"trace_vectors must have shape ({n}, r), got {tuple(trace_vectors.shape)}")
@@ -153,7 +154,7 @@ class StochasticNystromCompReg(NystromObjective):
         if int(subsample_size) < 1:
             raise ValueError(f"subsample_size must be >= 1, got {subsample_size}")
         t_sub = min(n, int(subsample_size))
-        idx = torch.randperm(n, generator=self.generator)[:t_sub].sort().values
+        idx = torch.randperm(n, generator=self.generator, device=gdev)[:t_sub].sort().values
         self.register_buffer("subsample", idx.to(x.device))
         if int(cg_iterations) < 1:
             raise ValueError(f"cg_iterations must be >= 1, got {cg_iterations}")
@@ -177,7 +178,7 @@ class StochasticNystromCompReg(NystromObjective):
             a = torch.linalg.solve_triangular(L, kernel_block(kernel, xs, c).mT, upper=False)
             return a.square().sum() * (n / xs.shape[0])
         # Hutchinson with Z: (1/r) sum_k ||L^{-1} K_Mn z_k||^2, K_Mn Z by a differentiable engine product
-        from ..kernels.autograd import kernel_product
+        from ..backend.autograd import kernel_product
 
         op = self._operator()
         kz = kernel_product(op.engine, None, self.trace_vectors, x, c)  # (M, r)
@@ -200,7 +201,7 @@ class StochasticNystromCompReg(NystromObjective):
         fit = y.square().sum(0) - qy
         kernel = self.model.kernel
         rows = self._rows(n)
-        tr_knn = sum(kernel(x[s : s + rows], diag=True).sum() for s in range(0, n, rows))
+        tr_knn = kernel_diagonal(kernel, x, rows).sum()
         tr_kt = self.trace_ktilde(self.cholesky_kmm())
         nys = (tr_knn - tr_kt) / v
         return (tr_s + fit + nys * fit / n).sum()

@@ -2,25 +2,32 @@
 from __future__ import annotations
 
 import warnings
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 from gpytorch.kernels import Kernel
-from linear_operator import settings as lo_settings
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .. import settings
 from .._validation import check_dtype, check_inputs, check_penalty
-from ..kernels.autograd import blockwise_kernel_grad, kernel_params, kernel_product, scatter_grads
-from ..kernels.engine import KernelEngine, kernel_block
+from ..backend.autograd import blockwise_kernel_grad, kernel_params, kernel_product, scatter_grads
+from ..backend.engine import KernelEngine, kernel_block
 from ..errors import FalkonConvergenceError, JitterWarning
-from ..solvers.cg import CGInfo
-from ..solvers.falkon import falkon_solve
+from ..options import FalkonOptions
+from ..solvers import CGInfo, Preconditioner, PreconditionerBuilder, Solver, falkon_solve
 from .preconditioner import FalkonPreconditioner
 
-__all__ = ["NystromKRROperator"]
+__all__ = ["HGrads", "NystromKRROperator"]
+
+
+class HGrads(NamedTuple):
+    """Gradients returned by :meth:`NystromKRROperator.surrogate_grads` (``None``: not requested)."""
+
+    x: Optional[Tensor]
+    centers: Optional[Tensor]
+    penalty: Optional[Tensor]
+    params: List[Optional[Tensor]]
 
 
 def _as_columns(rhs: Tensor, m: int) -> Tuple[Tensor, Callable[[Tensor], Tensor]]:
@@ -56,6 +63,11 @@ class NystromKRROperator(LinearOperator):
       implicit differentiation: one more FALKON solve and one blockwise pass.
     * :meth:`falkon_solve` returns the solution with a :class:`~gpfalkon.solvers.CGInfo`
       (iterations, residual history) and accepts a warm start and a callback.
+    * Injectable parts: ``solver`` (a :class:`~gpfalkon.solvers.Solver`, default
+      :func:`~gpfalkon.solvers.falkon_solve`) and ``preconditioner`` (a
+      :class:`~gpfalkon.solvers.PreconditionerBuilder`, default
+      :meth:`FalkonPreconditioner.from_kernel_matrix`), rebuilt like ``K_MM`` when the
+      hyperparameters change.
 
     The operator's tensors are ``(x, centers, penalty)``; ``kernel`` is a keyword.
     The engine (with a stored ``K_nM``), ``K_MM`` and the preconditioner are built on
@@ -64,10 +76,14 @@ class NystromKRROperator(LinearOperator):
     Note that ``.to(dtype)`` on the operator, as in linear_operator, also converts
     the (shared) kernel module.
 
+    Options: ``options`` (a :class:`~gpfalkon.FalkonOptions`) or the equivalent keyword
+    arguments (``memory_budget``, ``block_rows``, ``store_kernel``, ``max_iter``, ``tol``,
+    ``verbose``, ``precond_dtype``, ``solver``, ``preconditioner``, ``backend``), which build it.
     Stopping rule: ``tol`` (relative residual of the preconditioned system) and
     ``max_iter`` given here win; otherwise ``linear_operator.settings.cg_tolerance``
     when set below its default of 1 and ``linear_operator.settings.max_cg_iterations``
-    when set below its default of 1000; otherwise :mod:`gpfalkon.settings`.
+    when set below its default of 1000; otherwise :mod:`gpfalkon.settings`
+    (:meth:`FalkonOptions.resolved`).
     """
 
     def __init__(
@@ -86,6 +102,10 @@ class NystromKRROperator(LinearOperator):
         verbose: bool = False,
         callback: Optional[Callable[[int, Tensor, Tensor], None]] = None,
         precond_dtype: Optional[torch.dtype] = torch.float64,
+        solver: Optional[Solver] = None,
+        preconditioner: Optional[PreconditionerBuilder] = None,
+        backend: Optional[Callable[..., KernelEngine]] = None,
+        options: Optional[FalkonOptions] = None,
     ) -> None:
         check_inputs("x", x)
         check_dtype("centers", centers)
@@ -101,43 +121,68 @@ class NystromKRROperator(LinearOperator):
         check_penalty(penalty.detach())  # detached: no 'float() of a tensor requiring grad' warning
         if not isinstance(kernel, Kernel):
             raise TypeError(f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}")
-        super().__init__(
-            x,
-            centers,
-            penalty,
-            kernel=kernel,
-            weights=weights,
+        options = FalkonOptions.merged(
+            options,
             memory_budget=memory_budget,
             block_rows=block_rows,
             store_kernel=store_kernel,
             max_iter=max_iter,
             tol=tol,
             verbose=verbose,
-            callback=callback,
             precond_dtype=precond_dtype,
+            solver=solver,
+            preconditioner=preconditioner,
+            backend=backend,
         )
+        super().__init__(x, centers, penalty, kernel=kernel, weights=weights, options=options, callback=callback)
         self.x = x
         self.centers = centers
         self.penalty = penalty
         self.kernel = kernel
         self.weights = weights
-        self.memory_budget = memory_budget
-        self.block_rows = block_rows
-        self.store_kernel = store_kernel
-        self.max_iter = max_iter
-        self.tol = tol
-        self.verbose = verbose
+        self.options = options
         self.callback = callback
-        self.precond_dtype = precond_dtype
+        self.solver: Solver = falkon_solve if options.solver is None else options.solver
+        self.preconditioner_builder: PreconditionerBuilder = (
+            FalkonPreconditioner.from_kernel_matrix if options.preconditioner is None else options.preconditioner
+        )
         self._engine: Optional[KernelEngine] = None
         self._kmm: Optional[Tensor] = None
-        self._precond: Optional[FalkonPreconditioner] = None
+        self._precond: Optional[Preconditioner] = None
         # multiplier of the preconditioner's jitter, raised after a CG breakdown (kept)
         self._jitter_boost = 1.0
         self._cache_key: Optional[tuple] = None
         self.last_info: Optional[CGInfo] = None
 
     # ------------------------------------------------------------ components
+    @property
+    def memory_budget(self) -> Optional[int]:
+        return self.options.memory_budget
+
+    @property
+    def block_rows(self) -> Optional[int]:
+        return self.options.block_rows
+
+    @property
+    def store_kernel(self) -> Optional[bool]:
+        return self.options.store_kernel
+
+    @property
+    def max_iter(self) -> Optional[int]:
+        return self.options.max_iter
+
+    @property
+    def tol(self) -> Optional[float]:
+        return self.options.tol
+
+    @property
+    def verbose(self) -> bool:
+        return self.options.verbose
+
+    @property
+    def precond_dtype(self) -> Optional[torch.dtype]:
+        return self.options.precond_dtype
+
     @property
     def n(self) -> int:
         return self.x.shape[0]
@@ -174,7 +219,8 @@ class NystromKRROperator(LinearOperator):
         """The kernel-product engine (built on first use; may store ``K_nM``)."""
         self._refresh()
         if self._engine is None:
-            self._engine = KernelEngine(
+            build = KernelEngine if self.options.backend is None else self.options.backend
+            self._engine = build(
                 self.kernel,
                 self.x,
                 self.centers,
@@ -193,14 +239,21 @@ class NystromKRROperator(LinearOperator):
         return self._kmm
 
     @property
-    def preconditioner(self) -> FalkonPreconditioner:
-        """The :class:`FalkonPreconditioner` at the current hyperparameters (cached)."""
+    def preconditioner(self) -> Preconditioner:
+        """The preconditioner at the current hyperparameters (cached; by default a
+        :class:`FalkonPreconditioner`, else what the ``preconditioner`` builder returns)."""
         self._refresh()
         if self._precond is None:
-            self._precond = FalkonPreconditioner.from_kernel_matrix(
+            precond = self.preconditioner_builder(
                 self.kmm, self.penalty.detach(), self.n, weights=self.weights, dtype=self.precond_dtype,
                 jitter=self._precond_jitter(),
             )
+            if not isinstance(precond, Preconditioner):
+                raise TypeError(
+                    f"the preconditioner builder returned {type(precond).__name__}, which lacks "
+                    "apply_b / apply_bt / apply_b_inv (gpfalkon.solvers.Preconditioner)"
+                )
+            self._precond = precond
         return self._precond
 
     def _precond_jitter(self) -> Optional[float]:
@@ -224,17 +277,14 @@ class NystromKRROperator(LinearOperator):
         return float(torch.finfo(dtype).eps) * kmm.shape[-1] * scale * self._jitter_boost
 
     def _stopping_rule(self, tol: Optional[float], max_iter: Optional[int]) -> Tuple[float, int]:
-        if tol is None:
-            tol = self.tol
-        if tol is None:
-            lo_tol = float(lo_settings.cg_tolerance.value())
-            tol = lo_tol if lo_tol < 1 else float(settings.cg_tolerance.value())
-        if max_iter is None:
-            max_iter = self.max_iter
-        if max_iter is None:
-            lo_max = int(lo_settings.max_cg_iterations.value())
-            max_iter = lo_max if lo_max < 1000 else int(settings.max_cg_iterations.value())
-        return float(tol), int(max_iter)
+        """Per-call ``tol`` / ``max_iter`` win over the options, resolved against the settings now."""
+        opts = self.options
+        if tol is not None or max_iter is not None:
+            opts = opts.replace(
+                **({} if tol is None else {"tol": tol}), **({} if max_iter is None else {"max_iter": max_iter})
+            )
+        r = opts.resolved()
+        return r.tol, r.max_iter
 
     def h_matmul_nograd(self, u: Tensor) -> Tensor:
         """``H u`` in float64 for float64 ``u`` ``(M, k)``: one engine pass, no autograd."""
@@ -270,7 +320,7 @@ class NystromKRROperator(LinearOperator):
         with torch.no_grad():
             while True:
                 try:
-                    sol, info = falkon_solve(
+                    sol, info = self.solver(
                         self.h_matmul_nograd,
                         self.preconditioner,
                         rhs.detach(),
@@ -371,11 +421,7 @@ class NystromKRROperator(LinearOperator):
 
     def diagonal_nograd(self) -> Tensor:
         """``diag(H) = sum_i K_iM^2 + n lambda diag(K_MM)`` (float64): one engine pass."""
-        e = self.engine
-        diag = torch.zeros(self.m, dtype=torch.float64, device=self.x.device)
-        for _, _, blk in e.iter_blocks():
-            diag += blk.square().sum(0).to(torch.float64)
-        diag *= e.scale**2
+        diag = self.engine.column_sq_norms()
         diag += self.n * float(self.penalty.detach()) * self.kmm.diagonal()
         return diag
 
@@ -429,45 +475,55 @@ class NystromKRROperator(LinearOperator):
         return inv_quad, logdet_value
 
     # ------------------------------------------------------- gradient helpers
-    def _add_penalty_term_grads(
+    def surrogate_grads(
         self,
-        form: Callable[[Tensor], Tensor],
+        surrogate: Callable[[int, int, Tensor], Tensor],
+        penalty_form: Callable[[Tensor], Tensor],
         params: List[Tensor],
-        grad_params: List[Optional[Tensor]],
+        *,
+        need_x: bool,
         need_c: bool,
         need_pen: bool,
-        grad_c_box: List[Optional[Tensor]],
-    ) -> Optional[Tensor]:
-        """Add the gradients of ``n lambda(theta) form(K_MM(theta))`` (an ``O(M^2 d)``
-        term) to ``grad_params`` and ``grad_c_box[0]`` in place; return the penalty's."""
+    ) -> "HGrads":
+        """Gradients of ``sum_b surrogate(start, stop, K_b(theta)) + n lambda(theta) penalty_form(K_MM(theta))``.
+
+        The one gradient path of every hand-derived backward (the FALKON solve, ``diag H``,
+        the stochastic objective's quadratic forms): ``surrogate`` is a scalar built from the
+        differentiable block ``K_b = k(x[start:stop], C)`` and constants, ``penalty_form`` a
+        scalar of the differentiable ``K_MM``. One blockwise pass
+        (:func:`~gpfalkon.backend.blockwise_kernel_grad`, in blocks within the operator's
+        ``memory_budget``) plus an ``O(M^2 d)`` term. Returns :class:`HGrads` with ``None``
+        where not requested.
+        """
+        gx, gc, gp = self.blockwise_grad(surrogate, params, need_x, need_c)
         inputs: List[Tensor] = list(params) + ([self.centers] if need_c else []) + ([self.penalty] if need_pen else [])
-        if not inputs:
-            return None
-        with torch.enable_grad():
-            s = self.n * self.penalty.to(self.x.dtype) * form(self._differentiable_kmm())
-            if not s.requires_grad:
-                return None
-            grads = torch.autograd.grad(s, inputs, allow_unused=True)
-        for i in range(len(params)):
-            if grads[i] is not None:
-                grad_params[i] = grads[i] if grad_params[i] is None else grad_params[i] + grads[i]
-        j = len(params)
-        if need_c:
-            if grads[j] is not None:
-                grad_c_box[0] = grads[j] if grad_c_box[0] is None else grad_c_box[0] + grads[j]
-            j += 1
-        return grads[j] if need_pen else None
+        g_pen: Optional[Tensor] = None
+        if inputs:
+            with torch.enable_grad():
+                s = self.n * self.penalty.to(self.x.dtype) * penalty_form(self._differentiable_kmm())
+                grads = torch.autograd.grad(s, inputs, allow_unused=True) if s.requires_grad else [None] * len(inputs)
+            for i in range(len(params)):
+                if grads[i] is not None:
+                    gp[i] = grads[i] if gp[i] is None else gp[i] + grads[i]
+            j = len(params)
+            if need_c:
+                if grads[j] is not None:
+                    gc = grads[j] if gc is None else gc + grads[j]
+                j += 1
+            if need_pen:
+                g_pen = grads[j]
+        return HGrads(x=gx, centers=gc, penalty=g_pen, params=gp)
 
     def blockwise_grad(self, surrogate, params: List[Tensor], need_x: bool, need_c: bool):
-        """:func:`~gpfalkon.kernels.blockwise_kernel_grad` on this operator's data,
-        in blocks that honour its ``memory_budget`` / ``block_rows``."""
+        """:func:`~gpfalkon.backend.blockwise_kernel_grad` on this operator's data (the kernel
+        part of :meth:`surrogate_grads`, without the penalty term), in blocks within its options."""
         return blockwise_kernel_grad(
             self.kernel, self.x, self.centers, surrogate, params, need_x, need_c, self.memory_budget, self.block_rows
         )
 
     def bilinear_grads(
         self, left: Tensor, right: Tensor, need_x: bool, need_c: bool, need_pen: bool, params: List[Tensor]
-    ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], List[Optional[Tensor]]]:
+    ) -> "HGrads":
         """Gradients of ``left^T H(theta) right`` (columns summed) w.r.t. x, centers,
         penalty and ``params``: one blockwise pass plus an ``O(M^2 d)`` term."""
         dtype = self.x.dtype
@@ -478,19 +534,15 @@ class NystromKRROperator(LinearOperator):
             kd = kb.detach()
             return ((kb @ rt) * (kd @ lf)).sum() + ((kb @ lf) * (kd @ rt)).sum()
 
-        gx, gc, gp = self.blockwise_grad(surrogate, params, need_x, need_c)
-        gc_box = [gc]
-        g_pen = self._add_penalty_term_grads(lambda kmm: (lf * (kmm @ rt)).sum(), params, gp, need_c, need_pen, gc_box)
-        gc = gc_box[0]
-        return gx, gc, g_pen, gp
+        return self.surrogate_grads(
+            surrogate, lambda kmm: (lf * (kmm @ rt)).sum(), params, need_x=need_x, need_c=need_c, need_pen=need_pen
+        )
 
     def _bilinear_derivative(self, left_vecs: Tensor, right_vecs: Tensor) -> Tuple[Optional[Tensor], ...]:
         lf, _ = _as_columns(left_vecs, self.m)
         rt, _ = _as_columns(right_vecs, self.m)
-        gx, gc, gpen, _ = self.bilinear_grads(
-            lf, rt, self.x.requires_grad, self.centers.requires_grad, self.penalty.requires_grad, []
-        )
-        return gx, gc, gpen
+        g = self.bilinear_grads(lf, rt, self.x.requires_grad, self.centers.requires_grad, self.penalty.requires_grad, [])
+        return g.x, g.centers, g.penalty
 
 
 class _FalkonSolve(torch.autograd.Function):
@@ -521,11 +573,11 @@ class _FalkonSolve(torch.autograd.Function):
         gp: List[Optional[Tensor]] = [None] * len(need_p)
         if need_x or need_c or need_pen or any(need_p):
             active = [p for p, need in zip(ctx.params, need_p) if need]
-            gx, gc, gpen, g_active = op.bilinear_grads(lam, sol, need_x, need_c, need_pen, active)
-            gp = scatter_grads(need_p, g_active, sign=-1.0)
-            gx = None if gx is None else -gx
-            gc = None if gc is None else -gc
-            gpen = None if gpen is None else -gpen
+            g = op.bilinear_grads(lam, sol, need_x, need_c, need_pen, active)
+            gp = scatter_grads(need_p, g.params, sign=-1.0)
+            gx = None if g.x is None else -g.x
+            gc = None if g.centers is None else -g.centers
+            gpen = None if g.penalty is None else -g.penalty
         return (None, grad_rhs, gx, gc, gpen, *gp)
 
 
@@ -553,9 +605,7 @@ class _HDiagonal(torch.autograd.Function):
         def surrogate(start: int, stop: int, kb: Tensor) -> Tensor:
             return (kb.square() * g).sum()
 
-        gx, gc, g_active = op.blockwise_grad(surrogate, active, need_x, need_c)
-        gc_box = [gc]
-        gpen = op._add_penalty_term_grads(
-            lambda kmm: (g * kmm.diagonal()).sum(), active, g_active, need_c, need_pen, gc_box
+        h = op.surrogate_grads(
+            surrogate, lambda kmm: (g * kmm.diagonal()).sum(), active, need_x=need_x, need_c=need_c, need_pen=need_pen
         )
-        return (None, gx, gc_box[0], gpen, *scatter_grads(need_p, g_active))
+        return (None, h.x, h.centers, h.penalty, *scatter_grads(need_p, h.params))

@@ -1,4 +1,8 @@
-"""FALKON: the Nyström system solved by preconditioned conjugate gradient."""
+"""FALKON: the Nyström system solved by preconditioned conjugate gradient.
+
+Generic in the preconditioner (any :class:`~gpfalkon.solvers.Preconditioner`); it imports
+nothing from ``operators/``, so the operators can depend on the solvers and not the reverse.
+"""
 from __future__ import annotations
 
 import warnings
@@ -8,15 +12,15 @@ import torch
 from torch import Tensor
 
 from ..errors import CGNotConvergedWarning
-from ..operators.preconditioner import FalkonPreconditioner
 from .cg import CGInfo, Callback, conjugate_gradient
+from .protocols import Preconditioner
 
 __all__ = ["falkon_solve"]
 
 
 def falkon_solve(
     h_matmul: Callable[[Tensor], Tensor],
-    precond: FalkonPreconditioner,
+    precond: Preconditioner,
     rhs: Tensor,
     x0: Optional[Tensor] = None,
     *,

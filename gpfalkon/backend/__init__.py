@@ -1,0 +1,53 @@
+"""The data backend: every pass over the ``n`` rows goes through this package.
+
+* :mod:`~gpfalkon.backend.blocks` - the one block-size rule and the one row-block iterator;
+* :mod:`~gpfalkon.backend.engine` - :class:`KernelEngine`, the in-memory backend: blockwise
+  ``K_nM^T (K_nM U + V)``, ``K_nM U``, ``K_MM`` and the stationary-kernel fast path;
+* :mod:`~gpfalkon.backend.autograd` - the blockwise gradient pass and the differentiable
+  kernel product built on it;
+* :mod:`~gpfalkon.backend.passes` - the passes whose blocks go through GPyTorch: the
+  objectives' differentiable aggregates (``A A^T``, ``A y``, ``tr K~``, ``tr K_nn``), per-block
+  maps (``S_ii``), blockwise ``k(x, C) alpha`` (prediction, hold-out), the kernel diagonal and
+  BLESS's whitened norms.
+
+It imports nothing from the rest of gpfalkon except :mod:`gpfalkon.settings`.
+"""
+from .autograd import KernelProduct, blockwise_kernel_grad, kernel_params, kernel_product, scatter_grads
+from .blocks import AGGREGATE, FACTOR, GRADIENT, PRODUCT, STORED, BlockProfile, block_rows_for, memory_budget_for, resolve_block_rows, row_blocks
+from .engine import KernelEngine, StationarySpec, kernel_block, stationary_spec
+from .passes import (
+    WhitenedAggregates,
+    kernel_diagonal,
+    kernel_matmul,
+    map_whitened_blocks,
+    whitened_aggregates,
+    whitened_sq_norms,
+)
+
+__all__ = [
+    "AGGREGATE",
+    "FACTOR",
+    "GRADIENT",
+    "PRODUCT",
+    "STORED",
+    "BlockProfile",
+    "KernelEngine",
+    "KernelProduct",
+    "StationarySpec",
+    "WhitenedAggregates",
+    "block_rows_for",
+    "blockwise_kernel_grad",
+    "kernel_block",
+    "kernel_diagonal",
+    "kernel_matmul",
+    "map_whitened_blocks",
+    "kernel_params",
+    "kernel_product",
+    "memory_budget_for",
+    "resolve_block_rows",
+    "row_blocks",
+    "scatter_grads",
+    "stationary_spec",
+    "whitened_aggregates",
+    "whitened_sq_norms",
+]

@@ -1,0 +1,111 @@
+"""Row blocks: the one block-size rule and the one row-block iterator of gpfalkon.
+
+Every pass over the ``n`` training rows (or the ``q`` test points) walks
+:func:`row_blocks` with a height from :func:`block_rows_for`; no other module slices
+rows into blocks. A pass is described by a :class:`BlockProfile`: how many
+``rows x M`` blocks it keeps alive at once (the memory-budget cap) and its default
+height when neither the caller nor :class:`gpfalkon.settings.block_rows` gives one.
+
+The rule (``itemsize`` bytes per kernel value, ``M`` columns)::
+
+    rows = block_rows                                   if given (caller, else the setting)
+         = max(min_rows, target_bytes / (M * itemsize))  if the profile sizes by bytes
+         = default_rows                                  otherwise
+    rows = min(rows, memory_budget / (live_blocks * M * itemsize), n),  at least 1.
+
+Profiles (their defaults are the measured ones of ``benchmarks/engine.py``):
+
+* :data:`PRODUCT` - thin products ``K_b^T (K_b U + V)``: about 2 MiB blocks (cache
+  resident), two live blocks (the block and a scratch buffer).
+* :data:`GRADIENT` - autograd through a GPyTorch kernel block: 2048 rows (autograd has
+  per-block overhead), about eight block-sized temporaries in forward + backward.
+* :data:`FACTOR` - ``O(M^2)`` work per row (triangular solves against ``K_MM``, BLESS):
+  about 8 MiB of float64, three live blocks (kernel block, solved block, slack).
+* :data:`AGGREGATE` - the objectives' differentiable aggregates: 2048 rows, four live
+  blocks (the kernel block, its solve and their autograd copies).
+* :data:`STORED` - reading a stored ``K_nM`` twice per block: about 2 MiB (so the second
+  read hits cache), at least 16 rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional, Tuple
+
+from .. import settings
+
+__all__ = ["BlockProfile", "PRODUCT", "GRADIENT", "FACTOR", "AGGREGATE", "STORED", "block_rows_for", "memory_budget_for", "resolve_block_rows", "row_blocks"]
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """How a pass uses memory per block (see the module docstring)."""
+
+    live_blocks: int
+    target_bytes: Optional[int] = None  # size the default height by bytes ...
+    default_rows: int = 2048  # ... or use a fixed default height
+    min_rows: int = 1
+    itemsize: Optional[int] = None  # bytes per value; None: the caller's dtype
+
+
+PRODUCT = BlockProfile(live_blocks=2, target_bytes=2 * 2**20, min_rows=32)
+GRADIENT = BlockProfile(live_blocks=8, default_rows=2048)
+FACTOR = BlockProfile(live_blocks=3, target_bytes=8 * 2**20, min_rows=64, itemsize=8)
+AGGREGATE = BlockProfile(live_blocks=4, default_rows=2048)
+STORED = BlockProfile(live_blocks=1, target_bytes=2 * 2**20, min_rows=16)
+
+
+def resolve_block_rows(block_rows: Optional[int] = None) -> Optional[int]:
+    """``block_rows``, or :class:`gpfalkon.settings.block_rows` when ``None`` (read now),
+    validated; ``None`` means the automatic rule of the pass's profile."""
+    if block_rows is None:
+        block_rows = settings.block_rows.value()
+    if block_rows is None:
+        return None
+    if isinstance(block_rows, bool) or int(block_rows) != block_rows or int(block_rows) < 1:
+        raise ValueError(f"block_rows must be an integer >= 1, got {block_rows!r}")
+    return int(block_rows)
+
+
+def block_rows_for(
+    n: int,
+    m: int,
+    itemsize: int,
+    profile: BlockProfile,
+    *,
+    memory_budget: Optional[int] = None,
+    block_rows: Optional[int] = None,
+) -> int:
+    """Rows per block for a pass of ``profile`` over ``n`` rows against ``m`` columns.
+
+    ``block_rows`` (else :class:`gpfalkon.settings.block_rows`) overrides the profile's
+    default height; the result never exceeds ``memory_budget`` (else
+    :class:`gpfalkon.settings.memory_budget`) for the profile's live blocks, nor ``n``.
+    """
+    block_rows = resolve_block_rows(block_rows)
+    if block_rows is not None:
+        rows = block_rows
+    elif profile.target_bytes is not None:
+        size = profile.itemsize or itemsize
+        rows = max(profile.min_rows, profile.target_bytes // (max(m, 1) * size))
+    else:
+        rows = profile.default_rows
+    budget = memory_budget_for(memory_budget)
+    size = profile.itemsize or itemsize
+    rows = min(rows, max(1, budget // (profile.live_blocks * max(m, 1) * size)))
+    return max(1, min(rows, max(int(n), 1)))
+
+
+def memory_budget_for(memory_budget: Optional[int] = None) -> int:
+    """``memory_budget`` in bytes, or :class:`gpfalkon.settings.memory_budget` when ``None``."""
+    budget = settings.memory_budget.value() if memory_budget is None else memory_budget
+    if isinstance(budget, bool) or int(budget) != budget or int(budget) < 1:
+        raise ValueError(f"memory_budget must be an integer >= 1 (bytes), got {budget!r}")
+    return int(budget)
+
+
+def row_blocks(n: int, rows: int, start: int = 0) -> Iterator[Tuple[int, int]]:
+    """``(start, stop)`` of consecutive blocks of at most ``rows`` rows covering ``[start, n)``."""
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    for s in range(start, n, rows):
+        yield s, min(s + rows, n)

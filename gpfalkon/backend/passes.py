@@ -1,0 +1,119 @@
+"""The differentiable and the leverage-score passes over the rows (in-memory backend).
+
+These complement :class:`~gpfalkon.backend.KernelEngine` (the no-grad products of the
+FALKON solve) with the passes whose kernel blocks go through GPyTorch: the objectives'
+aggregates (differentiable, checkpointed block by block), the per-row maps over whitened
+blocks (``S_ii``), the kernel diagonal (``tr K_nn``) and the whitened squared norms of the
+BLESS leverage-score estimator. Each loops over :func:`~gpfalkon.backend.row_blocks`;
+every ``M``-sized result is a sum over blocks (the place where row shards' results are
+summed).
+"""
+from __future__ import annotations
+
+from typing import Callable, List, NamedTuple, Optional
+
+import torch
+from gpytorch.kernels import Kernel
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from .blocks import row_blocks
+from .engine import kernel_block
+
+__all__ = [
+    "WhitenedAggregates",
+    "kernel_diagonal",
+    "kernel_matmul",
+    "map_whitened_blocks",
+    "whitened_aggregates",
+    "whitened_sq_norms",
+]
+
+
+class WhitenedAggregates(NamedTuple):
+    """Sums over the rows with ``A = L^{-1} K_Mn`` (docs/math.md §5.1)."""
+
+    AAt: Tensor  # (M, M)
+    AY: Tensor  # (M, t)
+    tr_ktilde: Tensor  # ()  ||A||_F^2
+    tr_knn: Tensor  # ()  sum_i k(x_i, x_i)
+
+
+def whitened_aggregates(kernel: Kernel, x: Tensor, y: Tensor, centers: Tensor, L: Tensor, rows: int) -> WhitenedAggregates:
+    """``A A^T``, ``A y``, ``||A||_F^2`` and ``tr K_nn`` for ``A = L^{-1} K_Mn`` (``L`` lower).
+
+    Differentiable w.r.t. ``x``, ``centers``, ``L`` and the kernel's parameters; each block
+    is checkpointed, so the graph holds ``O(M^2 + M t)`` per block, not the ``rows x M``
+    blocks. Cost ``O(n M (M + d + t))``.
+    """
+
+    def block(xb: Tensor, yb: Tensor, L_: Tensor, c_: Tensor):
+        kb = kernel_block(kernel, xb, c_)
+        ab = torch.linalg.solve_triangular(L_, kb.mT, upper=False)  # (M, rows)
+        return ab @ ab.mT, ab @ yb, ab.square().sum(), kernel(xb, diag=True).sum()
+
+    acc: Optional[List[Tensor]] = None
+    for s, e in row_blocks(x.shape[0], rows):
+        out = checkpoint(block, x[s:e], y[s:e], L, centers, use_reentrant=False)
+        acc = list(out) if acc is None else [a + o for a, o in zip(acc, out)]
+    assert acc is not None  # x has at least one row (validated by the callers)
+    return WhitenedAggregates(*acc)
+
+
+def map_whitened_blocks(
+    kernel: Kernel, x: Tensor, centers: Tensor, L: Tensor, fn: Callable[[Tensor, int, int], Tensor], rows: int
+) -> List[Tensor]:
+    """``[fn(A_b, start, stop) for each block]`` with ``A_b = L^{-1} K_Mb`` (checkpointed, differentiable)."""
+    outs = []
+    for s, e in row_blocks(x.shape[0], rows):
+
+        def block(xb: Tensor, L_: Tensor, c_: Tensor, s: int = s, e: int = e) -> Tensor:
+            ab = torch.linalg.solve_triangular(L_, kernel_block(kernel, xb, c_).mT, upper=False)
+            return fn(ab, s, e)
+
+        outs.append(checkpoint(block, x[s:e], L, centers, use_reentrant=False))
+    return outs
+
+
+def kernel_matmul(kernel: Kernel, x: Tensor, centers: Tensor, alpha: Tensor, rows: int) -> Tensor:
+    """``k(x, centers) @ alpha`` (``(..., q, t)``) in blocks of ``rows`` points of ``x`` (batch
+    dimensions allowed): never a ``q x M`` block beyond ``rows x M``. Differentiable w.r.t.
+    everything; cost ``O(q M (d + t))``."""
+    parts = [kernel_block(kernel, x[..., s:e, :], centers) @ alpha for s, e in row_blocks(x.shape[-2], rows)]
+    return torch.cat(parts, -2)
+
+
+def kernel_diagonal(kernel: Kernel, x: Tensor, rows: int, *, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``k(x_i, x_i)`` for every row (``O(n d)``), in ``dtype`` (default the kernel's output),
+    differentiable. Raises ``ValueError`` for kernels whose diagonal is not one value per row."""
+    parts = []
+    for s, e in row_blocks(x.shape[0], rows):
+        xb = x[s:e] if dtype is None else x[s:e].to(dtype)
+        d = kernel(xb, xb, diag=True)
+        d = d if isinstance(d, Tensor) else d.to_dense()
+        if d.shape != (e - s,):
+            raise ValueError(
+                f"kernel must be a single-output kernel without batch dimensions: its diagonal on "
+                f"{e - s} points has shape {tuple(d.shape)}"
+            )
+        parts.append(d)
+    return torch.cat(parts)
+
+
+def whitened_sq_norms(kernel: Kernel, x: Tensor, basis: Tensor, chol: Tensor, rows: int,
+                      indices: Optional[Tensor] = None) -> Tensor:
+    """``||chol^{-1} k(basis, x_i)||^2`` for the rows ``i`` of ``x`` (or ``x[indices]``), float64, no grad.
+
+    ``chol`` is lower triangular (``J x J``). Cost ``O(r J (J + d))`` for ``r`` rows, memory
+    ``O(rows J + J^2)``. BLESS's estimator (docs/math.md §3.4) is ``(K_ii - this) / (n lambda)``.
+    """
+    count = x.shape[0] if indices is None else indices.numel()
+    out = torch.empty(count, dtype=torch.float64, device=x.device)
+    b64 = basis.to(torch.float64)
+    with torch.no_grad():
+        for s, e in row_blocks(count, rows):
+            xb = x[s:e] if indices is None else x[indices[s:e]]
+            kb = kernel_block(kernel, xb.to(torch.float64), b64).to(torch.float64)  # (b, J)
+            z = torch.linalg.solve_triangular(chol, kb.mT, upper=False)  # (J, b)
+            out[s:e] = z.square().sum(0)
+    return out

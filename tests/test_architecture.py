@@ -1,0 +1,158 @@
+"""The package's layering: no upward imports, no cycles, one row-block iterator, one block rule.
+
+Layers, lowest first (a module may import from its own layer or below, never above):
+
+    foundation   errors, settings, _validation, linalg, heuristics
+    backend      backend/ (row blocks, kernel engine, blockwise gradients), options
+    kernels      kernels/ (Fastfood; re-exports the engine names)
+    solvers      solvers/ (CG, preconditioned CG, the Preconditioner / Solver protocols)
+    operators    operators/, centers
+    models       models/
+    objectives   objectives/
+    integrations integrations/, botorch, tuning, auto
+
+The package's ``__init__`` (the public namespace) is exempt.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+import gpfalkon
+
+ROOT = pathlib.Path(gpfalkon.__file__).parent
+
+LAYERS = [
+    {"errors", "settings", "_validation", "linalg", "heuristics"},
+    {"backend", "options"},
+    {"kernels"},
+    {"solvers"},
+    {"operators", "centers"},
+    {"models"},
+    {"objectives"},
+    {"integrations", "botorch", "tuning", "auto"},
+]
+
+
+def _layer(unit: str) -> int:
+    for i, names in enumerate(LAYERS):
+        if unit in names:
+            return i
+    raise AssertionError(f"gpfalkon.{unit} is in no layer: add it to LAYERS in {__file__}")
+
+
+def _modules():
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel == pathlib.Path("__init__.py"):
+            continue
+        yield rel, path
+
+
+def _unit(rel: pathlib.Path) -> str:
+    return rel.parts[0].removesuffix(".py")
+
+
+def _imported_units(rel: pathlib.Path, source: str) -> set[str]:
+    """gpfalkon top-level units (subpackage or module) imported by the module at ``rel``."""
+    pkg = list(rel.parent.parts)
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[: len(pkg) - (node.level - 1)]
+                parts = base + (node.module.split(".") if node.module else [])
+                if parts:
+                    out.add(parts[0])
+                else:  # "from .. import settings" at the package root
+                    out.update(a.name for a in node.names)
+            elif node.module and node.module.split(".")[0] == "gpfalkon":
+                parts = node.module.split(".")[1:]
+                if parts:
+                    out.add(parts[0])
+                else:
+                    out.update(a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                if parts[0] == "gpfalkon" and len(parts) > 1:
+                    out.add(parts[1])
+    return out
+
+
+def test_no_module_imports_from_a_higher_layer():
+    upward = []
+    for rel, path in _modules():
+        own = _unit(rel)
+        for dep in _imported_units(rel, path.read_text()):
+            if dep != own and _layer(dep) > _layer(own):
+                upward.append(f"{rel} ({own}, layer {_layer(own)}) imports {dep} (layer {_layer(dep)})")
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle_between_units():
+    graph: dict[str, set[str]] = {}
+    for rel, path in _modules():
+        own = _unit(rel)
+        graph.setdefault(own, set()).update(d for d in _imported_units(rel, path.read_text()) if d != own)
+    state: dict[str, int] = {}
+
+    def visit(u: str, stack: list[str]) -> None:
+        state[u] = 1
+        for v in sorted(graph.get(u, ())):
+            if state.get(v) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack + [u, v]))
+            if v not in state:
+                visit(v, stack + [u])
+        state[u] = 2
+
+    for u in sorted(graph):
+        if u not in state:
+            visit(u, [])
+
+
+def test_layering_check_catches_an_upward_import():
+    """The checker itself: a solver importing the operators is flagged (the old cycle)."""
+    rel = pathlib.Path("solvers/falkon.py")
+    deps = _imported_units(rel, "from ..operators.preconditioner import FalkonPreconditioner\n")
+    assert deps == {"operators"} and _layer("operators") > _layer("solvers")
+
+
+_RANGE_STEP = re.compile(r"range\([^()]*,[^()]*,[^()]*\)")
+
+
+def test_one_module_iterates_row_blocks_and_one_sizes_them():
+    """Only backend/blocks.py steps through rows (``range(start, n, rows)``) and defines
+    the block-size rule; every other module calls :func:`~gpfalkon.backend.row_blocks`."""
+    stepping = [str(rel) for rel, path in _modules() if _RANGE_STEP.search(path.read_text())]
+    assert stepping == ["backend/blocks.py"], stepping
+    # the settings that size blocks are read in blocks.py only
+    readers = sorted(
+        str(rel)
+        for rel, path in _modules()
+        if re.search(r"settings\.(block_rows|memory_budget)\.value\(\)", path.read_text())
+    )
+    assert readers == ["backend/blocks.py"], readers
+
+
+@pytest.mark.parametrize("n,m,rows", [(10, 5, None), (100_000, 1000, None), (100_000, 1000, 77), (3, 1000, 5000)])
+def test_block_rule(n, m, rows):
+    from gpfalkon.backend import GRADIENT, PRODUCT, block_rows_for, row_blocks
+
+    r = block_rows_for(n, m, 8, PRODUCT, block_rows=rows)
+    if rows is None:
+        assert r == min(n, max(32, 2 * 2**20 // (m * 8)))
+    else:
+        assert r == min(rows, n)
+    # the memory budget caps the blocks: live_blocks x rows x M x itemsize <= budget
+    tight = block_rows_for(n, m, 8, GRADIENT, memory_budget=8 * m * 8 * 3)
+    assert tight == min(3, n)
+    blocks = list(row_blocks(n, r))
+    assert blocks[0][0] == 0 and blocks[-1][1] == n
+    assert all(b[0] == a[1] for a, b in zip(blocks, blocks[1:]))
+    assert all(0 < e - s <= r for s, e in blocks)
+    with pytest.raises(ValueError, match="block_rows"):
+        block_rows_for(n, m, 8, PRODUCT, block_rows=0)

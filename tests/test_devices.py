@@ -1,0 +1,189 @@
+"""Every device-sensitive path on every test device (conftest.DEVICES: CPU, plus CUDA when
+present or ``GPFALKON_TEST_DEVICE`` names one), against float64 dense references on the CPU.
+
+Covers: the backend (products, stored and on the fly, fast and generic kernels), the
+operator (matmul, FALKON solve and its gradients), FalkonGP (fit, posterior mean and
+variance), the objectives (exact and stochastic, with gradients), center selection
+(uniform and leverage), and the BoTorch posterior.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gpfalkon
+from gpfalkon import FalkonGP, NystromKRROperator
+from gpfalkon.backend import KernelEngine
+
+from conftest import DEVICES, dense_kernel, make_data, make_kernel
+
+
+def _on(device, *tensors):
+    return [t.to(device) for t in tensors]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    dev = torch.device(request.param)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("GPFALKON_TEST_DEVICE names CUDA but none is available")
+    return dev
+
+
+@pytest.mark.parametrize("kname", ["scale_matern52", "rbf", "periodic"])
+@pytest.mark.parametrize("store", [True, False])
+def test_backend_products(device, kname, store):
+    x, _ = make_data(300)
+    k = make_kernel(kname, x.shape[1])
+    c = x[:25].clone()
+    u = torch.randn(25, 3, dtype=torch.float64)
+    v = torch.randn(300, 3, dtype=torch.float64)
+    knm = dense_kernel(k, x, c).detach()
+    ref = knm.T @ (knm @ u + v)
+    xd, cd, ud, vd = _on(device, x, c, u, v)
+    e = KernelEngine(k.to(device), xd, cd, store=store, block_rows=64)
+    out = e.kmn_k(ud, vd)
+    assert out.device == xd.device
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(e.k_matmul(ud).cpu(), knm @ u, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(e.column_sq_norms().cpu(), knm.square().sum(0), rtol=1e-9, atol=1e-9)
+
+
+def test_operator_solve_and_gradients(device):
+    x, y = make_data(200)
+    k = make_kernel("scale_matern52", x.shape[1])
+    c = x[:20].clone()
+    lam = torch.tensor(1e-3, dtype=torch.float64)
+    knm = dense_kernel(k, x, c).detach()
+    kmm = dense_kernel(k, c, c).detach()
+    h = knm.T @ knm + 200 * lam * kmm
+    b = knm.T @ y.unsqueeze(-1)
+    kd = k.to(device)
+    xd, cd, yd = _on(device, x, c, y)
+    lamd = lam.to(device).requires_grad_(True)
+    op = NystromKRROperator(xd, cd, lamd, kernel=kd, tol=1e-12, max_iter=500)
+    torch.testing.assert_close((op @ b.to(device)).cpu(), h @ b, rtol=1e-9, atol=1e-9)
+    sol = op.solve(b.to(device))
+    torch.testing.assert_close(sol.detach().cpu(), torch.linalg.solve(h, b), rtol=1e-7, atol=1e-9)
+    # d/dlambda of b^T H^{-1} b = -n b^T H^{-1} K_MM H^{-1} b
+    (b.to(device) * sol).sum().backward()
+    w = torch.linalg.solve(h, b)
+    ref = -200 * (w * (kmm @ w)).sum()
+    torch.testing.assert_close(lamd.grad.cpu(), ref, rtol=1e-6, atol=1e-9)
+
+
+def _dense_posterior(k, x, y, c, lam, xt):
+    """Dense SGPR/DTC posterior (docs/math.md §4) with sigma^2 = n lambda, float64 CPU."""
+    n = x.shape[0]
+    knm, kmm, ktm = dense_kernel(k, x, c), dense_kernel(k, c, c), dense_kernel(k, xt, c)
+    h = knm.T @ knm + n * lam * kmm
+    mean = ktm @ torch.linalg.solve(h, knm.T @ y)
+    ktt = torch.diagonal(dense_kernel(k, xt, xt))
+    var = ktt - (ktm * torch.linalg.solve(kmm, ktm.T).T).sum(-1) + n * lam * (ktm * torch.linalg.solve(h, ktm.T).T).sum(-1)
+    return mean.detach(), var.detach()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_falkon_gp_fit_and_posterior(device, dtype):
+    x, y = make_data(250)
+    xt, _ = make_data(40, seed=3)
+    k = make_kernel("scale_rbf", x.shape[1])
+    c = x[::8][:30].clone()
+    ref_mean, ref_var = _dense_posterior(k, x, y, c, 1e-3, xt)
+    xd, yd = x.to(device=device, dtype=dtype), y.to(device=device, dtype=dtype)
+    kd = make_kernel("scale_rbf", x.shape[1]).to(device=device, dtype=dtype)
+    m = FalkonGP(xd, yd, kernel=kd, centers=c.to(device=device, dtype=dtype), penalty=1e-3,
+                 tol=1e-12 if dtype == torch.float64 else 1e-6, max_iter=500).fit()
+    m.eval()
+    with torch.no_grad():
+        pred = m(xt.to(device=device, dtype=dtype))
+    assert pred.mean.device == xd.device
+    tol = 1e-6 if dtype == torch.float64 else 5e-3
+    torch.testing.assert_close(pred.mean.double().cpu(), ref_mean, rtol=tol, atol=tol)
+    torch.testing.assert_close(pred.variance.double().cpu(), ref_var, rtol=tol, atol=tol)
+
+
+def _dense_objective(name, k, x, y, c, lam):
+    """The objectives of docs/math.md §5.2 from dense n x n matrices (test reference only)."""
+    n = x.shape[0]
+    knm, kmm = dense_kernel(k, x, c), dense_kernel(k, c, c)
+    kt = knm @ torch.linalg.solve(kmm, knm.T)
+    tr_knn = torch.diagonal(dense_kernel(k, x, x)).sum()
+    v = ((n - 1) if name == "GCV" else n) * lam
+    eye = torch.eye(n, dtype=x.dtype)
+    s = kt @ torch.linalg.inv(kt + v * eye)
+    fit = y @ (eye - s) @ y
+    if name == "NystromCompReg":
+        return torch.trace(s) + fit + (tr_knn - torch.trace(kt)) / v * fit / n
+    if name == "GCV":
+        r = (eye - s) @ y
+        return (r @ r / n) / (1 - torch.trace(s) / n) ** 2
+    logdet = torch.linalg.slogdet(kt + v * eye)[1]
+    quad = y @ torch.linalg.solve(kt + v * eye, y)
+    return 0.5 * (logdet + quad + (tr_knn - torch.trace(kt)) / v) + 0.5 * n * torch.log(torch.tensor(2 * torch.pi))
+
+
+@pytest.mark.parametrize("name", ["NystromCompReg", "SGPRBound", "GCV"])
+def test_exact_objectives(device, name):
+    x, y = make_data(150)
+    c = x[::10].clone()
+    k_ref = make_kernel("scale_matern52", x.shape[1])
+    ref = _dense_objective(name, k_ref, x, y, c, 1e-3)
+    ref.backward()
+    g_ref = [p.grad.clone() for p in k_ref.parameters()]
+    kd = make_kernel("scale_matern52", x.shape[1]).to(device)
+    m = FalkonGP(*_on(device, x, y), kernel=kd, centers=c.to(device), penalty=1e-3)
+    v = getattr(gpfalkon.objectives, name)(m)()
+    v.backward()
+    assert v.device == x.to(device).device
+    torch.testing.assert_close(v.detach().cpu(), ref.detach(), rtol=1e-6, atol=1e-6)
+    for p, g in zip(m.kernel.parameters(), g_ref):
+        torch.testing.assert_close(p.grad.cpu(), g, rtol=1e-5, atol=1e-6)
+
+
+def test_stochastic_objective_with_identity_trace_vectors(device):
+    """With Z = sqrt(n) I the stochastic objective is exact: equal to NystromCompReg."""
+    x, y = make_data(60)
+    k = make_kernel("scale_rbf", x.shape[1])
+    m = FalkonGP(*_on(device, x, y), kernel=k.to(device), num_centers=10, penalty=1e-3)
+    z = (60**0.5) * torch.eye(60, dtype=torch.float64, device=device)
+    sto = gpfalkon.objectives.StochasticNystromCompReg(
+        m, trace_vectors=z, ktilde_trace="subsample", subsample_size=60, cg_tol=1e-12, cg_iterations=500
+    )
+    exact = gpfalkon.objectives.NystromCompReg(m)
+    torch.testing.assert_close(sto().detach().cpu(), exact().detach().cpu(), rtol=1e-6, atol=1e-8)
+
+
+def test_center_selection(device):
+    x, y = make_data(400)
+    k = make_kernel("scale_rbf", x.shape[1])
+    xd = x.to(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    sel = gpfalkon.uniform_centers(xd, 30, generator=g)
+    assert sel.centers.device == xd.device and torch.equal(sel.centers.cpu(), x[sel.indices.cpu()])
+    scores = gpfalkon.approximate_leverage_scores(xd, k.to(device), 1e-3, generator=torch.Generator(device=device).manual_seed(0))
+    assert scores.device == xd.device
+    # exact ridge leverage scores on the CPU: most estimates within a factor 3
+    knn = dense_kernel(k, x, x).detach()
+    exact = torch.diagonal(knn @ torch.linalg.inv(knn + 400 * 1e-3 * torch.eye(400, dtype=torch.float64)))
+    ratio = scores.cpu() / exact
+    assert float(((ratio > 1 / 3) & (ratio < 3)).double().mean()) > 0.9
+    m = FalkonGP(xd, y.to(device), kernel=k.to(device), num_centers=30, penalty=1e-3, center_selection="leverage")
+    assert m.centers.device == xd.device and m.center_weights.device == xd.device
+
+
+def test_botorch_posterior(device):
+    from gpfalkon.botorch import FalkonModel
+
+    x, y = make_data(120)
+    xt, _ = make_data(7, seed=5)
+    k = make_kernel("scale_rbf", x.shape[1])
+    c = x[::6].clone()
+    ref_mean, ref_var = _dense_posterior(k, x, y, c, 1e-3, xt)
+    kd = make_kernel("scale_rbf", x.shape[1]).to(device)
+    model = FalkonModel(*_on(device, x, y.unsqueeze(-1)), kernel=kd, centers=c.to(device), penalty=1e-3,
+                        tol=1e-12, max_iter=500, outcome_transform=None)
+    post = model.posterior(xt.to(device))
+    assert post.mean.device == x.to(device).device
+    torch.testing.assert_close(post.mean.detach().squeeze(-1).cpu(), ref_mean, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(post.variance.detach().squeeze(-1).cpu(), ref_var, rtol=1e-6, atol=1e-7)
