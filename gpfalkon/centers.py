@@ -28,7 +28,7 @@ import copy
 import itertools
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Protocol, runtime_checkable
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 from gpytorch.kernels import Kernel
@@ -47,7 +47,7 @@ from ._validation import (
 )
 from .errors import JitterWarning
 from .backend.blocks import FACTOR, block_rows_for
-from .backend.passes import kernel_diagonal, whitened_sq_norms
+from .backend.passes import backend_pass
 from .linalg import jittered_cholesky
 
 __all__ = [
@@ -194,10 +194,11 @@ def _rows_per_block(m: int, n: int, block_rows: Optional[int]) -> int:
     return block_rows_for(n, m, 8, FACTOR, block_rows=block_rows)
 
 
-def _kernel_diag(kernel64: Kernel, x: Tensor, rows: int) -> Tensor:
+def _kernel_diag(kernel64: Kernel, x: Tensor, rows: int, backend: Optional[Any] = None) -> Tensor:
     """``K_ii`` for all rows of ``x`` (float64, ``O(n d)``): one backend pass."""
     with torch.no_grad():
-        return _dense(kernel_diagonal(kernel64, x, rows, dtype=torch.float64)).to(torch.float64)
+        diag = backend_pass(backend, "kernel_diagonal")(kernel64, x, rows, dtype=torch.float64)
+        return _dense(diag).to(torch.float64)
 
 
 class _Dictionary:
@@ -230,6 +231,7 @@ class _Dictionary:
         diag: Tensor,
         trace: float,
         block_rows: Optional[int],
+        backend: Optional[Any] = None,
     ) -> Tensor:
         """Estimated ``l_i`` for ``i`` in ``rows_idx`` (``None``: all rows), float64.
 
@@ -251,7 +253,8 @@ class _Dictionary:
                 warnings.simplefilter("ignore", JitterWarning)
                 chol, _ = jittered_cholesky(g, upper=False, name="K_JJ + n lambda A (BLESS dictionary)")
             rows = _rows_per_block(self.size, count, block_rows)
-            est = (d_i - whitened_sq_norms(kernel64, x, xj, chol, rows, indices=rows_idx)) / lam_n
+            norms = backend_pass(backend, "whitened_sq_norms")(kernel64, x, xj, chol, rows, indices=rows_idx)
+            est = (d_i - norms) / lam_n
         upper = d_i / (d_i + lam_n)
         lower = d_i / (trace + lam_n)
         return torch.minimum(torch.maximum(est, lower), upper)
@@ -268,6 +271,7 @@ def approximate_leverage_scores(
     max_dictionary_size: int = 2048,
     min_dictionary_size: int = 128,
     block_rows: Optional[int] = None,
+    backend: Optional[Any] = None,
 ) -> Tensor:
     r"""Approximate ridge leverage scores ``l_i(lambda) = (K (K + n lambda I)^{-1})_ii`` by BLESS-R.
 
@@ -350,6 +354,8 @@ def approximate_leverage_scores(
             the inclusion probabilities are scaled down (still an unbiased sketch,
             less accurate) and a ``RuntimeWarning`` says so.
         block_rows: rows per kernel block (default: about 8 MiB of float64 values).
+        backend: an injected data backend whose ``kernel_diagonal`` / ``whitened_sq_norms``
+            passes replace the in-memory ones (:func:`~gpfalkon.backend.passes.backend_pass`).
 
     Returns:
         ``(n,)`` float64 tensor of approximate leverage scores, each in ``(0, 1]``
@@ -372,7 +378,7 @@ def approximate_leverage_scores(
     k64 = _kernel64(kernel)
     capped_at: Optional[float] = None
     with torch.no_grad():
-        diag = _kernel_diag(k64, x, _rows_per_block(1, n, block_rows))
+        diag = _kernel_diag(k64, x, _rows_per_block(1, n, block_rows), backend)
         if not bool(torch.isfinite(diag).all()) or bool((diag < 0).any()):
             raise ValueError("kernel: k(x_i, x_i) must be finite and >= 0 on x (is the kernel positive definite?)")
         trace = float(diag.sum())
@@ -402,7 +408,7 @@ def approximate_leverage_scores(
                 dictionary = _Dictionary(cand, torch.empty(0, dtype=torch.float64, device=x.device))
                 d_prev = None
                 continue
-            est = dictionary.scores(k64, x, cand, lam_n, diag, trace, block_rows)
+            est = dictionary.scores(k64, x, cand, lam_n, diag, trace, block_rows, backend)
             beta_c = beta[cand]
             d_prev = float((est / beta_c).sum())  # Horvitz-Thompson estimate of sum_i l~_i
             p = torch.minimum(c * est, beta_c)
@@ -412,7 +418,7 @@ def approximate_leverage_scores(
                 capped_at = lam_h
             keep = _rand(cand.numel(), generator, x.device) < p / beta_c
             dictionary = _Dictionary(cand[keep], p[keep])
-        scores = dictionary.scores(k64, x, None, lam * n, diag, trace, block_rows)
+        scores = dictionary.scores(k64, x, None, lam * n, diag, trace, block_rows, backend)
     if capped_at is not None:
         warnings.warn(
             f"approximate_leverage_scores: the BLESS dictionary was capped at max_dictionary_size="

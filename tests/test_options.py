@@ -253,3 +253,50 @@ def test_models_pickled_before_falkon_options_still_load():
         old.kernel.base_kernel.raw_lengthscale.add_(0.1)
     with pytest.raises(gpfalkon.NotFittedError):
         old(x[:4])
+
+
+class _PassCountingEngine(KernelEngine):
+    """A backend overriding every GPyTorch-block pass (delegating to the in-memory ones)."""
+
+    calls: dict = {}
+
+    @staticmethod
+    def _count(name):
+        from gpfalkon.backend import passes
+
+        def fn(*args, **kwargs):
+            _PassCountingEngine.calls[name] = _PassCountingEngine.calls.get(name, 0) + 1
+            return getattr(passes, name)(*args, **kwargs)
+
+        return staticmethod(fn)
+
+
+for _name in ("whitened_aggregates", "map_whitened_blocks", "kernel_matmul", "kernel_diagonal", "whitened_sq_norms"):
+    setattr(_PassCountingEngine, _name, _PassCountingEngine._count(_name))
+
+
+def test_every_pass_goes_through_an_injected_backend():
+    from gpfalkon.objectives import LOOCV, HoldOut, NystromCompReg, StochasticNystromCompReg
+
+    x, y = make_data(120)
+    k = make_kernel("scale_rbf", x.shape[1])
+    _PassCountingEngine.calls = {}
+    kw = dict(kernel=k, num_centers=15, penalty=1e-3, center_selection="leverage")
+    opts = FalkonOptions(tol=1e-10, max_iter=300)
+    m = FalkonGP(x, y, options=opts.replace(backend=_PassCountingEngine), generator=torch.Generator().manual_seed(0), **kw)
+    ref = FalkonGP(x, y, options=opts, generator=torch.Generator().manual_seed(0), **kw)
+    assert torch.equal(m.centers, ref.centers)  # the leverage scores went through the backend, same values
+    assert _PassCountingEngine.calls.get("kernel_diagonal", 0) >= 1 and _PassCountingEngine.calls.get("whitened_sq_norms", 0) >= 1
+    for obj in (NystromCompReg, LOOCV, HoldOut):
+        torch.testing.assert_close(obj(m)(), obj(ref)())
+    sto = StochasticNystromCompReg(m, num_trace_vectors=3)
+    sto_ref = StochasticNystromCompReg(ref, num_trace_vectors=3)
+    torch.testing.assert_close(sto(), sto_ref(), rtol=1e-6, atol=1e-8)
+    m.fit()
+    ref.fit()
+    m.eval()
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(m(x[:5]).mean, ref(x[:5]).mean)
+    for name in ("whitened_aggregates", "map_whitened_blocks", "kernel_matmul", "kernel_diagonal", "whitened_sq_norms"):
+        assert _PassCountingEngine.calls.get(name, 0) >= 1, name

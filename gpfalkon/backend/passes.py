@@ -4,13 +4,14 @@ These complement :class:`~gpfalkon.backend.KernelEngine` (the no-grad products o
 FALKON solve) with the passes whose kernel blocks go through GPyTorch: the objectives'
 aggregates (differentiable, checkpointed block by block), the per-row maps over whitened
 blocks (``S_ii``), the kernel diagonal (``tr K_nn``) and the whitened squared norms of the
-BLESS leverage-score estimator. Each loops over :func:`~gpfalkon.backend.row_blocks`;
+BLESS leverage-score estimator. Each loops over :func:`~gpfalkon.backend.row_blocks`; an
+injected backend can replace any of them (:func:`backend_pass`);
 every ``M``-sized result is a sum over blocks (the place where row shards' results are
 summed).
 """
 from __future__ import annotations
 
-from typing import Callable, List, NamedTuple, Optional
+from typing import Any, Callable, List, NamedTuple, Optional
 
 import torch
 from gpytorch.kernels import Kernel
@@ -22,12 +23,29 @@ from .engine import kernel_block
 
 __all__ = [
     "WhitenedAggregates",
+    "backend_pass",
     "kernel_diagonal",
     "kernel_matmul",
     "map_whitened_blocks",
     "whitened_aggregates",
     "whitened_sq_norms",
 ]
+
+
+PASSES = ("whitened_aggregates", "map_whitened_blocks", "kernel_matmul", "kernel_diagonal", "whitened_sq_norms")
+
+
+def backend_pass(backend: Optional[Any], name: str) -> Callable[..., Any]:
+    """The pass ``name`` of an injected backend (``FalkonOptions.backend``), else this module's.
+
+    A backend overrides a pass by defining it as an attribute with this module's signature
+    (e.g. a :class:`~gpfalkon.backend.KernelEngine` subclass with a ``staticmethod``); a
+    backend without it, or ``None``, gets the in-memory pass.
+    """
+    if name not in PASSES:
+        raise ValueError(f"unknown backend pass {name!r}; known: {PASSES}")
+    fn = getattr(backend, name, None) if backend is not None else None
+    return fn if callable(fn) else globals()[name]
 
 
 class WhitenedAggregates(NamedTuple):

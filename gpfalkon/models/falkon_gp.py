@@ -48,6 +48,7 @@ def _center_selector(
     leverage_options: Optional[Dict[str, Any]],
     generator: Optional[torch.Generator],
     seed: int,
+    backend: Optional[Any] = None,
 ) -> Tuple[CenterSelector, Optional[int]]:
     """FalkonGP's center arguments as one :class:`~gpfalkon.centers.CenterSelector` and ``M``."""
     is_selector = not isinstance(center_selection, str)
@@ -93,7 +94,10 @@ def _center_selector(
         generator = torch.Generator(device=train_x.device)
         generator.manual_seed(int(seed))
     if center_selection == "leverage":
-        return LeverageCenters(generator=generator, **(leverage_options or {})), m
+        lev = dict(leverage_options or {})
+        if backend is not None:
+            lev.setdefault("backend", backend)
+        return LeverageCenters(generator=generator, **lev), m
     return UniformCenters(generator=generator), m
 
 
@@ -245,7 +249,8 @@ class FalkonGP(gpytorch.models.GP):
 
         # --- centers: one selector, called once the penalty is known
         selector, m = _center_selector(
-            train_x, num_centers, centers, center_selection, center_weights, leverage_options, generator, seed
+            train_x, num_centers, centers, center_selection, center_weights, leverage_options, generator, seed,
+            self.options.backend,
         )
 
         # --- likelihood and penalty (noise = n * penalty is the single source of truth)
@@ -619,7 +624,9 @@ class FalkonGP(gpytorch.models.GP):
         self._check_fitted()
         out_dtype = x.dtype
         q = x.shape[-2]
-        kxa = nystrom_posterior_mean(self.kernel, x, self.centers, self.alpha, self.predict_chunk_size)
+        kxa = nystrom_posterior_mean(
+            self.kernel, x, self.centers, self.alpha, self.predict_chunk_size, backend=self.options.backend
+        )
         mean = (kxa + self.mean_constant.to(torch.float64).reshape(-1)).to(out_dtype)  # (..., q, t)
         if gpytorch.settings.skip_posterior_variances.on():
             covar = ZeroLinearOperator(*x.shape[:-1], q, dtype=out_dtype, device=x.device)

@@ -1,7 +1,7 @@
 """The SGPR/DTC posterior (docs/math.md §4): its factors, its chunked mean and its lazy covariance."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Tuple
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Tuple
 
 import torch
 from gpytorch.kernels import Kernel
@@ -9,7 +9,7 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from ..backend.blocks import row_blocks
-from ..backend.passes import kernel_matmul
+from ..backend.passes import backend_pass
 from ..linalg import jittered_cholesky
 
 if TYPE_CHECKING:
@@ -140,13 +140,17 @@ class NystromPosteriorCovariance(LinearOperator):
         return self.__class__(x, self.centers, self.L, self.LB, kernel=self.kernel, chunk_size=self.chunk_size)
 
 
-def nystrom_posterior_mean(kernel: Kernel, x: Tensor, centers: Tensor, alpha: Tensor, chunk_size: int) -> Tensor:
+def nystrom_posterior_mean(
+    kernel: Kernel, x: Tensor, centers: Tensor, alpha: Tensor, chunk_size: int, backend: Optional[Any] = None
+) -> Tensor:
     """``K_*M alpha`` (docs/math.md §4; the constant mean not added), float64 ``(..., q, t)``.
 
     Computed in chunks of ``chunk_size`` test points, so no ``q x M`` block beyond a chunk
     is held: ``O(q M (d + t))`` time, ``O(chunk M)`` memory. ``alpha`` is ``(M,)`` or ``(M, t)``.
-    Differentiable w.r.t. ``x`` and the kernel's parameters.
+    Differentiable w.r.t. ``x`` and the kernel's parameters. ``backend``: an injected backend
+    (:func:`~gpfalkon.backend.passes.backend_pass`), ``None`` for the in-memory pass.
     """
     a2 = alpha.to(torch.float64)
     a2 = a2.unsqueeze(-1) if a2.dim() == 1 else a2
+    kernel_matmul = backend_pass(backend, "kernel_matmul")
     return kernel_matmul(kernel, x.to(torch.float64), centers.detach().to(torch.float64), a2, chunk_size)

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..backend.blocks import AGGREGATE, block_rows_for
-from ..backend.passes import map_whitened_blocks, whitened_aggregates
+from ..backend.passes import backend_pass
 from ..backend.engine import kernel_block
 from ..linalg import jittered_cholesky
 
@@ -104,7 +104,9 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
     def aggregates(self, x: Tensor, y: Tensor, L: Tensor) -> NystromAggregates:
         """``A A^T``, ``A y``, ``tr(K~)`` and ``tr(K_nn)``: one backend pass
         (:func:`~gpfalkon.backend.passes.whitened_aggregates`)."""
-        agg = whitened_aggregates(self.model.kernel, x, y, self.model.centers, L, self._rows(x.shape[0]))
+        agg = self.backend_pass("whitened_aggregates")(
+            self.model.kernel, x, y, self.model.centers, L, self._rows(x.shape[0])
+        )
         return NystromAggregates(
             L=L, AAt=agg.AAt, AY=agg.AY, tr_ktilde=agg.tr_ktilde, tr_knn=agg.tr_knn, yy=y.square().sum(0), n=x.shape[0]
         )
@@ -113,7 +115,13 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
         self, x: Tensor, L: Tensor, fn: Callable[[Tensor, int, int], Tensor]
     ) -> List[Tensor]:
         """Apply ``fn(A_b, start, stop)`` (checkpointed) to every block ``A_b = L^{-1} K_Mb``."""
-        return map_whitened_blocks(self.model.kernel, x, self.model.centers, L, fn, self._rows(x.shape[0]))
+        return self.backend_pass("map_whitened_blocks")(
+            self.model.kernel, x, self.model.centers, L, fn, self._rows(x.shape[0])
+        )
+
+    def backend_pass(self, name: str) -> Callable:
+        """The data pass ``name`` of the model's backend (``model.options.backend``), else the in-memory one."""
+        return backend_pass(getattr(getattr(self.model, "options", None), "backend", None), name)
 
     @staticmethod
     def cholesky_b(agg: NystromAggregates, v: Tensor) -> Tensor:

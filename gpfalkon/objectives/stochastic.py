@@ -8,7 +8,6 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..backend.autograd import kernel_params, scatter_grads
-from ..backend.passes import kernel_diagonal
 from ..backend.engine import kernel_block
 from ..operators import NystromKRROperator
 from .base import NystromObjective
@@ -201,7 +200,7 @@ class StochasticNystromCompReg(NystromObjective):
         fit = y.square().sum(0) - qy
         kernel = self.model.kernel
         rows = self._rows(n)
-        tr_knn = kernel_diagonal(kernel, x, rows).sum()
+        tr_knn = self.backend_pass("kernel_diagonal")(kernel, x, rows).sum()
         tr_kt = self.trace_ktilde(self.cholesky_kmm())
         nys = (tr_knn - tr_kt) / v
         return (tr_s + fit + nys * fit / n).sum()
