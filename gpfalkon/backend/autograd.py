@@ -160,7 +160,9 @@ class KernelProduct(torch.autograd.Function):
             return s
 
         active = [p for p, need in zip(params, need_p) if need]
-        gx, gc, gp = blockwise_kernel_grad(
+        # an engine class may override the gradient pass (a backend's ``blockwise_kernel_grad``)
+        grad_pass = getattr(type(engine), "blockwise_kernel_grad", blockwise_kernel_grad)
+        gx, gc, gp = grad_pass(
             engine.kernel, x, centers, surrogate, active, need_x, need_c, engine.memory_budget, engine.block_rows_setting
         )
         grad_p = scatter_grads(need_p, gp)

@@ -516,8 +516,11 @@ class NystromKRROperator(LinearOperator):
 
     def blockwise_grad(self, surrogate, params: List[Tensor], need_x: bool, need_c: bool):
         """:func:`~gpfalkon.backend.blockwise_kernel_grad` on this operator's data (the kernel
-        part of :meth:`surrogate_grads`, without the penalty term), in blocks within its options."""
-        return blockwise_kernel_grad(
+        part of :meth:`surrogate_grads`, without the penalty term), in blocks within its options;
+        an injected backend (``options.backend``) may replace it by its own ``blockwise_kernel_grad``."""
+        backend = self.options.backend
+        grad_pass = getattr(backend, "blockwise_kernel_grad", None) if backend is not None else None
+        return (grad_pass if callable(grad_pass) else blockwise_kernel_grad)(
             self.kernel, self.x, self.centers, surrogate, params, need_x, need_c, self.memory_budget, self.block_rows
         )
 
