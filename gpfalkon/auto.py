@@ -441,7 +441,7 @@ def auto_fit(
     clock = _Clock(budget, verbose)
     try:
         dev = train_x.device
-        gen = torch.Generator().manual_seed(int(seed))
+        gen = torch.Generator(device=dev).manual_seed(int(seed))  # draws on the data's device
         x_all = train_x.detach().to(torch.float64)
         y_all = train_y.detach().to(torch.float64)
 
@@ -451,7 +451,7 @@ def auto_fit(
             if n_all - n_val < 2:
                 raise ValueError(f"val_fraction={val_fraction} leaves {n_all - n_val} of {n_all} rows for training; "
                                  "lower it or pass val_x / val_y")
-            perm = torch.randperm(n_all, generator=gen).to(dev)
+            perm = torch.randperm(n_all, generator=gen, device=dev)
             val_idx, tr_idx = perm[:n_val], perm[n_val:]
             xt, yt = x_all[tr_idx], y_all[tr_idx]
             xv, yv = x_all[val_idx], y_all[val_idx]
@@ -502,11 +502,11 @@ def auto_fit(
         # ------------------------------------------------------------ stage 1: learn
         t_stage = time.perf_counter()
         n_h = min(n_tr, hyper_rows)
-        h_perm = torch.randperm(n_tr, generator=gen).to(dev)
+        h_perm = torch.randperm(n_tr, generator=gen, device=dev)
         h_idx = h_perm[:n_h]
         xh, yh = xt_z[h_idx], yt_z[h_idx]
         m_h = min(n_h, hyper_centers)
-        c_idx = torch.randperm(n_h, generator=gen).to(dev)[:m_h]
+        c_idx = torch.randperm(n_h, generator=gen, device=dev)[:m_h]
         centers0 = xh[c_idx].clone()
         k0 = new_kernel()
         if isinstance(kernel, str):
@@ -596,11 +596,11 @@ def auto_fit(
         # ------------------------------------------------------------ stage 2: select
         t_stage = time.perf_counter()
         n_s = min(n_tr, select_rows)
-        s_idx = torch.randperm(n_tr, generator=gen).to(dev)[:n_s]
+        s_idx = torch.randperm(n_tr, generator=gen, device=dev)[:n_s]
         xs, ys = xt_z[s_idx], yt_z[s_idx]
         learned_c = best_state["centers"]
         # nested centers: the learned / stage-1 centers first, then random selection rows
-        extra = xs[torch.randperm(n_s, generator=gen).to(dev)]
+        extra = xs[torch.randperm(n_s, generator=gen, device=dev)]
         c_pool = torch.cat([learned_c.to(dtype), extra], 0) if learn_centers else extra
         base_kernel = best_state["kernel"]
         cache: Dict[Tuple[int, float, float], float] = {}

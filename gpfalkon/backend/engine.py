@@ -290,7 +290,8 @@ class KernelEngine:
 
     def kmn_k(self, u: Optional[Tensor] = None, v: Optional[Tensor] = None) -> Tensor:
         """``K_nM^T (K_nM u + v)`` for ``u`` ``(M, k)`` and ``v`` ``(n, k)`` (either may be
-        ``None``, meaning zero). Returns float64 ``(M, k)``.
+        ``None``, meaning zero). Returns float64 ``(M, k)``: a sum over row blocks, so the
+        results of several row shards of the same data (same centers) are combined by summing.
 
         Thin products use the "row form" (``(u^T K_b^T) K_b``): on CPU, torch's
         ``K_b^T @ w`` with a tall row-major ``K_b`` and 2-15 columns is up to 10x
