@@ -357,7 +357,7 @@ def test_lazy_init_matches_eager():
     x = torch.rand(10, 5, dtype=F64, generator=_gen(13))
     lazy = FastfoodKernel(30, generator=_gen(21)).double()
     assert lazy.num_dims is None and not hasattr(lazy, "ff_gauss")
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="not initialised yet"):
         lazy.frequencies()
     with torch.no_grad():
         k_lazy = lazy(x).to_dense()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpfalkon import CGNotConvergedWarning, FalkonGP, conjugate_gradient, median_lengthscale
+from gpfalkon import CGNotConvergedWarning, FalkonConvergenceError, FalkonGP, conjugate_gradient, median_lengthscale
 from gpfalkon.operators.nystrom import NystromKRROperator
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "protein.npz"
@@ -58,7 +58,7 @@ def test_float32_residual_rise_returns_best_iterate():
 def test_float32_without_data_dtype_jitter_breaks_down(monkeypatch):
     """The reference behaviour the jitter fixes (so the test above can fail)."""
     monkeypatch.setattr(NystromKRROperator, "_precond_jitter", lambda self: None)
-    with pytest.raises(Exception):
+    with pytest.raises(FalkonConvergenceError, match="lost positive definiteness"):
         with warnings.catch_warnings():
             warnings.simplefilter("error", CGNotConvergedWarning)
             _fit_rmse(torch.float32, 1e-2, 2000)
