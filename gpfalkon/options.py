@@ -25,7 +25,7 @@ from linear_operator import settings as lo_settings
 from . import settings
 from .backend.blocks import memory_budget_for, resolve_block_rows
 
-__all__ = ["FalkonOptions", "ResolvedOptions"]
+__all__ = ["FalkonOptions", "ResolvedOptions", "option_property"]
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -157,6 +157,21 @@ class ResolvedOptions:
     tol: float
     verbose: bool
     precond_dtype: Optional[torch.dtype]
+
+
+def option_property(name: str, *, settable: bool = False) -> property:
+    """A property exposing the field ``name`` of the owner's ``options`` (a :class:`FalkonOptions`);
+    with ``settable=True`` assigning it replaces ``options`` by a validated copy."""
+    if name not in {f.name for f in dataclasses.fields(FalkonOptions)}:
+        raise ValueError(f"FalkonOptions has no field {name!r}")
+
+    def get(self: Any) -> Any:
+        return getattr(self.options, name)
+
+    def set_(self: Any, value: Any) -> None:
+        self.options = self.options.replace(**{name: value})
+
+    return property(get, set_ if settable else None, doc=f"``options.{name}`` (:class:`FalkonOptions`).")
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -25,7 +25,7 @@ from .._validation import (
 from ..centers import CenterSelector, FixedCenters, LeverageCenters, UniformCenters, default_num_centers
 from ..errors import NotFittedError
 from ..operators import NystromKRROperator
-from ..options import FalkonOptions
+from ..options import FalkonOptions, option_property
 from ..solvers import CGInfo
 from .defaults import check_likelihood, default_kernel, default_likelihood
 from .fit_state import FitTracker
@@ -363,24 +363,13 @@ class FalkonGP(gpytorch.models.GP):
         except RuntimeError as exc:  # the likelihood's constraint cannot hold it
             raise ValueError(f"penalty={float(value):g} (noise {float(noise):g}) violates the likelihood's noise constraint: {exc}") from exc
 
-    # -------------------------------------------------------------- options
     # the FalkonOptions fields, readable and assignable as attributes (as before FalkonOptions)
-    def _option(name: str, doc: str) -> property:  # type: ignore[misc]
-        def get(self: "FalkonGP") -> Any:
-            return getattr(self.options, name)
-
-        def set_(self: "FalkonGP", value: Any) -> None:
-            self.options = self.options.replace(**{name: value})
-
-        return property(get, set_, doc=doc)
-
-    max_iter = _option("max_iter", "CG iteration cap (:class:`~gpfalkon.FalkonOptions`).")
-    tol = _option("tol", "CG relative-residual tolerance (:class:`~gpfalkon.FalkonOptions`).")
-    memory_budget = _option("memory_budget", "Bytes for kernel values (:class:`~gpfalkon.FalkonOptions`).")
-    block_rows = _option("block_rows", "Rows per kernel block (:class:`~gpfalkon.FalkonOptions`).")
-    store_kernel = _option("store_kernel", "Store ``K_nM`` (:class:`~gpfalkon.FalkonOptions`).")
-    verbose = _option("verbose", "tqdm bar during ``fit()`` (:class:`~gpfalkon.FalkonOptions`).")
-    del _option
+    max_iter = option_property("max_iter", settable=True)
+    tol = option_property("tol", settable=True)
+    memory_budget = option_property("memory_budget", settable=True)
+    block_rows = option_property("block_rows", settable=True)
+    store_kernel = option_property("store_kernel", settable=True)
+    verbose = option_property("verbose", settable=True)
 
     def centered_targets(self) -> Tensor:
         """``y - c`` as ``(n, t)`` (``c = mean_constant``): what the fit and the objectives use."""

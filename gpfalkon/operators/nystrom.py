@@ -14,7 +14,7 @@ from .._validation import check_dtype, check_inputs, check_penalty
 from ..backend.autograd import blockwise_kernel_grad, kernel_params, kernel_product, scatter_grads
 from ..backend.engine import KernelEngine, kernel_block
 from ..errors import FalkonConvergenceError, JitterWarning
-from ..options import FalkonOptions
+from ..options import FalkonOptions, option_property
 from ..solvers import CGInfo, Preconditioner, PreconditionerBuilder, Solver, falkon_solve
 from .preconditioner import FalkonPreconditioner
 
@@ -155,33 +155,13 @@ class NystromKRROperator(LinearOperator):
         self.last_info: Optional[CGInfo] = None
 
     # ------------------------------------------------------------ components
-    @property
-    def memory_budget(self) -> Optional[int]:
-        return self.options.memory_budget
-
-    @property
-    def block_rows(self) -> Optional[int]:
-        return self.options.block_rows
-
-    @property
-    def store_kernel(self) -> Optional[bool]:
-        return self.options.store_kernel
-
-    @property
-    def max_iter(self) -> Optional[int]:
-        return self.options.max_iter
-
-    @property
-    def tol(self) -> Optional[float]:
-        return self.options.tol
-
-    @property
-    def verbose(self) -> bool:
-        return self.options.verbose
-
-    @property
-    def precond_dtype(self) -> Optional[torch.dtype]:
-        return self.options.precond_dtype
+    memory_budget = option_property("memory_budget")
+    block_rows = option_property("block_rows")
+    store_kernel = option_property("store_kernel")
+    max_iter = option_property("max_iter")
+    tol = option_property("tol")
+    verbose = option_property("verbose")
+    precond_dtype = option_property("precond_dtype")
 
     @property
     def n(self) -> int:
