@@ -27,12 +27,13 @@ def check_finite(name: str, t: Tensor) -> None:
         raise ValueError(f"{name} contains {bad} NaN or Inf value(s)")
 
 
-def check_inputs(name: str, x: Tensor, d: Optional[int] = None) -> None:
-    """``x`` must be a finite float ``(rows, d)`` matrix with at least one row."""
+def check_inputs(name: str, x: Tensor, d: Optional[int] = None, allow_empty: bool = False) -> None:
+    """``x`` must be a finite float ``(rows, d)`` matrix with at least one row (``allow_empty``:
+    zero rows allowed, for a shard of a distributed data set)."""
     check_dtype(name, x)
     if x.dim() != 2:
         raise ValueError(f"{name} must be 2-dimensional (rows x features), got shape {tuple(x.shape)}")
-    if x.shape[0] == 0:
+    if x.shape[0] == 0 and not allow_empty:
         raise ValueError(f"{name} is empty (0 rows)")
     if x.shape[1] == 0:
         raise ValueError(f"{name} has 0 features")

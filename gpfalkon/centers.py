@@ -47,7 +47,7 @@ from ._validation import (
 )
 from .errors import JitterWarning
 from .backend.blocks import FACTOR, block_rows_for
-from .backend.passes import backend_pass
+from .backend.passes import backend_pass, is_sharded, total_rows
 from .linalg import jittered_cholesky
 
 __all__ = [
@@ -93,17 +93,27 @@ def _rand(num: int, generator: Optional[torch.Generator], device: torch.device) 
     return torch.rand(num, generator=generator, dtype=torch.float64, device=gen_device).to(device)
 
 
-def uniform_centers(x: Tensor, num_centers: int, generator: Optional[torch.Generator] = None) -> CenterSelection:
+def uniform_centers(
+    x: Tensor, num_centers: int, generator: Optional[torch.Generator] = None, backend: Optional[Any] = None
+) -> CenterSelection:
     """Sample ``num_centers`` rows of ``x`` uniformly without replacement.
 
     Cost O(n) time and memory for the permutation; deterministic given ``generator``.
+    With a sharded ``backend`` (:class:`~gpfalkon.backend.distributed.DistributedBackend`)
+    ``x`` is this rank's shard: the indices are drawn over the *global* rows (so the centers
+    do not depend on the number of ranks) and gathered from the shards that hold them
+    (one ``all_reduce`` of ``M x d`` values); ``indices`` are global row indices.
     """
-    check_inputs("train_x", x)
-    num_centers = check_num_centers(num_centers, x.shape[0])
+    sharded = is_sharded(backend)
+    check_inputs("train_x", x, allow_empty=sharded)
+    n = total_rows(backend, x)
+    num_centers = check_num_centers(num_centers, n)
     check_generator(generator)
     device = generator.device if generator is not None else torch.device("cpu")
-    idx = torch.randperm(x.shape[0], generator=generator, device=device)[:num_centers]
+    idx = torch.randperm(n, generator=generator, device=device)[:num_centers]
     idx = idx.sort().values.to(x.device)
+    if sharded:
+        return CenterSelection(centers=backend.gather_rows(x, idx), indices=idx)
     return CenterSelection(centers=x[idx].clone(), indices=idx)
 
 
@@ -125,9 +135,10 @@ class CenterSelector(Protocol):
         ...
 
 
-def default_num_centers(x: Tensor) -> int:
-    """``min(n, 1000)``: the number of centers drawn when none is asked for."""
-    return min(int(x.shape[0]), 1000)
+def default_num_centers(x: Tensor, backend: Optional[Any] = None) -> int:
+    """``min(n, 1000)``: the number of centers drawn when none is asked for (``n`` over all
+    shards for a sharded ``backend``)."""
+    return min(total_rows(backend, x), 1000)
 
 
 def _generator(seed: Optional[int], generator: Optional[torch.Generator]) -> torch.Generator:
@@ -141,13 +152,16 @@ def _generator(seed: Optional[int], generator: Optional[torch.Generator]) -> tor
 class UniformCenters:
     """Center selector: ``M`` rows drawn uniformly without replacement (:func:`uniform_centers`)."""
 
-    def __init__(self, seed: Optional[int] = None, generator: Optional[torch.Generator] = None) -> None:
+    def __init__(self, seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
+                 backend: Optional[Any] = None) -> None:
         self.generator = _generator(seed, generator)
+        self.backend = backend
 
     def __call__(
         self, x: Tensor, num_centers: Optional[int], kernel: Optional[Kernel] = None, penalty: Optional[float | Tensor] = None
     ) -> CenterSelection:
-        return uniform_centers(x, default_num_centers(x) if num_centers is None else num_centers, self.generator)
+        m = default_num_centers(x, self.backend) if num_centers is None else num_centers
+        return uniform_centers(x, m, self.generator, backend=self.backend)
 
 
 class FixedCenters:

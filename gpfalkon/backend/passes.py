@@ -24,12 +24,34 @@ from .engine import kernel_block
 __all__ = [
     "WhitenedAggregates",
     "backend_pass",
+    "is_sharded",
+    "reduce_rows",
+    "total_rows",
     "kernel_diagonal",
     "kernel_matmul",
     "map_whitened_blocks",
     "whitened_aggregates",
     "whitened_sq_norms",
 ]
+
+
+def is_sharded(backend: Optional[Any]) -> bool:
+    """Does ``backend`` hold one shard of the rows (it then reports the global row count)?"""
+    return callable(getattr(backend, "global_rows", None))
+
+
+def total_rows(backend: Optional[Any], x: Tensor) -> int:
+    """The global ``n``: ``x.shape[0]``, or the sum over shards for a sharded backend (a
+    collective: every rank must call it)."""
+    return int(backend.global_rows(x)) if is_sharded(backend) else int(x.shape[0])
+
+
+def reduce_rows(backend: Optional[Any], *tensors: Tensor, anchor: Optional[Tensor] = None) -> List[Tensor]:
+    """Sums over rows computed on this process's rows, completed over all shards (identity
+    for the in-memory backend; a differentiable collective for a sharded one)."""
+    if is_sharded(backend):
+        return list(backend.reduce(*tensors, anchor=anchor))
+    return list(tensors)
 
 
 PASSES = ("whitened_aggregates", "map_whitened_blocks", "kernel_matmul", "kernel_diagonal", "whitened_sq_norms")

@@ -22,6 +22,7 @@ from .._validation import (
     check_penalty,
     check_targets,
 )
+from ..backend.passes import is_sharded, reduce_rows, total_rows
 from ..centers import CenterSelector, FixedCenters, LeverageCenters, UniformCenters, default_num_centers
 from ..errors import NotFittedError
 from ..operators import NystromKRROperator
@@ -88,17 +89,22 @@ def _center_selector(
         return FixedCenters(centers, center_weights), None
     if is_selector:
         return center_selection, num_centers  # type: ignore[return-value]  # None: the selector's default
-    n = train_x.shape[0]
-    m = check_num_centers(default_num_centers(train_x) if num_centers is None else num_centers, n)
+    n = total_rows(backend, train_x)
+    m = check_num_centers(default_num_centers(train_x, backend) if num_centers is None else num_centers, n)
     if generator is None:  # on the data's device: the draws happen there
         generator = torch.Generator(device=train_x.device)
         generator.manual_seed(int(seed))
     if center_selection == "leverage":
+        if is_sharded(backend):
+            raise NotImplementedError(
+                "center_selection='leverage' with a sharded (distributed) backend is not available yet: "
+                "select the centers with uniform sampling, or pass centers="
+            )
         lev = dict(leverage_options or {})
         if backend is not None:
             lev.setdefault("backend", backend)
         return LeverageCenters(generator=generator, **lev), m
-    return UniformCenters(generator=generator), m
+    return UniformCenters(generator=generator, backend=backend), m
 
 
 class FalkonGP(gpytorch.models.GP):
@@ -219,7 +225,8 @@ class FalkonGP(gpytorch.models.GP):
         options: Optional[FalkonOptions] = None,
     ) -> None:
         super().__init__()
-        check_inputs("train_x", train_x)
+        sharded = options is not None and is_sharded(getattr(options, "backend", None))
+        check_inputs("train_x", train_x, allow_empty=sharded)
         n, d = train_x.shape
         check_targets("train_y", train_y, n)
         if train_y.dtype != train_x.dtype:
@@ -246,6 +253,11 @@ class FalkonGP(gpytorch.models.GP):
             store_kernel=store_kernel,
             verbose=verbose,
         )
+
+        # the global n of n lambda (a sharded backend sums the ranks' rows: a collective)
+        self._n_total = total_rows(self.options.backend, train_x)
+        if self._n_total == 0:
+            raise ValueError("train_x is empty (0 rows) on every rank")
 
         # --- centers: one selector, called once the penalty is known
         selector, m = _center_selector(
@@ -282,6 +294,17 @@ class FalkonGP(gpytorch.models.GP):
             raise ValueError("center_selection returned centers with NaN or Inf values")
         if weights is not None:
             check_center_weights("center_weights", weights, c.shape[0], train_x.device)
+        if is_sharded(self.options.backend):
+            # every rank must hold the same model: the passes' sums assume it (one all_gather)
+            self.options.backend.check_consistent(
+                centers=c.detach(),
+                kernel_hyperparameters=torch.cat(
+                    [t.detach().reshape(-1).to(torch.float64) for t in (*kernel.parameters(), *kernel.buffers())]
+                    or [torch.zeros(0, dtype=torch.float64, device=c.device)]
+                ),
+                penalty=self.penalty.detach(),
+                shape=torch.tensor([d, self._num_outputs, torch.finfo(train_x.dtype).bits], device=c.device),
+            )
         self._register_centers(c.detach().clone(), learn_centers)
         self.register_buffer("center_weights", None if weights is None else weights.to(torch.float64))
 
@@ -342,7 +365,9 @@ class FalkonGP(gpytorch.models.GP):
 
     @property
     def n(self) -> int:
-        return self.train_inputs[0].shape[0]
+        """The number of training rows (all ranks' rows when the backend is sharded)."""
+        n_total = self.__dict__.get("_n_total")  # absent from models pickled before sharding existed
+        return int(self.train_inputs[0].shape[0]) if n_total is None else int(n_total)
 
     @property
     def noise(self) -> Tensor:
@@ -446,11 +471,17 @@ class FalkonGP(gpytorch.models.GP):
 
     def _mark_fitted(self) -> None:
         self.fitted.fill_(True)
-        fp = self._fit_tracker.mark(self._fit_dependencies(), self._fit_data())
+        fp = self._fit_tracker.mark(self._fit_dependencies(), self._fit_data(), reduce=self._row_sum)
         self.data_fingerprint = fp.to(self.data_fingerprint.device)
 
+    def _row_sum(self, t: Tensor) -> Tensor:
+        """Sums over this process's rows completed over all shards (identity in one process)."""
+        return reduce_rows(self.options.backend, t)[0]
+
     def _hyper_changed(self) -> bool:
-        return self._fit_tracker.stale(self._fit_dependencies(), self._fit_data(), self.data_fingerprint)
+        return self._fit_tracker.stale(
+            self._fit_dependencies(), self._fit_data(), self.data_fingerprint, reduce=self._row_sum
+        )
 
     def _apply(self, fn, *args, **kwargs):  # type: ignore[override]
         # .to(device / dtype), .double(), .cuda() ... move the training data too (as
@@ -523,7 +554,7 @@ class FalkonGP(gpytorch.models.GP):
         if not bool(module.fitted):
             return
         module._fit_tracker.adopt(module._fit_dependencies())
-        if module._fit_tracker.data_changed(module._fit_data(), module.data_fingerprint):
+        if module._fit_tracker.data_changed(module._fit_data(), module.data_fingerprint, reduce=module._row_sum):
             module.fitted.fill_(False)
             module._fit_tracker.forget()
             warnings.warn(
@@ -540,7 +571,7 @@ class FalkonGP(gpytorch.models.GP):
         ``sqrt(n_old / n_new)``: ``D^2`` holds the factor ``1 / n`` of the importance
         weights ``count_j / (n p_j)``, the probabilities ``p_j`` being kept as they were.
         """
-        check_inputs("inputs", inputs, d=self.train_inputs[0].shape[1])
+        check_inputs("inputs", inputs, d=self.train_inputs[0].shape[1], allow_empty=is_sharded(self.options.backend))
         check_targets("targets", targets, inputs.shape[0])
         if inputs.dtype != self.train_inputs[0].dtype or targets.dtype != inputs.dtype:
             raise TypeError(
@@ -552,8 +583,12 @@ class FalkonGP(gpytorch.models.GP):
         if targets.dim() != self.train_targets.dim() or (targets.dim() == 2 and targets.shape[1] != self._num_outputs):
             raise ValueError(f"targets must keep the shape convention of train_y ({tuple(self.train_targets.shape[1:])})")
         pen = self.penalty.detach().clone()
+        n_new = total_rows(self.options.backend, inputs)
+        if n_new == 0:
+            raise ValueError("inputs is empty (0 rows) on every rank")
         if self.center_weights is not None:
-            self.center_weights = self.center_weights * math.sqrt(self.n / inputs.shape[0])
+            self.center_weights = self.center_weights * math.sqrt(self.n / n_new)
+        self._n_total = n_new
         self.train_inputs = (inputs,)
         self.train_targets = targets
         self.penalty = pen  # keep lambda: the noise n * lambda follows n

@@ -13,26 +13,37 @@ constant mean and the training data. :class:`FitTracker` records, at fit time,
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 __all__ = ["FitTracker", "data_fingerprint"]
 
+Reduce = Callable[[Tensor], Tensor]
 
-def data_fingerprint(x: Tensor, y: Tensor, device: Optional[torch.device] = None) -> Tensor:
-    """``[n, d, sum x, ||x||, sum y, ||y||]`` in float64: ``O(n d)``."""
+
+def data_fingerprint(
+    x: Tensor, y: Tensor, device: Optional[torch.device] = None, reduce: Optional[Callable[[Tensor], Tensor]] = None
+) -> Tensor:
+    """``[n, d, sum x, ||x||, sum y, ||y||]`` in float64: ``O(n d)``.
+
+    ``reduce`` completes the row sums ``[n, sum x, ||x||^2, sum y, ||y||^2]`` over the shards of
+    a distributed data set (a collective), so a sharded model's fingerprint is that of all rows.
+    """
     x, y = x.detach(), y.detach()
-    vals = [
-        float(x.shape[0]),
-        float(x.shape[1]),
-        float(x.sum(dtype=torch.float64)),
-        float(torch.linalg.vector_norm(x, dtype=torch.float64)),
-        float(y.sum(dtype=torch.float64)),
-        float(torch.linalg.vector_norm(y, dtype=torch.float64)),
-    ]
-    return torch.tensor(vals, dtype=torch.float64, device=x.device if device is None else device)
+    sums = torch.stack([
+        torch.tensor(float(x.shape[0]), dtype=torch.float64, device=x.device),
+        x.sum(dtype=torch.float64),
+        x.to(torch.float64).square().sum(),
+        y.sum(dtype=torch.float64),
+        y.to(torch.float64).square().sum(),
+    ])
+    if reduce is not None:
+        sums = reduce(sums)
+    vals = [sums[0], torch.tensor(float(x.shape[1]), dtype=torch.float64, device=x.device), sums[1], sums[2].sqrt(),
+            sums[3], sums[4].sqrt()]
+    return torch.stack(vals).to(x.device if device is None else device)
 
 
 def _identity(tensors: Sequence[Tensor]) -> tuple:
@@ -48,11 +59,12 @@ class FitTracker:
         self.snapshot: Optional[List[Tensor]] = None
         self.data_key: Optional[tuple] = None
 
-    def mark(self, hyper: Sequence[Tensor], data: Tuple[Tensor, Tensor]) -> Tensor:
-        """Record the current state as fitted; returns the data fingerprint to store."""
+    def mark(self, hyper: Sequence[Tensor], data: Tuple[Tensor, Tensor], reduce: Optional[Reduce] = None) -> Tensor:
+        """Record the current state as fitted; returns the data fingerprint to store
+        (``reduce``: see :func:`data_fingerprint`)."""
         self.snapshot = [t.detach().clone() for t in hyper]
         self.data_key = _identity(data)
-        return data_fingerprint(*data)
+        return data_fingerprint(*data, reduce=reduce)
 
     def forget(self) -> None:
         """Nothing is known to be fitted."""
@@ -65,17 +77,18 @@ class FitTracker:
         self.snapshot = [t.detach().clone() for t in hyper]
         self.data_key = None
 
-    def data_changed(self, data: Tuple[Tensor, Tensor], stored_fingerprint: Tensor) -> bool:
+    def data_changed(self, data: Tuple[Tensor, Tensor], stored_fingerprint: Tensor, reduce: Optional[Reduce] = None) -> bool:
         """Have the training data changed since the fit that stored ``stored_fingerprint``?"""
         if self.data_key is not None and self.data_key == _identity(data):
             return False
-        now = data_fingerprint(*data, device=stored_fingerprint.device)
+        now = data_fingerprint(*data, device=stored_fingerprint.device, reduce=reduce)
         same = torch.allclose(now, stored_fingerprint.to(torch.float64), rtol=1e-12, atol=0.0)
         if same:
             self.data_key = _identity(data)
         return not same
 
-    def stale(self, hyper: Sequence[Tensor], data: Tuple[Tensor, Tensor], stored_fingerprint: Tensor) -> bool:
+    def stale(self, hyper: Sequence[Tensor], data: Tuple[Tensor, Tensor], stored_fingerprint: Tensor,
+              reduce: Optional[Reduce] = None) -> bool:
         """Has anything the fit depends on changed (or was nothing recorded)?"""
         if self.snapshot is None:
             return True
@@ -84,4 +97,4 @@ class FitTracker:
             for a, b in zip(hyper, self.snapshot)
         ):
             return True
-        return self.data_changed(data, stored_fingerprint)
+        return self.data_changed(data, stored_fingerprint, reduce=reduce)

@@ -17,13 +17,13 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..backend.blocks import AGGREGATE, block_rows_for
-from ..backend.passes import backend_pass
+from ..backend.passes import backend_pass, is_sharded, reduce_rows
 from ..backend.engine import kernel_block
 from ..linalg import jittered_cholesky
 
@@ -107,9 +107,8 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
         agg = self.backend_pass("whitened_aggregates")(
             self.model.kernel, x, y, self.model.centers, L, self._rows(x.shape[0])
         )
-        return NystromAggregates(
-            L=L, AAt=agg.AAt, AY=agg.AY, tr_ktilde=agg.tr_ktilde, tr_knn=agg.tr_knn, yy=y.square().sum(0), n=x.shape[0]
-        )
+        yy, n = self.reduce(y.square().sum(0), torch.tensor(float(x.shape[0]), dtype=torch.float64, device=x.device))
+        return NystromAggregates(L=L, AAt=agg.AAt, AY=agg.AY, tr_ktilde=agg.tr_ktilde, tr_knn=agg.tr_knn, yy=yy, n=int(n))
 
     def for_each_block(
         self, x: Tensor, L: Tensor, fn: Callable[[Tensor, int, int], Tensor]
@@ -119,9 +118,19 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
             self.model.kernel, x, self.model.centers, L, fn, self._rows(x.shape[0])
         )
 
+    @property
+    def backend(self) -> Optional[Any]:
+        """The model's data backend (``model.options.backend``; ``None``: in memory)."""
+        return getattr(getattr(self.model, "options", None), "backend", None)
+
     def backend_pass(self, name: str) -> Callable:
         """The data pass ``name`` of the model's backend (``model.options.backend``), else the in-memory one."""
-        return backend_pass(getattr(getattr(self.model, "options", None), "backend", None), name)
+        return backend_pass(self.backend, name)
+
+    def reduce(self, *tensors: Tensor, anchor: Optional[Tensor] = None) -> List[Tensor]:
+        """Sums over this process's rows completed over every shard (identity in one process;
+        a differentiable collective with a sharded backend: every rank must call it)."""
+        return reduce_rows(self.backend, *tensors, anchor=anchor)
 
     @staticmethod
     def cholesky_b(agg: NystromAggregates, v: Tensor) -> Tensor:
@@ -150,6 +159,13 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
         """The objective's value (a differentiable scalar)."""
 
     def forward(self) -> Tensor:
+        """The objective's value; with a sharded backend, evaluated on the joint graph of all
+        ranks so that every rank gets the single-process gradients
+        (:meth:`~gpfalkon.backend.distributed.DistributedBackend.joint_objective`). Call the
+        module (``loss = objective()``), not :meth:`objective`, in a distributed run."""
+        joint = getattr(self.backend, "joint_objective", None)
+        if is_sharded(self.backend) and callable(joint):
+            return joint(self, self.objective)
         return self.objective()
 
     def minimize(self, steps: int, lr: float = 0.05, optimizer: Optional[torch.optim.Optimizer] = None) -> List[float]:
@@ -162,7 +178,7 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
         values: List[float] = []
         for _ in range(int(steps)):
             opt.zero_grad()
-            loss = self.objective()
+            loss = self()
             loss.backward()
             opt.step()
             values.append(float(loss.detach()))

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..backend.passes import is_sharded
 from .base import NystromObjective
 
 __all__ = ["CompReg", "NystromCompReg", "GCV", "LOOCV", "HoldOut", "SGPRBound"]
@@ -89,7 +90,12 @@ class LOOCV(NystromObjective):
             r = y[s:e] - ab.mT @ w  # ((I - S) y) on the block
             return (r / (1 - s_ii).unsqueeze(-1)).square().sum(0)
 
-        return (sum(self.for_each_block(x, L, block)) / n).sum()
+        local = self.for_each_block(x, L, block)
+        total = sum(local) if local else torch.zeros(y.shape[-1], dtype=L.dtype, device=L.device)
+        # an empty shard ties its zero to everything the blocks would have used, so that its
+        # backward pass reaches the same collectives as the other ranks'
+        (total,) = self.reduce(total, anchor=None if local else (L.sum() + LB.sum() + w.sum()) * 0.0)
+        return (total / n).sum()
 
 
 class HoldOut(NystromObjective):
@@ -134,11 +140,21 @@ class HoldOut(NystromObjective):
         perm = self._perm.to(self.model.train_inputs[0].device)
         return perm[self.n_val :], perm[: self.n_val]
 
+    def _local(self, idx: Tensor) -> Tensor:
+        """The rows of this process among the global row indices ``idx`` (all of them in one
+        process; with a sharded backend, those in this rank's range, as local indices)."""
+        if not is_sharded(self.backend):
+            return idx
+        off, stop, _ = self.backend.row_range(self.model.train_inputs[0])
+        return idx[(idx >= off) & (idx < stop)] - off
+
     def objective(self) -> Tensor:
         x, y = self._data()
         tr, va = self.split()
+        n_train = tr.numel()  # global: the split is drawn over all rows
+        tr, va = self._local(tr), self._local(va)
         xt, yt = x[tr], y[tr]
-        v = xt.shape[0] * self.model.penalty
+        v = n_train * self.model.penalty
         L = self.cholesky_kmm()
         agg = self.aggregates(xt, yt, L)
         m = L.shape[-1]
@@ -148,8 +164,12 @@ class HoldOut(NystromObjective):
         xv, yv = x[va], y[va]
         kernel, c = self.model.kernel, self.model.centers
         rows = self._rows(xv.shape[0])
-        sq = (self.backend_pass("kernel_matmul")(kernel, xv, c, alpha, rows) - yv).square().sum()
-        return sq / yv.numel()
+        if xv.shape[0] > 0:
+            sq = (self.backend_pass("kernel_matmul")(kernel, xv, c, alpha, rows) - yv).square().sum()
+            (sq,) = self.reduce(sq)
+        else:  # an empty part of this shard: zero, still part of the collective
+            (sq,) = self.reduce(torch.zeros((), dtype=alpha.dtype, device=alpha.device), anchor=alpha.sum() * 0.0)
+        return sq / (self.n_val * y.shape[-1])
 
 
 class SGPRBound(NystromObjective):

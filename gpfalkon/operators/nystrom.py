@@ -13,6 +13,7 @@ from torch.autograd.function import once_differentiable
 from .._validation import check_dtype, check_inputs, check_penalty
 from ..backend.autograd import blockwise_kernel_grad, kernel_params, kernel_product, scatter_grads
 from ..backend.engine import KernelEngine, kernel_block
+from ..backend.passes import is_sharded, total_rows
 from ..errors import FalkonConvergenceError, JitterWarning
 from ..options import FalkonOptions, option_property
 from ..solvers import CGInfo, Preconditioner, PreconditionerBuilder, Solver, falkon_solve
@@ -107,7 +108,8 @@ class NystromKRROperator(LinearOperator):
         backend: Optional[Callable[..., KernelEngine]] = None,
         options: Optional[FalkonOptions] = None,
     ) -> None:
-        check_inputs("x", x)
+        sharded = is_sharded(backend if backend is not None else getattr(options, "backend", None))
+        check_inputs("x", x, allow_empty=sharded)
         check_dtype("centers", centers)
         if centers.dim() != 2 or centers.shape[0] == 0:
             raise ValueError(f"centers must have shape (M, d) with M >= 1, got {tuple(centers.shape)}")
@@ -146,6 +148,10 @@ class NystromKRROperator(LinearOperator):
         self.preconditioner_builder: PreconditionerBuilder = (
             FalkonPreconditioner.from_kernel_matrix if options.preconditioner is None else options.preconditioner
         )
+        # the global n (a collective for a sharded backend: every rank builds the operator)
+        self._n_total = total_rows(options.backend, x)
+        if self._n_total == 0:
+            raise ValueError("x is empty (0 rows) on every rank")
         self._engine: Optional[KernelEngine] = None
         self._kmm: Optional[Tensor] = None
         self._precond: Optional[Preconditioner] = None
@@ -165,7 +171,8 @@ class NystromKRROperator(LinearOperator):
 
     @property
     def n(self) -> int:
-        return self.x.shape[0]
+        """The number of rows ``n`` of ``n lambda`` (all shards' rows for a sharded backend)."""
+        return self._n_total
 
     @property
     def m(self) -> int:
@@ -356,9 +363,28 @@ class NystromKRROperator(LinearOperator):
         k_part = kernel_product(self.engine, cols, None, self.x, self.centers)
         return k_part + (self.n * self.penalty) * (self._differentiable_kmm() @ cols.to(self.x.dtype))
 
+    def _needs_grad(self, *extra: Tensor) -> bool:
+        """Does a differentiable path apply (grad mode on and an input requiring a gradient)?
+
+        With a sharded backend, the differentiable products and solves of this operator are not
+        available yet (the objectives' sharded path is ``DistributedBackend.joint_objective``):
+        raise rather than return gradients of this rank's rows only.
+        """
+        if not torch.is_grad_enabled():
+            return False
+        if not is_sharded(self.options.backend):
+            return True
+        live = [self.x, self.centers, self.penalty, *extra, *kernel_params(self.kernel)]
+        if any(t.requires_grad for t in live):
+            raise NotImplementedError(
+                "NystromKRROperator: gradients through H's products, diagonal or solve with a sharded "
+                "(distributed) backend are not available yet; the exact objectives are (call them as modules)"
+            )
+        return False
+
     def _matmul(self, rhs: Tensor) -> Tensor:
         cols, back = _as_columns(rhs, self.m)
-        if torch.is_grad_enabled():
+        if self._needs_grad(rhs):
             out = self._h_matmul_autograd(cols)
         else:
             out = self.h_matmul_nograd(cols.to(torch.float64))
@@ -406,7 +432,7 @@ class NystromKRROperator(LinearOperator):
         return diag
 
     def _diagonal(self) -> Tensor:
-        if torch.is_grad_enabled():
+        if self._needs_grad():
             params = kernel_params(self.kernel)
             return _HDiagonal.apply(self, self.x, self.centers, self.penalty, *params)
         return self.diagonal_nograd().to(self.x.dtype)
@@ -415,6 +441,11 @@ class NystromKRROperator(LinearOperator):
         """``H^{-1} right`` (or ``left H^{-1} right``) by FALKON, differentiable."""
         cols, back = _as_columns(right_tensor, self.m)
         params = kernel_params(self.kernel)
+        if not self._needs_grad(right_tensor):
+            with torch.no_grad():
+                sol = self.falkon_solve(cols.to(torch.float64))[0].to(cols.dtype)
+            out = back(sol)
+            return out if left_tensor is None else left_tensor @ out
         sol = _FalkonSolve.apply(self, cols, self.x, self.centers, self.penalty, *params)
         out = back(sol)
         if left_tensor is not None:

@@ -1,0 +1,317 @@
+"""Row-sharded backend on ``torch.distributed``: every rank holds a shard of the rows.
+
+FALKON touches the ``n`` rows only through passes whose results are ``M``-sized sums over
+row blocks (docs/math.md §7): ``K_Mn (K_nM u + v)``, ``A A^T``, ``A y``, ``tr K~``,
+``tr K_nn``, ``diag(K_Mn K_nM)``. Summing the per-rank results of such a pass gives the
+single-process result, so a shard needs one ``all_reduce`` per pass (all right-hand sides and
+all aggregates of the pass in one call). Everything ``M x M`` - ``K_MM``, its Cholesky
+factors, the preconditioner, CG's scalars - is computed on every rank from identical inputs
+(a ``2 M^3 / 3`` factorisation costs less than broadcasting its ``8 M^2`` bytes over a
+network whenever ``M`` is below several thousand, and needs no extra synchronisation; see
+``benchmarks/results/distributed.md``). The global ``n`` (not the shard's) enters ``n lambda``.
+
+Gradients (the objectives). Each rank evaluates the objective on the *joint* graph of all
+ranks: :func:`all_reduce_sum` is differentiable with its true adjoint (the backward pass
+all-reduces the incoming gradients), the loss's gradient is seeded with ``1 / world_size``
+on every rank (:func:`scale_gradient`) and the parameters enter through
+:func:`sum_gradients` (identity forward, all-reduced gradients backward). Every rank then
+holds exactly the single-process gradient, so parameters stay identical after each
+optimizer step. A rank with an empty shard still takes part in every collective: its
+local sums are zeros tied to the parameters (:func:`all_reduce_sum`'s ``anchor``).
+
+Written here because torch.distributed offers the collectives but not their use in a
+Nyström solver; ``torch.distributed.nn.functional.all_reduce`` has the same adjoint but no
+anchor for empty shards and one call per tensor.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from gpytorch.kernels import Kernel
+from torch import Tensor
+
+from .engine import KernelEngine
+from .passes import WhitenedAggregates, whitened_aggregates
+
+__all__ = [
+    "DistributedBackend",
+    "ShardedEngine",
+    "all_reduce_sum",
+    "scale_gradient",
+    "sum_gradients",
+]
+
+
+def _require_group(group: Optional[Any]) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "gpfalkon's distributed backend needs an initialised torch.distributed process group: call "
+            "torch.distributed.init_process_group(...) first (torchrun sets up its environment)"
+        )
+
+
+def _flat(tensors: Sequence[Tensor]) -> Tuple[Tensor, List[Tuple[torch.Size, torch.dtype]]]:
+    """One float64 buffer holding all ``tensors`` (one collective for all of them)."""
+    meta = [(t.shape, t.dtype) for t in tensors]
+    dev = tensors[0].device
+    flat = torch.cat([t.detach().reshape(-1).to(device=dev, dtype=torch.float64) for t in tensors])
+    return flat, meta
+
+
+def _unflat(flat: Tensor, meta: List[Tuple[torch.Size, torch.dtype]]) -> List[Tensor]:
+    out, i = [], 0
+    for shape, dtype in meta:
+        k = 1
+        for s in shape:
+            k *= int(s)
+        out.append(flat[i : i + k].reshape(shape).to(dtype))
+        i += k
+    return out
+
+
+def _all_reduce_flat(tensors: Sequence[Tensor], group: Optional[Any]) -> List[Tensor]:
+    if not tensors:
+        return []
+    flat, meta = _flat(tensors)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    return _unflat(flat, meta)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """``out_i = sum over ranks of t_i`` (one collective); backward: the same sum of gradients."""
+
+    @staticmethod
+    def forward(ctx, group: Optional[Any], anchor: Optional[Tensor], *tensors: Tensor):  # type: ignore[override]
+        ctx.group = group
+        ctx.has_anchor = anchor is not None
+        ctx.meta = [(t.dtype, t.device) for t in tensors]
+        return tuple(_all_reduce_flat(tensors, group))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):  # type: ignore[override]
+        grads_in = [
+            torch.zeros((), dtype=dt, device=dv) if g is None else g for g, (dt, dv) in zip(grads, ctx.meta)
+        ]
+        summed = _all_reduce_flat(grads_in, ctx.group)
+        out = [g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(summed)]
+        return (None, None, *out)
+
+
+class _SumGradients(torch.autograd.Function):
+    """Identity forward; backward: the gradients summed over ranks (one collective)."""
+
+    @staticmethod
+    def forward(ctx, group: Optional[Any], *tensors: Tensor):  # type: ignore[override]
+        ctx.group = group
+        ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):  # type: ignore[override]
+        grads_in = [torch.zeros(s, dtype=dt, device=dv) if g is None else g for g, (s, dt, dv) in zip(grads, ctx.meta)]
+        return (None, *_all_reduce_flat(grads_in, ctx.group))
+
+
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: Tensor, factor: float):  # type: ignore[override]
+        ctx.factor = factor
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        return grad * ctx.factor, None
+
+
+def all_reduce_sum(*tensors: Tensor, group: Optional[Any] = None, anchor: Optional[Tensor] = None) -> List[Tensor]:
+    """The sums over ranks of ``tensors`` (one ``all_reduce`` in float64), differentiable.
+
+    Backward is the adjoint of the sum: the incoming gradients, summed over ranks (one more
+    ``all_reduce``). ``anchor`` - a scalar tied to the parameters, e.g. ``0 * p.sum()`` - makes
+    the outputs require a gradient even where ``tensors`` do not (an empty shard), so every
+    rank runs the backward collective. Cost: ``8 sum(numel)`` bytes per call and direction.
+    """
+    _require_group(group)
+    if anchor is not None and torch.is_grad_enabled() and anchor.requires_grad:
+        return list(_AllReduceSum.apply(group, anchor, *tensors))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return list(_AllReduceSum.apply(group, None, *tensors))
+    return _all_reduce_flat(tensors, group)
+
+
+def sum_gradients(*tensors: Tensor, group: Optional[Any] = None) -> List[Tensor]:
+    """``tensors`` unchanged, whose gradients are summed over ranks in the backward pass."""
+    _require_group(group)
+    return list(_SumGradients.apply(group, *tensors))
+
+
+def scale_gradient(t: Tensor, factor: float) -> Tensor:
+    """``t`` unchanged, its gradient multiplied by ``factor``."""
+    return _ScaleGradient.apply(t, float(factor))
+
+
+def _anchor(tensors: Sequence[Optional[Tensor]]) -> Optional[Tensor]:
+    """``0 * sum(t)`` over the tensors that require a gradient (``None`` if none does)."""
+    live = [t for t in tensors if t is not None and t.requires_grad]
+    if not live or not torch.is_grad_enabled():
+        return None
+    return sum(t.sum() for t in live) * 0.0  # type: ignore[return-value]
+
+
+class ShardedEngine(KernelEngine):
+    """:class:`KernelEngine` on this rank's rows whose ``M``-sized passes return global sums.
+
+    ``kmn_k``, ``whitened_gram`` and ``column_sq_norms`` compute the shard's sum and
+    all-reduce it (one collective per call, all right-hand sides at once); ``k_matmul``
+    (``K_nM u``, one value per row) stays local. ``n`` is the shard's row count, ``n_total``
+    the global one.
+    """
+
+    def __init__(self, kernel: Kernel, x: Tensor, centers: Tensor, *, group: Optional[Any] = None,
+                 n_total: Optional[int] = None, **kw: Any) -> None:
+        super().__init__(kernel, x, centers, **kw)
+        self.group = group
+        self.n_total = int(n_total) if n_total is not None else None
+
+    def kmn_k(self, u: Optional[Tensor] = None, v: Optional[Tensor] = None) -> Tensor:
+        return _all_reduce_flat([self.local_kmn_k(u, v)], self.group)[0]
+
+    def local_kmn_k(self, u: Optional[Tensor] = None, v: Optional[Tensor] = None) -> Tensor:
+        """This shard's ``K_nM^T (K_nM u + v)`` (no communication)."""
+        return super().kmn_k(u, v)
+
+    def whitened_gram(self, L: Tensor) -> Tensor:
+        return _all_reduce_flat([super().whitened_gram(L)], self.group)[0]
+
+    def column_sq_norms(self) -> Tensor:
+        return _all_reduce_flat([super().column_sq_norms()], self.group)[0]
+
+
+class DistributedBackend:
+    """The data backend of a row-sharded run: pass it as ``FalkonOptions(backend=...)``.
+
+    .. code-block:: python
+
+        torch.distributed.init_process_group("gloo")          # torchrun sets the rendezvous
+        x, y = my_rows_of_the_data()                           # this rank's shard
+        model = FalkonGP(x, y, options=FalkonOptions(backend=DistributedBackend()))
+        model.fit()                                            # alpha identical on every rank
+
+    Each rank passes its own rows (any sizes, empty allowed); the shards in rank order form the
+    global data set. Called as a builder it returns a :class:`ShardedEngine`; it also carries
+    the passes of :mod:`gpfalkon.backend.passes` whose results are sums over rows (reduced
+    here), :meth:`reduce` for the row sums computed outside the passes, and
+    :meth:`joint_objective` for the objectives' gradients (see the module docstring).
+
+    Args:
+        group: the process group (default: the default group).
+    """
+
+    def __init__(self, group: Optional[Any] = None) -> None:
+        _require_group(group)
+        self.group = group
+
+    # ----------------------------------------------------------------- layout
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def shard_sizes(self, x: Tensor) -> List[int]:
+        """Rows per rank, in rank order (one ``all_gather`` of one integer)."""
+        mine = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
+        sizes = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(sizes, mine, group=self.group)
+        return [int(s) for s in sizes]
+
+    def global_rows(self, x: Tensor) -> int:
+        """The global ``n``: the sum over ranks of ``x.shape[0]``."""
+        return sum(self.shard_sizes(x))
+
+    def row_range(self, x: Tensor) -> Tuple[int, int, int]:
+        """``(offset, stop, n_total)``: this shard holds global rows ``offset .. stop - 1``."""
+        sizes = self.shard_sizes(x)
+        off = sum(sizes[: self.rank])
+        return off, off + x.shape[0], sum(sizes)
+
+    # ------------------------------------------------------------ reductions
+    def reduce(self, *tensors: Tensor, anchor: Optional[Tensor] = None) -> List[Tensor]:
+        """Sums over ranks (differentiable; one collective): :func:`all_reduce_sum`."""
+        return all_reduce_sum(*tensors, group=self.group, anchor=anchor)
+
+    def gather_rows(self, x: Tensor, indices: Tensor) -> Tensor:
+        """``X_global[indices]`` on every rank (``indices`` identical on every rank): each rank
+        fills the rows it holds, one ``all_reduce`` of ``len(indices) x d`` values."""
+        off, stop, _ = self.row_range(x)
+        out = torch.zeros(indices.numel(), x.shape[1], dtype=torch.float64, device=x.device)
+        idx = indices.to(x.device)
+        mine = (idx >= off) & (idx < stop)
+        out[mine] = x[idx[mine] - off].to(torch.float64)
+        return _all_reduce_flat([out], self.group)[0].to(x.dtype)
+
+    # --------------------------------------------------------------- builder
+    def __call__(self, kernel: Kernel, x: Tensor, centers: Tensor, **kw: Any) -> ShardedEngine:
+        return ShardedEngine(kernel, x, centers, group=self.group, n_total=self.global_rows(x), **kw)
+
+    # ---------------------------------------------------------------- passes
+    def whitened_aggregates(self, kernel: Kernel, x: Tensor, y: Tensor, centers: Tensor, L: Tensor,
+                            rows: int) -> WhitenedAggregates:
+        """The in-memory pass on this shard, summed over ranks in one collective."""
+        m, t = L.shape[-1], y.shape[-1]
+        if x.shape[0] > 0:
+            local = list(whitened_aggregates(kernel, x, y, centers, L, rows))
+        else:
+            z = lambda *s: torch.zeros(*s, dtype=L.dtype, device=L.device)  # noqa: E731
+            local = [z(m, m), z(m, t), z(()), z(())]
+        anchor = _anchor([L, centers, *kernel.parameters()])
+        return WhitenedAggregates(*self.reduce(*local, anchor=anchor))
+
+    # ------------------------------------------------------------ objectives
+    def joint_objective(self, module: torch.nn.Module, fn: Callable[[], Tensor]) -> Tensor:
+        """``fn()`` evaluated with ``module``'s trainable parameters passed through
+        :func:`sum_gradients` and its value's gradient scaled by ``1 / world_size``: the
+        parameters' gradients are then the single-process ones on every rank."""
+        named = [(k, p) for k, p in module.named_parameters() if p.requires_grad]
+        if not named or not torch.is_grad_enabled():
+            return fn()
+        synced = sum_gradients(*[p for _, p in named], group=self.group)
+        params: Dict[str, Tensor] = {k: s for (k, _), s in zip(named, synced)}
+        out = torch.func.functional_call(_Call(module, fn), {f"target.{k}": v for k, v in params.items()}, ())
+        return scale_gradient(out, 1.0 / self.world_size)
+
+    def check_consistent(self, **values: Tensor) -> None:
+        """Raise ``ValueError`` naming the first of ``values`` that differs between ranks
+        (compared by shape, dtype and a float64 checksum; one ``all_gather``)."""
+        names = sorted(values)
+        sig = []
+        for k in names:
+            v = values[k]
+            sig += [float(v.dim()), float(v.numel()), float(torch.finfo(v.dtype).bits if v.is_floating_point() else -1)]
+            sig += [float(v.detach().to(torch.float64).sum()), float(v.detach().to(torch.float64).square().sum())]
+        mine = torch.tensor(sig, dtype=torch.float64, device=next(iter(values.values())).device)
+        everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine, group=self.group)
+        for r, other in enumerate(everyone):
+            if not torch.equal(other, mine):
+                bad = (other != mine).nonzero()[0].item() // 5
+                raise ValueError(
+                    f"ranks disagree on {names[bad]}: rank {self.rank} and rank {r} hold different values "
+                    "(every rank must build the model with the same kernel, centers, dtype and d)"
+                )
+
+
+class _Call(torch.nn.Module):
+    """``fn()`` as a module whose parameters are ``target``'s (for ``torch.func.functional_call``)."""
+
+    def __init__(self, target: torch.nn.Module, fn: Callable[[], Tensor]) -> None:
+        super().__init__()
+        self.target = target
+        self._fn = fn
+
+    def forward(self) -> Tensor:
+        return self._fn()

@@ -1,0 +1,144 @@
+"""Worker code for tests/test_distributed.py: runs in spawned processes (gloo on loopback).
+
+Every worker builds the same data set from one seed, keeps the rows of its shard, and saves
+what it computed to ``<out>/rank<r>.pt``; the test compares with a single process.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from typing import Any, Callable, Dict, List, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import gpfalkon
+from gpfalkon import FalkonGP, FalkonOptions
+from gpfalkon.backend.distributed import DistributedBackend
+from gpfalkon.objectives import GCV, LOOCV, CompReg, HoldOut, NystromCompReg, SGPRBound
+
+N, D, M = 240, 3, 30
+OBJECTIVES = {"sgpr": SGPRBound, "gcv": GCV, "compreg": CompReg, "nystrom-compreg": NystromCompReg, "loocv": LOOCV,
+              "holdout": HoldOut}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def data(n: int = N, d: int = D, outputs: int = 1, dtype: torch.dtype = torch.float64):
+    g = torch.Generator().manual_seed(7)
+    x = torch.rand(n, d, generator=g, dtype=dtype) * 4 - 2
+    f = torch.sin(2 * x[:, :1]) + 0.5 * torch.cos(3 * x[:, 1:2]) * x[:, -1:]
+    y = f + 0.1 * torch.randn(n, outputs, generator=g, dtype=dtype)
+    xt = torch.rand(17, d, generator=g, dtype=dtype) * 4 - 2
+    return x, (y[:, 0] if outputs == 1 else y), xt
+
+
+def shard_bounds(sizes: Sequence[int]) -> List[tuple]:
+    out, s = [], 0
+    for k in sizes:
+        out.append((s, s + k))
+        s += k
+    return out
+
+
+def make_kernel(d: int = D, dtype: torch.dtype = torch.float64):
+    k = gpytorch_kernel(d).to(dtype)
+    with torch.no_grad():
+        k.base_kernel.lengthscale = torch.linspace(0.7, 1.3, d, dtype=dtype).reshape(1, d)
+        k.outputscale = torch.tensor(1.3, dtype=dtype)
+    return k
+
+
+def gpytorch_kernel(d: int):
+    from gpytorch.kernels import MaternKernel, ScaleKernel
+
+    return ScaleKernel(MaternKernel(nu=2.5, ard_num_dims=d))
+
+
+def build(x, y, backend=None, learn_centers: bool = True, **kw) -> FalkonGP:
+    opts = FalkonOptions(backend=backend, tol=1e-12, max_iter=500)
+    return FalkonGP(x, y, make_kernel(x.shape[1], x.dtype), num_centers=M, penalty=1e-3, learn_centers=learn_centers,
+                    seed=3, options=opts, **kw)
+
+
+def model_results(model: FalkonGP, xt: torch.Tensor) -> Dict[str, Any]:
+    """alpha, centers, predictions and every objective's value and gradients."""
+    out: Dict[str, Any] = {"centers": model.centers.detach().clone(), "n": model.n}
+    model.fit()
+    out["alpha"] = model.alpha.clone()
+    model.eval()
+    with torch.no_grad():
+        pred = model(xt)
+        out["mean"], out["var"] = pred.mean.clone(), pred.variance.clone()
+    model.train()
+    for name, cls in OBJECTIVES.items():
+        obj = cls(model)
+        model.zero_grad()
+        loss = obj()
+        loss.backward()
+        out[f"{name}/value"] = loss.detach().clone()
+        out[f"{name}/grads"] = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+    # three Adam steps on the SGPR bound: every rank must end with the same parameters
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    obj = SGPRBound(model)
+    for _ in range(3):
+        opt.zero_grad()
+        obj().backward()
+        opt.step()
+    out["after_adam"] = {k: p.detach().clone() for k, p in model.named_parameters()}
+    return out
+
+
+def single_process_results(outputs: int = 1) -> Dict[str, Any]:
+    x, y, xt = data(outputs=outputs)
+    return model_results(build(x, y), xt)
+
+
+def _fit_and_save(rank: int, world: int, sizes: Sequence[int], out_dir: str, outputs: int) -> None:
+    x, y, xt = data(outputs=outputs)
+    s, e = shard_bounds(sizes)[rank]
+    model = build(x[s:e], y[s:e], DistributedBackend())
+    res = model_results(model, xt)
+    if rank == 0:  # state_dict saved by rank 0, for a single-process load
+        res["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _entry(rank: int, world: int, port: int, job: Callable[..., None], args: tuple, out_dir: str) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        torch.set_num_threads(1)
+        job(rank, world, *args)
+    except BaseException:  # the parent reads the traceback
+        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(world: int, job: Callable[..., None], args: tuple, out_dir: str) -> None:
+    """``job(rank, world, *args)`` in ``world`` spawned processes; raises with the ranks' tracebacks."""
+    port = free_port()
+    try:
+        mp.start_processes(_entry, args=(world, port, job, args, out_dir), nprocs=world, join=True,
+                           start_method="spawn")
+    except Exception as exc:
+        msgs = []
+        for r in range(world):
+            p = os.path.join(out_dir, f"error{r}.txt")
+            if os.path.exists(p):
+                msgs.append(f"rank {r}:\n" + open(p).read())
+        raise AssertionError("distributed workers failed:\n" + "\n".join(msgs)) from exc
+
+
+__all__ = ["run", "single_process_results", "data", "shard_bounds", "build", "gpfalkon"]
