@@ -12,9 +12,10 @@ from .centers import (
     leverage_centers,
     uniform_centers,
 )
-from .errors import CGNotConvergedWarning, FalkonConvergenceError, JitterWarning, NotFittedError, NotPSDError
+from .errors import CGNotConvergedWarning, DistributedError, FalkonConvergenceError, JitterWarning, NotFittedError, NotPSDError
 from .heuristics import median_lengthscale
 from .backend import KernelEngine
+from .backend.distributed import DistributedBackend, init_distributed
 from .kernels import FastfoodKernel
 from .models import FalkonClassifier, FalkonGP, NystromPosteriorFactors, encode_labels
 from .operators import FalkonPreconditioner, NystromKRROperator
@@ -32,6 +33,9 @@ __all__ = [
     "leverage_centers",
     "CGInfo",
     "CGNotConvergedWarning",
+    "DistributedBackend",
+    "DistributedError",
+    "init_distributed",
     "CenterSelection",
     "CenterSelector",
     "FixedCenters",

@@ -6,6 +6,7 @@ from linear_operator.utils.errors import NotPSDError
 __all__ = [
     "FalkonConvergenceError",
     "CGNotConvergedWarning",
+    "DistributedError",
     "JitterWarning",
     "NotFittedError",
     "NotPSDError",
@@ -15,6 +16,11 @@ __all__ = [
 class FalkonConvergenceError(RuntimeError):
     """Conjugate gradient broke down: non-finite values, loss of positive
     definiteness, or a residual that stopped decreasing."""
+
+
+class DistributedError(RuntimeError):
+    """A collective of a sharded (distributed) run failed: another rank died, raised, or did
+    not reach the same collective within the process group's timeout."""
 
 
 class NotFittedError(RuntimeError):

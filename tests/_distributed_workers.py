@@ -5,7 +5,6 @@ what it computed to ``<out>/rank<r>.pt``; the test compares with a single proces
 """
 from __future__ import annotations
 
-import datetime
 import os
 import socket
 import traceback
@@ -13,7 +12,7 @@ from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import multiprocessing as mp
 
 import gpfalkon
 from gpfalkon import FalkonGP, FalkonOptions
@@ -73,6 +72,7 @@ def model_results(model: FalkonGP, xt: torch.Tensor) -> Dict[str, Any]:
     out: Dict[str, Any] = {"centers": model.centers.detach().clone(), "n": model.n}
     model.fit()
     out["alpha"] = model.alpha.clone()
+    out["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}  # saved right after the fit
     model.eval()
     with torch.no_grad():
         pred = model(xt)
@@ -106,39 +106,108 @@ def _fit_and_save(rank: int, world: int, sizes: Sequence[int], out_dir: str, out
     s, e = shard_bounds(sizes)[rank]
     model = build(x[s:e], y[s:e], DistributedBackend())
     res = model_results(model, xt)
-    if rank == 0:  # state_dict saved by rank 0, for a single-process load
-        res["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}
+    if rank != 0:  # the state_dict of rank 0 is the one saved (for a single-process load)
+        res.pop("state_dict")
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def _entry(rank: int, world: int, port: int, job: Callable[..., None], args: tuple, out_dir: str) -> None:
+def _classifier_and_save(rank: int, world: int, sizes: Sequence[int], out_dir: str) -> None:
+    from gpfalkon import FalkonClassifier
+
+    x, labels, xt = class_data()
+    s, e = shard_bounds(sizes)[rank]
+    clf = FalkonClassifier(x[s:e], labels[s:e], make_kernel(), num_centers=M, penalty=1e-3, seed=3,
+                           options=FalkonOptions(backend=DistributedBackend(), tol=1e-12, max_iter=500)).fit()
+    torch.save({"alpha": clf.model.alpha.clone(), "classes": clf.classes.clone(), "scores": clf.decision_function(xt)},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def class_data():
+    x, _, xt = data()
+    labels = torch.bucketize(x[:, 0] + 0.3 * x[:, 1], torch.tensor([-0.5, 0.5], dtype=x.dtype)) * 10
+    return x, labels, xt
+
+
+def _inconsistent(rank: int, world: int, out_dir: str) -> None:
+    x, y, _ = data()
+    s, e = shard_bounds([N // 2, N - N // 2])[rank]
+    k = make_kernel()
+    if rank == 1:
+        with torch.no_grad():
+            k.base_kernel.lengthscale = k.base_kernel.lengthscale * 2
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
+        FalkonGP(x[s:e], y[s:e], k, num_centers=M, seed=3, options=FalkonOptions(backend=DistributedBackend()))
+        msg = "no error"
+    except ValueError as exc:
+        msg = str(exc)
+    torch.save({"message": msg}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _killed(rank: int, world: int, out_dir: str) -> None:
+    import time
+
+    x, y, _ = data()
+    s, e = shard_bounds([N // 2, N - N // 2])[rank]
+    if rank == 1:
+        os._exit(3)  # a rank that dies without a word
+    t0 = time.perf_counter()
+    try:
+        FalkonGP(x[s:e], y[s:e], make_kernel(), num_centers=M, seed=3,
+                 options=FalkonOptions(backend=DistributedBackend())).fit()
+        msg, kind = "no error", None
+    except Exception as exc:  # noqa: BLE001 - the type is what the test checks
+        msg, kind = str(exc), type(exc).__name__
+    torch.save({"message": msg, "type": kind, "seconds": time.perf_counter() - t0},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _entry(rank: int, world: int, port: int, job: Callable[..., None], args: tuple, out_dir: str,
+           timeout_s: float) -> None:
+    import sys
+
+    try:
+        gpfalkon.init_distributed("gloo", timeout_s=timeout_s, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                  world_size=world)
         torch.set_num_threads(1)
         job(rank, world, *args)
     except BaseException:  # the parent reads the traceback
         with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
-        raise
+        sys.exit(1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run(world: int, job: Callable[..., None], args: tuple, out_dir: str) -> None:
-    """``job(rank, world, *args)`` in ``world`` spawned processes; raises with the ranks' tracebacks."""
+def run(world: int, job: Callable[..., None], args: tuple, out_dir: str, timeout_s: float = 60.0,
+        deadline_s: float = 300.0, allow_exit: Sequence[int] = ()) -> List[int]:
+    """``job(rank, world, *args)`` in ``world`` spawned processes (gloo on loopback, collective
+    timeout ``timeout_s``); returns the exit codes. Raises with the ranks' tracebacks if a rank
+    not in ``allow_exit`` failed, or if any is still running after ``deadline_s``."""
     port = free_port()
-    try:
-        mp.start_processes(_entry, args=(world, port, job, args, out_dir), nprocs=world, join=True,
-                           start_method="spawn")
-    except Exception as exc:
-        msgs = []
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(r, world, port, job, args, out_dir, timeout_s)) for r in range(world)]
+    for p in procs:
+        p.start()
+    import time
+
+    end = time.monotonic() + deadline_s
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+        procs[r].join()
+    codes = [p.exitcode for p in procs]
+    failed = [r for r, c in enumerate(codes) if c != 0 and r not in allow_exit]
+    if hung or failed:
+        msgs = [f"ranks still running after {deadline_s} s: {hung}"] if hung else []
         for r in range(world):
-            p = os.path.join(out_dir, f"error{r}.txt")
-            if os.path.exists(p):
-                msgs.append(f"rank {r}:\n" + open(p).read())
-        raise AssertionError("distributed workers failed:\n" + "\n".join(msgs)) from exc
+            path = os.path.join(out_dir, f"error{r}.txt")
+            if os.path.exists(path):
+                msgs.append(f"rank {r}:\n" + open(path).read())
+        raise AssertionError(f"distributed workers failed (exit codes {codes}):\n" + "\n".join(msgs))
+    return codes
 
 
 __all__ = ["run", "single_process_results", "data", "shard_bounds", "build", "gpfalkon"]

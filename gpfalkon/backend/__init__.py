@@ -8,12 +8,15 @@
 * :mod:`~gpfalkon.backend.passes` - the passes whose blocks go through GPyTorch: the
   objectives' differentiable aggregates (``A A^T``, ``A y``, ``tr K~``, ``tr K_nn``), per-block
   maps (``S_ii``), blockwise ``k(x, C) alpha`` (prediction, hold-out), the kernel diagonal and
-  BLESS's whitened norms.
+  BLESS's whitened norms;
+* :mod:`~gpfalkon.backend.distributed` - :class:`DistributedBackend`, the row-sharded backend on
+  ``torch.distributed`` (one ``all_reduce`` per pass).
 
-It imports nothing from the rest of gpfalkon except :mod:`gpfalkon.settings`.
+It imports nothing from the rest of gpfalkon except :mod:`gpfalkon.settings` and :mod:`gpfalkon.errors`.
 """
 from .autograd import KernelProduct, blockwise_kernel_grad, kernel_params, kernel_product, scatter_grads
 from .blocks import AGGREGATE, FACTOR, GRADIENT, PRODUCT, STORED, BlockProfile, block_rows_for, memory_budget_for, resolve_block_rows, row_blocks
+from .distributed import DistributedBackend, ShardedEngine, init_distributed
 from .engine import KernelEngine, StationarySpec, kernel_block, stationary_spec
 from .passes import (
     WhitenedAggregates,
@@ -31,6 +34,9 @@ __all__ = [
     "PRODUCT",
     "STORED",
     "BlockProfile",
+    "DistributedBackend",
+    "ShardedEngine",
+    "init_distributed",
     "KernelEngine",
     "KernelProduct",
     "StationarySpec",

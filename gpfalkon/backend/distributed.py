@@ -25,6 +25,7 @@ anchor for empty shards and one call per tensor.
 """
 from __future__ import annotations
 
+import datetime
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -32,16 +33,53 @@ import torch.distributed as dist
 from gpytorch.kernels import Kernel
 from torch import Tensor
 
+from ..errors import DistributedError
 from .engine import KernelEngine
 from .passes import WhitenedAggregates, whitened_aggregates
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "DistributedBackend",
+    "init_distributed",
     "ShardedEngine",
     "all_reduce_sum",
     "scale_gradient",
     "sum_gradients",
 ]
+
+
+#: the collective timeout :func:`init_distributed` sets (seconds)
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S, **kw: Any) -> None:
+    """``torch.distributed.init_process_group`` with a stated collective timeout.
+
+    ``backend`` defaults to ``"nccl"`` when CUDA is available, else ``"gloo"``; the rendezvous
+    comes from the environment ``torchrun`` / SLURM set (``MASTER_ADDR``, ``RANK``, ...) unless
+    ``init_method`` is given. A rank that dies, raises or stops calling the collectives makes
+    every other rank raise :class:`~gpfalkon.errors.DistributedError` within ``timeout_s``
+    (gloo usually much sooner: a closed connection is seen at once).
+    """
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised")
+    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=float(timeout_s)), **kw)
+
+
+def _collective(what: str, call: Callable[[], Any]) -> Any:
+    """Run a collective; a failure (dead / raising / late peer) becomes a DistributedError."""
+    try:
+        return call()
+    except RuntimeError as exc:  # torch.distributed.DistBackendError is a RuntimeError
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        raise DistributedError(
+            f"rank {rank}: {what} failed - another rank died, raised, or did not reach this collective within "
+            f"the process group's timeout ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from exc
 
 
 def _require_group(group: Optional[Any]) -> None:
@@ -75,7 +113,7 @@ def _all_reduce_flat(tensors: Sequence[Tensor], group: Optional[Any]) -> List[Te
     if not tensors:
         return []
     flat, meta = _flat(tensors)
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    _collective(f"all_reduce of {flat.numel()} values", lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group))
     return _unflat(flat, meta)
 
 
@@ -226,7 +264,7 @@ class DistributedBackend:
         """Rows per rank, in rank order (one ``all_gather`` of one integer)."""
         mine = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
         sizes = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(sizes, mine, group=self.group)
+        _collective("all_gather of the shard sizes", lambda: dist.all_gather(sizes, mine, group=self.group))
         return [int(s) for s in sizes]
 
     def global_rows(self, x: Tensor) -> int:
@@ -253,6 +291,15 @@ class DistributedBackend:
         mine = (idx >= off) & (idx < stop)
         out[mine] = x[idx[mine] - off].to(torch.float64)
         return _all_reduce_flat([out], self.group)[0].to(x.dtype)
+
+    def distinct_values(self, values: Tensor) -> Tensor:
+        """The sorted distinct values of ``values`` over all ranks (e.g. the class labels; one
+        ``all_gather_object`` of each rank's distinct values)."""
+        mine = torch.unique(values.detach()).cpu()
+        everyone: List[Any] = [None] * self.world_size
+        _collective("all_gather of the distinct values",
+                    lambda: dist.all_gather_object(everyone, mine, group=self.group))
+        return torch.unique(torch.cat([t.to(mine.dtype) for t in everyone])).to(values.device)
 
     # --------------------------------------------------------------- builder
     def __call__(self, kernel: Kernel, x: Tensor, centers: Tensor, **kw: Any) -> ShardedEngine:
@@ -286,19 +333,23 @@ class DistributedBackend:
 
     def check_consistent(self, **values: Tensor) -> None:
         """Raise ``ValueError`` naming the first of ``values`` that differs between ranks
-        (compared by shape, dtype and a float64 checksum; one ``all_gather``)."""
+        (compared by size, dtype and float64 checksums; one ``all_gather``)."""
         names = sorted(values)
         sig = []
         for k in names:
-            v = values[k]
-            sig += [float(v.dim()), float(v.numel()), float(torch.finfo(v.dtype).bits if v.is_floating_point() else -1)]
-            sig += [float(v.detach().to(torch.float64).sum()), float(v.detach().to(torch.float64).square().sum())]
+            v = values[k].detach().reshape(-1)
+            sig += [float(v.numel()), float(torch.finfo(v.dtype).bits if v.is_floating_point() else -1)]
+            # non-finite entries (a constraint's infinite bound) get finite codes; the position
+            # weights catch permutations
+            f = torch.nan_to_num(v.to(torch.float64), nan=1.5e5, posinf=2.5e5, neginf=-3.5e5)
+            w = 1.0 + torch.arange(f.numel(), dtype=torch.float64, device=f.device) / max(f.numel(), 1)
+            sig += [float(f.sum()), float(f.square().sum()), float((f * w).sum())]
         mine = torch.tensor(sig, dtype=torch.float64, device=next(iter(values.values())).device)
         everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine, group=self.group)
+        _collective("the consistency check", lambda: dist.all_gather(everyone, mine, group=self.group))
         for r, other in enumerate(everyone):
             if not torch.equal(other, mine):
-                bad = (other != mine).nonzero()[0].item() // 5
+                bad = int((other != mine).nonzero()[0].item()) // 5
                 raise ValueError(
                     f"ranks disagree on {names[bad]}: rank {self.rank} and rank {r} hold different values "
                     "(every rank must build the model with the same kernel, centers, dtype and d)"

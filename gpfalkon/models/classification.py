@@ -22,6 +22,7 @@ import torch
 from gpytorch.kernels import Kernel
 from torch import Tensor
 
+from ..backend.passes import is_sharded
 from .falkon_gp import FalkonGP
 
 __all__ = ["FalkonClassifier", "encode_labels"]
@@ -44,7 +45,7 @@ def encode_labels(labels: Tensor, classes: Optional[Tensor] = None, dtype: torch
         labels = labels.long()
     if labels.dim() != 1:
         raise ValueError(f"labels must be 1-D (n,), got shape {tuple(labels.shape)}")
-    if labels.numel() == 0:
+    if labels.numel() == 0 and classes is None:  # with given classes an empty shard codes to nothing
         raise ValueError("labels is empty")
     if labels.is_floating_point() and not bool(torch.isfinite(labels).all()):
         raise ValueError("labels contains NaN or Inf values")
@@ -81,9 +82,12 @@ class FalkonClassifier(torch.nn.Module):
     FALKON; :meth:`decision_function` returns ``K_xM alpha`` and :meth:`predict` the
     class (sign / argmax). ``falkon_kwargs`` go to :class:`~gpfalkon.FalkonGP`
     (``num_centers``, ``penalty``, ``max_iter``, ``tol``, ...); the GP is ``self.model``.
+    ``classes`` fixes the class list (default: the distinct labels; with a sharded backend,
+    the distinct labels of all ranks).
     """
 
-    def __init__(self, train_x: Tensor, labels: Tensor, kernel: Optional[Kernel] = None, **falkon_kwargs) -> None:
+    def __init__(self, train_x: Tensor, labels: Tensor, kernel: Optional[Kernel] = None, *,
+                 classes: Optional[Tensor] = None, **falkon_kwargs) -> None:
         super().__init__()
         if not isinstance(train_x, Tensor):
             raise TypeError(f"train_x must be a torch.Tensor, got {type(train_x).__name__}")
@@ -91,7 +95,11 @@ class FalkonClassifier(torch.nn.Module):
             raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
         if labels.dim() == 1 and train_x.dim() == 2 and labels.shape[0] != train_x.shape[0]:
             raise ValueError(f"labels has {labels.shape[0]} entries but train_x has {train_x.shape[0]} rows")
-        targets, classes = encode_labels(labels, dtype=train_x.dtype)
+        backend = getattr(falkon_kwargs.get("options"), "backend", None)
+        if classes is None and is_sharded(backend):
+            # a shard may miss some classes: code the labels against the classes of all ranks
+            classes = backend.distinct_values(labels)
+        targets, classes = encode_labels(labels, classes, dtype=train_x.dtype)
         self.register_buffer("classes", classes.to(train_x.device).clone())
         self.model = FalkonGP(train_x, targets.to(train_x.device), kernel, **falkon_kwargs)
 

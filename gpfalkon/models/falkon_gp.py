@@ -505,6 +505,14 @@ class FalkonGP(gpytorch.models.GP):
             self._fit_tracker.forget()
         return self
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:  # type: ignore[override]
+        # ``fitted`` in a saved state means "alpha solves the saved hyperparameters": a fit made stale
+        # by later hyperparameter changes is saved as unfitted (no stale alpha after loading)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        key = prefix + "fitted"
+        if key in destination and bool(self.fitted) and self._hyper_changed():
+            destination[key] = torch.zeros_like(self.fitted)
+
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ) -> None:

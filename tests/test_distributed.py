@@ -1,0 +1,163 @@
+"""Row-sharded runs on torch.distributed (gloo on loopback, spawned processes) against one process.
+
+Reference: the same model built in this process on all rows. Every sharded quantity - centers,
+alpha, predictive mean and variance, every exact objective's value and gradients, the
+parameters after three Adam steps - must equal it to 1e-10 (float64), on every rank, with
+uneven shards and with an empty shard.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gpfalkon
+from gpfalkon import DistributedError, FalkonClassifier, FalkonGP
+
+sys.path.insert(0, os.path.dirname(__file__))
+import _distributed_workers as W  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {outputs: W.single_process_results(outputs) for outputs in (1, 2)}
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.shape == b.shape, what
+    torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{what}: {m}")
+
+
+def _load(out_dir, world):
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+@pytest.mark.parametrize("sizes,outputs", [((100, 140), 1), ((100, 0, 140), 1), ((30, 210), 2)],
+                         ids=["2-ranks", "3-ranks-one-empty", "2-ranks-2-outputs"])
+def test_sharded_model_equals_single_process(tmp_path, reference, sizes, outputs):
+    W.run(len(sizes), W._fit_and_save, (list(sizes), str(tmp_path), outputs), str(tmp_path))
+    ref = reference[outputs]
+    ranks = _load(tmp_path, len(sizes))
+    for r, res in enumerate(ranks):
+        assert res["n"] == W.N
+        assert torch.equal(res["centers"], ref["centers"]), f"rank {r}: centers differ"
+        for key in ("alpha", "mean", "var"):
+            _close(res[key], ref[key], f"rank {r} {key}")
+        for name in W.OBJECTIVES:
+            _close(res[f"{name}/value"], ref[f"{name}/value"], f"rank {r} {name} value")
+            assert set(res[f"{name}/grads"]) == set(ref[f"{name}/grads"]), f"rank {r} {name}: gradient keys"
+            assert "centers" in ref[f"{name}/grads"] and "kernel.base_kernel.raw_lengthscale" in ref[f"{name}/grads"]
+            for p, g in ref[f"{name}/grads"].items():
+                _close(res[f"{name}/grads"][p], g, f"rank {r} {name} d/d{p}")
+        for p, v in ref["after_adam"].items():
+            _close(res["after_adam"][p], v, f"rank {r} {p} after 3 Adam steps")
+            # bitwise identical on every rank: the ranks cannot drift apart
+            assert torch.equal(res["after_adam"][p], ranks[0]["after_adam"][p]), f"rank {r} {p} differs from rank 0"
+
+
+def test_rank0_state_dict_loads_in_one_process(tmp_path):
+    W.run(2, W._fit_and_save, ([120, 120], str(tmp_path), 1), str(tmp_path))
+    sd = _load(tmp_path, 1)[0]["state_dict"]
+    x, y, xt = W.data()
+    model = W.build(x, y, learn_centers=True)  # a single-process model on all rows
+    model.load_state_dict(sd)
+    assert bool(model.fitted)  # the data fingerprint (global sums) matches the full data
+    model.eval()
+    with torch.no_grad():
+        pred = model(xt)
+    ref = W.build(x, y, learn_centers=True)
+    ref.load_state_dict({k: v for k, v in sd.items() if k not in ("alpha", "fitted", "data_fingerprint")},
+                        strict=False)
+    ref.fit()
+    ref.eval()
+    with torch.no_grad():
+        want = ref(xt)
+    _close(pred.mean, want.mean, "mean from the loaded state")
+    _close(pred.variance, want.variance, "variance from the loaded state")
+
+
+def test_sharded_classifier_codes_labels_globally(tmp_path):
+    x, labels, xt = W.class_data()
+    order = torch.argsort(labels, stable=True)  # rank 0 holds only the first class's rows
+    assert int((labels == labels.min()).sum()) >= 40
+    perm_x, perm_l = x[order], labels[order]
+    # the worker uses the data in its own order: give it the sorted data through the shard sizes
+    ref = FalkonClassifier(perm_x, perm_l, W.make_kernel(), num_centers=W.M, penalty=1e-3, seed=3, tol=1e-12,
+                           max_iter=500).fit()
+    W.run(2, _sorted_classifier, ([40, W.N - 40], str(tmp_path)), str(tmp_path))
+    for r, res in enumerate(_load(tmp_path, 2)):
+        assert torch.equal(res["classes"], ref.classes), f"rank {r}: classes"
+        _close(res["alpha"], ref.model.alpha, f"rank {r} alpha")
+        _close(res["scores"], ref.decision_function(xt), f"rank {r} scores")
+
+
+def _sorted_classifier(rank, world, sizes, out_dir):
+    import _distributed_workers as W2
+
+    x, labels, xt = W2.class_data()
+    order = torch.argsort(labels, stable=True)
+    W2.class_data = lambda: (x[order], labels[order], xt)
+    W2._classifier_and_save(rank, world, sizes, out_dir)
+
+
+def test_ranks_that_disagree_are_told_so(tmp_path):
+    W.run(2, W._inconsistent, (str(tmp_path),), str(tmp_path))
+    for res in _load(tmp_path, 2):
+        assert "ranks disagree on kernel_hyperparameters" in res["message"]
+
+
+def test_a_dead_rank_makes_the_others_raise(tmp_path):
+    codes = W.run(2, W._killed, (str(tmp_path),), str(tmp_path), timeout_s=20.0, deadline_s=120.0, allow_exit=(1,))
+    assert codes[1] == 3
+    res = _load(tmp_path, 1)[0]
+    assert res["type"] == DistributedError.__name__, res["message"]
+    assert "another rank died" in res["message"]
+    assert res["seconds"] < 60.0
+
+
+def test_backend_needs_a_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        gpfalkon.DistributedBackend()
+
+
+def test_init_distributed_validates_timeout():
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+        gpfalkon.init_distributed("gloo", timeout_s=0)
+
+
+def test_single_process_defaults_unchanged():
+    """Without a sharded backend nothing of the sharded machinery runs: n is the local row count."""
+    x, y, _ = W.data()
+    model = FalkonGP(x, y, num_centers=10)
+    assert model.n == x.shape[0]
+    with pytest.raises(ValueError, match="train_x is empty"):
+        FalkonGP(x[:0], y[:0], num_centers=1)
+
+
+def test_state_dict_of_a_stale_fit_loads_unfitted():
+    """A fit made stale by a later hyperparameter change is saved as unfitted (single process)."""
+    x, y, xt = W.data()
+    model = W.build(x, y).fit()
+    assert bool(model.state_dict()["fitted"])
+    with torch.no_grad():
+        model.kernel.outputscale = model.kernel.outputscale * 2
+    sd = model.state_dict()
+    assert not bool(sd["fitted"])
+    fresh = W.build(x, y)
+    fresh.load_state_dict(sd)
+    assert not bool(fresh.fitted)
+    fresh.eval()
+    with pytest.raises(gpfalkon.NotFittedError, match="call fit"):
+        fresh(xt)
