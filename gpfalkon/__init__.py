@@ -15,7 +15,7 @@ from .centers import (
 from .errors import CGNotConvergedWarning, DistributedError, FalkonConvergenceError, JitterWarning, NotFittedError, NotPSDError
 from .heuristics import median_lengthscale
 from .backend import KernelEngine
-from .backend.distributed import DistributedBackend, init_distributed
+from .backend.distributed import DistributedBackend, init_distributed, shard_range
 from .kernels import FastfoodKernel
 from .models import FalkonClassifier, FalkonGP, NystromPosteriorFactors, encode_labels
 from .operators import FalkonPreconditioner, NystromKRROperator
@@ -36,6 +36,7 @@ __all__ = [
     "DistributedBackend",
     "DistributedError",
     "init_distributed",
+    "shard_range",
     "CenterSelection",
     "CenterSelector",
     "FixedCenters",

@@ -161,3 +161,38 @@ def test_state_dict_of_a_stale_fit_loads_unfitted():
     fresh.eval()
     with pytest.raises(gpfalkon.NotFittedError, match="call fit"):
         fresh(xt)
+
+
+def test_two_node_torchrun_on_loopback_fits_the_single_process_alpha(tmp_path):
+    """``examples/distributed_fit.py`` under two ``torchrun --nnodes 2`` launchers (one process each)
+    that meet through a c10d rendezvous on localhost: the two-"node" alpha equals one process's."""
+    import re
+    import shutil
+    import subprocess
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    port = W.free_port()
+    cmd = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "gpfalkon-test",
+           os.path.join(root, "examples", "distributed_fit.py"), "--centers", "200", "--rows", "3000",
+           "--tol", "1e-12", "--iterations", "1000", "--learn", "1", "--check", "--timeout", "60"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=root)
+             for _ in range(2)]
+    outs = []
+    try:
+        for p in nodes:
+            outs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in nodes), "\n".join(outs)
+    text = "\n".join(outs)
+    assert "2 ranks, rows per rank [1500, 1500]" in text, text
+    m = re.search(r"max \|alpha - single-process alpha\| = ([0-9.e+-]+) \(max \|alpha\| ([0-9.e+-]+)\)", text)
+    assert m is not None, text
+    assert float(m.group(1)) <= 1e-9 * float(m.group(2)), text

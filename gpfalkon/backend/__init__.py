@@ -16,7 +16,7 @@ It imports nothing from the rest of gpfalkon except :mod:`gpfalkon.settings` and
 """
 from .autograd import KernelProduct, blockwise_kernel_grad, kernel_params, kernel_product, scatter_grads
 from .blocks import AGGREGATE, FACTOR, GRADIENT, PRODUCT, STORED, BlockProfile, block_rows_for, memory_budget_for, resolve_block_rows, row_blocks
-from .distributed import DistributedBackend, ShardedEngine, init_distributed
+from .distributed import DistributedBackend, ShardedEngine, init_distributed, shard_range
 from .engine import KernelEngine, StationarySpec, kernel_block, stationary_spec
 from .passes import (
     WhitenedAggregates,
@@ -53,6 +53,7 @@ __all__ = [
     "resolve_block_rows",
     "row_blocks",
     "scatter_grads",
+    "shard_range",
     "stationary_spec",
     "whitened_aggregates",
     "whitened_sq_norms",

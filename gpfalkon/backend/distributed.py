@@ -82,6 +82,23 @@ def _collective(what: str, call: Callable[[], Any]) -> Any:
         ) from exc
 
 
+def shard_range(n: int, rank: Optional[int] = None, world_size: Optional[int] = None) -> Tuple[int, int]:
+    """``(start, stop)``: the contiguous rows ``start .. stop - 1`` of ``n`` that rank ``rank`` of
+    ``world_size`` holds (balanced: sizes differ by at most one; the shards in rank order are the
+    rows in order). Defaults: this process's rank and world size."""
+    if rank is None or world_size is None:
+        _require_group(None)
+        rank = dist.get_rank() if rank is None else rank
+        world_size = dist.get_world_size() if world_size is None else world_size
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0, got {n!r}")
+    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
+    base, extra = divmod(n, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
 def _require_group(group: Optional[Any]) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
