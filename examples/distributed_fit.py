@@ -14,7 +14,6 @@ process on all rows and prints the largest difference of ``alpha`` (float64: ~1e
 from __future__ import annotations
 
 import argparse
-import math
 import pathlib
 import time
 

@@ -16,6 +16,7 @@ from .errors import CGNotConvergedWarning, DistributedError, FalkonConvergenceEr
 from .heuristics import median_lengthscale
 from .backend import KernelEngine
 from .backend.distributed import DistributedBackend, init_distributed, shard_range
+from .backend.sources import NpyRows, ParquetRows, RowSource, shard_files, shard_rows
 from .kernels import FastfoodKernel
 from .models import FalkonClassifier, FalkonGP, NystromPosteriorFactors, encode_labels
 from .operators import FalkonPreconditioner, NystromKRROperator
@@ -37,6 +38,11 @@ __all__ = [
     "DistributedError",
     "init_distributed",
     "shard_range",
+    "shard_files",
+    "shard_rows",
+    "NpyRows",
+    "ParquetRows",
+    "RowSource",
     "CenterSelection",
     "CenterSelector",
     "FixedCenters",

@@ -27,9 +27,24 @@ def check_finite(name: str, t: Tensor) -> None:
         raise ValueError(f"{name} contains {bad} NaN or Inf value(s)")
 
 
+def is_row_source(x: object) -> bool:
+    """Is ``x`` a :class:`~gpfalkon.backend.sources.RowSource` (rows read block by block)?"""
+    return not isinstance(x, Tensor) and callable(getattr(x, "read", None)) and callable(getattr(x, "check_finite", None))
+
+
 def check_inputs(name: str, x: Tensor, d: Optional[int] = None, allow_empty: bool = False) -> None:
     """``x`` must be a finite float ``(rows, d)`` matrix with at least one row (``allow_empty``:
-    zero rows allowed, for a shard of a distributed data set)."""
+    zero rows allowed, for a shard of a distributed data set). ``x`` may be a row source (one
+    streamed pass checks finiteness)."""
+    if is_row_source(x):
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {x.dtype}; gpfalkon supports torch.float32 and torch.float64")
+        if x.shape[0] == 0 and not allow_empty:
+            raise ValueError(f"{name} is empty (0 rows)")
+        if d is not None and x.shape[1] != d:
+            raise ValueError(f"{name} has {x.shape[1]} features but the training inputs have {d}")
+        x.check_finite(name)
+        return
     check_dtype(name, x)
     if x.dim() != 2:
         raise ValueError(f"{name} must be 2-dimensional (rows x features), got shape {tuple(x.shape)}")

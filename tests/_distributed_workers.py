@@ -22,6 +22,7 @@ from gpfalkon.objectives import GCV, LOOCV, CompReg, HoldOut, NystromCompReg, SG
 N, D, M = 240, 3, 30
 OBJECTIVES = {"sgpr": SGPRBound, "gcv": GCV, "compreg": CompReg, "nystrom-compreg": NystromCompReg, "loocv": LOOCV,
               "holdout": HoldOut}
+COMPARED = [*OBJECTIVES, "stochastic-subsample", "stochastic-hutchinson"]
 
 
 def free_port() -> int:
@@ -67,8 +68,14 @@ def build(x, y, backend=None, learn_centers: bool = True, **kw) -> FalkonGP:
                     seed=3, options=opts, **kw)
 
 
-def model_results(model: FalkonGP, xt: torch.Tensor) -> Dict[str, Any]:
-    """alpha, centers, predictions and every objective's value and gradients."""
+def probes(n: int = N, r: int = 4) -> torch.Tensor:
+    """Fixed trace vectors Z (n x r) for the stochastic objective."""
+    return torch.randn(n, r, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+
+
+def model_results(model: FalkonGP, xt: torch.Tensor, rows: slice = slice(None)) -> Dict[str, Any]:
+    """alpha, centers, predictions and every objective's value and gradients (``rows``: this
+    process's rows of the global data, for the stochastic objective's probe vectors)."""
     out: Dict[str, Any] = {"centers": model.centers.detach().clone(), "n": model.n}
     model.fit()
     out["alpha"] = model.alpha.clone()
@@ -85,6 +92,17 @@ def model_results(model: FalkonGP, xt: torch.Tensor) -> Dict[str, Any]:
         loss.backward()
         out[f"{name}/value"] = loss.detach().clone()
         out[f"{name}/grads"] = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+    from gpfalkon.objectives import StochasticNystromCompReg
+
+    for trace in ("subsample", "hutchinson"):
+        obj = StochasticNystromCompReg(model, trace_vectors=probes()[rows], ktilde_trace=trace, subsample_size=50,
+                                       cg_iterations=400, cg_tol=1e-13, warm_start=False)
+        model.zero_grad()
+        loss = obj()
+        loss.backward()
+        out[f"stochastic-{trace}/value"] = loss.detach().clone()
+        out[f"stochastic-{trace}/grads"] = {k: p.grad.detach().clone() for k, p in model.named_parameters()
+                                            if p.grad is not None}
     # three Adam steps on the SGPR bound: every rank must end with the same parameters
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     obj = SGPRBound(model)
@@ -105,7 +123,7 @@ def _fit_and_save(rank: int, world: int, sizes: Sequence[int], out_dir: str, out
     x, y, xt = data(outputs=outputs)
     s, e = shard_bounds(sizes)[rank]
     model = build(x[s:e], y[s:e], DistributedBackend())
-    res = model_results(model, xt)
+    res = model_results(model, xt, slice(s, e))
     if rank != 0:  # the state_dict of rank 0 is the one saved (for a single-process load)
         res.pop("state_dict")
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -126,6 +144,22 @@ def class_data():
     x, _, xt = data()
     labels = torch.bucketize(x[:, 0] + 0.3 * x[:, 1], torch.tensor([-0.5, 0.5], dtype=x.dtype)) * 10
     return x, labels, xt
+
+
+def _source_and_save(rank: int, world: int, path: str, out_dir: str) -> None:
+    """Each rank reads its balanced shard of one .npy file (gpfalkon.shard_rows)."""
+    from gpfalkon import NpyRows, shard_rows
+
+    x, y, xt = data()
+    src = shard_rows(NpyRows(path))
+    s, e = gpfalkon.shard_range(N)
+    model = build(src, y[s:e], DistributedBackend(), learn_centers=False)
+    model.fit()
+    model.eval()
+    with torch.no_grad():
+        pred = model(xt)
+    torch.save({"alpha": model.alpha.clone(), "mean": pred.mean.clone(), "var": pred.variance.clone()},
+               os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def _inconsistent(rank: int, world: int, out_dir: str) -> None:

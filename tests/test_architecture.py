@@ -121,7 +121,7 @@ def test_layering_check_catches_an_upward_import():
     assert deps == {"operators"} and _layer("operators") > _layer("solvers")
 
 
-_RANGE_STEP = re.compile(r"range\([^()]*,[^()]*,[^()]*\)")
+_RANGE_STEP = re.compile(r"\brange\([^()]*,[^()]*,[^()]*\)")
 
 
 def test_one_module_iterates_row_blocks_and_one_sizes_them():

@@ -9,6 +9,8 @@
   objectives' differentiable aggregates (``A A^T``, ``A y``, ``tr K~``, ``tr K_nn``), per-block
   maps (``S_ii``), blockwise ``k(x, C) alpha`` (prediction, hold-out), the kernel diagonal and
   BLESS's whitened norms;
+* :mod:`~gpfalkon.backend.sources` - row sources: training inputs read block by block from
+  ``.npy`` or Parquet files (data larger than memory), and their per-rank shards;
 * :mod:`~gpfalkon.backend.distributed` - :class:`DistributedBackend`, the row-sharded backend on
   ``torch.distributed`` (one ``all_reduce`` per pass).
 
@@ -18,6 +20,7 @@ from .autograd import KernelProduct, blockwise_kernel_grad, kernel_params, kerne
 from .blocks import AGGREGATE, FACTOR, GRADIENT, PRODUCT, STORED, BlockProfile, block_rows_for, memory_budget_for, resolve_block_rows, row_blocks
 from .distributed import DistributedBackend, ShardedEngine, init_distributed, shard_range
 from .engine import KernelEngine, StationarySpec, kernel_block, stationary_spec
+from .sources import NpyRows, ParquetRows, RowSource, SliceRows, TensorRows, shard_files, shard_rows
 from .passes import (
     WhitenedAggregates,
     kernel_diagonal,
@@ -39,6 +42,11 @@ __all__ = [
     "init_distributed",
     "KernelEngine",
     "KernelProduct",
+    "NpyRows",
+    "ParquetRows",
+    "RowSource",
+    "SliceRows",
+    "TensorRows",
     "StationarySpec",
     "WhitenedAggregates",
     "block_rows_for",
@@ -53,7 +61,9 @@ __all__ = [
     "resolve_block_rows",
     "row_blocks",
     "scatter_grads",
+    "shard_files",
     "shard_range",
+    "shard_rows",
     "stationary_spec",
     "whitened_aggregates",
     "whitened_sq_norms",

@@ -23,12 +23,28 @@ from torch.autograd.function import once_differentiable
 from .blocks import GRADIENT, block_rows_for, row_blocks
 from .engine import KernelEngine, kernel_block
 
-__all__ = ["kernel_params", "blockwise_kernel_grad", "scatter_grads", "KernelProduct", "kernel_product"]
+__all__ = ["backward_params", "kernel_params", "blockwise_kernel_grad", "scatter_grads", "KernelProduct", "kernel_product"]
 
 
 def kernel_params(kernel: Kernel) -> List[Tensor]:
     """The kernel's parameters that require a gradient (the raw, unconstrained ones)."""
     return [p for p in kernel.parameters() if p.requires_grad]
+
+
+def backward_params(kernel: Kernel, saved: Sequence[Tensor]) -> List[Tensor]:
+    """The tensors a hand-written backward differentiates the kernel w.r.t.: the kernel's
+    parameters as they are when the backward runs, matching ``saved`` (those given to the
+    forward) position by position.
+
+    They are the same objects unless the forward ran under ``torch.func.functional_call``
+    (the sharded objectives do: :mod:`gpfalkon.backend.distributed`), whose substitutes are
+    gone by the time of the backward: the kernel blocks recomputed then use the module's own
+    parameters, and the gradients w.r.t. those are the gradients w.r.t. the substitutes.
+    """
+    now = kernel_params(kernel)
+    if len(now) != len(saved) or any(a.shape != b.shape for a, b in zip(now, saved)):
+        raise RuntimeError("the kernel's parameters changed between the forward and the backward pass")
+    return now
 
 
 def scatter_grads(needs: Sequence[bool], grads: Sequence[Optional[Tensor]], sign: float = 1.0) -> List[Optional[Tensor]]:
@@ -109,9 +125,11 @@ class KernelProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, engine: KernelEngine, u: Tensor, v: Tensor, x: Tensor, centers: Tensor, *params: Tensor) -> Tensor:  # type: ignore[override]
-        uu = None if u.numel() == 0 else u
-        vv = None if v.numel() == 0 else v
-        out = engine.kmn_k(uu, vv).to(x.dtype)
+        # the 1-D empty tensor stands for "absent" (a 2-D v with 0 rows is an empty shard's rows)
+        uu = None if u.dim() == 1 and u.numel() == 0 else u
+        vv = None if v.dim() == 1 and v.numel() == 0 else v
+        # this process's rows only (a sharded engine's sum over ranks is kernel_product's business)
+        out = _local_kmn_k(engine)(uu, vv).to(x.dtype)
         ctx.engine = engine
         ctx.has_u, ctx.has_v = uu is not None, vv is not None
         ctx.u_dtype, ctx.v_dtype = u.dtype, v.dtype
@@ -135,7 +153,7 @@ class KernelProduct(torch.autograd.Function):
             # only U / V: two fast products, no autograd
             q = engine.k_matmul(g)
             if need_u:
-                grad_u = engine.kmn_k(g).to(ctx.u_dtype)
+                grad_u = _local_kmn_k(engine)(g).to(ctx.u_dtype)
             if need_v:
                 grad_v = q.to(ctx.v_dtype)
             return (None, grad_u, grad_v, grad_x, grad_c, *grad_p)
@@ -159,7 +177,7 @@ class KernelProduct(torch.autograd.Function):
                 s = s + ((kb @ uu) * q).sum()
             return s
 
-        active = [p for p, need in zip(params, need_p) if need]
+        active = [p for p, need in zip(backward_params(engine.kernel, params), need_p) if need]
         # an engine class may override the gradient pass (a backend's ``blockwise_kernel_grad``)
         grad_pass = getattr(type(engine), "blockwise_kernel_grad", blockwise_kernel_grad)
         gx, gc, gp = grad_pass(
@@ -173,8 +191,26 @@ class KernelProduct(torch.autograd.Function):
         return (None, grad_u, grad_v, gx, gc, *grad_p)
 
 
+def _local_kmn_k(engine: KernelEngine) -> Callable[..., Tensor]:
+    """The engine's product on this process's rows (``local_kmn_k`` of a sharded engine)."""
+    local = getattr(engine, "local_kmn_k", None)
+    return local if callable(local) else engine.kmn_k
+
+
 def kernel_product(engine: KernelEngine, u: Optional[Tensor], v: Optional[Tensor], x: Tensor, centers: Tensor) -> Tensor:
-    """Differentiable ``K_nM^T (K_nM u + v)`` (see :class:`KernelProduct`)."""
+    """Differentiable ``K_nM^T (K_nM u + v)`` (see :class:`KernelProduct`).
+
+    With a sharded engine (:class:`~gpfalkon.backend.distributed.ShardedEngine`) the product of
+    this process's rows is summed over ranks by the differentiable ``all_reduce_sum``, whose
+    backward first sums the incoming gradients, as the joint-graph rule of
+    :meth:`~gpfalkon.backend.distributed.DistributedBackend.joint_objective` requires.
+    """
     empty = x.new_empty(0)
     params = kernel_params(engine.kernel)
-    return KernelProduct.apply(engine, empty if u is None else u, empty if v is None else v, x, centers, *params)
+    out = KernelProduct.apply(engine, empty if u is None else u, empty if v is None else v, x, centers, *params)
+    reduce = getattr(engine, "reduce_product", None)
+    if callable(reduce):
+        live = [t for t in (u, v, centers, *params) if t is not None and t.requires_grad]
+        anchor = sum(t.sum() for t in live) * 0.0 if live and torch.is_grad_enabled() else None
+        out = reduce(out, anchor)
+    return out

@@ -1,14 +1,17 @@
 """Row-sharded backend on ``torch.distributed``: every rank holds a shard of the rows.
 
 FALKON touches the ``n`` rows only through passes whose results are ``M``-sized sums over
-row blocks (docs/math.md §7): ``K_Mn (K_nM u + v)``, ``A A^T``, ``A y``, ``tr K~``,
+row blocks (docs/math.md §9): ``K_Mn (K_nM u + v)``, ``A A^T``, ``A y``, ``tr K~``,
 ``tr K_nn``, ``diag(K_Mn K_nM)``. Summing the per-rank results of such a pass gives the
 single-process result, so a shard needs one ``all_reduce`` per pass (all right-hand sides and
 all aggregates of the pass in one call). Everything ``M x M`` - ``K_MM``, its Cholesky
 factors, the preconditioner, CG's scalars - is computed on every rank from identical inputs
-(a ``2 M^3 / 3`` factorisation costs less than broadcasting its ``8 M^2`` bytes over a
-network whenever ``M`` is below several thousand, and needs no extra synchronisation; see
-``benchmarks/results/distributed.md``). The global ``n`` (not the shard's) enters ``n lambda``.
+rather than on one rank and broadcast: the factorisation's wall time is the same either way
+(one rank computes while the others would wait), and a broadcast adds ``2 x 8 M^2`` bytes of
+traffic (``benchmarks/results/distributed.md`` measures both: at ``M = 2000``, 1 s of
+factorisation against the broadcast's extra tens of milliseconds on loopback). On machines whose
+BLAS rounds differently the ranks' ``M x M`` results may then differ at the rounding level.
+The global ``n`` (not the shard's) enters ``n lambda``.
 
 Gradients (the objectives). Each rank evaluates the objective on the *joint* graph of all
 ranks: :func:`all_reduce_sum` is differentiable with its true adjoint (the backward pass
@@ -236,6 +239,18 @@ class ShardedEngine(KernelEngine):
     def local_kmn_k(self, u: Optional[Tensor] = None, v: Optional[Tensor] = None) -> Tensor:
         """This shard's ``K_nM^T (K_nM u + v)`` (no communication)."""
         return super().kmn_k(u, v)
+
+    def reduce_product(self, out: Tensor, anchor: Optional[Tensor] = None) -> Tensor:
+        """The differentiable sum over ranks of a product of this shard's rows."""
+        return all_reduce_sum(out, group=self.group, anchor=anchor)[0]
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def reduce_nograd(self, t: Tensor) -> Tensor:
+        """The sum over ranks of ``t`` (no autograd; one collective)."""
+        return _all_reduce_flat([t], self.group)[0]
 
     def whitened_gram(self, L: Tensor) -> Tensor:
         return _all_reduce_flat([super().whitened_gram(L)], self.group)[0]

@@ -40,6 +40,7 @@ from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from torch import Tensor
 
 from .blocks import PRODUCT, STORED, block_rows_for, memory_budget_for, resolve_block_rows, row_blocks
+from .sources import RowSource
 
 __all__ = ["KernelEngine", "StationarySpec", "stationary_spec", "kernel_block"]
 
@@ -144,7 +145,8 @@ class KernelEngine:
         store: Optional[bool] = None,
     ) -> None:
         self.kernel = kernel
-        self.x = x.detach()
+        self.x = x.detach()  # a tensor, or a RowSource read block by block (never held whole)
+        self.streamed = isinstance(x, RowSource)
         self.centers = centers.detach().to(dtype=x.dtype, device=x.device)
         self.n, self.d = x.shape
         self.m = centers.shape[0]
@@ -179,21 +181,18 @@ class KernelEngine:
         self.spec = stationary_spec(kernel)
         with torch.no_grad():
             if self.spec is not None:
-                mu = self.centers.mean(0, keepdim=True)
-                ls = self.spec.lengthscale.to(dtype=self.dtype, device=self.device)
-                self._xs = (self.x - mu).div_(ls)
-                self._cs = (self.centers - mu).div_(ls)
+                self._mu = self.centers.mean(0, keepdim=True)
+                self._ls = self.spec.lengthscale.to(dtype=self.dtype, device=self.device)
+                cs = (self.centers - self._mu).div_(self._ls)
                 # Augmented coordinates: one matmul [-2 f x, f |x|^2, 1] . [c, 1, f |c|^2]
                 # gives f ||x - c||^2 for the whole block, no extra elementwise pass.
                 f = _FACTOR[self.spec.kind]
-                x_sq = self._xs.square().sum(-1, keepdim=True)
-                c_sq = self._cs.square().sum(-1, keepdim=True)
-                self._xa = torch.cat([(-2.0 * f) * self._xs, f * x_sq, torch.ones_like(x_sq)], -1)
-                self._ca_t = torch.cat([self._cs, torch.ones_like(c_sq), f * c_sq], -1).t().contiguous()
-                self._x_sq = x_sq.squeeze(-1)
+                c_sq = cs.square().sum(-1, keepdim=True)
+                self._ca_t = torch.cat([cs, torch.ones_like(c_sq), f * c_sq], -1).t().contiguous()
                 self._eps = float(torch.finfo(self.dtype).eps)
-                self._c_sq_max = float(c_sq.max())
-                del self._xs
+                self._c_sq_max = float(c_sq.max()) if c_sq.numel() else 0.0
+                if not self.streamed:  # in memory: once for all rows (n (d + 2) values)
+                    self._xa, self._x_sq = self._augment(self.x)
                 s = self.spec.outputscale
                 self.scale = (1.0 if s is None else float(s)) * _CONST[self.spec.kind]
             else:
@@ -201,6 +200,13 @@ class KernelEngine:
         self._k: Optional[Tensor] = None
         self._buf: Optional[Tensor] = None
         self._tmp: Optional[Tensor] = None
+
+    def _augment(self, xb: Tensor) -> Tuple[Tensor, Tensor]:
+        """``([-2 f z, f |z|^2, 1], |z|^2)`` for ``z = (x_b - mu) / ell`` (see ``__init__``)."""
+        z = (xb - self._mu).div_(self._ls)
+        f = _FACTOR[self.spec.kind]  # type: ignore[union-attr]
+        z_sq = z.square().sum(-1, keepdim=True)
+        return torch.cat([(-2.0 * f) * z, f * z_sq, torch.ones_like(z_sq)], -1), z_sq.squeeze(-1)
 
     # ------------------------------------------------------------------ blocks
     def _blocks(self, rows: Optional[int] = None) -> Iterator[Tuple[int, int]]:
@@ -216,10 +222,14 @@ class KernelEngine:
         rows = stop - start
         if out is None:
             out = torch.empty(rows, self.m, dtype=self.dtype, device=self.device)
-        torch.matmul(self._xa[start:stop], self._ca_t, out=out)
+        if self.streamed:  # read the block's rows from the source and augment them here
+            xa, x_sq = self._augment(self.x[start:stop])
+        else:
+            xa, x_sq = self._xa[start:stop], self._x_sq[start:stop]
+        torch.matmul(xa, self._ca_t, out=out)
         zero_below = 0.0
         if self.spec.kind == "matern12":
-            zero_below = 8.0 * self._eps * (float(self._x_sq[start:stop].max()) + self._c_sq_max)
+            zero_below = 8.0 * self._eps * (float(x_sq.max()) + self._c_sq_max)
         tmp = None
         if self.spec.kind in ("matern32", "matern52"):
             if self._tmp is None or self._tmp.shape[0] < rows:

@@ -15,6 +15,7 @@ from linear_operator.operators import DiagLinearOperator, KroneckerProductLinear
 from torch import Tensor
 
 from .._validation import (
+    is_row_source,
     check_center_weights,
     check_dtype,
     check_inputs,
@@ -491,7 +492,8 @@ class FalkonGP(gpytorch.models.GP):
         weights = self.center_weights  # kept in float64: a float32 round trip would round them
         mean_c = self.mean_constant  # likewise
         super()._apply(fn, *args, **kwargs)
-        self.train_inputs = tuple(fn(t) for t in self.train_inputs)
+        # a row source (rows on disk) stays where it is: its blocks are read onto the engine's device
+        self.train_inputs = tuple(t if is_row_source(t) else fn(t) for t in self.train_inputs)
         self.train_targets = fn(self.train_targets)
         self.alpha = self.alpha.to(torch.float64)
         self.mean_constant = mean_c.to(device=self.alpha.device, dtype=torch.float64)

@@ -18,6 +18,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .._validation import is_row_source
+
 __all__ = ["FitTracker", "data_fingerprint"]
 
 Reduce = Callable[[Tensor], Tensor]
@@ -32,10 +34,18 @@ def data_fingerprint(
     a distributed data set (a collective), so a sharded model's fingerprint is that of all rows.
     """
     x, y = x.detach(), y.detach()
+    if is_row_source(x):  # one streamed pass
+        sx = torch.zeros((), dtype=torch.float64, device=x.device)
+        sxx = torch.zeros((), dtype=torch.float64, device=x.device)
+        for _, _, blk in x.blocks(65536):
+            sx += blk.sum(dtype=torch.float64)
+            sxx += blk.to(torch.float64).square().sum()
+    else:
+        sx, sxx = x.sum(dtype=torch.float64), x.to(torch.float64).square().sum()
     sums = torch.stack([
         torch.tensor(float(x.shape[0]), dtype=torch.float64, device=x.device),
-        x.sum(dtype=torch.float64),
-        x.to(torch.float64).square().sum(),
+        sx,
+        sxx,
         y.sum(dtype=torch.float64),
         y.to(torch.float64).square().sum(),
     ])

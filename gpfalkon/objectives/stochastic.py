@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..backend.autograd import kernel_params, scatter_grads
+from ..backend.autograd import backward_params, kernel_params, scatter_grads
 from ..backend.engine import kernel_block
 from ..operators import NystromKRROperator
 from ..backend.passes import is_sharded
@@ -57,7 +57,7 @@ class _QuadForms(torch.autograd.Function):
         Ud = U.detach().to(dtype)
         need_u, need_c, need_pen = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         need_p = list(ctx.needs_input_grad[4:])
-        active = [p for p, need in zip(ctx.params, need_p) if need]
+        active = [p for p, need in zip(backward_params(op.kernel, ctx.params), need_p) if need]
         grad_u = torch.zeros_like(Ud) if need_u else None
 
         def surrogate(start: int, stop: int, kb: Tensor) -> Tensor:
@@ -66,8 +66,18 @@ class _QuadForms(torch.autograd.Function):
                 grad_u[start:stop] = 2 * kw * g
             return 2 * (((Ud[start:stop] - kw) * g) * (kb @ W)).sum()
 
+        # Row shards (docs/math.md §9): q is a global value, so the gradients arriving on the ranks
+        # are summed first; each rank then adds its rows' part, and the M x M part, which every rank
+        # would add in full, is weighted 1 / world_size (the parameters' gradients are summed later).
+        engine = op.engine
+        m_weight = 1.0
+        reduce = getattr(engine, "reduce_nograd", None)
+        if callable(reduce):
+            g = reduce(g)
+            m_weight = 1.0 / engine.world_size
         h = op.surrogate_grads(
-            surrogate, lambda kmm: -((W * g) * (kmm @ W)).sum(), active, need_x=False, need_c=need_c, need_pen=need_pen
+            surrogate, lambda kmm: -((W * g) * (kmm @ W)).sum() * m_weight, active, need_x=False, need_c=need_c,
+            need_pen=need_pen,
         )
         return (None, grad_u, h.centers, h.penalty, *scatter_grads(need_p, h.params))
 
@@ -134,23 +144,25 @@ class StochasticNystromCompReg(NystromObjective):
         block_rows: Optional[int] = None,
     ) -> None:
         super().__init__(model, block_rows=block_rows)
-        if is_sharded(self.backend):
-            raise NotImplementedError(
-                "StochasticNystromCompReg with a sharded (distributed) backend is not available yet; "
-                "use an exact objective (NystromCompReg, CompReg, GCV, LOOCV, HoldOut, SGPRBound)"
-            )
         x = model.train_inputs[0]
-        n = x.shape[0]
+        n_local = x.shape[0]
+        n = model.n  # all ranks' rows with a sharded backend
         # default: a generator on the data's device, so the draws happen there
         self.generator = generator if generator is not None else torch.Generator(device=x.device).manual_seed(0)
         gdev = self.generator.device
+        off = self._row_offset()
         if trace_vectors is None:
             if int(num_trace_vectors) < 1:
                 raise ValueError(f"num_trace_vectors must be >= 1, got {num_trace_vectors}")
+            # drawn for all n rows (the same Z whatever the sharding); this rank keeps its rows
             z = torch.randn(n, int(num_trace_vectors), generator=self.generator, dtype=torch.float64, device=gdev)
+            z = z[off:off + n_local]
         else:
-            if trace_vectors.dim() != 2 or trace_vectors.shape[0] != n:
-                raise ValueError(f"trace_vectors must have shape ({n}, r), got {tuple(trace_vectors.shape)}")
+            if trace_vectors.dim() != 2 or trace_vectors.shape[0] != n_local:
+                raise ValueError(
+                    f"trace_vectors must have shape ({n_local}, r) (one row per training row of this process), "
+                    f"got {tuple(trace_vectors.shape)}"
+                )
             z = trace_vectors.detach()
         self.register_buffer("trace_vectors", z.to(dtype=x.dtype, device=x.device))
         if ktilde_trace not in ("subsample", "hutchinson"):
@@ -160,6 +172,9 @@ class StochasticNystromCompReg(NystromObjective):
             raise ValueError(f"subsample_size must be >= 1, got {subsample_size}")
         t_sub = min(n, int(subsample_size))
         idx = torch.randperm(n, generator=self.generator, device=gdev)[:t_sub].sort().values
+        self.subsample_size_global = t_sub
+        # this process's members of the subset T, as local row indices
+        idx = idx[(idx >= off) & (idx < off + n_local)] - off
         self.register_buffer("subsample", idx.to(x.device))
         if int(cg_iterations) < 1:
             raise ValueError(f"cg_iterations must be >= 1, got {cg_iterations}")
@@ -169,6 +184,12 @@ class StochasticNystromCompReg(NystromObjective):
         self._alpha: Optional[Tensor] = None
         self.last_info = None
 
+    def _row_offset(self) -> int:
+        """The global index of this process's first row (0 without row shards)."""
+        if not is_sharded(self.backend):
+            return 0
+        return self.backend.row_range(self.model.train_inputs[0])[0]
+
     def _operator(self) -> NystromKRROperator:
         m = self.model
         return m.nystrom_operator(block_rows=self.block_rows if self.block_rows is not None else m.block_rows)
@@ -176,12 +197,16 @@ class StochasticNystromCompReg(NystromObjective):
     def trace_ktilde(self, L: Tensor, rhs_z: Optional[Tensor] = None) -> Tensor:
         """The estimate of ``tr(K~)`` (differentiable)."""
         x = self.model.train_inputs[0]
-        n = x.shape[0]
+        n = self.model.n
         kernel, c = self.model.kernel, self.model.centers
         if self.ktilde_trace == "subsample":
             xs = x[self.subsample]
-            a = torch.linalg.solve_triangular(L, kernel_block(kernel, xs, c).mT, upper=False)
-            return a.square().sum() * (n / xs.shape[0])
+            if xs.shape[0] > 0:
+                a = torch.linalg.solve_triangular(L, kernel_block(kernel, xs, c).mT, upper=False)
+                (total,) = self.reduce(a.square().sum())
+            else:  # none of T on this shard (no kernel call on 0 rows: some kernels centre by the rows' mean)
+                (total,) = self.reduce(torch.zeros((), dtype=L.dtype, device=L.device), anchor=L.sum() * 0.0)
+            return total * (n / self.subsample_size_global)
         # Hutchinson with Z: (1/r) sum_k ||L^{-1} K_Mn z_k||^2, K_Mn Z by a differentiable engine product
         from ..backend.autograd import kernel_product
 
@@ -191,7 +216,7 @@ class StochasticNystromCompReg(NystromObjective):
 
     def objective(self) -> Tensor:
         x, y = self._data()
-        n, t = x.shape[0], y.shape[1]
+        n, t = self.model.n, y.shape[1]
         lam = self.model.penalty
         v = n * lam
         op = self._operator()
@@ -203,10 +228,18 @@ class StochasticNystromCompReg(NystromObjective):
         self.last_info = state["info"]
         qy, qz = q[:t], q[t:]
         tr_s = qz.mean()
-        fit = y.square().sum(0) - qy
         kernel = self.model.kernel
-        rows = self._rows(n)
-        tr_knn = self.backend_pass("kernel_diagonal")(kernel, x, rows).sum()
+        rows = self._rows(max(x.shape[0], 1))
+        diag = self.backend_pass("kernel_diagonal")(kernel, x, rows) if x.shape[0] > 0 else None
+        anchor = None
+        if diag is None and torch.is_grad_enabled():
+            live = [p for p in kernel.parameters() if p.requires_grad]
+            anchor = sum(p.sum() for p in live) * 0.0 if live else None
+        yy, tr_knn = self.reduce(
+            y.square().sum(0), diag.sum() if diag is not None else torch.zeros((), dtype=y.dtype, device=y.device),
+            anchor=anchor,
+        )
+        fit = yy - qy
         tr_kt = self.trace_ktilde(self.cholesky_kmm())
         nys = (tr_knn - tr_kt) / v
         return (tr_s + fit + nys * fit / n).sum()

@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .._validation import check_dtype, check_inputs, check_penalty
-from ..backend.autograd import blockwise_kernel_grad, kernel_params, kernel_product, scatter_grads
+from ..backend.autograd import backward_params, blockwise_kernel_grad, kernel_params, kernel_product, scatter_grads
 from ..backend.engine import KernelEngine, kernel_block
 from ..backend.passes import is_sharded, total_rows
 from ..errors import FalkonConvergenceError, JitterWarning
@@ -507,11 +507,16 @@ class NystromKRROperator(LinearOperator):
         where not requested.
         """
         gx, gc, gp = self.blockwise_grad(surrogate, params, need_x, need_c)
-        inputs: List[Tensor] = list(params) + ([self.centers] if need_c else []) + ([self.penalty] if need_pen else [])
+        # fresh leaves for the centers and the penalty: differentiating w.r.t. the forward's tensors
+        # could walk back into their (already freed) history
+        c_leaf = self.centers.detach().requires_grad_(need_c)
+        pen_leaf = self.penalty.detach().requires_grad_(need_pen)
+        inputs: List[Tensor] = list(params) + ([c_leaf] if need_c else []) + ([pen_leaf] if need_pen else [])
         g_pen: Optional[Tensor] = None
         if inputs:
             with torch.enable_grad():
-                s = self.n * self.penalty.to(self.x.dtype) * penalty_form(self._differentiable_kmm())
+                kmm = kernel_block(self.kernel, c_leaf, c_leaf).to(self.x.dtype)
+                s = self.n * pen_leaf.to(self.x.dtype) * penalty_form(kmm)
                 grads = torch.autograd.grad(s, inputs, allow_unused=True) if s.requires_grad else [None] * len(inputs)
             for i in range(len(params)):
                 if grads[i] is not None:
@@ -586,7 +591,7 @@ class _FalkonSolve(torch.autograd.Function):
         gx = gc = gpen = None
         gp: List[Optional[Tensor]] = [None] * len(need_p)
         if need_x or need_c or need_pen or any(need_p):
-            active = [p for p, need in zip(ctx.params, need_p) if need]
+            active = [p for p, need in zip(backward_params(op.kernel, ctx.params), need_p) if need]
             g = op.bilinear_grads(lam, sol, need_x, need_c, need_pen, active)
             gp = scatter_grads(need_p, g.params, sign=-1.0)
             gx = None if g.x is None else -g.x
@@ -614,7 +619,7 @@ class _HDiagonal(torch.autograd.Function):
         g = grad.detach().to(op.x.dtype)
         need_x, need_c, need_pen = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         need_p = list(ctx.needs_input_grad[4:])
-        active = [p for p, need in zip(ctx.params, need_p) if need]
+        active = [p for p, need in zip(backward_params(op.kernel, ctx.params), need_p) if need]
 
         def surrogate(start: int, stop: int, kb: Tensor) -> Tensor:
             return (kb.square() * g).sum()

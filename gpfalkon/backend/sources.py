@@ -1,0 +1,348 @@
+"""Row sources: training inputs read block by block, so ``x`` need not fit in memory.
+
+A :class:`RowSource` is an ``(n, d)`` matrix that lives elsewhere (``.npy`` files on disk,
+Parquet files) and is read in row blocks. gpfalkon's passes only ever touch ``x`` through
+row slices ``x[start:stop]`` and row gathers ``x[indices]``, so a row source offers exactly
+that much of the tensor interface (``shape``, ``dtype``, ``device``, slicing, gathering) and
+can be passed wherever training inputs go (``FalkonGP(source, y, ...)``): the kernel engine
+then streams blocks from it and keeps ``K_nM`` only if it fits the memory budget.
+
+* :class:`NpyRows` - one or more C-ordered 2-D ``.npy`` files, concatenated by rows, read with
+  positioned file reads (no memory map: resident memory stays at one block, not the file).
+* :class:`ParquetRows` - Parquet files (pyarrow), the chosen float columns as features, read a
+  row group at a time (the last one kept).
+* :class:`TensorRows` - an in-memory tensor as a row source (for tests and uniform code).
+* :func:`shard_rows` - this rank's contiguous part of a source (:class:`SliceRows`), for a
+  distributed run; :func:`shard_files` - a list of files split between ranks.
+
+Costs: every pass over the data reads ``n d`` values; a block read costs one ``pread`` per file
+(``.npy``) or the decompression of the row groups it touches (Parquet, whose row groups should
+hold at least a few thousand rows).
+
+Written here because neither torch nor pyarrow offers random row-block access to a stack of
+files as a float matrix (``torch.utils.data`` iterates samples; ``pyarrow.dataset`` scans).
+"""
+from __future__ import annotations
+
+import abc
+import os
+from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .blocks import row_blocks
+
+__all__ = ["NpyRows", "ParquetRows", "RowSource", "SliceRows", "TensorRows", "shard_files", "shard_rows"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
+
+
+class RowSource(abc.ABC):
+    """An ``(n, d)`` float matrix read in row blocks (see the module docstring).
+
+    Subclasses implement :meth:`read`; the rest - slicing, gathering, block iteration, the
+    finiteness check - is built on it. Rows come back as CPU tensors in ``dtype`` unless
+    ``device`` says otherwise (blocks are then moved there after reading).
+    """
+
+    def __init__(self, n: int, d: int, dtype: torch.dtype, device: Optional[torch.device] = None) -> None:
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"a row source holds float32 or float64 rows, got {dtype}")
+        self._n, self._d = int(n), int(d)
+        self.dtype = dtype
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self._version = 0  # for gpfalkon's fit tracking: a source is immutable
+
+    # --------------------------------------------------------------- the matrix
+    @abc.abstractmethod
+    def _read(self, start: int, stop: int) -> np.ndarray | Tensor:
+        """Rows ``start .. stop - 1`` (``0 <= start <= stop <= n``) as a 2-D array."""
+
+    def read(self, start: int, stop: int) -> Tensor:
+        """Rows ``start .. stop - 1`` as an ``(stop - start, d)`` tensor in ``dtype`` on ``device``."""
+        start, stop = max(0, int(start)), min(self._n, int(stop))
+        if stop <= start:
+            return torch.empty(0, self._d, dtype=self.dtype, device=self.device)
+        a = self._read(start, stop)
+        t = a if isinstance(a, Tensor) else torch.from_numpy(np.ascontiguousarray(a))
+        return t.to(dtype=self.dtype, device=self.device)
+
+    def take(self, indices: Tensor) -> Tensor:
+        """Rows ``indices`` (any order, repeats allowed): one read per run of consecutive rows
+        after sorting."""
+        idx = torch.as_tensor(indices).reshape(-1).to("cpu", torch.int64)
+        if idx.numel() == 0:
+            return torch.empty(0, self._d, dtype=self.dtype, device=self.device)
+        if bool((idx < 0).any()) or bool((idx >= self._n).any()):
+            raise IndexError(f"row indices out of range for a source of {self._n} rows")
+        order = torch.argsort(idx)
+        srt = idx[order]
+        out = torch.empty(idx.numel(), self._d, dtype=self.dtype, device=self.device)
+        breaks = torch.nonzero(srt[1:] - srt[:-1] > 1).reshape(-1) + 1
+        bounds = [0, *breaks.tolist(), srt.numel()]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            lo, hi = int(srt[a]), int(srt[b - 1]) + 1
+            blk = self.read(lo, hi)
+            out[order[a:b].to(self.device)] = blk[(srt[a:b] - lo).to(self.device)]
+        return out
+
+    def blocks(self, rows: int) -> Iterator[Tuple[int, int, Tensor]]:
+        """``(start, stop, x[start:stop])`` over the whole source in blocks of ``rows``."""
+        for s, e in row_blocks(self._n, max(1, int(rows))):
+            yield s, e, self.read(s, e)
+
+    def check_finite(self, name: str, rows: int = 65536) -> None:
+        """Raise ``ValueError`` naming ``name`` and the first row with a NaN or Inf (one pass)."""
+        for s, _, blk in self.blocks(rows):
+            bad = ~torch.isfinite(blk).all(-1)
+            if bool(bad.any()):
+                raise ValueError(f"{name} contains NaN or Inf values (first at row {s + int(bad.nonzero()[0])})")
+
+    # ------------------------------------------------- the tensor surface gpfalkon uses
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self._n, self._d))
+
+    def dim(self) -> int:
+        return 2
+
+    def __len__(self) -> int:
+        return self._n
+
+    def size(self, dim: Optional[int] = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def __getitem__(self, key: Any) -> Tensor:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self._n)
+            if step != 1:
+                raise IndexError("a row source supports contiguous row slices only (step 1)")
+            return self.read(start, stop)
+        if isinstance(key, Tensor) and key.dtype in (torch.int64, torch.int32) and key.dim() == 1:
+            return self.take(key)
+        if isinstance(key, Tensor) and key.dtype == torch.bool and key.shape == (self._n,):
+            return self.take(key.nonzero().reshape(-1))
+        raise IndexError(f"a row source supports row slices and 1-D index tensors, got {type(key).__name__}")
+
+    def detach(self) -> "RowSource":
+        return self
+
+    @property
+    def requires_grad(self) -> bool:
+        return False
+
+    def data_ptr(self) -> int:
+        return id(self)
+
+    def is_floating_point(self) -> bool:
+        return True
+
+    def materialize(self) -> Tensor:
+        """All rows in memory (``n d`` values): for small sources and tests."""
+        return self.read(0, self._n)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(n={self._n:,}, d={self._d}, dtype={self.dtype})"
+
+
+class TensorRows(RowSource):
+    """An in-memory ``(n, d)`` tensor as a row source."""
+
+    def __init__(self, x: Tensor) -> None:
+        if not isinstance(x, Tensor) or x.dim() != 2:
+            raise ValueError(f"x must be a 2-D tensor, got {type(x).__name__}")
+        super().__init__(x.shape[0], x.shape[1], x.dtype, x.device)
+        self.x = x.detach()
+
+    def _read(self, start: int, stop: int) -> Tensor:
+        return self.x[start:stop]
+
+
+class SliceRows(RowSource):
+    """Rows ``start .. stop - 1`` of another source (a rank's shard)."""
+
+    def __init__(self, source: RowSource, start: int, stop: int) -> None:
+        if not (0 <= start <= stop <= len(source)):
+            raise ValueError(f"need 0 <= start <= stop <= {len(source)}, got {start}, {stop}")
+        super().__init__(stop - start, source.shape[1], source.dtype, source.device)
+        self.source, self.start = source, int(start)
+
+    def _read(self, start: int, stop: int) -> Tensor:
+        return self.source.read(self.start + start, self.start + stop)
+
+
+def _as_paths(paths: Union[PathLike, Sequence[PathLike]], what: str) -> List[str]:
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    out = [os.fspath(p) for p in paths]
+    if not out:
+        raise ValueError(f"{what}: no files given")
+    for p in out:
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"{what}: {p} does not exist")
+    return out
+
+
+class NpyRows(RowSource):
+    """C-ordered 2-D ``.npy`` files (float32 / float64), concatenated by rows.
+
+    Args:
+        paths: one path or a list (all with the same number of columns and dtype).
+        dtype: the rows' dtype after reading (default: the files').
+        device: where read blocks go (default CPU).
+
+    Reads are positioned file reads of the requested rows (``np.fromfile`` at an offset): no
+    memory map, so the resident memory of a pass is one block whatever the file size.
+    """
+
+    def __init__(self, paths: Union[PathLike, Sequence[PathLike]], dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None) -> None:
+        self.paths = _as_paths(paths, "NpyRows")
+        self._files: List[Tuple[str, int, int, np.dtype]] = []  # path, rows, data offset, dtype
+        d: Optional[int] = None
+        fdt: Optional[np.dtype] = None
+        for p in self.paths:
+            with open(p, "rb") as f:
+                version = np.lib.format.read_magic(f)
+                header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                shape, fortran, dt = header(f)
+                offset = f.tell()
+            if len(shape) != 2:
+                raise ValueError(f"NpyRows: {p} holds an array of shape {shape}; need (rows, features)")
+            if fortran:
+                raise ValueError(f"NpyRows: {p} is Fortran-ordered; save it C-ordered (np.ascontiguousarray)")
+            if dt not in _DTYPES:
+                raise TypeError(f"NpyRows: {p} has dtype {dt}; need float32 or float64")
+            if d is not None and (shape[1] != d or dt != fdt):
+                raise ValueError(f"NpyRows: {p} has {shape[1]} columns of {dt}, the first file {d} of {fdt}")
+            d, fdt = shape[1], dt
+            self._files.append((p, int(shape[0]), offset, dt))
+        assert d is not None and fdt is not None
+        self._starts = np.cumsum([0] + [r for _, r, _, _ in self._files])
+        super().__init__(int(self._starts[-1]), d, _DTYPES[fdt] if dtype is None else dtype, device)
+
+    def _read(self, start: int, stop: int) -> np.ndarray:
+        parts = []
+        first = int(np.searchsorted(self._starts, start, side="right")) - 1
+        for i in range(first, len(self._files)):
+            f0 = int(self._starts[i])
+            if f0 >= stop:
+                break
+            path, rows, offset, dt = self._files[i]
+            lo, hi = max(start, f0) - f0, min(stop, f0 + rows) - f0
+            if hi <= lo:
+                continue
+            row_bytes = self._d * dt.itemsize
+            with open(path, "rb") as fh:
+                a = np.fromfile(fh, dtype=dt, count=(hi - lo) * self._d, offset=offset + lo * row_bytes)
+            parts.append(a.reshape(hi - lo, self._d))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+class ParquetRows(RowSource):
+    """Parquet files (pyarrow), the given numeric ``columns`` as features, concatenated by rows.
+
+    Args:
+        paths: one path or a list (same schema).
+        columns: feature column names (default: every column except ``exclude``).
+        exclude: columns left out by default (e.g. the target).
+        dtype: the rows' dtype (default float64).
+
+    Rows are read a row group at a time (the last group read is cached), so the resident
+    memory of a pass is about one row group of the chosen columns.
+    """
+
+    def __init__(self, paths: Union[PathLike, Sequence[PathLike]], columns: Optional[Sequence[str]] = None,
+                 exclude: Sequence[str] = (), dtype: torch.dtype = torch.float64,
+                 device: Optional[torch.device] = None) -> None:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as exc:  # pragma: no cover - pyarrow is a declared extra
+            raise ImportError("ParquetRows needs pyarrow: pip install 'gpfalkon[data]'") from exc
+        self.paths = _as_paths(paths, "ParquetRows")
+        self._pq = pq
+        schema = pq.read_schema(self.paths[0])
+        names = list(schema.names)
+        if columns is None:
+            columns = [c for c in names if c not in set(exclude)]
+        columns = list(columns)
+        missing = [c for c in columns if c not in names]
+        if missing or not columns:
+            raise ValueError(f"ParquetRows: columns {missing or columns} not in {self.paths[0]} (has {names})")
+        self.columns = columns
+        self._groups: List[Tuple[int, int, int]] = []  # (file index, row group, rows)
+        for i, p in enumerate(self.paths):
+            meta = pq.ParquetFile(p).metadata
+            file_names = [meta.schema.column(j).name for j in range(meta.num_columns)]
+            if any(c not in file_names for c in columns):
+                raise ValueError(f"ParquetRows: {p} lacks some of the columns {columns}")
+            for g in range(meta.num_row_groups):
+                self._groups.append((i, g, meta.row_group(g).num_rows))
+        self._starts = np.cumsum([0] + [r for _, _, r in self._groups])
+        self._cache: Tuple[int, Optional[np.ndarray]] = (-1, None)
+        self._handles: dict = {}
+        super().__init__(int(self._starts[-1]), len(columns), dtype, device)
+
+    def _group(self, k: int) -> np.ndarray:
+        if self._cache[0] != k:
+            fi, g, _ = self._groups[k]
+            pf = self._handles.get(fi)
+            if pf is None:
+                pf = self._handles[fi] = self._pq.ParquetFile(self.paths[fi])
+            table = pf.read_row_group(g, columns=self.columns)
+            cols = [table.column(c).to_numpy(zero_copy_only=False) for c in self.columns]
+            a = np.stack(cols, 1).astype(np.float64 if self.dtype == torch.float64 else np.float32, copy=False)
+            self._cache = (k, a)
+        return self._cache[1]  # type: ignore[return-value]
+
+    def _read(self, start: int, stop: int) -> np.ndarray:
+        parts = []
+        k = int(np.searchsorted(self._starts, start, side="right")) - 1
+        while k < len(self._groups) and int(self._starts[k]) < stop:
+            g0 = int(self._starts[k])
+            a = self._group(k)
+            lo, hi = max(start, g0) - g0, min(stop, g0 + a.shape[0]) - g0
+            if hi > lo:
+                parts.append(a[lo:hi])
+            k += 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_handles"], state["_cache"], state["_pq"] = {}, (-1, None), None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        import pyarrow.parquet as pq
+
+        self.__dict__.update(state)
+        self._pq = pq
+
+
+def shard_rows(source: RowSource, rank: Optional[int] = None, world_size: Optional[int] = None) -> SliceRows:
+    """This rank's contiguous part of ``source`` (balanced; defaults: torch.distributed's rank and
+    world size): the shards in rank order are the source's rows in order."""
+    from .distributed import shard_range
+
+    start, stop = shard_range(len(source), rank, world_size)
+    return SliceRows(source, start, stop)
+
+
+def shard_files(paths: Sequence[PathLike], rank: Optional[int] = None, world_size: Optional[int] = None) -> List[str]:
+    """Files ``rank, rank + world_size, ...`` of ``paths`` (round robin; an empty list where there
+    are fewer files than ranks). Defaults: torch.distributed's rank and world size. For whole-file
+    shards; :func:`shard_rows` balances rows instead."""
+    from .distributed import shard_range
+
+    files = [os.fspath(p) for p in paths]
+    shard_range(0, rank, world_size)  # validates rank / world size (and reads the defaults)
+    if rank is None or world_size is None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if rank is None else rank
+        world_size = dist.get_world_size() if world_size is None else world_size
+    return files[rank::world_size]

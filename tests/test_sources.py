@@ -1,0 +1,153 @@
+"""Row sources (data read block by block from .npy / Parquet files) against the in-memory tensors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import gpfalkon
+from gpfalkon import FalkonGP
+from gpfalkon.backend.sources import NpyRows, ParquetRows, SliceRows, TensorRows, shard_files, shard_rows
+from gpfalkon.objectives import GCV, SGPRBound
+
+from conftest import make_data, make_kernel
+
+
+def _write_npy(tmp_path, x: np.ndarray, parts: int = 2):
+    bounds = np.linspace(0, len(x), parts + 1).astype(int)
+    paths = []
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        p = tmp_path / f"x{i}.npy"
+        np.save(p, x[a:b])
+        paths.append(p)
+    return paths
+
+
+def _write_parquet(tmp_path, x: np.ndarray, y: np.ndarray, row_group_size: int = 37):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    cols = {f"f{j}": x[:, j] for j in range(x.shape[1])}
+    cols["target"] = y
+    half = len(x) // 2
+    paths = []
+    for i, sl in enumerate((slice(0, half), slice(half, None))):
+        p = tmp_path / f"part{i}.parquet"
+        pq.write_table(pa.table({k: v[sl] for k, v in cols.items()}), p, row_group_size=row_group_size)
+        paths.append(p)
+    return paths
+
+
+@pytest.fixture
+def data():
+    x, y = make_data(n=301, d=3, seed=4, dtype=torch.float64)
+    return x, y
+
+
+def test_npy_rows_read_slices_and_gathers_across_files(tmp_path, data):
+    x, _ = data
+    src = NpyRows(_write_npy(tmp_path, x.numpy(), parts=3))
+    assert src.shape == x.shape and src.dtype == torch.float64 and len(src) == x.shape[0]
+    torch.testing.assert_close(src[0:301], x, rtol=0, atol=0)
+    torch.testing.assert_close(src[95:205], x[95:205], rtol=0, atol=0)  # spans all three files
+    idx = torch.tensor([300, 0, 150, 151, 0, 99, 100])
+    torch.testing.assert_close(src[idx], x[idx], rtol=0, atol=0)
+    assert src[5:5].shape == (0, 3)
+    f32 = NpyRows(_write_npy(tmp_path, x.numpy()), dtype=torch.float32)
+    torch.testing.assert_close(f32[0:10], x[:10].float(), rtol=0, atol=0)
+
+
+def test_npy_rows_errors_name_the_file(tmp_path, data):
+    x, _ = data
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        NpyRows(tmp_path / "missing.npy")
+    np.save(tmp_path / "f.npy", np.asfortranarray(x.numpy()))
+    with pytest.raises(ValueError, match="Fortran-ordered"):
+        NpyRows(tmp_path / "f.npy")
+    np.save(tmp_path / "i.npy", np.zeros((4, 3), dtype=np.int64))
+    with pytest.raises(TypeError, match="need float32 or float64"):
+        NpyRows(tmp_path / "i.npy")
+    np.save(tmp_path / "a.npy", np.zeros((4, 3)))
+    np.save(tmp_path / "b.npy", np.zeros((4, 2)))
+    with pytest.raises(ValueError, match="2 columns"):
+        NpyRows([tmp_path / "a.npy", tmp_path / "b.npy"])
+    with pytest.raises(IndexError, match="contiguous row slices"):
+        NpyRows(tmp_path / "a.npy")[0:4:2]
+
+
+def test_parquet_rows_read_row_groups_and_columns(tmp_path, data):
+    x, y = data
+    src = ParquetRows(_write_parquet(tmp_path, x.numpy(), y.numpy()), exclude=["target"])
+    assert src.columns == ["f0", "f1", "f2"] and src.shape == x.shape
+    torch.testing.assert_close(src[0:301], x, rtol=0, atol=0)
+    torch.testing.assert_close(src[30:190], x[30:190], rtol=0, atol=0)  # many row groups, both files
+    idx = torch.tensor([299, 3, 150, 3])
+    torch.testing.assert_close(src[idx], x[idx], rtol=0, atol=0)
+    two = ParquetRows(_write_parquet(tmp_path, x.numpy(), y.numpy()), columns=["f2", "f0"])
+    torch.testing.assert_close(two[0:301], x[:, [2, 0]], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="not in"):
+        ParquetRows(_write_parquet(tmp_path, x.numpy(), y.numpy()), columns=["nope"])
+
+
+def test_a_source_with_nan_is_rejected_with_its_row(tmp_path, data):
+    x, y = data
+    bad = x.numpy().copy()
+    bad[123, 1] = np.nan
+    src = NpyRows(_write_npy(tmp_path, bad))
+    with pytest.raises(ValueError, match=r"train_x contains NaN or Inf values \(first at row 123\)"):
+        FalkonGP(src, y, num_centers=10)
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_falkon_gp_on_a_file_source_equals_in_memory(tmp_path, data, store):
+    x, y = data
+    test_x = x[:20] + 0.1
+    src = NpyRows(_write_npy(tmp_path, x.numpy()))
+    models = []
+    for train_x in (x, src):
+        m = FalkonGP(train_x, y, make_kernel("matern52", 3, torch.float64), num_centers=40, penalty=1e-4, seed=1, tol=1e-12,
+                     max_iter=500, store_kernel=store, block_rows=64, learn_centers=True)
+        m.fit()
+        models.append(m)
+    ref, got = models
+    assert torch.equal(ref.centers, got.centers)
+    torch.testing.assert_close(got.alpha, ref.alpha, rtol=1e-10, atol=1e-10)
+    ref.eval(), got.eval()
+    with torch.no_grad():
+        a, b = ref(test_x), got(test_x)
+    torch.testing.assert_close(b.mean, a.mean, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(b.variance, a.variance, rtol=1e-10, atol=1e-10)
+    for cls in (SGPRBound, GCV):
+        vals, grads = [], []
+        for m in (ref, got):
+            m.train()
+            m.zero_grad()
+            loss = cls(m, block_rows=50)()
+            loss.backward()
+            vals.append(loss.detach())
+            grads.append({k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None})
+        torch.testing.assert_close(vals[1], vals[0], rtol=1e-10, atol=1e-10)
+        assert set(grads[0]) == set(grads[1]) and "centers" in grads[0]
+        for k in grads[0]:
+            torch.testing.assert_close(grads[1][k], grads[0][k], rtol=1e-10, atol=1e-10)
+
+
+def test_parquet_source_fits_like_in_memory(tmp_path, data):
+    x, y = data
+    src = ParquetRows(_write_parquet(tmp_path, x.numpy(), y.numpy()), exclude=["target"])
+    fits = [FalkonGP(t, y, make_kernel("matern52", 3, torch.float64), num_centers=30, penalty=1e-4, seed=2, tol=1e-12,
+                     max_iter=500, store_kernel=False, block_rows=50).fit() for t in (x, src)]
+    torch.testing.assert_close(fits[1].alpha, fits[0].alpha, rtol=1e-10, atol=1e-10)
+
+
+def test_shards_of_a_source_partition_its_rows(tmp_path, data):
+    x, _ = data
+    src = TensorRows(x)
+    shards = [shard_rows(src, r, 4) for r in range(4)]
+    assert all(isinstance(s, SliceRows) for s in shards)
+    assert [len(s) for s in shards] == [76, 75, 75, 75]
+    torch.testing.assert_close(torch.cat([s[0:len(s)] for s in shards]), x, rtol=0, atol=0)
+    assert shard_files(["a", "b", "c"], 1, 2) == ["b"]
+    assert shard_files(["a"], 1, 2) == []
+    with pytest.raises(ValueError, match="0 <= rank < world_size"):
+        shard_rows(src, 4, 4)
+    assert gpfalkon.shard_range(10, 2, 3) == (7, 10)
