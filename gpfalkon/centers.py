@@ -28,7 +28,7 @@ import copy
 import itertools
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, List, Optional, Protocol, runtime_checkable
 
 import torch
 from gpytorch.kernels import Kernel
@@ -215,6 +215,56 @@ def _kernel_diag(kernel64: Kernel, x: Tensor, rows: int, backend: Optional[Any] 
         return _dense(diag).to(torch.float64)
 
 
+class _Rows:
+    """The rows the leverage scores are computed on: all of ``x``, or (with a sharded backend)
+    this rank's shard of the global rows. The sums, maxima, gathers and concatenations the
+    algorithms need are then over all shards (collectives); in one process they are local.
+    Every random draw is made for the *global* rows, so the result does not depend on the
+    number of ranks."""
+
+    def __init__(self, x: Tensor, backend: Optional[Any]) -> None:
+        self.sharded = is_sharded(backend)
+        self.backend = backend
+        self.n_local = int(x.shape[0])
+        if self.sharded:
+            self.offset, _, self.n = backend.row_range(x)
+            self.rank = backend.rank
+        else:
+            self.offset, self.n, self.rank = 0, self.n_local, 0
+
+    def sum(self, value: Tensor | float) -> float:
+        if not self.sharded:
+            return float(value)
+        t = torch.as_tensor(value, dtype=torch.float64).reshape(1)
+        return float(self.backend.reduce_nograd(t.to(self.backend._device()))[0])
+
+    def max(self, value: float) -> float:
+        return self.backend.maximum(value) if self.sharded else float(value)
+
+    def counts(self, k: int) -> List[int]:
+        return self.backend.counts(k) if self.sharded else [int(k)]
+
+    def concat(self, t: Tensor) -> Tensor:
+        return self.backend.concat(t).to(t.device) if self.sharded else t
+
+    def gather(self, x: Tensor, indices: Tensor) -> Tensor:
+        """``X_global[indices]`` (global row indices)."""
+        return self.backend.gather_rows(x, indices) if self.sharded else x[indices]
+
+    def draws(self, count: int, generator: Optional[torch.Generator], device: torch.device) -> Tensor:
+        """This shard's part of ``count = n`` global uniforms (all of them in one process)."""
+        return _rand(count, generator, device)[self.offset : self.offset + self.n_local]
+
+    def values_at(self, values: Tensor, indices: Tensor) -> Tensor:
+        """``v_global[indices]`` of a per-row float64 vector (``values``: this shard's rows)."""
+        if not self.sharded:
+            return values[indices]
+        out = torch.zeros(indices.numel(), dtype=torch.float64, device=values.device)
+        mine = (indices >= self.offset) & (indices < self.offset + self.n_local)
+        out[mine] = values[indices[mine] - self.offset].to(torch.float64)
+        return self.backend.reduce_nograd(out)
+
+
 class _Dictionary:
     """A weighted BLESS dictionary ``J`` (training-row indices) with ``A = diag(a_j)``,
     ``a_j`` the probability with which ``j`` entered it (Bernoulli sampling), and the
@@ -246,8 +296,12 @@ class _Dictionary:
         trace: float,
         block_rows: Optional[int],
         backend: Optional[Any] = None,
+        rows_info: Optional[_Rows] = None,
     ) -> Tensor:
         """Estimated ``l_i`` for ``i`` in ``rows_idx`` (``None``: all rows), float64.
+
+        ``self.indices`` are global row indices; ``rows_idx``, ``diag`` and the result refer to
+        this process's rows (``rows_info``: the sharding, default all of ``x``).
 
         Cost ``O(M_J^3)`` for the factorisation plus ``O(r M_J (M_J + d))`` for ``r``
         rows (kernel block, triangular solve), in row blocks: memory ``O(rows M_J + M_J^2)``.
@@ -259,15 +313,18 @@ class _Dictionary:
         if self.size == 0:
             est = d_i / lam_n
         else:
-            xj = x[self.indices].to(torch.float64)
+            xj = (rows_info.gather(x, self.indices) if rows_info is not None else x[self.indices]).to(torch.float64)
             g = _dense(kernel64(xj, xj)).to(torch.float64)
             g = g + torch.diag(lam_n * self.probs)
             with warnings.catch_warnings():
                 # jitter only perturbs sampling probabilities: no need to alarm the user
                 warnings.simplefilter("ignore", JitterWarning)
                 chol, _ = jittered_cholesky(g, upper=False, name="K_JJ + n lambda A (BLESS dictionary)")
-            rows = _rows_per_block(self.size, count, block_rows)
-            norms = backend_pass(backend, "whitened_sq_norms")(kernel64, x, xj, chol, rows, indices=rows_idx)
+            rows = _rows_per_block(self.size, max(count, 1), block_rows)
+            if count > 0:
+                norms = backend_pass(backend, "whitened_sq_norms")(kernel64, x, xj, chol, rows, indices=rows_idx)
+            else:  # no rows to score on this shard
+                norms = torch.zeros(0, dtype=torch.float64, device=d_i.device)
             est = (d_i - norms) / lam_n
         upper = d_i / (d_i + lam_n)
         lower = d_i / (trace + lam_n)
@@ -375,7 +432,8 @@ def approximate_leverage_scores(
         ``(n,)`` float64 tensor of approximate leverage scores, each in ``(0, 1]``
         unless ``K_ii = 0``.
     """
-    check_inputs("x", x)
+    rows_info = _Rows(x, backend)
+    check_inputs("x", x, allow_empty=rows_info.sharded)
     check_kernel(kernel)
     check_penalty(penalty)
     check_generator(generator)
@@ -388,15 +446,18 @@ def approximate_leverage_scores(
         raise ValueError(f"min_dictionary_size must be an integer >= 0, got {min_dictionary_size!r}")
     min_dict = min(int(min_dictionary_size), max_dict)
     lam = float(torch.as_tensor(penalty).detach())
-    n = x.shape[0]
+    n = rows_info.n  # all shards' rows
     k64 = _kernel64(kernel)
     capped_at: Optional[float] = None
     with torch.no_grad():
-        diag = _kernel_diag(k64, x, _rows_per_block(1, n, block_rows), backend)
+        if rows_info.n_local > 0:
+            diag = _kernel_diag(k64, x, _rows_per_block(1, rows_info.n_local, block_rows), backend)
+        else:
+            diag = torch.zeros(0, dtype=torch.float64, device=x.device)
         if not bool(torch.isfinite(diag).all()) or bool((diag < 0).any()):
             raise ValueError("kernel: k(x_i, x_i) must be finite and >= 0 on x (is the kernel positive definite?)")
-        trace = float(diag.sum())
-        kappa2 = float(diag.max())
+        trace = rows_info.sum(diag.sum())
+        kappa2 = rows_info.max(float(diag.max()) if diag.numel() else float("-inf"))
         if kappa2 == 0.0:
             raise ValueError("kernel: k(x_i, x_i) = 0 for every row of x, so all leverage scores are 0")
         levels = []
@@ -414,25 +475,32 @@ def approximate_leverage_scores(
             bound = diag / (diag + lam_n)  # l_i <= bound_i
             # d_eff(lambda_h) <= q d_eff(lambda_{h-1}) and <= sum(bound): oversample more when
             # the dictionary would otherwise hold fewer than min_dictionary_size points
-            d_hat = float(bound.sum()) if d_prev is None else min(float(bound.sum()), q * d_prev)
+            bound_sum = rows_info.sum(bound.sum())
+            d_hat = bound_sum if d_prev is None else min(bound_sum, q * d_prev)
             c = max(q2, min_dict / max(d_hat, 1e-300))
             beta = (c * bound).clamp_(max=1.0)
-            cand = torch.nonzero(_rand(n, generator, x.device) < beta).squeeze(-1)
-            if cand.numel() == 0:
+            cand = torch.nonzero(rows_info.draws(n, generator, x.device) < beta).squeeze(-1)  # local indices
+            cand_counts = rows_info.counts(cand.numel())
+            if sum(cand_counts) == 0:
                 dictionary = _Dictionary(cand, torch.empty(0, dtype=torch.float64, device=x.device))
                 d_prev = None
                 continue
-            est = dictionary.scores(k64, x, cand, lam_n, diag, trace, block_rows, backend)
+            est = dictionary.scores(k64, x, cand, lam_n, diag, trace, block_rows, backend, rows_info)
             beta_c = beta[cand]
-            d_prev = float((est / beta_c).sum())  # Horvitz-Thompson estimate of sum_i l~_i
+            d_prev = rows_info.sum((est / beta_c).sum())  # Horvitz-Thompson estimate of sum_i l~_i
             p = torch.minimum(c * est, beta_c)
-            total = float(p.sum())
+            total = rows_info.sum(p.sum())
             if total > max_dict:
                 p = p * (max_dict / total)
                 capped_at = lam_h
-            keep = _rand(cand.numel(), generator, x.device) < p / beta_c
-            dictionary = _Dictionary(cand[keep], p[keep])
-        scores = dictionary.scores(k64, x, None, lam * n, diag, trace, block_rows, backend)
+            # one draw per candidate of the global (rank-ordered) candidate list
+            first = sum(cand_counts[: rows_info.rank])
+            keep_u = _rand(sum(cand_counts), generator, x.device)[first : first + cand.numel()]
+            keep = keep_u < p / beta_c
+            new_idx = cand[keep] + rows_info.offset  # global row indices
+            dictionary = _Dictionary(rows_info.concat(new_idx.to(torch.float64)).round().to(torch.long),
+                                     rows_info.concat(p[keep]))
+        scores = dictionary.scores(k64, x, None, lam * n, diag, trace, block_rows, backend, rows_info)
     if capped_at is not None:
         warnings.warn(
             f"approximate_leverage_scores: the BLESS dictionary was capped at max_dictionary_size="
@@ -521,8 +589,9 @@ def leverage_centers(
         :class:`CenterSelection` with ``centers = x[indices]``, ``indices``,
         ``weights = diag(D)`` (float64), ``counts`` and ``probabilities = p[indices]``.
     """
-    check_inputs("x", x)
-    n = x.shape[0]
+    rows_info = _Rows(x, kwargs.get("backend"))
+    check_inputs("x", x, allow_empty=rows_info.sharded)
+    n = rows_info.n  # all shards' rows with a sharded backend (then x and scores are this rank's rows)
     num_centers = check_num_centers(num_centers, n)
     check_generator(generator)
     if weighting not in ("unbiased", "paper"):
@@ -530,21 +599,38 @@ def leverage_centers(
     if scores is None:
         scores = approximate_leverage_scores(x, kernel, penalty, generator=generator, **kwargs)
     else:
-        check_scores("scores", scores, n)
+        check_scores("scores", scores, rows_info.n_local)
     with torch.no_grad():
         s = scores.detach().to(device=x.device, dtype=torch.float64)
         cdf = torch.cumsum(s, 0)
-        total = cdf[-1]
-        draws = torch.searchsorted(cdf, _rand(num_centers, generator, x.device) * total, right=True)
-        draws.clamp_(max=n - 1)
+        local_total = float(cdf[-1]) if cdf.numel() else 0.0
+        totals = rows_info.concat(torch.tensor([local_total], dtype=torch.float64, device=x.device)).tolist()
+        total = sum(totals)
+        u = _rand(num_centers, generator, x.device) * total
+        if not rows_info.sharded:
+            draws = torch.searchsorted(cdf, u, right=True)
+            draws.clamp_(max=n - 1)
+        else:
+            # inverse CDF over the shards: rank r owns [sum(totals[:r]), sum(totals[:r + 1])); the last
+            # rank with mass also takes what rounding leaves above the top
+            lo = sum(totals[: rows_info.rank])
+            last = max(r for r, t in enumerate(totals) if t > 0)
+            own = (u >= lo) & ((u < lo + local_total) | torch.tensor(rows_info.rank == last, device=u.device))
+            own &= torch.tensor(local_total > 0, device=u.device)
+            local = torch.searchsorted(cdf, u[own] - lo, right=True).clamp_(max=max(rows_info.n_local - 1, 0))
+            draws = torch.zeros(num_centers, dtype=torch.float64, device=x.device)
+            draws[own] = (local + rows_info.offset).to(torch.float64)
+            draws = rows_info.backend.reduce_nograd(draws).round().to(torch.long)
         idx, counts = torch.unique(draws, sorted=True, return_counts=True)
-        p = s[idx] / total
+        p = rows_info.values_at(s, idx) / total
         m = idx.numel()
         if weighting == "paper":
             weights = 1.0 / torch.sqrt(n * p * counts.to(torch.float64))
         else:
             weights = torch.sqrt(m * counts.to(torch.float64) / (n * num_centers * p))
-    return CenterSelection(centers=x[idx].clone(), indices=idx, weights=weights, counts=counts, probabilities=p)
+    centers = rows_info.gather(x, idx)
+    return CenterSelection(centers=centers.clone() if not rows_info.sharded else centers, indices=idx,
+                           weights=weights, counts=counts, probabilities=p)
 
 
 class LeverageCenters:
@@ -574,7 +660,7 @@ class LeverageCenters:
         self, x: Tensor, num_centers: Optional[int], kernel: Optional[Kernel] = None, penalty: Optional[float | Tensor] = None
     ) -> CenterSelection:
         if num_centers is None:
-            num_centers = default_num_centers(x)
+            num_centers = default_num_centers(x, self.kwargs.get("backend"))
         if kernel is None:
             raise ValueError("leverage-score centers need the kernel (kernel=)")
         lam = self.penalty if self.penalty is not None else penalty

@@ -162,6 +162,20 @@ def _source_and_save(rank: int, world: int, path: str, out_dir: str) -> None:
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+def leverage_model(x, y, backend=None) -> FalkonGP:
+    return FalkonGP(x, y, make_kernel(), num_centers=M, penalty=1e-3, center_selection="leverage", seed=5,
+                    leverage_options={"min_dictionary_size": 16},
+                    options=FalkonOptions(backend=backend, tol=1e-12, max_iter=500))
+
+
+def _leverage_and_save(rank: int, world: int, sizes: Sequence[int], out_dir: str) -> None:
+    x, y, _ = data()
+    s, e = shard_bounds(sizes)[rank]
+    model = leverage_model(x[s:e], y[s:e], DistributedBackend()).fit()
+    torch.save({"centers": model.centers.clone(), "weights": model.center_weights.clone(), "alpha": model.alpha.clone()},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
 def _inconsistent(rank: int, world: int, out_dir: str) -> None:
     x, y, _ = data()
     s, e = shard_bounds([N // 2, N - N // 2])[rank]

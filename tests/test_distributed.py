@@ -214,3 +214,17 @@ def test_sharded_file_source_equals_single_process(tmp_path):
         _close(res["alpha"], ref.alpha, f"rank {r} alpha")
         _close(res["mean"], want.mean, f"rank {r} mean")
         _close(res["var"], want.variance, f"rank {r} variance")
+
+
+@pytest.mark.parametrize("sizes", [(100, 140), (90, 0, 150)], ids=["2-ranks", "3-ranks-one-empty"])
+def test_leverage_centers_do_not_depend_on_the_sharding(tmp_path, sizes):
+    """BLESS scores and the leverage draws made over the global rows: the same centers, weights
+    and alpha as one process, given one seed."""
+    x, y, _ = W.data()
+    ref = W.leverage_model(x, y).fit()
+    assert ref.center_weights is not None and ref.centers.shape[0] < W.M  # some centers drawn twice: weights matter
+    W.run(len(sizes), W._leverage_and_save, (list(sizes), str(tmp_path)), str(tmp_path))
+    for r, res in enumerate(_load(tmp_path, len(sizes))):
+        assert torch.equal(res["centers"], ref.centers), f"rank {r}: centers"
+        _close(res["weights"], ref.center_weights, f"rank {r} weights")
+        _close(res["alpha"], ref.alpha, f"rank {r} alpha")

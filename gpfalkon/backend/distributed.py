@@ -314,6 +314,10 @@ class DistributedBackend:
         """Sums over ranks (differentiable; one collective): :func:`all_reduce_sum`."""
         return all_reduce_sum(*tensors, group=self.group, anchor=anchor)
 
+    def reduce_nograd(self, t: Tensor) -> Tensor:
+        """The sum over ranks of ``t`` (no autograd; one collective)."""
+        return _all_reduce_flat([t], self.group)[0]
+
     def gather_rows(self, x: Tensor, indices: Tensor) -> Tensor:
         """``X_global[indices]`` on every rank (``indices`` identical on every rank): each rank
         fills the rows it holds, one ``all_reduce`` of ``len(indices) x d`` values."""
@@ -323,6 +327,36 @@ class DistributedBackend:
         mine = (idx >= off) & (idx < stop)
         out[mine] = x[idx[mine] - off].to(torch.float64)
         return _all_reduce_flat([out], self.group)[0].to(x.dtype)
+
+    def _device(self) -> torch.device:
+        """Where small collective buffers live: the current GPU for NCCL, else the CPU."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def maximum(self, value: float) -> float:
+        """The largest of the ranks' ``value`` (one ``all_reduce``; ``-inf`` on an empty shard is fine)."""
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self._device())
+        _collective("all_reduce (max)", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group))
+        return float(t[0])
+
+    def counts(self, k: int) -> List[int]:
+        """Every rank's ``k``, in rank order (one ``all_gather``)."""
+        mine = torch.tensor([int(k)], dtype=torch.int64, device=self._device())
+        out = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        _collective("all_gather of a count", lambda: dist.all_gather(out, mine, group=self.group))
+        return [int(c) for c in out]
+
+    def concat(self, t: Tensor) -> Tensor:
+        """The ranks' 1-D ``t`` concatenated in rank order, on every rank (float64; lengths may
+        differ: padded to the longest for one ``all_gather``)."""
+        sizes = self.counts(t.numel())
+        width = max(max(sizes), 1)
+        buf = torch.zeros(width, dtype=torch.float64, device=t.device)
+        buf[: t.numel()] = t.to(torch.float64)
+        out = [torch.zeros_like(buf) for _ in range(self.world_size)]
+        _collective("all_gather of variable-length parts", lambda: dist.all_gather(out, buf, group=self.group))
+        return torch.cat([o[:k] for o, k in zip(out, sizes)])
 
     def distinct_values(self, values: Tensor) -> Tensor:
         """The sorted distinct values of ``values`` over all ranks (e.g. the class labels; one

@@ -96,11 +96,6 @@ def _center_selector(
         generator = torch.Generator(device=train_x.device)
         generator.manual_seed(int(seed))
     if center_selection == "leverage":
-        if is_sharded(backend):
-            raise NotImplementedError(
-                "center_selection='leverage' with a sharded (distributed) backend is not available yet: "
-                "select the centers with uniform sampling, or pass centers="
-            )
         lev = dict(leverage_options or {})
         if backend is not None:
             lev.setdefault("backend", backend)
