@@ -176,13 +176,16 @@ def _leverage_and_save(rank: int, world: int, sizes: Sequence[int], out_dir: str
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def _inconsistent(rank: int, world: int, out_dir: str) -> None:
+def _inconsistent(rank: int, world: int, out_dir: str, what: str) -> None:
     x, y, _ = data()
     s, e = shard_bounds([N // 2, N - N // 2])[rank]
     k = make_kernel()
-    if rank == 1:
+    if rank == 1 and what == "kernel":
         with torch.no_grad():
             k.base_kernel.lengthscale = k.base_kernel.lengthscale * 2
+    if rank == 1 and what == "d":
+        x = torch.cat([x, x[:, :1]], 1)
+        k = make_kernel(D + 1)
     try:
         FalkonGP(x[s:e], y[s:e], k, num_centers=M, seed=3, options=FalkonOptions(backend=DistributedBackend()))
         msg = "no error"

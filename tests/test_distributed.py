@@ -108,10 +108,11 @@ def _sorted_classifier(rank, world, sizes, out_dir):
     W2._classifier_and_save(rank, world, sizes, out_dir)
 
 
-def test_ranks_that_disagree_are_told_so(tmp_path):
-    W.run(2, W._inconsistent, (str(tmp_path),), str(tmp_path))
+@pytest.mark.parametrize("what,named", [("kernel", "kernel_hyperparameters"), ("d", "data_shape")])
+def test_ranks_that_disagree_are_told_so(tmp_path, what, named):
+    W.run(2, W._inconsistent, (str(tmp_path), what), str(tmp_path))
     for res in _load(tmp_path, 2):
-        assert "ranks disagree on kernel_hyperparameters" in res["message"]
+        assert f"ranks disagree on {named}" in res["message"], res["message"]
 
 
 def test_a_dead_rank_makes_the_others_raise(tmp_path):

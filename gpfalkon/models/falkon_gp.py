@@ -254,6 +254,11 @@ class FalkonGP(gpytorch.models.GP):
         self._n_total = total_rows(self.options.backend, train_x)
         if self._n_total == 0:
             raise ValueError("train_x is empty (0 rows) on every rank")
+        if is_sharded(self.options.backend):
+            # before any collective whose size depends on them: d, outputs and dtype must agree
+            self.options.backend.check_consistent(
+                data_shape=torch.tensor([d, self._num_outputs, torch.finfo(train_x.dtype).bits], device=train_x.device)
+            )
 
         # --- centers: one selector, called once the penalty is known
         selector, m = _center_selector(
@@ -299,7 +304,6 @@ class FalkonGP(gpytorch.models.GP):
                     or [torch.zeros(0, dtype=torch.float64, device=c.device)]
                 ),
                 penalty=self.penalty.detach(),
-                shape=torch.tensor([d, self._num_outputs, torch.finfo(train_x.dtype).bits], device=c.device),
             )
         self._register_centers(c.detach().clone(), learn_centers)
         self.register_buffer("center_weights", None if weights is None else weights.to(torch.float64))
