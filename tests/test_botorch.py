@@ -1,6 +1,8 @@
 """FalkonModel inside BoTorch: posterior, transforms, acquisition optimisation, gradients."""
 from __future__ import annotations
 
+import warnings
+
 import gpytorch
 import pytest
 import torch
@@ -11,7 +13,7 @@ from botorch.optim import optimize_acqf
 from botorch.posteriors import GPyTorchPosterior
 from conftest import dense_kernel, make_kernel
 
-from gpfalkon import FalkonGP
+from gpfalkon import FalkonGP, NotFittedError
 from gpfalkon.botorch import FalkonModel
 
 
@@ -124,3 +126,88 @@ def test_posterior_transform_and_subset_of_outputs():
     torch.testing.assert_close(scal.mean.squeeze(-1), full.mean @ w)
     # outputs are independent given the data (covariance C kron I): Var(w^T f) = sum_j w_j^2 var_j
     torch.testing.assert_close(scal.variance.squeeze(-1), full.variance @ w**2)
+
+
+# ------------------------------------------------------------------ issue 14 regressions (items 1, 3, 5)
+@pytest.mark.parametrize("transform", ["standardize", None])
+def test_load_state_dict_on_botorchs_path(transform):
+    """BoTorch's load_state_dict calls set_train_data(targets=..., strict=...): the loaded model
+    predicts as the saved one (item 1)."""
+    X, Y = _data(n=200)
+    m = FalkonModel(X, Y, num_centers=40, outcome_transform=transform, tol=1e-10, max_iter=500)
+    fresh = FalkonModel(X, Y, num_centers=40, outcome_transform=transform, fit=False)
+    fresh.load_state_dict(m.state_dict())
+    Xt = torch.rand(7, 2, dtype=torch.float64)
+    want, got = m.posterior(Xt), fresh.posterior(Xt)
+    torch.testing.assert_close(got.mean, want.mean, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got.variance, want.variance, rtol=1e-10, atol=1e-10)
+    # a model holding other data: the loaded alpha does not solve its system, so it is unfitted
+    other = FalkonModel(X, Y * 3 + 1 + 0.1 * X[:, :1], num_centers=40, outcome_transform=transform, fit=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        other.load_state_dict(m.state_dict())
+    with pytest.raises(NotFittedError, match="call fit"):
+        other.posterior(Xt)
+
+
+def test_set_train_data_follows_exactgp():
+    X, Y = _data(n=120)
+    model = FalkonGP(X, Y.squeeze(-1), num_centers=20, penalty=1e-4).fit()
+    model.set_train_data(targets=Y.squeeze(-1).clone(), strict=True)  # the same values: still fitted
+    assert bool(model.fitted)
+    model.eval()
+    model(X[:3])
+    with pytest.raises(RuntimeError, match="strict=True"):
+        model.set_train_data(targets=Y[:50].squeeze(-1), strict=True)
+    model.set_train_data(targets=Y.squeeze(-1) + 1.0)  # other values: must be refitted
+    assert not bool(model.fitted)
+    model.set_train_data(inputs=(X[:60],), targets=Y[:60].squeeze(-1), strict=False)
+    assert model.n == 60
+
+
+def test_fantasize_and_train_yvar_raise_clearly_and_subset_output_works():
+    X, Y = _data(n=150, m=2)
+    m = FalkonModel(X, Y, num_centers=30, tol=1e-10, max_iter=500)
+    with pytest.raises(NotImplementedError, match="fantasize"):
+        m.fantasize(torch.rand(2, 1, 2, dtype=torch.float64), sampler=None)
+    with pytest.raises(NotImplementedError, match="train_Yvar"):
+        FalkonModel(X, Y, num_centers=30, train_Yvar=torch.full_like(Y, 0.01))
+    Xt = torch.rand(5, 2, dtype=torch.float64)
+    full = m.posterior(Xt)
+    for idcs in ([1], [0], [1, 0]):
+        sub = m.subset_output(idcs)
+        assert sub.num_outputs == len(idcs)
+        p = sub.posterior(Xt)
+        torch.testing.assert_close(p.mean, full.mean[..., idcs], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(p.variance, full.variance[..., idcs], rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="idcs"):
+        m.subset_output([2])
+
+
+def test_input_scaling_warns_as_singletaskgp():
+    from botorch.exceptions import InputDataWarning
+
+    X, Y = _data(n=100)
+    with pytest.warns(InputDataWarning, match="not contained to the unit cube"):
+        FalkonModel(X * 10, Y, num_centers=20)
+    with pytest.warns(InputDataWarning, match="not standardized"):
+        FalkonModel(X, Y * 10 + 5, num_centers=20, outcome_transform=None)
+
+
+def test_penalty_and_likelihood_must_agree():
+    X, Y = _data(n=100)
+    lik = gpytorch.likelihoods.GaussianLikelihood().to(torch.float64)
+    lik.noise = torch.tensor(0.01, dtype=torch.float64)
+    with pytest.raises(ValueError, match="give one of them"):
+        FalkonGP(X, Y.squeeze(-1), num_centers=10, likelihood=lik, penalty=1e-3)
+    ok = FalkonGP(X, Y.squeeze(-1), num_centers=10, likelihood=lik, penalty=0.01 / 100)
+    torch.testing.assert_close(ok.noise.detach(), torch.tensor(0.01, dtype=torch.float64))
+
+
+def test_kmn_y_takes_a_vector():
+    X, Y = _data(n=80)
+    model = FalkonGP(X, Y.squeeze(-1), num_centers=10, penalty=1e-3)
+    H = model.nystrom_operator()
+    torch.testing.assert_close(H.kmn_y(Y.squeeze(-1)), H.kmn_y(Y))
+    with pytest.raises(ValueError, match="y must have shape"):
+        H.kmn_y(Y[:5])

@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 from botorch.models.gpytorch import GPyTorchModel
 from botorch.models.transforms.input import InputTransform
 from botorch.models.transforms.outcome import OutcomeTransform
+from botorch.models.utils.assorted import validate_input_scaling
 from gpytorch.kernels import Kernel
 from torch import Tensor
 
 from ..models import FalkonGP
+from ..models.defaults import default_likelihood
 
 __all__ = ["FalkonModel"]
 
@@ -40,7 +42,10 @@ class FalkonModel(FalkonGP, GPyTorchModel):
     ``condition_on_observations`` appends the new rows (non-batched ``X``, ``Y``) and
     refits by FALKON warm-started from the current solution, keeping the noise
     ``sigma^2`` (so ``lambda = sigma^2 / n`` follows ``n``), the kernel and the centers.
-    Batched fantasies (e.g. for knowledge gradient) raise ``NotImplementedError``.
+    Batched fantasies (``fantasize``, e.g. for knowledge gradient) and ``train_Yvar`` raise
+    ``NotImplementedError``; ``subset_output`` gives the model of some outputs; BoTorch's
+    ``load_state_dict`` (with or without transforms) and input-scaling warnings work as for
+    ``SingleTaskGP``.
 
     Other keyword arguments go to :class:`FalkonGP` (``kernel``, ``penalty``,
     ``centers``, ``max_iter``, ``tol``, ...).
@@ -56,8 +61,14 @@ class FalkonModel(FalkonGP, GPyTorchModel):
         input_transform: Optional[InputTransform] = None,
         outcome_transform: Optional[OutcomeTransform] | str = "standardize",
         fit: bool = True,
+        train_Yvar: Optional[Tensor] = None,
         **kwargs: Any,
     ) -> None:
+        if train_Yvar is not None:
+            raise NotImplementedError(
+                "FalkonModel: train_Yvar (a fixed noise per observation) is not supported: FALKON's penalty is one "
+                "homoskedastic noise sigma^2 = n lambda, learned or given as penalty="
+            )
         if not isinstance(train_X, Tensor) or train_X.dim() != 2:
             raise ValueError(f"train_X must be an (n, d) tensor, got {getattr(train_X, 'shape', type(train_X))}")
         if not isinstance(train_Y, Tensor) or train_Y.dim() != 2 or train_Y.shape[0] != train_X.shape[0]:
@@ -77,6 +88,9 @@ class FalkonModel(FalkonGP, GPyTorchModel):
             if outcome_transform is not None:
                 outcome_transform.train()
                 y, _ = outcome_transform(train_Y, X=x)
+        # BoTorch's input checks, as SingleTaskGP makes them: NaNs raise; X outside the unit cube or
+        # Y not standardised (after the transforms) give an InputDataWarning
+        validate_input_scaling(train_X=x, train_Y=y)
         y_model = y.squeeze(-1) if y.shape[-1] == 1 else y
         super().__init__(x, y_model, kernel, num_centers=num_centers, **kwargs)
         if input_transform is not None:
@@ -96,6 +110,49 @@ class FalkonModel(FalkonGP, GPyTorchModel):
 
     def _revert_to_original_inputs(self) -> None:
         return None
+
+    def fantasize(self, X: Tensor, sampler: Any = None, observation_noise: Any = None, **kwargs: Any) -> "FalkonModel":
+        """Not supported: raises ``NotImplementedError`` (BoTorch's fantasies condition a batch of
+        models on sampled observations; FalkonModel conditions one model on real observations,
+        :meth:`condition_on_observations`)."""
+        raise NotImplementedError(
+            "FalkonModel.fantasize (used by qKnowledgeGradient and other look-ahead acquisition functions) is "
+            "not supported yet: use qLogNoisyExpectedImprovement / qLogExpectedImprovement, or refit a "
+            "FalkonModel on the augmented data"
+        )
+
+    def subset_output(self, idcs: List[int]) -> "FalkonModel":
+        """The model of the outputs ``idcs`` only: the same kernel, centers and noise, the columns
+        ``idcs`` of the targets, of ``alpha`` and of the outcome transform. No refit: every output's
+        ``alpha`` solves its own right-hand side of the same system."""
+        if not isinstance(idcs, (list, tuple)) or not idcs or any(
+            isinstance(i, bool) or not isinstance(i, int) or not -self.num_outputs <= i < self.num_outputs for i in idcs
+        ):
+            raise ValueError(f"idcs must be a non-empty list of output indices in [0, {self.num_outputs}), got {idcs!r}")
+        idcs = [i % self.num_outputs for i in idcs]
+        if idcs == list(range(self.num_outputs)):
+            return copy.deepcopy(self)
+        was_fitted = bool(self.fitted) and not self._hyper_changed()
+        new = copy.deepcopy(self)
+        y2 = new.train_targets.unsqueeze(-1) if new.train_targets.dim() == 1 else new.train_targets
+        a2 = new.alpha.unsqueeze(-1) if new.alpha.dim() == 1 else new.alpha
+        mc = new.mean_constant.reshape(-1).expand(self.num_outputs)
+        k = len(idcs)
+        noise = new.noise.detach().clone()
+        new._num_outputs = k
+        new.train_targets = y2[:, idcs].squeeze(-1) if k == 1 else y2[:, idcs]
+        new.alpha = a2[:, idcs].squeeze(-1) if k == 1 else a2[:, idcs].clone()
+        new.mean_constant = mc[idcs].reshape(()) if k == 1 else mc[idcs].clone()
+        new.likelihood = default_likelihood(k, dtype=new.train_inputs[0].dtype, device=new.train_inputs[0].device)
+        new.likelihood.noise = noise.to(new.likelihood.raw_noise.dtype)
+        if hasattr(new, "outcome_transform"):
+            new.outcome_transform = new.outcome_transform.subset_output(idcs)
+        new._factors = None
+        new.fitted.fill_(False)
+        new._fit_tracker.forget()
+        if was_fitted:
+            new._mark_fitted()
+        return new
 
     def condition_on_observations(self, X: Tensor, Y: Tensor, noise: Optional[Tensor] = None, **kwargs: Any) -> "FalkonModel":
         """A new model with ``(X, Y)`` appended and refitted (warm start); see the class docstring."""

@@ -273,6 +273,15 @@ class FalkonGP(gpytorch.models.GP):
                 penalty = 1e-6
         else:
             check_likelihood(likelihood, self._num_outputs)
+            if penalty is not None:
+                check_penalty(penalty)
+                given = float(likelihood.noise.reshape(-1)[0].detach())
+                implied = float(torch.as_tensor(penalty).detach()) * self._n_total
+                if not math.isclose(given, implied, rel_tol=1e-6):
+                    raise ValueError(
+                        f"penalty={float(torch.as_tensor(penalty)):g} means a noise n * penalty = {implied:g}, but the "
+                        f"likelihood's noise is {given:g}: give one of them (noise = n * penalty is one quantity)"
+                    )
         self.likelihood = likelihood
         if penalty is not None:
             self.penalty = penalty  # type: ignore[assignment]
@@ -573,13 +582,35 @@ class FalkonGP(gpytorch.models.GP):
                 stacklevel=2,
             )
 
-    def set_train_data(self, inputs: Tensor, targets: Tensor) -> None:
-        """Replace the training data (centers unchanged); the model must be re-fitted.
+    def set_train_data(self, inputs: Optional[Tensor] = None, targets: Optional[Tensor] = None,
+                       strict: bool = False) -> None:
+        """Replace the training data (centers unchanged), as ``ExactGP.set_train_data``:
+        ``None`` keeps the current inputs / targets; ``strict=True`` requires the new ones to have
+        the current shapes (BoTorch's ``load_state_dict`` calls ``set_train_data(targets=...,
+        strict=...)``; the default stays ``False``, as before, since a FALKON model is often given
+        more rows). The fit stays valid if the data are the same by value (the stored
+        fingerprint), else the model must be re-fitted.
 
         Preconditioner weights ``D`` (leverage centers) are rescaled by
         ``sqrt(n_old / n_new)``: ``D^2`` holds the factor ``1 / n`` of the importance
         weights ``count_j / (n p_j)``, the probabilities ``p_j`` being kept as they were.
         """
+        if isinstance(inputs, (tuple, list)):
+            if len(inputs) != 1:
+                raise ValueError(f"inputs: FalkonGP has one input tensor, got {len(inputs)}")
+            inputs = inputs[0]
+        if inputs is None:
+            inputs = self.train_inputs[0]
+        if targets is None:
+            targets = self.train_targets
+        if strict:
+            for name, new, old in (("inputs", inputs, self.train_inputs[0]), ("targets", targets, self.train_targets)):
+                if tuple(new.shape) != tuple(old.shape):
+                    raise RuntimeError(
+                        f"set_train_data(strict=True): {name} has shape {tuple(new.shape)}, the model's has "
+                        f"{tuple(old.shape)} (pass strict=False to change the shape)"
+                    )
+        was_valid = bool(self.fitted) and not self._hyper_changed()
         check_inputs("inputs", inputs, d=self.train_inputs[0].shape[1], allow_empty=is_sharded(self.options.backend))
         check_targets("targets", targets, inputs.shape[0])
         if inputs.dtype != self.train_inputs[0].dtype or targets.dtype != inputs.dtype:
@@ -597,13 +628,18 @@ class FalkonGP(gpytorch.models.GP):
             raise ValueError("inputs is empty (0 rows) on every rank")
         if self.center_weights is not None:
             self.center_weights = self.center_weights * math.sqrt(self.n / n_new)
+        n_old = self.n
         self._n_total = n_new
         self.train_inputs = (inputs,)
         self.train_targets = targets
-        self.penalty = pen  # keep lambda: the noise n * lambda follows n
+        if n_new != n_old:
+            self.penalty = pen  # keep lambda: the noise n * lambda follows n
+        self._factors = None
+        if was_valid and not self._fit_tracker.data_changed(self._fit_data(), self.data_fingerprint,
+                                                            reduce=self._row_sum):
+            return  # the same data by value: alpha still solves the system
         self.fitted.fill_(False)
         self._fit_tracker.forget()
-        self._factors = None
 
     # ------------------------------------------------------------- prediction
     def _check_fitted(self) -> None:

@@ -280,8 +280,11 @@ class NystromKRROperator(LinearOperator):
         return out.add_(self.kmm @ u.to(torch.float64), alpha=self.n * lam)
 
     def kmn_y(self, y: Tensor) -> Tensor:
-        """``K_Mn y`` (float64, ``(M, t)``) for targets ``y`` ``(n, t)``: one pass."""
-        return self.engine.kmn_k(None, y)
+        """``K_Mn y`` (float64, ``(M, t)``) for targets ``y`` ``(n, t)`` or ``(n,)`` (then ``t = 1``): one pass."""
+        if not isinstance(y, Tensor) or y.dim() not in (1, 2) or y.shape[0] != self.x.shape[0]:
+            raise ValueError(f"y must have shape ({self.x.shape[0]},) or ({self.x.shape[0]}, t), got "
+                             f"{tuple(getattr(y, 'shape', ()))}")
+        return self.engine.kmn_k(None, y.unsqueeze(-1) if y.dim() == 1 else y)
 
     def falkon_solve(
         self,
