@@ -211,3 +211,29 @@ def test_kmn_y_takes_a_vector():
     torch.testing.assert_close(H.kmn_y(Y.squeeze(-1)), H.kmn_y(Y))
     with pytest.raises(ValueError, match="y must have shape"):
         H.kmn_y(Y[:5])
+
+
+def test_model_list_batched_posterior_and_rsample():
+    """ModelListGP of FalkonModels with q x batch inputs (qLogNEHVI's shapes): item 2."""
+    from botorch.models import ModelListGP
+    from botorch.sampling import SobolQMCNormalSampler
+
+    X, Y = _data(n=200, d=3)
+    m1 = FalkonModel(X, Y, num_centers=30, tol=1e-10, max_iter=500)
+    m2 = FalkonModel(X, -2 * Y, num_centers=30, tol=1e-10, max_iter=500)
+    Xt = torch.rand(2, 3, 3, dtype=torch.float64)
+    post = ModelListGP(m1, m2).posterior(Xt)
+    p1, p2 = m1.posterior(Xt), m2.posterior(Xt)
+    torch.testing.assert_close(post.mean, torch.cat([p1.mean, p2.mean], -1), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(post.variance, torch.cat([p1.variance, p2.variance], -1), rtol=1e-10, atol=1e-10)
+    cov = post.distribution.covariance_matrix  # (2, 6, 6), outputs interleaved or blocked
+    assert cov.shape == (2, 6, 6) and bool(torch.isfinite(cov).all())
+    torch.testing.assert_close(cov.diagonal(dim1=-2, dim2=-1).sum(-1), post.variance.sum((-1, -2)), rtol=1e-10, atol=1e-10)
+    samples = SobolQMCNormalSampler(torch.Size([64]), seed=0)(post)
+    assert samples.shape == (64, 2, 3, 2)
+    torch.testing.assert_close(samples.mean(0), post.mean, rtol=0, atol=0.5)
+    # batch indexing / permuting the covariance operator acts on the test points only
+    lazy = p1.distribution.lazy_covariance_matrix
+    torch.testing.assert_close(lazy[1].to_dense(), lazy.to_dense()[1], rtol=1e-12, atol=1e-12)
+    perm = lazy.unsqueeze(0).expand(2, 2, 3, 3).permute(1, 0, 2, 3)
+    torch.testing.assert_close(perm.to_dense()[:, 0], lazy.to_dense(), rtol=1e-12, atol=1e-12)

@@ -119,7 +119,8 @@ def kernel_matmul(kernel: Kernel, x: Tensor, centers: Tensor, alpha: Tensor, row
     """``k(x, centers) @ alpha`` (``(..., q, t)``) in blocks of ``rows`` points of ``x`` (batch
     dimensions allowed): never a ``q x M`` block beyond ``rows x M``. Differentiable w.r.t.
     everything; cost ``O(q M (d + t))``."""
-    parts = [kernel_block(kernel, x[..., s:e, :], centers) @ alpha for s, e in row_blocks(x.shape[-2], rows)]
+    c = centers.expand(*x.shape[:-2], *centers.shape)  # the same number of dims as x (GPyTorch's kernels need it)
+    parts = [kernel_block(kernel, x[..., s:e, :], c) @ alpha for s, e in row_blocks(x.shape[-2], rows)]
     return torch.cat(parts, -2)
 
 

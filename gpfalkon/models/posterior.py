@@ -77,7 +77,9 @@ class NystromPosteriorCovariance(LinearOperator):
         return row_blocks(self.x.shape[-2], self.chunk_size)
 
     def _roots(self, xs: Tensor) -> Tuple[Tensor, Tensor]:
-        kxm = self.kernel(xs.to(torch.float64), self.centers.to(torch.float64)).to_dense()  # (..., q, M)
+        c = self.centers.to(torch.float64)
+        c = c.expand(*xs.shape[:-2], *c.shape)  # GPyTorch kernels want both inputs with the same dims
+        kxm = self.kernel(xs.to(torch.float64), c).to_dense()  # (..., q, M)
         # all batches as the columns of one (M, batch * q) right-hand side: a batched
         # solve would broadcast (copy) the M x M factors once per batch
         m, q = kxm.shape[-1], kxm.shape[-2]
@@ -138,6 +140,18 @@ class NystromPosteriorCovariance(LinearOperator):
     def _unsqueeze_batch(self, dim: int) -> "NystromPosteriorCovariance":
         x = self.x.unsqueeze(dim)
         return self.__class__(x, self.centers, self.L, self.LB, kernel=self.kernel, chunk_size=self.chunk_size)
+
+    # The batch dimensions are those of x alone (centers and factors are shared): linear_operator's
+    # generic batch operations would apply to every tensor argument.
+    def _permute_batch(self, *dims: int) -> "NystromPosteriorCovariance":
+        x = self.x.permute(*dims, self.x.dim() - 2, self.x.dim() - 1)
+        return self.__class__(x, self.centers, self.L, self.LB, kernel=self.kernel, chunk_size=self.chunk_size)
+
+    def _getitem(self, row_index: Any, col_index: Any, *batch_indices: Any) -> LinearOperator:
+        if batch_indices and all(isinstance(i, slice) and i == slice(None) for i in (row_index, col_index)):
+            x = self.x[(*batch_indices, slice(None), slice(None))]
+            return self.__class__(x, self.centers, self.L, self.LB, kernel=self.kernel, chunk_size=self.chunk_size)
+        return super()._getitem(row_index, col_index, *batch_indices)
 
 
 def nystrom_posterior_mean(
