@@ -19,6 +19,7 @@ from .backend.distributed import DistributedBackend, init_distributed, shard_ran
 from .backend.sources import NpyRows, ParquetRows, RowSource, shard_files, shard_rows
 from .kernels import FastfoodKernel
 from .models import FalkonClassifier, FalkonGP, NystromPosteriorFactors, encode_labels
+from .objectives import NystromMarginalLogLikelihood
 from .operators import FalkonPreconditioner, NystromKRROperator
 from .options import FalkonOptions
 from .solvers import CGInfo, Preconditioner, PreconditionerBuilder, Solver, conjugate_gradient, falkon_solve
@@ -35,6 +36,7 @@ __all__ = [
     "CGInfo",
     "CGNotConvergedWarning",
     "DistributedBackend",
+    "NystromMarginalLogLikelihood",
     "DistributedError",
     "init_distributed",
     "shard_range",

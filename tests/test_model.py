@@ -1,8 +1,11 @@
 """FalkonGP against GPyTorch's SGPR, dense formulas, and its own contracts."""
 from __future__ import annotations
 
+import warnings
+
 import gpytorch
 import pytest
+from gpytorch.utils.warnings import GPInputWarning
 import torch
 from conftest import dense_kernel, make_data, make_kernel
 from linear_operator.operators import ZeroLinearOperator
@@ -178,8 +181,12 @@ def test_train_mode_returns_prior_and_skip_variances():
     model, x, y, k = _fitted("rbf")
     xt = make_data(6, 3, seed=11)[0]
     model.train()
-    prior = model(xt)
+    with pytest.warns(GPInputWarning, match="call model.eval"):  # a fitted model queried in train mode
+        prior = model(xt)
     torch.testing.assert_close(prior.covariance_matrix, dense_kernel(k, xt, xt))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GPInputWarning)
+        model(x)  # the training inputs (what an MLL evaluates): no warning
     model.eval()
     with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
         p = model(xt)

@@ -257,3 +257,74 @@ def test_float32_objectives_with_duplicate_centers_are_finite():
     m64 = FalkonGP(x.double(), y.double(), kernel=gpytorch.kernels.RBFKernel().double(), centers=centers.double(),
                    penalty=1e-4)
     torch.testing.assert_close(NystromCompReg(model)().double(), NystromCompReg(m64)(), rtol=1e-3, atol=1e-3)
+
+
+# ------------------------------------------------------------------ MLL adapters (issue 14, item 4)
+def test_mll_adapter_equals_gpytorch_sgpr_mll_and_its_gradients():
+    """mll(model(x), y) = -SGPRBound / n (which test_sgpr_bound_equals_gpytorch_sgpr_loss checks
+    against GPyTorch SGPR's exact MLL), with autograd's gradients of that formula."""
+    from gpfalkon import NystromMarginalLogLikelihood
+
+    model = _model(learn_centers=True)
+    x, y = model.train_inputs[0], model.train_targets
+    mll = NystromMarginalLogLikelihood(model.likelihood, model)  # objective "sgpr"
+    model.train()
+    value = mll(model(x), y)
+    model.zero_grad()
+    value.backward()
+    got = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    (-SGPRBound(model)() / x.shape[0]).backward()
+    assert set(got) == {k for k, p in model.named_parameters() if p.grad is not None} and "centers" in got
+    for k, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(got[k], p.grad, rtol=1e-12, atol=1e-14)
+    assert value.dim() == 0 and bool(torch.isfinite(value))
+    torch.testing.assert_close(value.detach(), -SGPRBound(model)().detach() / x.shape[0], rtol=1e-12, atol=1e-14)
+
+
+def test_fit_gpytorch_mll_learns_and_leaves_a_fitted_model():
+    """BoTorch's fit_gpytorch_mll (scipy L-BFGS-B and a torch optimizer) with the adapter lowers the
+    objective, and the model comes back refitted in eval mode."""
+    from botorch.fit import fit_gpytorch_mll
+    from botorch.optim.fit import fit_gpytorch_mll_torch
+
+    from gpfalkon import NystromMarginalLogLikelihood
+
+    for optimizer in (None, fit_gpytorch_mll_torch):
+        model = _model(learn_centers=False)
+        x, y = model.train_inputs[0], model.train_targets
+        mll = NystromMarginalLogLikelihood(model.likelihood, model, objective="nystrom-compreg")
+        model.train()
+        with torch.no_grad():
+            before = float(mll(model(x), y))
+        kw = {} if optimizer is None else {"optimizer": optimizer, "optimizer_kwargs": {"step_limit": 30}}
+        fit_gpytorch_mll(mll, **kw)
+        assert not model.training and bool(model.fitted) and not model._hyper_changed()
+        with torch.no_grad():
+            after = float(mll(model(x), y))
+        assert after > before  # the (negated, per point) objective increased
+        model(x[:5])  # the posterior is ready
+
+
+def test_exact_mll_on_falkongp_is_refused_with_the_adapter_named():
+    from gpytorch.mlls import ExactMarginalLogLikelihood
+
+    model = _model(learn_centers=False)
+    x, y = model.train_inputs[0], model.train_targets
+    model.train()
+    with pytest.raises(RuntimeError, match="NystromMarginalLogLikelihood"):
+        ExactMarginalLogLikelihood(model.likelihood, model)(model(x), y)
+
+
+def test_mll_adapter_validates_its_arguments():
+    from gpfalkon import NystromMarginalLogLikelihood
+
+    model = _model(learn_centers=False)
+    with pytest.raises(ValueError, match="objective must be one of"):
+        NystromMarginalLogLikelihood(model.likelihood, model, objective="nope")
+    with pytest.raises(ValueError, match="model's own likelihood"):
+        NystromMarginalLogLikelihood(gpytorch.likelihoods.GaussianLikelihood(), model)
+    mll = NystromMarginalLogLikelihood(model.likelihood, model, objective=GCV)
+    with pytest.raises(ValueError, match="training targets"):
+        mll(None, model.train_targets[:3])

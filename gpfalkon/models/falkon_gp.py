@@ -11,6 +11,7 @@ import torch
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from gpytorch.kernels import Kernel
 from gpytorch.likelihoods import Likelihood
+from gpytorch.utils.warnings import GPInputWarning
 from linear_operator.operators import DiagLinearOperator, KroneckerProductLinearOperator, ZeroLinearOperator
 from torch import Tensor
 
@@ -101,6 +102,30 @@ def _center_selector(
             lev.setdefault("backend", backend)
         return LeverageCenters(generator=generator, **lev), m
     return UniformCenters(generator=generator, backend=backend), m
+
+
+_EXACT_MLL_MESSAGE = (
+    "FalkonGP's train-mode output is the GP prior over the n training points: its exact log-likelihood "
+    "(what gpytorch.mlls.ExactMarginalLogLikelihood evaluates) costs O(n^3) and would train an exact GP, not "
+    "the Nystrom model. Use gpfalkon.NystromMarginalLogLikelihood(model.likelihood, model, objective='sgpr') "
+    "(or another objective name) with fit_gpytorch_mll or a GPyTorch loop"
+)
+
+
+class _PriorMixin:
+    """A train-mode prior that refuses the exact ``log_prob`` (see ``_EXACT_MLL_MESSAGE``)."""
+
+    def log_prob(self, value: Tensor) -> Tensor:  # type: ignore[override]
+        raise RuntimeError(_EXACT_MLL_MESSAGE)
+
+
+class FalkonPrior(_PriorMixin, MultivariateNormal):
+    """FalkonGP's train-mode output ``N(c, K(x, x))`` (lazy): everything of a
+    ``MultivariateNormal`` except the exact ``log_prob``."""
+
+
+class FalkonMultitaskPrior(_PriorMixin, MultitaskMultivariateNormal):
+    """The multi-output train-mode prior (see :class:`FalkonPrior`)."""
 
 
 class FalkonGP(gpytorch.models.GP):
@@ -673,21 +698,36 @@ class FalkonGP(gpytorch.models.GP):
             x = x.unsqueeze(-1)
         self._check_test_inputs(x)
         if self.training:
+            if gpytorch.settings.debug.on() and bool(self.fitted) and not self._is_training_input(x):
+                # ExactGP raises here ("You must train on the training inputs!"); the prior at other
+                # points is legitimate, so warn: a fitted model queried in train mode is usually a mistake
+                warnings.warn(
+                    "FalkonGP is in train mode: model(x) is the prior N(c, K(x, x)) at these (non-training) "
+                    "inputs, not the fitted posterior; call model.eval() to predict",
+                    GPInputWarning,
+                    stacklevel=2,
+                )
             return self._prior(x)
         return self._posterior(x)
 
     def forward(self, x: Tensor) -> MultivariateNormal:
         return self(x)
 
+    def _is_training_input(self, x: Tensor) -> bool:
+        train = self.train_inputs[0]
+        if is_row_source(train):
+            return x.shape == train.shape  # not read back from disk to compare values
+        return x.shape == train.shape and (x is train or torch.equal(x, train))
+
     def _prior(self, x: Tensor) -> MultivariateNormal:
         covar = self.kernel(x)
         mc = self.mean_constant.to(dtype=x.dtype, device=x.device)
         if self._num_outputs == 1:
-            return MultivariateNormal(mc.expand(x.shape[:-1]).clone(), covar)
+            return FalkonPrior(mc.expand(x.shape[:-1]).clone(), covar)
         t = self._num_outputs
         eye_t = DiagLinearOperator(torch.ones(*x.shape[:-2], t, dtype=x.dtype, device=x.device))
         mean = mc.expand(*x.shape[:-1], t).clone()
-        return MultitaskMultivariateNormal(mean, KroneckerProductLinearOperator(covar, eye_t), interleaved=True)
+        return FalkonMultitaskPrior(mean, KroneckerProductLinearOperator(covar, eye_t), interleaved=True)
 
     def _posterior(self, x: Tensor) -> MultivariateNormal:
         self._check_fitted()

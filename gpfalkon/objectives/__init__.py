@@ -1,7 +1,8 @@
 """Hyperparameter objectives (Meanti et al. 2022): ``objective = Name(model); loss = objective()``."""
 from .base import NystromAggregates, NystromObjective
 from .exact import GCV, LOOCV, CompReg, HoldOut, NystromCompReg, SGPRBound
+from .mll import OBJECTIVE_NAMES, NystromMarginalLogLikelihood
 from .stochastic import StochasticNystromCompReg, nystrom_quadratic_forms
 
-__all__ = ["CompReg", "GCV", "HoldOut", "LOOCV", "NystromAggregates", "NystromCompReg", "NystromObjective", "SGPRBound",
-           "StochasticNystromCompReg", "nystrom_quadratic_forms"]
+__all__ = ["CompReg", "GCV", "HoldOut", "LOOCV", "NystromAggregates", "NystromCompReg", "NystromMarginalLogLikelihood",
+           "NystromObjective", "OBJECTIVE_NAMES", "SGPRBound", "StochasticNystromCompReg", "nystrom_quadratic_forms"]
