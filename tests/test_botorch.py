@@ -237,3 +237,22 @@ def test_model_list_batched_posterior_and_rsample():
     torch.testing.assert_close(lazy[1].to_dense(), lazy.to_dense()[1], rtol=1e-12, atol=1e-12)
     perm = lazy.unsqueeze(0).expand(2, 2, 3, 3).permute(1, 0, 2, 3)
     torch.testing.assert_close(perm.to_dense()[:, 0], lazy.to_dense(), rtol=1e-12, atol=1e-12)
+
+
+def test_botorch_loop_example_runs():
+    """examples/botorch_loop.py (fit_gpytorch_mll + qLogNEI, FalkonModel next to SingleTaskGP), small sizes."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "examples", "botorch_loop.py"), "--iterations", "2", "--init", "8",
+         "--restarts", "2", "--raw-samples", "16"],
+        capture_output=True, text=True, timeout=300, cwd=root,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    regrets = {m.group(1): float(m.group(2)) for m in re.finditer(r"(\w+): final regret ([0-9.]+)", out.stdout)}
+    assert set(regrets) == {"SingleTaskGP", "FalkonModel"}, out.stdout
+    assert all(0.0 <= r <= 3.33 for r in regrets.values()), out.stdout
