@@ -328,3 +328,43 @@ def test_mll_adapter_validates_its_arguments():
     mll = NystromMarginalLogLikelihood(model.likelihood, model, objective=GCV)
     with pytest.raises(ValueError, match="training targets"):
         mll(None, model.train_targets[:3])
+
+
+def test_fit_gpytorch_mll_reaches_the_optimum_of_an_ordinary_loop():
+    """BoTorch's fit_gpytorch_mll (scipy L-BFGS-B) and an ordinary GPyTorch loop (torch L-BFGS on
+    -mll(model(x), y)) reach the same stationary point of the SGPR bound."""
+    from botorch.fit import fit_gpytorch_mll
+
+    from gpfalkon import NystromMarginalLogLikelihood
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(80, 2, generator=g, dtype=torch.float64)
+    y = torch.sin(4 * x[:, 0]) + x[:, 1] ** 2 + 0.1 * torch.randn(80, generator=g, dtype=torch.float64)
+
+    def make():
+        k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        return FalkonGP(x, y, k, num_centers=20, penalty=0.05 / 80, seed=1, tol=1e-10, max_iter=500)
+
+    a = make()
+    fit_gpytorch_mll(NystromMarginalLogLikelihood(a.likelihood, a))
+    b = make()
+    mll_b = NystromMarginalLogLikelihood(b.likelihood, b)
+    b.train()
+    opt = torch.optim.LBFGS(b.parameters(), lr=1.0, max_iter=500, tolerance_grad=1e-10, tolerance_change=1e-14,
+                            line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = -mll_b(b(x), y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    # the scipy solution is stationary, and both routes agree on it
+    a.train()
+    mll_a = NystromMarginalLogLikelihood(a.likelihood, a)
+    a.zero_grad()
+    (-mll_a(a(x), y)).backward()
+    assert max(float(p.grad.abs().max()) for p in a.parameters() if p.grad is not None) < 1e-4
+    for (k, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-3, atol=1e-3, msg=k)
