@@ -256,3 +256,21 @@ def test_botorch_loop_example_runs():
     regrets = {m.group(1): float(m.group(2)) for m in re.finditer(r"(\w+): final regret ([0-9.]+)", out.stdout)}
     assert set(regrets) == {"SingleTaskGP", "FalkonModel"}, out.stdout
     assert all(0.0 <= r <= 3.33 for r in regrets.values()), out.stdout
+
+
+def test_multiobjective_example_runs():
+    """examples/multiobjective.py (ModelListGP of FalkonModels, qLogNEHVI), small sizes."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "examples", "multiobjective.py"), "--iterations", "2", "--init", "8",
+         "--restarts", "2", "--raw-samples", "16"],
+        capture_output=True, text=True, timeout=300, cwd=root,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    hv = [float(v) for v in re.findall(r"hypervolume ([0-9.]+)", out.stdout)]
+    assert len(hv) == 3 and hv == sorted(hv), out.stdout  # initial + 2 iterations, never decreasing
