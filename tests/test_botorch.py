@@ -274,3 +274,29 @@ def test_multiobjective_example_runs():
     assert out.returncode == 0, out.stderr[-3000:]
     hv = [float(v) for v in re.findall(r"hypervolume ([0-9.]+)", out.stdout)]
     assert len(hv) == 3 and hv == sorted(hv), out.stdout  # initial + 2 iterations, never decreasing
+
+
+def test_sgpr_vs_falkon_example_runs_on_a_user_csv(tmp_path):
+    """examples/sgpr_vs_falkon.py on a user's .csv (header line, last column = target), small budgets."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    X = rng.uniform(-1, 1, size=(400, 3))
+    y = np.sin(3 * X[:, 0]) + X[:, 1] * X[:, 2] + 0.05 * rng.standard_normal(400)
+    path = tmp_path / "data.csv"
+    np.savetxt(path, np.column_stack([X, y]), delimiter=",", header="a,b,c,target", comments="")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "examples", "sgpr_vs_falkon.py"), str(path), "--budget", "4", "--steps", "10",
+         "--epochs", "1"],
+        capture_output=True, text=True, timeout=300, cwd=root,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    nrmse = dict(re.findall(r"^(GPyTorch SGPR|GPyTorch SVGP|gpfalkon auto_fit).*?\s([0-9.]+)\s+[0-9.]+$", out.stdout, re.M))
+    assert set(nrmse) == {"GPyTorch SGPR", "GPyTorch SVGP", "gpfalkon auto_fit"}, out.stdout
+    assert float(nrmse["gpfalkon auto_fit"]) < 0.5, out.stdout  # far below predicting the mean (1.0)
