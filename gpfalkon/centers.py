@@ -135,10 +135,10 @@ class CenterSelector(Protocol):
         ...
 
 
-def default_num_centers(x: Tensor, backend: Optional[Any] = None) -> int:
+def default_num_centers(x: Tensor, backend: Optional[Any] = None, n: Optional[int] = None) -> int:
     """``min(n, 1000)``: the number of centers drawn when none is asked for (``n`` over all
-    shards for a sharded ``backend``)."""
-    return min(total_rows(backend, x), 1000)
+    shards for a sharded ``backend``; pass ``n`` when it is known, to save the collective)."""
+    return min(total_rows(backend, x) if n is None else int(n), 1000)
 
 
 def _generator(seed: Optional[int], generator: Optional[torch.Generator]) -> torch.Generator:

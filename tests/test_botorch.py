@@ -239,49 +239,41 @@ def test_model_list_batched_posterior_and_rsample():
     torch.testing.assert_close(perm.to_dense()[:, 0], lazy.to_dense(), rtol=1e-12, atol=1e-12)
 
 
-def test_botorch_loop_example_runs():
-    """examples/botorch_loop.py (fit_gpytorch_mll + qLogNEI, FalkonModel next to SingleTaskGP), small sizes."""
+def _run_example(script: str, *args: str) -> str:
+    """Run ``examples/<script>`` with ``args`` in a subprocess; its stdout (fails on a non-zero exit)."""
     import os
-    import re
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run(
-        [sys.executable, os.path.join(root, "examples", "botorch_loop.py"), "--iterations", "2", "--init", "8",
-         "--restarts", "2", "--raw-samples", "16"],
-        capture_output=True, text=True, timeout=300, cwd=root,
-    )
+    out = subprocess.run([sys.executable, os.path.join(root, "examples", script), *args],
+                         capture_output=True, text=True, timeout=300, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
-    regrets = {m.group(1): float(m.group(2)) for m in re.finditer(r"(\w+): final regret ([0-9.]+)", out.stdout)}
-    assert set(regrets) == {"SingleTaskGP", "FalkonModel"}, out.stdout
-    assert all(0.0 <= r <= 3.33 for r in regrets.values()), out.stdout
+    return out.stdout
+
+
+def test_botorch_loop_example_runs():
+    """examples/botorch_loop.py (fit_gpytorch_mll + qLogNEI, FalkonModel next to SingleTaskGP), small sizes."""
+    import re
+
+    out = _run_example("botorch_loop.py", "--iterations", "2", "--init", "8", "--restarts", "2", "--raw-samples", "16")
+    regrets = {m.group(1): float(m.group(2)) for m in re.finditer(r"(\w+): final regret ([0-9.]+)", out)}
+    assert set(regrets) == {"SingleTaskGP", "FalkonModel"}, out
+    assert all(0.0 <= r <= 3.33 for r in regrets.values()), out
 
 
 def test_multiobjective_example_runs():
     """examples/multiobjective.py (ModelListGP of FalkonModels, qLogNEHVI), small sizes."""
-    import os
     import re
-    import subprocess
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run(
-        [sys.executable, os.path.join(root, "examples", "multiobjective.py"), "--iterations", "2", "--init", "8",
-         "--restarts", "2", "--raw-samples", "16"],
-        capture_output=True, text=True, timeout=300, cwd=root,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    hv = [float(v) for v in re.findall(r"hypervolume ([0-9.]+)", out.stdout)]
-    assert len(hv) == 3 and hv == sorted(hv), out.stdout  # initial + 2 iterations, never decreasing
+    out = _run_example("multiobjective.py", "--iterations", "2", "--init", "8", "--restarts", "2", "--raw-samples", "16")
+    hv = [float(v) for v in re.findall(r"hypervolume ([0-9.]+)", out)]
+    assert len(hv) == 3 and hv == sorted(hv), out  # initial + 2 iterations, never decreasing
 
 
 def test_sgpr_vs_falkon_example_runs_on_a_user_csv(tmp_path):
     """examples/sgpr_vs_falkon.py on a user's .csv (header line, last column = target), small budgets."""
-    import os
     import re
-    import subprocess
-    import sys
 
     import numpy as np
 
@@ -290,13 +282,7 @@ def test_sgpr_vs_falkon_example_runs_on_a_user_csv(tmp_path):
     y = np.sin(3 * X[:, 0]) + X[:, 1] * X[:, 2] + 0.05 * rng.standard_normal(400)
     path = tmp_path / "data.csv"
     np.savetxt(path, np.column_stack([X, y]), delimiter=",", header="a,b,c,target", comments="")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run(
-        [sys.executable, os.path.join(root, "examples", "sgpr_vs_falkon.py"), str(path), "--budget", "4", "--steps", "10",
-         "--epochs", "1"],
-        capture_output=True, text=True, timeout=300, cwd=root,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    nrmse = dict(re.findall(r"^(GPyTorch SGPR|GPyTorch SVGP|gpfalkon auto_fit).*?\s([0-9.]+)\s+[0-9.]+$", out.stdout, re.M))
-    assert set(nrmse) == {"GPyTorch SGPR", "GPyTorch SVGP", "gpfalkon auto_fit"}, out.stdout
-    assert float(nrmse["gpfalkon auto_fit"]) < 0.5, out.stdout  # far below predicting the mean (1.0)
+    out = _run_example("sgpr_vs_falkon.py", str(path), "--budget", "4", "--steps", "10", "--epochs", "1")
+    nrmse = dict(re.findall(r"^(GPyTorch SGPR|GPyTorch SVGP|gpfalkon auto_fit).*?\s([0-9.]+)\s+[0-9.]+$", out, re.M))
+    assert set(nrmse) == {"GPyTorch SGPR", "GPyTorch SVGP", "gpfalkon auto_fit"}, out
+    assert float(nrmse["gpfalkon auto_fit"]) < 0.5, out  # far below predicting the mean (1.0)

@@ -223,18 +223,23 @@ class ShardedEngine(KernelEngine):
 
     ``kmn_k``, ``whitened_gram`` and ``column_sq_norms`` compute the shard's sum and
     all-reduce it (one collective per call, all right-hand sides at once); ``k_matmul``
-    (``K_nM u``, one value per row) stays local. ``n`` is the shard's row count, ``n_total``
-    the global one.
+    (``K_nM u``, one value per row) stays local. ``n`` is the shard's row count.
     """
 
-    def __init__(self, kernel: Kernel, x: Tensor, centers: Tensor, *, group: Optional[Any] = None,
-                 n_total: Optional[int] = None, **kw: Any) -> None:
+    def __init__(self, kernel: Kernel, x: Tensor, centers: Tensor, *, backend: "DistributedBackend", **kw: Any) -> None:
         super().__init__(kernel, x, centers, **kw)
-        self.group = group
-        self.n_total = int(n_total) if n_total is not None else None
+        self.backend = backend
+
+    @property
+    def world_size(self) -> int:
+        return self.backend.world_size
+
+    def reduce_nograd(self, t: Tensor) -> Tensor:
+        """The sum over ranks of ``t`` (no autograd; one collective)."""
+        return self.backend.reduce_nograd(t)
 
     def kmn_k(self, u: Optional[Tensor] = None, v: Optional[Tensor] = None) -> Tensor:
-        return _all_reduce_flat([self.local_kmn_k(u, v)], self.group)[0]
+        return self.reduce_nograd(self.local_kmn_k(u, v))
 
     def local_kmn_k(self, u: Optional[Tensor] = None, v: Optional[Tensor] = None) -> Tensor:
         """This shard's ``K_nM^T (K_nM u + v)`` (no communication)."""
@@ -242,21 +247,13 @@ class ShardedEngine(KernelEngine):
 
     def reduce_product(self, out: Tensor, anchor: Optional[Tensor] = None) -> Tensor:
         """The differentiable sum over ranks of a product of this shard's rows."""
-        return all_reduce_sum(out, group=self.group, anchor=anchor)[0]
-
-    @property
-    def world_size(self) -> int:
-        return dist.get_world_size(self.group)
-
-    def reduce_nograd(self, t: Tensor) -> Tensor:
-        """The sum over ranks of ``t`` (no autograd; one collective)."""
-        return _all_reduce_flat([t], self.group)[0]
+        return self.backend.reduce(out, anchor=anchor)[0]
 
     def whitened_gram(self, L: Tensor) -> Tensor:
-        return _all_reduce_flat([super().whitened_gram(L)], self.group)[0]
+        return self.reduce_nograd(super().whitened_gram(L))
 
     def column_sq_norms(self) -> Tensor:
-        return _all_reduce_flat([super().column_sq_norms()], self.group)[0]
+        return self.reduce_nograd(super().column_sq_norms())
 
 
 class DistributedBackend:
@@ -369,7 +366,7 @@ class DistributedBackend:
 
     # --------------------------------------------------------------- builder
     def __call__(self, kernel: Kernel, x: Tensor, centers: Tensor, **kw: Any) -> ShardedEngine:
-        return ShardedEngine(kernel, x, centers, group=self.group, n_total=self.global_rows(x), **kw)
+        return ShardedEngine(kernel, x, centers, backend=self, **kw)
 
     # ---------------------------------------------------------------- passes
     def whitened_aggregates(self, kernel: Kernel, x: Tensor, y: Tensor, centers: Tensor, L: Tensor,

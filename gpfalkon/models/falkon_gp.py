@@ -52,6 +52,7 @@ def _center_selector(
     generator: Optional[torch.Generator],
     seed: int,
     backend: Optional[Any] = None,
+    n_total: Optional[int] = None,
 ) -> Tuple[CenterSelector, Optional[int]]:
     """FalkonGP's center arguments as one :class:`~gpfalkon.centers.CenterSelector` and ``M``."""
     is_selector = not isinstance(center_selection, str)
@@ -91,8 +92,8 @@ def _center_selector(
         return FixedCenters(centers, center_weights), None
     if is_selector:
         return center_selection, num_centers  # type: ignore[return-value]  # None: the selector's default
-    n = total_rows(backend, train_x)
-    m = check_num_centers(default_num_centers(train_x, backend) if num_centers is None else num_centers, n)
+    n = total_rows(backend, train_x) if n_total is None else int(n_total)  # the model passes its global n
+    m = check_num_centers(default_num_centers(train_x, n=n) if num_centers is None else num_centers, n)
     if generator is None:  # on the data's device: the draws happen there
         generator = torch.Generator(device=train_x.device)
         generator.manual_seed(int(seed))
@@ -288,7 +289,7 @@ class FalkonGP(gpytorch.models.GP):
         # --- centers: one selector, called once the penalty is known
         selector, m = _center_selector(
             train_x, num_centers, centers, center_selection, center_weights, leverage_options, generator, seed,
-            self.options.backend,
+            self.options.backend, self._n_total,
         )
 
         # --- likelihood and penalty (noise = n * penalty is the single source of truth)
