@@ -213,14 +213,24 @@ def _killed(rank: int, world: int, out_dir: str) -> None:
 
 
 def _entry(rank: int, world: int, port: int, job: Callable[..., None], args: tuple, out_dir: str,
-           timeout_s: float) -> None:
+           timeout_s: float, final_barrier: bool) -> None:
     import sys
+    import faulthandler
 
+    # a fatal signal (SIGABRT from a C++ terminate, SIGSEGV) leaves the Python stacks of every thread
+    # in fault<r>.txt, which the parent prints: a crash is diagnosable, not only an exit code
+    fault_log = open(os.path.join(out_dir, f"fault{rank}.txt"), "w")
+    faulthandler.enable(file=fault_log, all_threads=True)
     try:
         gpfalkon.init_distributed("gloo", timeout_s=timeout_s, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                   world_size=world)
         torch.set_num_threads(1)
         job(rank, world, *args)
+        # every rank done with its collectives before any tears its connections down: a rank that
+        # destroys its gloo group while a peer still completes its last collective can make that
+        # peer abort (SIGABRT, seen once in CI on the 3-rank test)
+        if final_barrier:
+            dist.barrier()
     except BaseException:  # the parent reads the traceback
         with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
@@ -231,13 +241,14 @@ def _entry(rank: int, world: int, port: int, job: Callable[..., None], args: tup
 
 
 def run(world: int, job: Callable[..., None], args: tuple, out_dir: str, timeout_s: float = 60.0,
-        deadline_s: float = 300.0, allow_exit: Sequence[int] = ()) -> List[int]:
+        deadline_s: float = 300.0, allow_exit: Sequence[int] = (), final_barrier: bool = True) -> List[int]:
     """``job(rank, world, *args)`` in ``world`` spawned processes (gloo on loopback, collective
     timeout ``timeout_s``); returns the exit codes. Raises with the ranks' tracebacks if a rank
-    not in ``allow_exit`` failed, or if any is still running after ``deadline_s``."""
+    not in ``allow_exit`` failed, or if any is still running after ``deadline_s``. ``final_barrier``:
+    the ranks meet in a barrier after the job (off for jobs where a rank dies on purpose)."""
     port = free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(r, world, port, job, args, out_dir, timeout_s)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, job, args, out_dir, timeout_s, final_barrier)) for r in range(world)]
     for p in procs:
         p.start()
     import time
@@ -254,9 +265,10 @@ def run(world: int, job: Callable[..., None], args: tuple, out_dir: str, timeout
     if hung or failed:
         msgs = [f"ranks still running after {deadline_s} s: {hung}"] if hung else []
         for r in range(world):
-            path = os.path.join(out_dir, f"error{r}.txt")
-            if os.path.exists(path):
-                msgs.append(f"rank {r}:\n" + open(path).read())
+            for name in (f"error{r}.txt", f"fault{r}.txt"):
+                path = os.path.join(out_dir, name)
+                if os.path.exists(path) and os.path.getsize(path):
+                    msgs.append(f"rank {r} ({name}):\n" + open(path).read())
         raise AssertionError(f"distributed workers failed (exit codes {codes}):\n" + "\n".join(msgs))
     return codes
 

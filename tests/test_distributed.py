@@ -116,7 +116,8 @@ def test_ranks_that_disagree_are_told_so(tmp_path, what, named):
 
 
 def test_a_dead_rank_makes_the_others_raise(tmp_path):
-    codes = W.run(2, W._killed, (str(tmp_path),), str(tmp_path), timeout_s=20.0, deadline_s=120.0, allow_exit=(1,))
+    codes = W.run(2, W._killed, (str(tmp_path),), str(tmp_path), timeout_s=20.0, deadline_s=120.0, allow_exit=(1,),
+              final_barrier=False)
     assert codes[1] == 3
     res = _load(tmp_path, 1)[0]
     assert res["type"] == DistributedError.__name__, res["message"]
