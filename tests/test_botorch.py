@@ -102,8 +102,8 @@ def test_condition_on_observations_refits_with_fixed_noise():
     Xt = torch.rand(6, 2, dtype=torch.float64)
     with torch.no_grad():
         torch.testing.assert_close(new.posterior(Xt).mean.squeeze(-1), ref(Xt).mean, rtol=1e-8, atol=1e-8)
-    with pytest.raises(NotImplementedError, match="batched fantasies"):
-        model.condition_on_observations(X[None, :3], Y[None, :3])
+    with pytest.raises(NotImplementedError, match="per-observation noise"):
+        model.condition_on_observations(X[250:], Y[250:], noise=torch.full_like(Y[250:], 0.01))
 
 
 def test_bad_training_shapes():
@@ -165,11 +165,9 @@ def test_set_train_data_follows_exactgp():
     assert model.n == 60
 
 
-def test_fantasize_and_train_yvar_raise_clearly_and_subset_output_works():
+def test_train_yvar_raises_clearly_and_subset_output_works():
     X, Y = _data(n=150, m=2)
     m = FalkonModel(X, Y, num_centers=30, tol=1e-10, max_iter=500)
-    with pytest.raises(NotImplementedError, match="fantasize"):
-        m.fantasize(torch.rand(2, 1, 2, dtype=torch.float64), sampler=None)
     with pytest.raises(NotImplementedError, match="train_Yvar"):
         FalkonModel(X, Y, num_centers=30, train_Yvar=torch.full_like(Y, 0.01))
     Xt = torch.rand(5, 2, dtype=torch.float64)

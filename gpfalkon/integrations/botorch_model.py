@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Union
 
 import torch
 from botorch.models.gpytorch import GPyTorchModel
+from botorch.models.model import FantasizeMixin
+from botorch.models.utils.assorted import fantasize as fantasize_flag
 from botorch.models.transforms.input import InputTransform
 from botorch.models.transforms.outcome import OutcomeTransform
 from botorch.models.utils.assorted import validate_input_scaling
@@ -14,11 +16,12 @@ from torch import Tensor
 
 from ..models import FalkonGP
 from ..models.defaults import default_likelihood
+from .fantasy import FalkonFantasyModel
 
 __all__ = ["FalkonModel"]
 
 
-class FalkonModel(FalkonGP, GPyTorchModel):
+class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
     r"""A BoTorch model whose posterior is the FALKON / SGPR-DTC posterior of :class:`FalkonGP`.
 
     For surrogates with 10^4 - 10^6 observations, where ``SingleTaskGP``'s ``n x n``
@@ -39,11 +42,13 @@ class FalkonModel(FalkonGP, GPyTorchModel):
     ``Standardize``, the default as in ``SingleTaskGP``) to ``train_Y`` once and
     undone on the posterior. ``observation_noise=True`` adds ``sigma^2 = n lambda``.
 
-    ``condition_on_observations`` appends the new rows (non-batched ``X``, ``Y``) and
+    ``condition_on_observations`` with non-batched ``X``, ``Y`` appends the new rows and
     refits by FALKON warm-started from the current solution, keeping the noise
     ``sigma^2`` (so ``lambda = sigma^2 / n`` follows ``n``), the kernel and the centers.
-    Batched fantasies (``fantasize``, e.g. for knowledge gradient) and ``train_Yvar`` raise
-    ``NotImplementedError``; ``subset_output`` gives the model of some outputs; BoTorch's
+    ``fantasize`` (BoTorch's, e.g. for ``qKnowledgeGradient``) and batched conditioning give a
+    :class:`~gpfalkon.integrations.fantasy.FalkonFantasyModel`: the same posterior conditioned
+    on every fantasy set exactly, in closed form (``O(q M^2)`` per set, no refit).
+    ``train_Yvar`` raises ``NotImplementedError``; ``subset_output`` gives the model of some outputs; BoTorch's
     ``load_state_dict`` (with or without transforms) and input-scaling warnings work as for
     ``SingleTaskGP``.
 
@@ -111,16 +116,6 @@ class FalkonModel(FalkonGP, GPyTorchModel):
     def _revert_to_original_inputs(self) -> None:
         return None
 
-    def fantasize(self, X: Tensor, sampler: Any = None, observation_noise: Any = None, **kwargs: Any) -> "FalkonModel":
-        """Not supported: raises ``NotImplementedError`` (BoTorch's fantasies condition a batch of
-        models on sampled observations; FalkonModel conditions one model on real observations,
-        :meth:`condition_on_observations`)."""
-        raise NotImplementedError(
-            "FalkonModel.fantasize (used by qKnowledgeGradient and other look-ahead acquisition functions) is "
-            "not supported yet: use qLogNoisyExpectedImprovement / qLogExpectedImprovement, or refit a "
-            "FalkonModel on the augmented data"
-        )
-
     def subset_output(self, idcs: List[int]) -> "FalkonModel":
         """The model of the outputs ``idcs`` only: the same kernel, centers and noise, the columns
         ``idcs`` of the targets, of ``alpha`` and of the outcome transform. No refit: every output's
@@ -154,16 +149,32 @@ class FalkonModel(FalkonGP, GPyTorchModel):
             new._mark_fitted()
         return new
 
-    def condition_on_observations(self, X: Tensor, Y: Tensor, noise: Optional[Tensor] = None, **kwargs: Any) -> "FalkonModel":
-        """A new model with ``(X, Y)`` appended and refitted (warm start); see the class docstring."""
-        if X.dim() != 2 or Y.dim() != 2:
-            raise NotImplementedError(
-                "FalkonModel conditions on non-batched (n', d) / (n', m) observations only; batched fantasies "
-                "(e.g. qKnowledgeGradient) are not supported: use qLogNoisyExpectedImprovement, or refit a "
-                "FalkonModel on the augmented data"
-            )
+    def condition_on_observations(
+        self, X: Tensor, Y: Tensor, noise: Optional[Tensor] = None, **kwargs: Any
+    ) -> Union["FalkonModel", FalkonFantasyModel]:
+        """The model conditioned on ``(X, Y)`` (raw inputs and outcomes, as BoTorch passes them).
+
+        Batched ``X`` (``batch x q x d``) or ``Y`` (``batch' x q x m``, e.g. from :meth:`fantasize`),
+        or any call inside BoTorch's fantasize context, give a :class:`FalkonFantasyModel`: the exact
+        closed-form conditioning of the fitted posterior on every batch of observations at once
+        (noise ``sigma^2``, or ``noise`` per observation). Non-batched ``(n', d)`` / ``(n', m)``
+        observations give a new FalkonModel with the rows appended and refitted by FALKON (warm
+        start; the same posterior as the closed form, and a full model to keep using)."""
+        if not isinstance(X, Tensor) or not isinstance(Y, Tensor) or X.dim() < 2 or Y.dim() < 2:
+            raise ValueError(f"X and Y must be tensors of shapes (..., q, d) and (..., q, m), got "
+                             f"{getattr(X, 'shape', type(X))} and {getattr(Y, 'shape', type(Y))}")
+        if X.dim() > 2 or Y.dim() > 2 or fantasize_flag.on():
+            self._check_fitted()
+            Xt = self.transform_inputs(X)  # differentiable: one-shot knowledge gradient needs d/dX
+            Yt, noise_t = Y, noise
+            if hasattr(self, "outcome_transform"):
+                Yt, noise_t = self.outcome_transform(Y, noise, X=Xt)  # eval mode: the fitted statistics
+            return FalkonFantasyModel(self, Xt, Yt, noise_t)
         if noise is not None:
-            raise NotImplementedError("FalkonModel has one homoskedastic noise: per-observation noise is not supported")
+            raise NotImplementedError(
+                "FalkonModel refits with one homoskedastic noise sigma^2: per-observation noise is supported for "
+                "batched (fantasy) conditioning only; pass a batched X / Y or drop noise="
+            )
         new = copy.deepcopy(self)
         with torch.no_grad():
             Xt = self.transform_inputs(X)

@@ -15,7 +15,7 @@ from ..linalg import jittered_cholesky
 if TYPE_CHECKING:
     from ..operators import NystromKRROperator
 
-__all__ = ["NystromPosteriorCovariance", "NystromPosteriorFactors", "nystrom_posterior_mean"]
+__all__ = ["NystromPosteriorCovariance", "NystromPosteriorFactors", "nystrom_posterior_mean", "posterior_roots"]
 
 
 class NystromPosteriorFactors:
@@ -77,21 +77,7 @@ class NystromPosteriorCovariance(LinearOperator):
         return row_blocks(self.x.shape[-2], self.chunk_size)
 
     def _roots(self, xs: Tensor) -> Tuple[Tensor, Tensor]:
-        c = self.centers.to(torch.float64)
-        c = c.expand(*xs.shape[:-2], *c.shape)  # GPyTorch kernels want both inputs with the same dims
-        kxm = self.kernel(xs.to(torch.float64), c).to_dense()  # (..., q, M)
-        # all batches as the columns of one (M, batch * q) right-hand side: a batched
-        # solve would broadcast (copy) the M x M factors once per batch
-        m, q = kxm.shape[-1], kxm.shape[-2]
-        cols = kxm.reshape(-1, m).mT
-        a = torch.linalg.solve_triangular(self.L, cols, upper=False)
-        c = torch.linalg.solve_triangular(self.LB, a, upper=False)
-        batch = kxm.shape[:-2]
-
-        def back(t: Tensor) -> Tensor:  # (M, batch * q) -> (..., M, q)
-            return t.mT.reshape(*batch, q, m).mT
-
-        return back(a), back(c)
+        return posterior_roots(self.kernel, xs, self.centers, self.L, self.LB)
 
     # ------------------------------------------------------- LinearOperator API
     def _size(self) -> torch.Size:
@@ -152,6 +138,27 @@ class NystromPosteriorCovariance(LinearOperator):
             x = self.x[(*batch_indices, slice(None), slice(None))]
             return self.__class__(x, self.centers, self.L, self.LB, kernel=self.kernel, chunk_size=self.chunk_size)
         return super()._getitem(row_index, col_index, *batch_indices)
+
+
+def posterior_roots(kernel: Kernel, xs: Tensor, centers: Tensor, L: Tensor, LB: Tensor) -> Tuple[Tensor, Tensor]:
+    r"""``a = L^{-1} K_M*`` and ``c = L_B^{-1} a`` (float64, ``(..., M, q)``) for test inputs ``xs``
+    (``(..., q, d)``), with the factors of :class:`NystromPosteriorFactors`: ``O(q M (M + d))``.
+    Differentiable w.r.t. ``xs`` and the kernel's parameters."""
+    cen = centers.to(torch.float64)
+    cen = cen.expand(*xs.shape[:-2], *cen.shape)  # GPyTorch kernels want both inputs with the same dims
+    kxm = kernel(xs.to(torch.float64), cen).to_dense()  # (..., q, M)
+    # all batches as the columns of one (M, batch * q) right-hand side: a batched
+    # solve would broadcast (copy) the M x M factors once per batch
+    m, q = kxm.shape[-1], kxm.shape[-2]
+    cols = kxm.reshape(-1, m).mT
+    a = torch.linalg.solve_triangular(L, cols, upper=False)
+    c = torch.linalg.solve_triangular(LB, a, upper=False)
+    batch = kxm.shape[:-2]
+
+    def back(t: Tensor) -> Tensor:  # (M, batch * q) -> (..., M, q)
+        return t.mT.reshape(*batch, q, m).mT
+
+    return back(a), back(c)
 
 
 def nystrom_posterior_mean(
