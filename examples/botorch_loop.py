@@ -23,9 +23,6 @@ from botorch.models import SingleTaskGP
 from botorch.optim import optimize_acqf
 from botorch.test_functions import Hartmann
 from botorch.utils.sampling import draw_sobol_samples
-from botorch.models.utils.gpytorch_modules import MIN_INFERRED_NOISE_LEVEL
-from gpytorch.constraints import GreaterThan
-from gpytorch.likelihoods import GaussianLikelihood
 from gpytorch.mlls import ExactMarginalLogLikelihood
 
 from gpfalkon import NystromMarginalLogLikelihood
@@ -39,11 +36,8 @@ def fit_single_task_gp(X: torch.Tensor, Y: torch.Tensor, num_centers: int):
 
 
 def fit_falkon(X: torch.Tensor, Y: torch.Tensor, num_centers: int):
-    # as SingleTaskGP: the noise bounded below by BoTorch's 1e-4 (on standardised Y), which keeps
-    # the SGPR bound smooth for L-BFGS-B on noiseless test functions
-    likelihood = GaussianLikelihood(noise_constraint=GreaterThan(MIN_INFERRED_NOISE_LEVEL)).to(X)
-    model = FalkonModel(X, Y, num_centers=min(num_centers, X.shape[0]), likelihood=likelihood, fit=False,
-                        tol=1e-8, max_iter=500)
+    # the noise model is SingleTaskGP's (LogNormal prior, bounded below by 1e-4 on standardised Y)
+    model = FalkonModel(X, Y, num_centers=min(num_centers, X.shape[0]), fit=False, tol=1e-8, max_iter=500)
     fit_gpytorch_mll(NystromMarginalLogLikelihood(model.likelihood, model, objective="sgpr"))
     return model  # fitted by FALKON and in eval mode
 

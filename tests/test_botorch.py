@@ -1,6 +1,7 @@
 """FalkonModel inside BoTorch: posterior, transforms, acquisition optimisation, gradients."""
 from __future__ import annotations
 
+import math
 import warnings
 
 import gpytorch
@@ -284,3 +285,51 @@ def test_sgpr_vs_falkon_example_runs_on_a_user_csv(tmp_path):
     nrmse = dict(re.findall(r"^(GPyTorch SGPR|GPyTorch SVGP|gpfalkon auto_fit).*?\s([0-9.]+)\s+[0-9.]+$", out, re.M))
     assert set(nrmse) == {"GPyTorch SGPR", "GPyTorch SVGP", "gpfalkon auto_fit"}, out
     assert float(nrmse["gpfalkon auto_fit"]) < 0.5, out  # far below predicting the mean (1.0)
+
+
+def test_default_noise_model_is_singletaskgps_and_survives_noiseless_data():
+    """Without penalty= / likelihood=, FalkonModel's noise has SingleTaskGP's LogNormal(-4, 1) prior and
+    bound 1e-4; fit_gpytorch_mll on noiseless data then stops at the bound instead of collapsing."""
+    from botorch.fit import fit_gpytorch_mll
+    from botorch.models.utils.gpytorch_modules import MIN_INFERRED_NOISE_LEVEL
+    from gpytorch.priors import LogNormalPrior
+
+    from gpfalkon import NystromMarginalLogLikelihood
+
+    X = torch.rand(200, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    Y = X.sin().sum(-1, keepdim=True)  # noiseless
+    for m in (1, 2):
+        model = FalkonModel(X, Y.expand(-1, m), num_centers=40, fit=False)
+        (prior,) = [p for _, _, p, _, _ in model.likelihood.named_priors()]
+        assert isinstance(prior, LogNormalPrior) and float(prior.loc) == -4.0 and float(prior.scale) == 1.0
+        torch.testing.assert_close(float(model.noise), math.exp(-5.0), rtol=1e-6, atol=0)
+    model = FalkonModel(X, Y, num_centers=40, fit=False, tol=1e-10, max_iter=500)
+    fit_gpytorch_mll(NystromMarginalLogLikelihood(model.likelihood, model))
+    assert float(model.noise) >= MIN_INFERRED_NOISE_LEVEL * (1 - 1e-6)  # the bound is stored in float32
+    assert bool(model.fitted) and torch.isfinite(model.posterior(X[:4]).mean).all()
+    # an explicit penalty keeps FalkonGP's unbounded noise: sigma^2 = n lambda exactly
+    torch.testing.assert_close(float(FalkonModel(X, Y, num_centers=40, penalty=1e-9, fit=False).noise), 200e-9)
+
+
+def test_mll_adds_the_log_priors_as_gpytorchs_mlls():
+    """With priors on the noise and the lengthscale, mll = (-SGPRBound + sum of log-priors) / n, and its
+    gradients are autograd's on that formula."""
+    from gpytorch.priors import GammaPrior
+
+    from gpfalkon import NystromMarginalLogLikelihood
+    from gpfalkon.objectives import SGPRBound
+
+    X, Y = _data(n=120)
+    model = FalkonModel(X, Y, num_centers=20, fit=False, outcome_transform=None)  # LogNormal noise prior
+    model.kernel.base_kernel.register_prior("lengthscale_prior", GammaPrior(3.0, 6.0), "lengthscale")
+    mll = NystromMarginalLogLikelihood(model.likelihood, model)
+    model.train()
+    value = mll(model(model.train_inputs[0]), model.train_targets)
+    noise_prior = model.likelihood.noise_covar.noise_prior
+    ls = model.kernel.base_kernel.lengthscale
+    expected = (-SGPRBound(model)() + noise_prior.log_prob(model.likelihood.noise).sum()
+                + GammaPrior(3.0, 6.0).log_prob(ls).sum()) / 120
+    torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-14)
+    g1 = torch.autograd.grad(value, model.kernel.base_kernel.raw_lengthscale)[0]
+    g2 = torch.autograd.grad(expected, model.kernel.base_kernel.raw_lengthscale)[0]
+    torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-12)

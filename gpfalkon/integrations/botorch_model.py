@@ -11,14 +11,37 @@ from botorch.models.utils.assorted import fantasize as fantasize_flag
 from botorch.models.transforms.input import InputTransform
 from botorch.models.transforms.outcome import OutcomeTransform
 from botorch.models.utils.assorted import validate_input_scaling
+from botorch.models.utils.gpytorch_modules import MIN_INFERRED_NOISE_LEVEL, get_gaussian_likelihood_with_lognormal_prior
+from gpytorch.constraints import GreaterThan
 from gpytorch.kernels import Kernel
+from gpytorch.likelihoods import Likelihood, MultitaskGaussianLikelihood
+from gpytorch.priors import LogNormalPrior
 from torch import Tensor
 
 from ..models import FalkonGP
 from ..models.defaults import default_likelihood
 from .fantasy import FalkonFantasyModel
 
-__all__ = ["FalkonModel"]
+__all__ = ["FalkonModel", "default_botorch_likelihood"]
+
+
+def default_botorch_likelihood(
+    num_outputs: int = 1, *, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None
+) -> Likelihood:
+    """SingleTaskGP's default noise model for FalkonModel: a ``LogNormal(-4, 1)`` prior on
+    ``sigma^2``, the bound ``sigma^2 >= 1e-4`` (BoTorch's ``MIN_INFERRED_NOISE_LEVEL``) and the
+    prior's mode as initial value; one shared noise for ``num_outputs > 1`` (FALKON's single
+    penalty ``lambda = sigma^2 / n``). Without the bound, learning the noise on noiseless data
+    drives it towards 0 and the objective's conditioning with it."""
+    if num_outputs == 1:
+        lik: Likelihood = get_gaussian_likelihood_with_lognormal_prior()
+    else:
+        prior = LogNormalPrior(loc=-4.0, scale=1.0)
+        lik = MultitaskGaussianLikelihood(
+            num_tasks=num_outputs, rank=0, has_task_noise=False, noise_prior=prior,
+            noise_constraint=GreaterThan(MIN_INFERRED_NOISE_LEVEL, transform=None, initial_value=prior.mode),
+        )
+    return lik.to(dtype=dtype, device=device)
 
 
 class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
@@ -41,6 +64,11 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
     training inputs once and to ``X`` in ``posterior``; outcome transforms (e.g.
     ``Standardize``, the default as in ``SingleTaskGP``) to ``train_Y`` once and
     undone on the posterior. ``observation_noise=True`` adds ``sigma^2 = n lambda``.
+    Without ``penalty=`` or ``likelihood=``, the noise model is SingleTaskGP's
+    (:func:`default_botorch_likelihood`: ``LogNormal(-4, 1)`` prior, ``sigma^2 >= 1e-4``,
+    starting at the prior's mode ``e^{-5}``); with ``penalty=`` alone, ``sigma^2 = n lambda``
+    with FalkonGP's unbounded log-scale noise. Learn the hyperparameters with
+    ``fit_gpytorch_mll(NystromMarginalLogLikelihood(model.likelihood, model))``.
 
     ``condition_on_observations`` with non-batched ``X``, ``Y`` appends the new rows and
     refits by FALKON warm-started from the current solution, keeping the noise
@@ -97,6 +125,8 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
         # Y not standardised (after the transforms) give an InputDataWarning
         validate_input_scaling(train_X=x, train_Y=y)
         y_model = y.squeeze(-1) if y.shape[-1] == 1 else y
+        if kwargs.get("likelihood") is None and kwargs.get("penalty") is None:
+            kwargs["likelihood"] = default_botorch_likelihood(train_Y.shape[-1], dtype=x.dtype, device=x.device)
         super().__init__(x, y_model, kernel, num_centers=num_centers, **kwargs)
         if input_transform is not None:
             self.input_transform = input_transform

@@ -1,9 +1,9 @@
 """The objectives as GPyTorch marginal-log-likelihood objects (for ``fit_gpytorch_mll`` and GPyTorch loops).
 
 :class:`NystromMarginalLogLikelihood` wraps one :mod:`gpfalkon.objectives` objective as a
-:class:`gpytorch.mlls.MarginalLogLikelihood`: ``mll(output, train_y) = -objective() / n``
-(per data point, as GPyTorch's MLLs are scaled). The ``output`` argument (the model's
-train-mode output) is not used: every objective reads the model's kernel, penalty, centers and
+:class:`gpytorch.mlls.MarginalLogLikelihood`: ``mll(output, train_y) = (-objective() + log-priors) / n``
+(per data point, with the log-priors of the parameters, as GPyTorch's MLLs). The ``output``
+argument (the model's train-mode output) is not used: every objective reads the model's kernel, penalty, centers and
 training data itself. So both
 
 .. code-block:: python
@@ -49,7 +49,11 @@ OBJECTIVE_NAMES: Dict[str, Type[NystromObjective]] = {
 
 
 class NystromMarginalLogLikelihood(MarginalLogLikelihood):
-    """``-objective() / n`` as a GPyTorch MLL (see the module docstring).
+    """``(-objective() + sum of log-priors) / n`` as a GPyTorch MLL (see the module docstring).
+
+    As in GPyTorch's ``ExactMarginalLogLikelihood``, the log-densities of the priors registered
+    on the model's and likelihood's parameters (and any added loss terms) are added before the
+    division by ``n``: a model without priors gets ``-objective() / n``.
 
     Args:
         likelihood: the model's likelihood (``model.likelihood``).
@@ -90,7 +94,14 @@ class NystromMarginalLogLikelihood(MarginalLogLikelihood):
                 f"target: the objective is computed on the model's training targets ({tuple(want.shape)}); "
                 f"got {tuple(getattr(target, 'shape', ()))} (use model.set_train_data to change the data)"
             )
-        return -self.objective() / self.model.n
+        res = -self.objective()
+        # as GPyTorch's exact MLL: added loss terms and the log-priors of the model's (and its
+        # likelihood's) parameters, e.g. BoTorch's LogNormal noise prior, then per data point
+        for term in self.model.added_loss_terms():
+            res = res + term.loss(*params)
+        for _, module, prior, closure, _ in self.model.named_priors():
+            res = res + prior.log_prob(closure(module)).sum()
+        return res / self.model.n
 
     def train(self, mode: bool = True) -> "NystromMarginalLogLikelihood":
         super().train(mode)
