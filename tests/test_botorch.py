@@ -312,24 +312,27 @@ def test_default_noise_model_is_singletaskgps_and_survives_noiseless_data():
 
 
 def test_mll_adds_the_log_priors_as_gpytorchs_mlls():
-    """With priors on the noise and the lengthscale, mll = (-SGPRBound + sum of log-priors) / n, and its
-    gradients are autograd's on that formula."""
-    from gpytorch.priors import GammaPrior
+    """FalkonModel's defaults carry SingleTaskGP's priors (LogNormal on the noise and on the RBF
+    lengthscales): mll = (-SGPRBound + sum of log-priors) / n, and its gradients are autograd's on
+    that formula."""
+    from gpytorch.priors import LogNormalPrior
 
     from gpfalkon import NystromMarginalLogLikelihood
     from gpfalkon.objectives import SGPRBound
 
     X, Y = _data(n=120)
-    model = FalkonModel(X, Y, num_centers=20, fit=False, outcome_transform=None)  # LogNormal noise prior
-    model.kernel.base_kernel.register_prior("lengthscale_prior", GammaPrior(3.0, 6.0), "lengthscale")
+    model = FalkonModel(X, Y, num_centers=20, fit=False, outcome_transform=None)
+    kernel = model.kernel
+    assert isinstance(kernel, gpytorch.kernels.RBFKernel) and isinstance(kernel.lengthscale_prior, LogNormalPrior)
     mll = NystromMarginalLogLikelihood(model.likelihood, model)
     model.train()
     value = mll(model(model.train_inputs[0]), model.train_targets)
     noise_prior = model.likelihood.noise_covar.noise_prior
-    ls = model.kernel.base_kernel.lengthscale
     expected = (-SGPRBound(model)() + noise_prior.log_prob(model.likelihood.noise).sum()
-                + GammaPrior(3.0, 6.0).log_prob(ls).sum()) / 120
+                + kernel.lengthscale_prior.log_prob(kernel.lengthscale).sum()) / 120
     torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-14)
-    g1 = torch.autograd.grad(value, model.kernel.base_kernel.raw_lengthscale)[0]
-    g2 = torch.autograd.grad(expected, model.kernel.base_kernel.raw_lengthscale)[0]
+    g1 = torch.autograd.grad(value, kernel.raw_lengthscale)[0]
+    g2 = torch.autograd.grad(expected, kernel.raw_lengthscale)[0]
     torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-12)
+    without = (-SGPRBound(model)() / 120).detach()
+    assert abs(float(value.detach() - without)) > 1e-3  # the priors do contribute

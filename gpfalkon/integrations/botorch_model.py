@@ -11,7 +11,11 @@ from botorch.models.utils.assorted import fantasize as fantasize_flag
 from botorch.models.transforms.input import InputTransform
 from botorch.models.transforms.outcome import OutcomeTransform
 from botorch.models.utils.assorted import validate_input_scaling
-from botorch.models.utils.gpytorch_modules import MIN_INFERRED_NOISE_LEVEL, get_gaussian_likelihood_with_lognormal_prior
+from botorch.models.utils.gpytorch_modules import (
+    MIN_INFERRED_NOISE_LEVEL,
+    get_covar_module_with_dim_scaled_prior,
+    get_gaussian_likelihood_with_lognormal_prior,
+)
 from gpytorch.constraints import GreaterThan
 from gpytorch.kernels import Kernel
 from gpytorch.likelihoods import Likelihood, MultitaskGaussianLikelihood
@@ -64,6 +68,9 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
     training inputs once and to ``X`` in ``posterior``; outcome transforms (e.g.
     ``Standardize``, the default as in ``SingleTaskGP``) to ``train_Y`` once and
     undone on the posterior. ``observation_noise=True`` adds ``sigma^2 = n lambda``.
+    Without ``kernel=``, the kernel is SingleTaskGP's (BoTorch's
+    ``get_covar_module_with_dim_scaled_prior``: ARD RBF, ``LogNormal(sqrt 2 + log(d)/2, sqrt 3)``
+    lengthscale prior, lengthscales ``>= 0.025``, no outputscale on standardised ``Y``).
     Without ``penalty=`` or ``likelihood=``, the noise model is SingleTaskGP's
     (:func:`default_botorch_likelihood`: ``LogNormal(-4, 1)`` prior, ``sigma^2 >= 1e-4``,
     starting at the prior's mode ``e^{-5}``); with ``penalty=`` alone, ``sigma^2 = n lambda``
@@ -125,6 +132,8 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
         # Y not standardised (after the transforms) give an InputDataWarning
         validate_input_scaling(train_X=x, train_Y=y)
         y_model = y.squeeze(-1) if y.shape[-1] == 1 else y
+        if kernel is None:  # SingleTaskGP's: RBF with the dimension-scaled LogNormal lengthscale prior
+            kernel = get_covar_module_with_dim_scaled_prior(ard_num_dims=x.shape[-1]).to(dtype=x.dtype, device=x.device)
         if kwargs.get("likelihood") is None and kwargs.get("penalty") is None:
             kwargs["likelihood"] = default_botorch_likelihood(train_Y.shape[-1], dtype=x.dtype, device=x.device)
         super().__init__(x, y_model, kernel, num_centers=num_centers, **kwargs)

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Tuple
 import torch
 from gpytorch.kernels import Kernel
 from linear_operator.operators import LinearOperator
+from linear_operator.utils.memoize import cached
 from torch import Tensor
 
 from ..backend.blocks import row_blocks
@@ -95,6 +96,17 @@ class NystromPosteriorCovariance(LinearOperator):
             a, c = self._roots(xs)
             out.append(kdiag - a.square().sum(-2) + c.square().sum(-2))
         return torch.cat(out, -1).to(self.x.dtype)
+
+    @cached
+    def to_dense(self) -> Tensor:
+        """The dense ``q x q`` covariance, ``K_** - a^T a + c^T c`` in one pass when ``q`` fits in one
+        chunk (``O(q M (M + d) + q^2 d)``; autograd differentiates it directly), else chunked
+        products with the identity."""
+        if self.x.shape[-2] > self.chunk_size:
+            return super().to_dense()
+        a, c = self._roots(self.x)
+        kxx = self.kernel(self.x.to(torch.float64)).to_dense()
+        return (kxx - a.mT @ a + c.mT @ c).to(self.x.dtype)
 
     def _matmul(self, rhs: Tensor) -> Tensor:
         vec = rhs.dim() == 1
