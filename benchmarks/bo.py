@@ -32,34 +32,35 @@ import pathlib
 import sys
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import environment_lines, fmt, log, markdown_table, write_result  # noqa: E402
-
-from botorch.acquisition import qKnowledgeGradient  # noqa: E402
-from botorch.acquisition.logei import qLogNoisyExpectedImprovement  # noqa: E402
-from botorch.fit import fit_gpytorch_mll  # noqa: E402
-from botorch.models import SingleTaskGP  # noqa: E402
-from botorch.models.gpytorch import GPyTorchModel  # noqa: E402
-from botorch.models.transforms.outcome import Standardize  # noqa: E402
-from botorch.models.utils.gpytorch_modules import (  # noqa: E402
+from botorch.acquisition import qKnowledgeGradient
+from botorch.acquisition.logei import qLogNoisyExpectedImprovement
+from botorch.fit import fit_gpytorch_mll
+from botorch.models import SingleTaskGP
+from botorch.models.gpytorch import GPyTorchModel
+from botorch.models.transforms.outcome import Standardize
+from botorch.models.utils.gpytorch_modules import (
     get_covar_module_with_dim_scaled_prior,
     get_gaussian_likelihood_with_lognormal_prior,
 )
-from botorch.optim import optimize_acqf  # noqa: E402
-from botorch.test_functions import Ackley, Hartmann  # noqa: E402
-from botorch.utils.sampling import draw_sobol_samples  # noqa: E402
-from gpytorch.distributions import MultivariateNormal  # noqa: E402
-from gpytorch.kernels import InducingPointKernel  # noqa: E402
-from gpytorch.means import ConstantMean  # noqa: E402
-from gpytorch.mlls import ExactMarginalLogLikelihood  # noqa: E402
-from gpytorch.models import ExactGP  # noqa: E402
+from botorch.optim import optimize_acqf
+from botorch.test_functions import Ackley, Hartmann
+from botorch.utils.sampling import draw_sobol_samples
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.kernels import InducingPointKernel
+from gpytorch.means import ConstantMean
+from gpytorch.mlls import ExactMarginalLogLikelihood
+from gpytorch.models import ExactGP
 
-from gpfalkon import NystromMarginalLogLikelihood  # noqa: E402
-from gpfalkon.botorch import FalkonModel  # noqa: E402
+from gpfalkon import NystromMarginalLogLikelihood
+from gpfalkon.botorch import FalkonModel
+
+from _common import environment_lines, fmt, log, markdown_table, write_result
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DT = torch.float64
@@ -108,7 +109,7 @@ def fit_sgpr(X: torch.Tensor, Y: torch.Tensor, centers: int, seed: int) -> Any:
     return model
 
 
-MODELS: Dict[str, Callable[..., Any]] = {"FalkonModel": fit_falkon, "SingleTaskGP": fit_stgp, "SGPR": fit_sgpr}
+MODELS: dict[str, Callable[..., Any]] = {"FalkonModel": fit_falkon, "SingleTaskGP": fit_stgp, "SGPR": fit_sgpr}
 
 
 # ----------------------------------------------------------------------------- problems
@@ -126,13 +127,13 @@ def evaluate(f: Any, x_unit: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- part 1
-def bo_loop(pname: str, model: str, seed: int, args: argparse.Namespace) -> Dict[str, Any]:
+def bo_loop(pname: str, model: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     f = problem(pname)
     d = f.dim
     unit = torch.stack([torch.zeros(d, dtype=DT), torch.ones(d, dtype=DT)])
     X = draw_sobol_samples(unit, n=args.init, q=1, seed=seed).squeeze(-2)
     Y = evaluate(f, X)
-    rec: Dict[str, Any] = {"problem": pname, "model": model, "seed": seed, "n": [X.shape[0]],
+    rec: dict[str, Any] = {"problem": pname, "model": model, "seed": seed, "n": [X.shape[0]],
                            "best": [float(Y.max())], "fit_s": [], "acq_s": []}
     it = 0
     while X.shape[0] < args.evals:
@@ -157,7 +158,7 @@ def bo_loop(pname: str, model: str, seed: int, args: argparse.Namespace) -> Dict
     return rec
 
 
-def run_loops(args: argparse.Namespace, jsonl: pathlib.Path) -> List[Dict[str, Any]]:
+def run_loops(args: argparse.Namespace, jsonl: pathlib.Path) -> list[dict[str, Any]]:
     done = {}
     if jsonl.exists():
         for line in jsonl.read_text().splitlines():
@@ -184,7 +185,7 @@ def run_loops(args: argparse.Namespace, jsonl: pathlib.Path) -> List[Dict[str, A
 
 
 # ----------------------------------------------------------------------------- part 2
-def run_scaling(args: argparse.Namespace, jsonl: pathlib.Path) -> List[Dict[str, Any]]:
+def run_scaling(args: argparse.Namespace, jsonl: pathlib.Path) -> list[dict[str, Any]]:
     f = problem("hartmann6")
     unit = torch.stack([torch.zeros(6, dtype=DT), torch.ones(6, dtype=DT)])
     out = []
@@ -219,7 +220,7 @@ def run_scaling(args: argparse.Namespace, jsonl: pathlib.Path) -> List[Dict[str,
 
 
 # ----------------------------------------------------------------------------- report
-def _mean_se(v: List[float]) -> str:
+def _mean_se(v: list[float]) -> str:
     if not v:
         return "-"
     m = sum(v) / len(v)
@@ -229,12 +230,12 @@ def _mean_se(v: List[float]) -> str:
     return f"{fmt(m)} ± {fmt(sd / math.sqrt(len(v)))}"
 
 
-def _regret_at(rec: Dict[str, Any], evals: int) -> float:
-    best = [b for n, b in zip(rec["n"], rec["best"]) if n <= evals] or rec["best"][:1]
+def _regret_at(rec: dict[str, Any], evals: int) -> float:
+    best = [b for n, b in zip(rec["n"], rec["best"], strict=False) if n <= evals] or rec["best"][:1]
     return rec["optimal_value"] - best[-1]
 
 
-def report_loops(recs: List[Dict[str, Any]], args: argparse.Namespace) -> str:
+def report_loops(recs: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = []
     for pname in args.problems:
         rows = []
@@ -261,11 +262,11 @@ def report_loops(recs: List[Dict[str, Any]], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def report_scaling(recs: List[Dict[str, Any]]) -> str:
+def report_scaling(recs: list[dict[str, Any]]) -> str:
     ns = sorted({r["n"] for r in recs})
     rows = []
     for n in ns:
-        row: List[Any] = [n]
+        row: list[Any] = [n]
         for model in MODELS:
             r = [x for x in recs if x["n"] == n and x["model"] == model]
             row += [r[0]["fit_s"], r[0]["acq_s"]] if r else [None, None]
@@ -279,7 +280,9 @@ def report_scaling(recs: List[Dict[str, Any]]) -> str:
     return markdown_table(heads, rows)
 
 
-def plot(loops: List[Dict[str, Any]], scaling: List[Dict[str, Any]], args: argparse.Namespace, path: pathlib.Path) -> None:
+def plot(
+    loops: list[dict[str, Any]], scaling: list[dict[str, Any]], args: argparse.Namespace, path: pathlib.Path
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,7 +301,7 @@ def plot(loops: List[Dict[str, Any]], scaling: List[Dict[str, Any]], args: argpa
             m, se = reg.mean(0), reg.std(0) / math.sqrt(len(rs)) if len(rs) > 1 else torch.zeros(len(n))
             axes[0, j].plot(n, m, label=model)
             axes[0, j].fill_between(n, (m - se).clamp_min(1e-6), m + se, alpha=0.2)
-            t = torch.tensor([[a + b for a, b in zip(r["fit_s"], r["acq_s"])] for r in rs]).mean(0)
+            t = torch.tensor([[a + b for a, b in zip(r["fit_s"], r["acq_s"], strict=False)] for r in rs]).mean(0)
             axes[1, j].plot(n[:-1], t, label=model)
         axes[0, j].set_yscale("log")
         axes[0, j].set_title(f"{pname}: simple regret ({len(rs)} seeds)")
@@ -339,6 +342,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(RESULTS / "bo.md"))
     ap.add_argument("--quick", action="store_true", help="small sizes, results/bo-quick.md (not committed)")
+    ap.add_argument("--report-only", action="store_true", help="write the report from the .jsonl, run nothing")
     args = ap.parse_args()
     if args.quick:
         args.seeds, args.evals, args.init, args.q = 1, 40, 16, 8
@@ -351,10 +355,17 @@ def main() -> None:
     out = pathlib.Path(args.out)
     jsonl = out.with_suffix(".jsonl")
     parts = args.parts.split(",")
-    loops = run_loops(args, jsonl) if "loop" in parts else []
-    scaling = run_scaling(args, jsonl) if "scaling" in parts else []
+    if args.report_only:  # the finished records of the .jsonl, whatever their number of seeds
+        recs = [json.loads(line) for line in jsonl.read_text().splitlines()] if jsonl.exists() else []
+        loops = [r for r in recs if r.get("part") == "loop" and r["problem"] in args.problems]
+        scaling = [r for r in recs if r.get("part") == "scaling"]
+    else:
+        loops = run_loops(args, jsonl) if "loop" in parts else []
+        scaling = run_scaling(args, jsonl) if "scaling" in parts else []
     body = [__doc__.split("\n\n", 1)[1].strip(), ""]
-    body.append(f"Settings: {args.seeds} seeds, {args.init} initial Sobol points, q = {args.q}, {args.evals} evaluations, "
+    seeds = {p: len({r["seed"] for r in loops if r["problem"] == p}) for p in args.problems}
+    body.append(f"Settings: seeds {seeds}, {args.init} initial Sobol points, q = {args.q}, "
+                f"{args.evals} evaluations, "
                 f"M = min(n, {args.centers}), acquisition optimised with {args.restarts} restarts / "
                 f"{args.raw_samples} raw samples, {args.threads} threads. Records: `{jsonl.name}`.\n")
     if loops:
