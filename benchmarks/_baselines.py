@@ -10,7 +10,9 @@ class SGPR(gpytorch.models.ExactGP):
     def __init__(self, x, y, kernel, inducing, likelihood):
         super().__init__(x, y, likelihood)
         self.mean_module = gpytorch.means.ZeroMean()
-        self.covar_module = gpytorch.kernels.InducingPointKernel(kernel, inducing_points=inducing, likelihood=likelihood)
+        self.covar_module = gpytorch.kernels.InducingPointKernel(
+            kernel, inducing_points=inducing, likelihood=likelihood
+        )
 
     def forward(self, x):
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))

@@ -13,7 +13,7 @@ import shlex
 import statistics
 import sys
 import time
-from typing import Callable, List, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -46,7 +46,7 @@ def command_line() -> str:
     return " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable, os.getcwd()), *sys.argv])
 
 
-def environment_lines() -> List[str]:
+def environment_lines() -> list[str]:
     now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
     try:
         load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -97,21 +97,23 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence], align: str 
 
     def line(items):
         return "| " + " | ".join(
-            (s.ljust(w) if a == "l" else s.rjust(w)) for s, w, a in zip(items, widths, align)
+            (s.ljust(w) if a == "l" else s.rjust(w)) for s, w, a in zip(items, widths, align, strict=False)
         ) + " |"
 
-    sep = "|" + "|".join(("-" * (w + 1) + ":") if a == "r" else (":" + "-" * (w + 1)) for w, a in zip(widths, align)) + "|"
+    sep = "|" + "|".join(
+        ("-" * (w + 1) + ":") if a == "r" else (":" + "-" * (w + 1)) for w, a in zip(widths, align, strict=False)
+    ) + "|"
     return "\n".join([line([str(h) for h in headers]), sep, *(line(r) for r in cells)])
 
 
-def timed(fn: Callable[[], object]) -> Tuple[float, float, object]:
+def timed(fn: Callable[[], object]) -> tuple[float, float, object]:
     """Run ``fn`` once; return (wall seconds, process CPU seconds, result)."""
     c0, t0 = time.process_time(), time.perf_counter()
     out = fn()
     return time.perf_counter() - t0, time.process_time() - c0, out
 
 
-def median_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> Tuple[float, List[float]]:
+def median_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> tuple[float, list[float]]:
     """Median wall time of ``repeats`` calls after ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()

@@ -26,10 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Tuple
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import environment_lines, markdown_table  # noqa: E402
+from _common import environment_lines, markdown_table
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -41,9 +40,9 @@ BENCHES = {
 }
 
 
-def _parse_tables(md: str) -> List[Dict[str, str]]:
+def _parse_tables(md: str) -> list[dict[str, str]]:
     """Rows of every markdown table in ``md`` as dicts (header -> cell)."""
-    rows: List[Dict[str, str]] = []
+    rows: list[dict[str, str]] = []
     lines = md.splitlines()
     i = 0
     while i < len(lines):
@@ -52,14 +51,14 @@ def _parse_tables(md: str) -> List[Dict[str, str]]:
             i += 2
             while i < len(lines) and lines[i].startswith("|"):
                 cells = [c.strip() for c in lines[i].strip("|").split("|")]
-                rows.append(dict(zip(head, cells)))
+                rows.append(dict(zip(head, cells, strict=False)))
                 i += 1
         else:
             i += 1
     return rows
 
 
-def _run(tree: pathlib.Path, bench: str, python: str) -> Dict[Tuple[str, ...], float]:
+def _run(tree: pathlib.Path, bench: str, python: str) -> dict[tuple[str, ...], float]:
     args, keys, col = BENCHES[bench]
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "out.md"
@@ -90,7 +89,7 @@ def main() -> None:
     trees = {"A": args.before.resolve(), "B": args.after.resolve()}
     sections = []
     for bench in args.benches:
-        times: Dict[str, Dict[Tuple[str, ...], List[float]]] = {"A": {}, "B": {}}
+        times: dict[str, dict[tuple[str, ...], list[float]]] = {"A": {}, "B": {}}
         for r in range(args.rounds):
             order = ("A", "B") if r % 2 == 0 else ("B", "A")
             for side in order:

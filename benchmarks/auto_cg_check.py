@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from compare import load_dataset  # noqa: E402
+from gpfalkon import auto_fit
 
-from gpfalkon import auto_fit  # noqa: E402
+from compare import load_dataset
 
 
 def _nrmse(model, data) -> float:

@@ -34,7 +34,6 @@ import statistics
 import sys
 import time
 import warnings
-from typing import Dict, List
 
 import gpytorch
 import matplotlib
@@ -42,15 +41,15 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import REPO, environment_lines, log, markdown_table, write_result  # noqa: E402
-from compare import load_dataset, median_ls, select_noise  # noqa: E402
+from gpfalkon import CGNotConvergedWarning, FalkonGP, approximate_leverage_scores, leverage_centers
 
-from gpfalkon import CGNotConvergedWarning, FalkonGP, approximate_leverage_scores, leverage_centers  # noqa: E402
+from _common import REPO, environment_lines, log, markdown_table, write_result
+from compare import load_dataset, median_ls, select_noise
 
 matplotlib.use("Agg")
 
 
-def uneven(seed: int = 0) -> Dict:
+def uneven(seed: int = 0) -> dict:
     g = np.random.default_rng(seed)
 
     def draw(n):
@@ -61,7 +60,7 @@ def uneven(seed: int = 0) -> Dict:
 
     xtr, ytr = draw(40_000)
     xte, yte = draw(10_000)
-    f32 = lambda a: torch.as_tensor(a, dtype=torch.float32)  # noqa: E731
+    f32 = lambda a: torch.as_tensor(a, dtype=torch.float32)
     return dict(name="uneven", task="regression", xtr=f32(xtr), ytr=f32(ytr), xte=f32(xte), yte=f32(yte),
                 y_scale=1.0, y_test_std=float(yte.std()), lengthscale=0.4)
 
@@ -95,7 +94,7 @@ def main() -> None:
         n, d = xtr.shape
         ls = data.get("lengthscale") or median_ls(xtr)
 
-        def kern():
+        def kern(ls=ls):
             k = gpytorch.kernels.RBFKernel()
             k.lengthscale = ls
             return k
@@ -156,7 +155,7 @@ def main() -> None:
     cols = min(3, len(curves))
     nrow = (len(curves) + cols - 1) // cols
     fig, axes = plt.subplots(nrow, cols, figsize=(4.3 * cols, 3.5 * nrow), squeeze=False)
-    for ax, (name, mean) in zip(axes.flat, curves.items()):
+    for ax, (name, mean) in zip(axes.flat, curves.items(), strict=False):
         for method, mk in (("uniform", "o-"), ("leverage", "s-")):
             ax.plot(args.centers, [mean[(method, m)] for m in args.centers], mk, label=method)
         ax.set_xscale("log")

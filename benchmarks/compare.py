@@ -95,18 +95,18 @@ import sys
 import threading
 import time
 import warnings
-from typing import Callable, Dict, List, Optional
+from collections.abc import Callable
 
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import REPO, environment_lines, log, markdown_table, write_result  # noqa: E402
+from _common import REPO, environment_lines, log, markdown_table, write_result
 
 DATA = pathlib.Path(os.environ.get("GPFALKON_DATA", REPO.parent / "shared" / "data"))
 RESULTS = REPO / "benchmarks" / "results"
 DATASETS = ["abalone", "powerplant", "magic", "cadata", "kin40k", "a9a", "protein", "flights"]
 METHODS = ["falkon", "falkon-learned", "sgpr", "svgp", "exact", "nystroem", "rff", "fastfood"]
-ALL_METHODS = METHODS + ["falkon-auto"]
+ALL_METHODS = [*METHODS, "falkon-auto"]
 # issue 18's protocol: auto_fit's defaults were chosen on DEV_DATASETS only (n < 10,000); it is
 # reported on REPORT_DATASETS (every regression set with n >= 10,000, and flights)
 DEV_DATASETS = ["cpusmall", "pumadyn32nm", "parkinsons", "powerplant"]
@@ -121,7 +121,7 @@ HOPT_ROWS = 20_000  # rows the hyperparameters are learned on (100k on flights)
 
 
 # ----------------------------------------------------------------------------- data
-def load_dataset(name: str) -> Dict:
+def load_dataset(name: str) -> dict:
     """Standardised float32 train/test tensors and how they were made."""
     import torch
 
@@ -156,12 +156,12 @@ def load_dataset(name: str) -> Dict:
     else:
         ym, ys = ytr.mean(), ytr.std()
         ytr, yte = (ytr - ym) / ys, (yte - ym) / ys
-    f32 = lambda a: torch.as_tensor(a, dtype=torch.float32).contiguous()  # noqa: E731
+    f32 = lambda a: torch.as_tensor(a, dtype=torch.float32).contiguous()
     return dict(name=name, task=task, split=split, xtr=f32(Xtr), ytr=f32(ytr), xte=f32(Xte), yte=f32(yte),
                 y_mean=float(ym), y_scale=float(ys), y_test_std=float(yte.std() * ys))
 
 
-def metrics(data: Dict, scores) -> Dict:
+def metrics(data: dict, scores) -> dict:
     s = np.asarray(scores, dtype=np.float64).reshape(-1)
     yte = data["yte"].double().numpy()
     if not np.all(np.isfinite(s)):
@@ -192,7 +192,7 @@ class PeakRSS:
             self.peak = max(self.peak, self.rss())
             self._stop.wait(self.period)
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self.base = self.peak = self.rss()
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
@@ -213,7 +213,7 @@ def predict_chunks(fn: Callable, x, chunk: int = 20_000):
         return torch.cat([fn(x[s : s + chunk]).reshape(-1).double() for s in range(0, len(x), chunk)])
 
 
-def subsample(data: Dict, n: int, seed: int = 1):
+def subsample(data: dict, n: int, seed: int = 1):
     import torch
 
     x, y = data["xtr"], data["ytr"]
@@ -239,7 +239,7 @@ def _cg_note(caught) -> str:
     return f"; CG warning: {bad[0][:80]}" if bad else ""
 
 
-def select_noise(data: Dict, kernel_factory: Callable, m: int, return_error: bool = False):
+def select_noise(data: dict, kernel_factory: Callable, m: int, return_error: bool = False):
     """Noise ``n lambda`` from :data:`NOISE_GRID` by hold-out: FALKON fits (20 iterations,
     <= 2000 centers) on 80% of at most 100k training rows, squared error on the rest."""
     import gpytorch
@@ -267,7 +267,7 @@ def select_noise(data: Dict, kernel_factory: Callable, m: int, return_error: boo
 LS_MULTIPLIERS = (0.25, 0.5, 1.0)
 
 
-def heuristic_hypers(data: Dict) -> Dict:
+def heuristic_hypers(data: dict) -> dict:
     """The lengthscale shared by the kernel-approximation methods (FALKON, Nystroem, RFF,
     Fastfood): median heuristic x a multiplier in :data:`LS_MULTIPLIERS`, chosen with the
     noise by hold-out FALKON fits (:func:`select_noise`). Computed (and timed) by the FALKON
@@ -296,9 +296,8 @@ def heuristic_hypers(data: Dict) -> Dict:
     return out
 
 
-def run_falkon(data: Dict, budget: float) -> List[Dict]:
+def run_falkon(data: dict, budget: float) -> list[dict]:
     import gpytorch
-    import torch
 
     from gpfalkon import CGNotConvergedWarning, FalkonGP
 
@@ -330,7 +329,7 @@ def run_falkon(data: Dict, budget: float) -> List[Dict]:
                       f"{hyp['seconds']:.0f} s)" + _cg_note(caught))]
 
 
-def run_falkon_learned(data: Dict, budget: float) -> List[Dict]:
+def run_falkon_learned(data: dict, budget: float) -> list[dict]:
     import gpytorch
     import torch
 
@@ -364,7 +363,8 @@ def run_falkon_learned(data: Dict, budget: float) -> List[Dict]:
     kernel = model.kernel
     centers = model.centers.detach()
     rows = []
-    for label, mm in (("FalkonGP learned", min(M_SMALL, nh)), (f"FalkonGP learned -> M={min(M_LARGE, n)}", min(M_LARGE, n))):
+    for label, mm in (("FalkonGP learned", min(M_SMALL, nh)),
+                      (f"FalkonGP learned -> M={min(M_LARGE, n)}", min(M_LARGE, n))):
         t1 = time.perf_counter()
         if label == "FalkonGP learned":
             kw, nz = dict(centers=centers), noise
@@ -379,7 +379,7 @@ def run_falkon_learned(data: Dict, budget: float) -> List[Dict]:
         fit.eval()
         t2 = time.perf_counter()
         with gpytorch.settings.skip_posterior_variances():
-            scores = predict_chunks(lambda x: fit(x).mean, data["xte"])
+            scores = predict_chunks(lambda x, fit=fit: fit(x).mean, data["xte"])
         pred_s = time.perf_counter() - t2
         rows.append(dict(method=label, M=mm, n_used=n, fit_s=fit_s, predict_s=pred_s, scores=scores,
                          info=f"{steps} Adam steps on {nh:,} rows ({learn_s:.0f} s), learned noise {noise:.3g}"
@@ -432,7 +432,7 @@ def _fit_exact_mll(xtr, ytr, covar_module, lik, max_iters: int, t0: float, budge
     return model, it
 
 
-def _gp_row(method: str, model, data: Dict, M: int, n: int, fit_s: float, info: str) -> Dict:
+def _gp_row(method: str, model, data: dict, M: int, n: int, fit_s: float, info: str) -> dict:
     """Predict the test means of a fitted GPyTorch model (variances skipped) and build the result row."""
     import gpytorch
 
@@ -452,7 +452,7 @@ class _Curve:
     float32 SGPR prediction is inaccurate, its issues #534 / #623) and resumes it, so the
     evaluation costs the method no time. ``elapsed()`` is training time only."""
 
-    def __init__(self, data: Dict, min_interval: float) -> None:
+    def __init__(self, data: dict, min_interval: float) -> None:
         # curve points on at most CURVE_TEST_MAX test points (a fixed random subset: flights has
         # 1M test points, and ~60 full evaluations outlasted the run's timeout); the final error
         # of every method is on the whole test set
@@ -466,7 +466,7 @@ class _Curve:
         self.data = data
         self.t0 = time.perf_counter()
         self.paused = 0.0
-        self.points: List[List[float]] = []
+        self.points: list[list[float]] = []
         self.min_interval = min_interval
         self._last = -math.inf
 
@@ -508,7 +508,7 @@ def _float64_copy(build, model):
     return m64
 
 
-def _float64_scores(build, model, data: Dict):
+def _float64_scores(build, model, data: dict):
     import gpytorch
 
     m64 = _float64_copy(build, model)
@@ -516,19 +516,19 @@ def _float64_scores(build, model, data: Dict):
         return predict_chunks(lambda x: m64(x.double()).mean, data["xte"])
 
 
-def _float64_error(build, model, data: Dict) -> float:
+def _float64_error(build, model, data: dict) -> float:
     return metrics(data, _float64_scores(build, model, data).numpy())["error"]
 
 
-def _converged(losses: List[float], window: int, tol: float) -> bool:
+def _converged(losses: list[float], window: int, tol: float) -> bool:
     """The best loss of the last ``window`` values improved the best before them by less than ``tol``."""
     if len(losses) <= window:
         return False
     return min(losses[:-window]) - min(losses[-window:]) < tol
 
 
-def _baseline_rows(method: str, steps: str, why: str, curve: "_Curve", build, model, label: int, data: Dict,
-                   n: int) -> List[Dict]:
+def _baseline_rows(method: str, steps: str, why: str, curve: _Curve, build, model, label: int, data: dict,
+                   n: int) -> list[dict]:
     """The result row of an iterative GPyTorch baseline: the last curve point, then the final
     float64 prediction on the whole test set (timed as prediction, not as training)."""
     fit_s = curve.elapsed()
@@ -545,7 +545,7 @@ SGPR_MAX_ITERS = 2000
 SVGP_MAX_EPOCHS = 200
 
 
-def run_sgpr(data: Dict, budget: float) -> List[Dict]:
+def run_sgpr(data: dict, budget: float) -> list[dict]:
     """GPyTorch's SGPR example, trained to convergence (the loss, per datum, improves by less than
     1e-5 over 50 Adam steps) or to the budget, in float32 (GPyTorch's default), with the test
     error recorded along the way and at the end from float64 predictions."""
@@ -578,7 +578,7 @@ def run_sgpr(data: Dict, budget: float) -> List[Dict]:
     lik.train()
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     mll = gpytorch.mlls.ExactMarginalLogLikelihood(lik, model)
-    losses: List[float] = []
+    losses: list[float] = []
     why = "iteration cap"
     it = 0
     while it < SGPR_MAX_ITERS:
@@ -599,7 +599,7 @@ def run_sgpr(data: Dict, budget: float) -> List[Dict]:
     return _baseline_rows("GPyTorch SGPR", f"{it} Adam iterations", why, curve, build, model, it, data, n)
 
 
-def run_svgp(data: Dict, budget: float) -> List[Dict]:
+def run_svgp(data: dict, budget: float) -> list[dict]:
     """GPyTorch's SVGP example (minibatches of 1024, Adam lr 0.01), epochs until convergence (the
     epoch's mean loss improves by less than 1e-5 over 10 epochs) or the budget; test error recorded
     along the way (float64 prediction)."""
@@ -635,7 +635,7 @@ def run_svgp(data: Dict, budget: float) -> List[Dict]:
     g = torch.Generator().manual_seed(0)
     epochs = 0
     why = "epoch cap"
-    epoch_losses: List[float] = []
+    epoch_losses: list[float] = []
     batches = 0
 
     while epochs < SVGP_MAX_EPOCHS:
@@ -666,11 +666,10 @@ def run_svgp(data: Dict, budget: float) -> List[Dict]:
     return _baseline_rows("GPyTorch SVGP", f"{epochs} epochs", why, curve, build, model, batches, data, n)
 
 
-def run_auto(data: Dict, budget: float) -> List[Dict]:
+def run_auto(data: dict, budget: float) -> list[dict]:
     """``gpfalkon.auto_fit`` with its defaults and the same budget as every other method, on the
     raw (unstandardised) targets: the pipeline standardises by itself."""
     import gpytorch
-    import torch
 
     from gpfalkon import auto_fit
 
@@ -695,7 +694,7 @@ def run_auto(data: Dict, budget: float) -> List[Dict]:
                            learn=[{k: v for k, v in r.items()} for r in rep.learn]))]
 
 
-def run_exact(data: Dict, budget: float) -> List[Dict]:
+def run_exact(data: dict, budget: float) -> list[dict]:
     import gpytorch
     import torch
 
@@ -736,7 +735,7 @@ def nystroem_size(n_all: int, budget: float, feature_bytes: int = 2 * 2**30):
     return best
 
 
-def run_nystroem(data: Dict, budget: float) -> List[Dict]:
+def run_nystroem(data: dict, budget: float) -> list[dict]:
     from sklearn.kernel_approximation import Nystroem
     from sklearn.linear_model import RidgeCV
     from sklearn.pipeline import make_pipeline
@@ -761,7 +760,7 @@ def run_nystroem(data: Dict, budget: float) -> List[Dict]:
                  info=f"alpha {alpha:g} (LOO)" + ("" if n == n_all else f"; {n:,} of {n_all:,} rows (2 GiB features)"))]
 
 
-def _ridge_random_features(data: Dict, kernel, label: str, num_samples: int) -> List[Dict]:
+def _ridge_random_features(data: dict, kernel, label: str, num_samples: int) -> list[dict]:
     """Ridge regression on the kernel's random features ``z(x) = [cos, sin] / sqrt(D)``, blockwise."""
     import torch
 
@@ -816,7 +815,7 @@ def _num_samples(n: int) -> int:
     return 2048 if n <= FULL_BATCH_MAX_N else 1024
 
 
-def run_rff(data: Dict, budget: float) -> List[Dict]:
+def run_rff(data: dict, budget: float) -> list[dict]:
     import gpytorch
     import torch
 
@@ -828,7 +827,7 @@ def run_rff(data: Dict, budget: float) -> List[Dict]:
     return _ridge_random_features(data, k, "RFF + ridge", ns)
 
 
-def run_fastfood(data: Dict, budget: float) -> List[Dict]:
+def run_fastfood(data: dict, budget: float) -> list[dict]:
     import torch
 
     from gpfalkon.kernels import FastfoodKernel
@@ -859,11 +858,11 @@ def worker(dataset: str, method: str, budget: float, out: pathlib.Path) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     # import everything before measuring memory: module imports are not the method's memory
     import gpytorch  # noqa: F401
-    import sklearn.kernel_approximation  # noqa: F401
-    import sklearn.linear_model  # noqa: F401
+    import sklearn.kernel_approximation
+    import sklearn.linear_model
     import sklearn.metrics  # noqa: F401
 
-    import gpfalkon  # noqa: F401
+    import gpfalkon
     import gpfalkon.objectives  # noqa: F401
 
     data = load_dataset(dataset)
@@ -882,20 +881,20 @@ def worker(dataset: str, method: str, budget: float, out: pathlib.Path) -> None:
 
 
 # ------------------------------------------------------------------------- report
-def load_results(path: pathlib.Path) -> List[Dict]:
+def load_results(path: pathlib.Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _describe(ds: str, results: List[Dict]) -> str:
+def _describe(ds: str, results: list[dict]) -> str:
     r = next((r for r in results if r["dataset"] == ds and "split" in r), None)
     if r is None:
         return ds
     return f"{ds} ({r['split']}, n_train {r['n_train']:,}, n_test {r['n_test']:,}, d {r['d']})"
 
 
-def _total_wall(results: List[Dict]) -> float:
+def _total_wall(results: list[dict]) -> float:
     """Sum of subprocess wall times, once per (dataset, method) (a method may give several rows)."""
     walls = {}
     for r in results:
@@ -903,7 +902,7 @@ def _total_wall(results: List[Dict]) -> float:
     return sum(walls.values())
 
 
-def report(results: List[Dict], env: List[str], out_md: pathlib.Path, out_png: pathlib.Path, total_s: float) -> None:
+def report(results: list[dict], env: list[str], out_md: pathlib.Path, out_png: pathlib.Path, total_s: float) -> None:
     headers = ["dataset", "method", "M / features", "train rows used", "fit s", "predict s", "peak MiB",
                "RMSE", "NRMSE", "class. error", "AUC", "notes"]
     rows = []
@@ -914,7 +913,8 @@ def report(results: List[Dict], env: List[str], out_md: pathlib.Path, out_png: p
         rs = [r for r in results if r["dataset"] == ds]
         for r in rs:
             if "skipped" in r or "failed" in r:
-                rows.append([ds, r["method"], "-", "-", "-", "-", "-", "-", "-", "-", "-", r.get("skipped") or r.get("failed")])
+                rows.append([ds, r["method"], "-", "-", "-", "-", "-", "-", "-", "-", "-",
+                             r.get("skipped") or r.get("failed")])
                 continue
             binary = r["task"] == "binary"
             rows.append([ds, r["method"], r["M"], r["n_used"], r["fit_s"], r["predict_s"], r["peak_mib"],
@@ -941,7 +941,8 @@ def report(results: List[Dict], env: List[str], out_md: pathlib.Path, out_png: p
                 "no (error)" if auto["error"] > te else "no (time)")
             auto_rows.append([ds, target["method"].replace("GPyTorch ", ""), te, ts, auto["error"], auto["fit_s"],
                               auto["error"] / te, auto["fit_s"] / ts,
-                              f"{orc['method'].replace('GPyTorch ', '')} {oe:.4g} at {ot:.0f} s ({auto['error'] / oe:.3f})",
+                              f"{orc['method'].replace('GPyTorch ', '')} {oe:.4g} at {ot:.0f} s "
+                              f"({auto['error'] / oe:.3f})",
                               "; ".join(reach), verdict])
         fal = [r for r in ok if r["key"].startswith("falkon")]
         base = [r for r in ok if r["key"] in ("sgpr", "svgp")]
@@ -1008,7 +1009,7 @@ def report(results: List[Dict], env: List[str], out_md: pathlib.Path, out_png: p
     plot(results, datasets, out_png)
 
 
-def plot(results: List[Dict], datasets: List[str], out_png: pathlib.Path) -> None:
+def plot(results: list[dict], datasets: list[str], out_png: pathlib.Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1020,7 +1021,7 @@ def plot(results: List[Dict], datasets: List[str], out_png: pathlib.Path) -> Non
     cols = min(4, len(datasets))
     nrow = math.ceil(len(datasets) / cols)
     fig, axes = plt.subplots(nrow, cols, figsize=(4.2 * cols, 3.6 * nrow), squeeze=False)
-    def label(r: Dict) -> str:  # one legend entry for "FalkonGP learned -> M=<min(5000, n)>"
+    def label(r: dict) -> str:  # one legend entry for "FalkonGP learned -> M=<min(5000, n)>"
         return re.sub(r"-> M=\d+$", "-> M large", r["method"])
 
     methods = []
@@ -1030,7 +1031,7 @@ def plot(results: List[Dict], datasets: List[str], out_png: pathlib.Path) -> Non
     markers = "os^vDP*Xph<>"
     cmap = plt.get_cmap("tab10")
     style = {m: (cmap(i % 10), markers[i % len(markers)]) for i, m in enumerate(methods)}
-    for ax, ds in zip(axes.flat, datasets):
+    for ax, ds in zip(axes.flat, datasets, strict=False):
         for r in results:
             if r["dataset"] != ds or "error" not in r or r["error"] != r["error"]:
                 continue

@@ -40,13 +40,14 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import environment_lines, fmt, log, markdown_table, write_result  # noqa: E402
+from _common import environment_lines, fmt, log, markdown_table, write_result
 
 DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
 CHUNK = 100_000  # rows per generator chunk: the synthetic data do not depend on the sharding
@@ -76,7 +77,7 @@ def _entry(rank: int, world: int, port: int, job: Callable, args: tuple, out: st
         raise
 
 
-def launch(world: int, job: Callable, args: tuple) -> List[Dict[str, Any]]:
+def launch(world: int, job: Callable, args: tuple) -> list[dict[str, Any]]:
     """``job(rank, world, *args)`` on ``world`` spawned processes (``world=0``: one process
     without torch.distributed); returns each rank's JSON result."""
     with tempfile.TemporaryDirectory() as out:
@@ -132,7 +133,7 @@ def synthetic_rows(start: int, stop: int, d: int) -> tuple:
     return (torch.cat(xs), torch.cat(ys)) if xs else (torch.zeros(0, d), torch.zeros(0))
 
 
-def scaling_job(rank: int, world: int, n: int, d: int, m: int, iters: int, sharded: bool) -> Dict[str, Any]:
+def scaling_job(rank: int, world: int, n: int, d: int, m: int, iters: int, sharded: bool) -> dict[str, Any]:
     import gpytorch
 
     from gpfalkon import DistributedBackend, FalkonGP, FalkonOptions, shard_range
@@ -170,7 +171,7 @@ def scaling_job(rank: int, world: int, n: int, d: int, m: int, iters: int, shard
 
 
 # ----------------------------------------------------------------------------- part 2
-def allreduce_job(rank: int, world: int, sizes: List[int], repeats: int) -> Dict[str, Any]:
+def allreduce_job(rank: int, world: int, sizes: list[int], repeats: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     res = {}
@@ -189,7 +190,7 @@ def allreduce_job(rank: int, world: int, sizes: List[int], repeats: int) -> Dict
 
 
 # ----------------------------------------------------------------------------- part 4
-def flights_job(rank: int, world: int, m: int, iters: int, sharded: bool) -> Dict[str, Any]:
+def flights_job(rank: int, world: int, m: int, iters: int, sharded: bool) -> dict[str, Any]:
     import gpytorch
 
     from gpfalkon import DistributedBackend, FalkonGP, FalkonOptions, shard_range
@@ -234,7 +235,7 @@ def flights_job(rank: int, world: int, m: int, iters: int, sharded: bool) -> Dic
 
 
 # ----------------------------------------------------------------------------- part 6
-def flights_objective_job(rank: int, world: int, m: int, steps: int, sharded: bool) -> Dict[str, Any]:
+def flights_objective_job(rank: int, world: int, m: int, steps: int, sharded: bool) -> dict[str, Any]:
     import gpytorch
 
     from gpfalkon import DistributedBackend, FalkonGP, FalkonOptions, shard_range
@@ -287,7 +288,7 @@ def _ooc_rows(start: int, stop: int, seed_base: int) -> tuple:
     return np.concatenate(xs), np.concatenate(ys)
 
 
-def ooc_write_job(rank: int, world: int, path: str, n: int) -> Dict[str, Any]:
+def ooc_write_job(rank: int, world: int, path: str, n: int) -> dict[str, Any]:
     """Write the ``n x 9`` float32 .npy file chunk by chunk (and y.npy next to it)."""
     t0 = time.perf_counter()
     header = {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float32)), "fortran_order": False, "shape": (n, OOC_D)}
@@ -302,7 +303,7 @@ def ooc_write_job(rank: int, world: int, path: str, n: int) -> Dict[str, Any]:
     return dict(seconds=time.perf_counter() - t0, bytes=os.path.getsize(path))
 
 
-def ooc_fit_job(rank: int, world: int, path: str, m: int, iters: int, budget: int) -> Dict[str, Any]:
+def ooc_fit_job(rank: int, world: int, path: str, m: int, iters: int, budget: int) -> dict[str, Any]:
     import resource
 
     import gpytorch
@@ -344,9 +345,9 @@ def main() -> None:
     args = ap.parse_args()
     env = environment_lines()
     n, d, m, iters = (100_000, 10, 500, 5) if args.quick else (1_000_000, 10, 2000, 20)
-    body: List[str] = []
-    scaling: Dict[str, Any] = {}
-    ar_fit: Optional[tuple] = None
+    body: list[str] = []
+    scaling: dict[str, Any] = {}
+    ar_fit: tuple | None = None
 
     if "scaling" in args.parts:
         log(f"strong scaling: n={n:,} d={d} M={m} {iters} iterations")
@@ -374,7 +375,8 @@ def main() -> None:
                     "K_nM recomputed at every pass; one thread per process. Fit s is the slowest rank's "
                     "`FalkonGP.fit()` (the `kmn_y` pass, the preconditioner and the CG iterations); all_reduce ms "
                     "per pass and share are the slowest rank's time inside `all_reduce` (including waiting for "
-                    "the other rank). ||alpha|| and 'prediction diff' (max |mean - 1-process mean| / max |1-process mean| "
+                    "the other rank). ||alpha|| and 'prediction diff' "
+                    "(max |mean - 1-process mean| / max |1-process mean| "
                     "on 1,000 held-out rows) show that the runs solve the same system: in float32 the shards' block "
                     "sums round differently, which CG at lambda = 1e-6 and tol 0 carries into alpha's "
                     "small-eigenvalue directions (tests/test_distributed.py checks 1e-10 agreement in float64).\n")
@@ -416,8 +418,9 @@ def main() -> None:
         body.append("\n## 3. Cost model at n = 1e9 (a projection, not a measurement)\n")
         body.append(f"Compute per row and pass {1e9 * per_row:.1f} ns (part 1, 1 process, one thread, M = {m}, "
                     f"d = {d}, float32, K_nM recomputed); all_reduce of one M-vector ({msg:,} bytes) modelled as "
-                    f"`2 log2(P) a + 2 (P - 1) / P bytes / b` (recursive halving-doubling; a plain ring has `2 (P - 1)` "
-                    f"latency steps) with the loopback a and b of part 2; {passes} passes per fit plus the preconditioner "
+                    "`2 log2(P) a + 2 (P - 1) / P bytes / b` (recursive halving-doubling; a plain ring has "
+                    f"`2 (P - 1)` latency steps) with the loopback a and b of part 2; {passes} passes per fit plus "
+                    "the preconditioner "
                     f"({base['precond_s']:.2f} s, repeated on every rank). Assumes one thread per rank and the "
                     "loopback network: multiply the all_reduce column by the ratio of a real network's latency.\n")
         body.append(markdown_table(["ranks", "rows per rank", "compute s / pass", "all_reduce ms / pass",
@@ -440,7 +443,8 @@ def main() -> None:
                     "Each rank predicts its share of the test rows.\n")
         body.append(markdown_table(["configuration", "rows per rank", "fit s", "speed-up", "test RMSE (minutes)",
                                     "all_reduce s"],
-                                   [["1 process", f"{one['rows']:,}", fmt(one["fit_s"]), "1", f"{one['rmse']:.6f}", "-"],
+                                   [["1 process", f"{one['rows']:,}", fmt(one["fit_s"]), "1",
+                                     f"{one['rmse']:.6f}", "-"],
                                     ["2 processes", ", ".join(f"{r['rows']:,}" for r in two), fmt(fit2),
                                      fmt(one["fit_s"] / fit2), f"{two[0]['rmse']:.6f}",
                                      fmt(max(r["allreduce_s"] for r in two))]]))

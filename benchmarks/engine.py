@@ -53,7 +53,10 @@ import gpytorch
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+import gpfalkon
+from gpfalkon import KernelEngine
+
+from _common import (
     REPO,
     environment_lines,
     log,
@@ -62,9 +65,6 @@ from _common import (  # noqa: E402
     median_time,
     write_result,
 )
-
-import gpfalkon  # noqa: E402
-from gpfalkon import KernelEngine  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -191,18 +191,21 @@ def main() -> None:
                 res = []  # dicts in the order measured
                 ref_out = {}
 
-                def record(mode, brows, k, secs, flops, out, setup=None, gbs=None):
+                def record(mode, brows, k, secs, flops, out, setup=None, gbs=None, *,
+                           res=res, kind=kind, d=d, name=name):
                     res.append(dict(mode=mode, rows=brows, k=k, secs=secs, gflops=flops / secs / 1e9, out=out,
                                     setup=setup, gbs=gbs))
                     log(f"  {kind} d={d} {name} k={k} {mode:6s} rows={brows}: {secs:.4f} s  "
                         f"{flops / secs / 1e9:6.1f} GFLOP/s"
                         + (f"  {gbs:.1f} GB/s" if gbs else "") + (f"  (setup {setup:.3f} s)" if setup else ""))
 
-                fly_flops = lambda k: 2.0 * n * m * d + 4.0 * n * m * k  # noqa: E731
+                fly_flops = lambda k, d=d: 2.0 * n * m * d + 4.0 * n * m * k
                 if "naive" in args.modes:
                     for k in args.k:
                         u = us[k]
-                        secs, _ = median_time(lambda: naive_kmn_k(kern, x, c, u, naive_rows), args.repeats)
+                        secs, _ = median_time(
+                            lambda kern=kern, x=x, c=c, u=u: naive_kmn_k(kern, x, c, u, naive_rows), args.repeats
+                        )
                         out = naive_kmn_k(kern, x, c, u, naive_rows)
                         ref_out[k] = out
                         record("naive", naive_rows, k, secs, fly_flops(k), out)
@@ -211,14 +214,16 @@ def main() -> None:
                     xs, cs = x / ls, c / ls
                     for k in args.k:
                         u = us[k]
-                        secs, _ = median_time(lambda: cdist_kmn_k(kind, xs, cs, u, naive_rows), args.repeats)
+                        secs, _ = median_time(
+                            lambda kind=kind, xs=xs, cs=cs, u=u: cdist_kmn_k(kind, xs, cs, u, naive_rows), args.repeats
+                        )
                         record("cdist", naive_rows, k, secs, fly_flops(k), cdist_kmn_k(kind, xs, cs, u, naive_rows))
                     del xs, cs
                 for brows in block_rows_list if "fly" in args.modes else []:
                     eng = KernelEngine(kern, x, c, store=False, block_rows=brows)
                     for k in args.k:
                         u = us[k]
-                        secs, _ = median_time(lambda: eng.kmn_k(u), args.repeats)
+                        secs, _ = median_time(lambda eng=eng, u=u: eng.kmn_k(u), args.repeats)
                         record("fly", eng.block_rows, k, secs, fly_flops(k), eng.kmn_k(u))
                     eng.release()
                     del eng
@@ -240,7 +245,7 @@ def main() -> None:
                             eng.stored_block_rows = default_rows if srows is None else int(srows)
                             for k in args.k:
                                 u = us[k]
-                                secs, _ = median_time(lambda: eng.kmn_k(u), args.repeats)
+                                secs, _ = median_time(lambda eng=eng, u=u: eng.kmn_k(u), args.repeats)
                                 record("stored", eng.stored_block_rows, k, secs, 4.0 * n * m * k, eng.kmn_k(u),
                                        setup=setup, gbs=2.0 * kbytes / secs / 1e9)
                         eng.release()
@@ -256,7 +261,7 @@ def main() -> None:
                         "RBF" if kind == "rbf" else "Matern 5/2", d, name, k, mode, r["rows"], r["secs"],
                         r["gflops"], r["gflops"] / peak[name], r["gbs"], speed, r["setup"], diff,
                     ])
-                del x, c, res, ref_out
+                del x, c, res, ref_out, record  # record's default argument holds res
                 gc.collect()
     elapsed = time.perf_counter() - t_start
 
@@ -264,7 +269,8 @@ def main() -> None:
     peak_line = ", ".join(f"{k}: {v:.1f} GFLOP/s" for k, v in peak.items())
     body = "\n".join([
         f"n = {n:,}, M = {m:,}, X ~ N(0, I_d), centers = {m:,} random rows of X, lengthscale sqrt(d). "
-        f"Engine block_rows = {', '.join('auto (~2 MiB blocks)' if b is None else str(b) for b in block_rows_list)}; 'block rows' is the rows per block actually "
+        f"Engine block_rows = {', '.join('auto (~2 MiB blocks)' if b is None else str(b) for b in block_rows_list)}; "
+        "'block rows' is the rows per block actually "
         "used (stored mode: the engine's `stored_block_rows`, i.e. how the stored K_nM is read); naive baseline: "
         f"{naive_rows}-row blocks from `kernel(x_b, C).to_dense()` (GPyTorch {gpytorch.__version__}: squared distances "
         "by one matmul on [x, ||x||^2, 1], not torch.cdist), product `K_b^T (K_b U)`; cdist: same loop with "

@@ -24,17 +24,16 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-from typing import Dict, List
 
 import gpytorch
 import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import REPO, environment_lines, log, markdown_table, median_time, write_result  # noqa: E402
-from compare import load_dataset, median_ls  # noqa: E402
+from gpfalkon.kernels.fastfood import _DENSE_MAX_DIMS, FastfoodKernel, fwht
 
-from gpfalkon.kernels.fastfood import _DENSE_MAX_DIMS, FastfoodKernel, fwht  # noqa: E402
+from _common import REPO, environment_lines, log, markdown_table, median_time, write_result
+from compare import load_dataset, median_ls
 
 FEATURES = (64, 256, 1024, 4096)
 SPEED_DIMS = (9, 123, 512, 1024, 2048, 4096)
@@ -51,7 +50,7 @@ def butterfly(x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*lead, d)
 
 
-def accuracy(name: str, seeds: int) -> List[List]:
+def accuracy(name: str, seeds: int) -> list[list]:
     data = load_dataset(name)
     x = data["xtr"][torch.randperm(len(data["xtr"]), generator=torch.Generator().manual_seed(0))[:500]].double()
     d = x.shape[-1]
@@ -64,9 +63,10 @@ def accuracy(name: str, seeds: int) -> List[List]:
         with torch.no_grad():
             exact = exact_k(x).to_dense()
         for D in FEATURES:
-            errs: Dict[str, List[float]] = {"ff": [], "rff": []}
+            errs: dict[str, list[float]] = {"ff": [], "rff": []}
             for s in range(seeds):
-                ff = FastfoodKernel(D, num_dims=d, nu=nu, generator=torch.Generator().manual_seed(1000 * D + s)).double()
+                gen = torch.Generator().manual_seed(1000 * D + s)
+                ff = FastfoodKernel(D, num_dims=d, nu=nu, generator=gen).double()
                 ff.lengthscale = ls
                 with torch.no_grad():
                     errs["ff"].append(float((ff(x).to_dense() - exact).norm() / len(x)))
@@ -84,7 +84,7 @@ def accuracy(name: str, seeds: int) -> List[List]:
     return rows
 
 
-def speed(n: int, D: int) -> List[List]:
+def speed(n: int, D: int) -> list[list]:
     rows = []
     g = torch.Generator().manual_seed(0)
     for d in SPEED_DIMS:
@@ -97,14 +97,14 @@ def speed(n: int, D: int) -> List[List]:
         w = rff.randn_weights.detach()
         with torch.no_grad():
             eye = torch.eye(d, dp)
-            t_rff, _ = median_time(lambda: x @ w)
-            t_dense, _ = median_time(lambda: x @ ff._project_structured(eye))
-            t_struct, _ = median_time(lambda: ff._project_structured(x))
-            t_ff_feat, _ = median_time(lambda: ff._featurize(x))
-            t_rff_feat, _ = median_time(lambda: rff._featurize(x))
+            t_rff, _ = median_time(lambda x=x, w=w: x @ w)
+            t_dense, _ = median_time(lambda x=x, ff=ff, eye=eye: x @ ff._project_structured(eye))
+            t_struct, _ = median_time(lambda ff=ff, x=x: ff._project_structured(x))
+            t_ff_feat, _ = median_time(lambda ff=ff, x=x: ff._featurize(x))
+            t_rff_feat, _ = median_time(lambda rff=rff, x=x: rff._featurize(x))
             y = torch.randn(n, ff.num_blocks, dp, generator=g)
-            t_fwht, _ = median_time(lambda: fwht(y))
-            t_bfly, _ = median_time(lambda: butterfly(y))
+            t_fwht, _ = median_time(lambda y=y: fwht(y))
+            t_bfly, _ = median_time(lambda y=y: butterfly(y))
         path = "dense" if dp <= _DENSE_MAX_DIMS and n >= dp else "structured"
         used = t_dense if path == "dense" else t_struct
         rows.append([d, dp, t_rff, t_dense, t_struct, path, used / t_rff,

@@ -8,7 +8,8 @@ Three parts, each a markdown table:
    same distribution. RBF kernel, lengthscale by ``gpfalkon.median_lengthscale`` on the
    training inputs, lambda = 1e-6. FALKON (``FalkonGP(...).fit()``, float64 and float32;
    once to ``--tol`` (default 1e-6, at most ``--max-iter`` = 100 iterations) and once with
-   exactly ``--fixed-iters`` = 20 iterations) against the direct solve: ``H = K_Mn K_nM + n lambda K_MM`` accumulated densely in
+   exactly ``--fixed-iters`` = 20 iterations) against the direct solve:
+   ``H = K_Mn K_nM + n lambda K_MM`` accumulated densely in
    float64 from the engine's blocks (``H += K_b^T K_b``), Cholesky (``gpfalkon.linalg.
    jittered_cholesky``), two triangular solves. Same centers for every method. The
    direct solve is skipped when its time, extrapolated linearly in n from the previous
@@ -57,19 +58,18 @@ import pathlib
 import sys
 import time
 import warnings
-from typing import List, Optional
 
 import gpytorch
 import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import REPO, environment_lines, log, markdown_table, timed, write_result  # noqa: E402
+import gpfalkon
+from gpfalkon import FalkonGP, KernelEngine, median_lengthscale, uniform_centers
+from gpfalkon.errors import FalkonConvergenceError, NotPSDError
+from gpfalkon.linalg import jittered_cholesky
 
-import gpfalkon  # noqa: E402
-from gpfalkon import FalkonGP, KernelEngine, median_lengthscale, uniform_centers  # noqa: E402
-from gpfalkon.errors import FalkonConvergenceError, NotPSDError  # noqa: E402
-from gpfalkon.linalg import jittered_cholesky  # noqa: E402
+from _common import REPO, environment_lines, log, markdown_table, timed, write_result
 
 FLIGHTS = REPO.parent / "shared" / "data" / "flights.npz"
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -162,8 +162,11 @@ def predict_direct(kernel64, centers64, alpha, x: torch.Tensor, chunk: int) -> t
 
 
 # ----------------------------------------------------------------------------- parts
-def run_sweep(args, notes: List[str]) -> Optional[str]:
-    sizes = [int(s) for s in args.sizes] if args.sizes else ([10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000])
+def run_sweep(args, notes: list[str]) -> str | None:
+    if args.sizes:
+        sizes = [int(s) for s in args.sizes]
+    else:
+        sizes = [10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000]
     d = 10
     headers = ["n", "M", "method", "dtype", "K_nM", "fit wall s", "fit CPU s", "iterations", "final residual",
                "test RMSE", "RMSE vs f", "predict s", "direct wall / this"]
@@ -192,12 +195,15 @@ def run_sweep(args, notes: List[str]) -> Optional[str]:
                 log("  " + notes[-1])
                 continue
             info = model.fit_info
-            tp, _, pred = timed(lambda: predict_model(model, xte.to(dtype), args.predict_chunk))
+            tp, _, pred = timed(
+                lambda model=model, xte=xte, dtype=dtype: predict_model(model, xte.to(dtype), args.predict_chunk)
+            )
             r, rf = rmse(pred, yte), rmse(pred, fte)
             for w in warns:
                 notes.append(f"sweep n={n:,} {label} {name}: {w}")
             log(f"  {label} {name}: fit {wall:.2f} s wall / {cpu:.2f} s CPU, {info.iterations} it, "
-                f"residual {float(info.final_residual.max()):.2e}, test RMSE {r:.4f} (vs f {rf:.4f}), predict {tp:.2f} s")
+                f"residual {float(info.final_residual.max()):.2e}, test RMSE {r:.4f} (vs f {rf:.4f}), "
+                f"predict {tp:.2f} s")
             group.append([n, m, label, name, kn_mode(n, m, dtype), wall, cpu, info.iterations,
                           float(info.final_residual.max()), r, rf, tp, None])
             del model, xd, yd, cd
@@ -218,14 +224,21 @@ def run_sweep(args, notes: List[str]) -> Optional[str]:
             kern64 = make_kernel("rbf", ls, torch.float64)
             log(f"  direct solve (float64) n={n:,} M={m:,} ...")
             try:
-                dwall, dcpu, (alpha, jitter, dwarns) = timed(lambda: direct_solve(xtr, ytr, c64, kern64, args.lam))
+                dwall, dcpu, (alpha, jitter, dwarns) = timed(
+                    lambda xtr=xtr, ytr=ytr, c64=c64, kern64=kern64: direct_solve(xtr, ytr, c64, kern64, args.lam)
+                )
             except NotPSDError as exc:
                 notes.append(f"sweep n={n:,} direct solve failed: {exc}")
                 log("  " + notes[-1])
             else:
-                tp, _, pred = timed(lambda: predict_direct(kern64, c64, alpha, xte, args.predict_chunk))
+                tp, _, pred = timed(
+                    lambda kern64=kern64, c64=c64, alpha=alpha, xte=xte: predict_direct(
+                        kern64, c64, alpha, xte, args.predict_chunk
+                    )
+                )
                 r, rf = rmse(pred, yte), rmse(pred, fte)
-                log(f"  direct: {dwall:.2f} s wall / {dcpu:.2f} s CPU, jitter {jitter:.2e}, test RMSE {r:.4f} (vs f {rf:.4f})")
+                log(f"  direct: {dwall:.2f} s wall / {dcpu:.2f} s CPU, jitter {jitter:.2e}, "
+                    f"test RMSE {r:.4f} (vs f {rf:.4f})")
                 if dwarns or jitter > 0:
                     notes.append(f"sweep n={n:,} direct solve: Cholesky of H with jitter {jitter:.3g}"
                                  + (f" ({'; '.join(dwarns)})" if dwarns else ""))
@@ -248,7 +261,7 @@ def run_sweep(args, notes: List[str]) -> Optional[str]:
     )
 
 
-def run_reference(args, notes: List[str]) -> str:
+def run_reference(args, notes: list[str]) -> str:
     n = args.reference_n if args.reference_n else (100_000 if args.quick else 200_000)
     d, m = 20, 2000
     log(f"[reference] n={n:,} d={d} M={m:,} lambda={args.lam:g}, 20 iterations")
@@ -299,7 +312,7 @@ def run_reference(args, notes: List[str]) -> str:
     return text
 
 
-def run_flights(args, notes: List[str]) -> Optional[str]:
+def run_flights(args, notes: list[str]) -> str | None:
     if not FLIGHTS.exists():
         notes.append(f"flights skipped: {FLIGHTS} not found")
         log(notes[-1])
@@ -349,7 +362,7 @@ def run_flights(args, notes: List[str]) -> Optional[str]:
             notes.append(f"flights {name}: {w}")
         info = model.fit_info
         log(f"  {name}: fit {wall:.1f} s wall / {cpu:.1f} s CPU; predicting {len(te):,} test points ...")
-        tp, _, pred = timed(lambda: predict_model(model, xte_t.to(dtype), args.predict_chunk))
+        tp, _, pred = timed(lambda model=model, dtype=dtype: predict_model(model, xte_t.to(dtype), args.predict_chunk))
         r = rmse(pred, yte_t)
         log(f"  {name}: test RMSE {r:.4f} (standardised), {r * ys:.2f} min; predict {tp:.1f} s")
         rows.append([name, kn_mode(len(tr), m, dtype), wall, cpu, info.iterations, float(info.final_residual.max()),
@@ -385,7 +398,8 @@ def main() -> None:
     ap.add_argument("--direct-max-seconds", type=float, default=600.0,
                     help="skip a direct solve whose extrapolated time exceeds this (default 600)")
     ap.add_argument("--no-direct", action="store_true", help="skip all direct solves")
-    ap.add_argument("--reference-n", type=int, default=None, help="n of the reference row (default 200,000; 1e5 with --quick)")
+    ap.add_argument("--reference-n", type=int, default=None,
+                    help="n of the reference row (default 200,000; 1e5 with --quick)")
     ap.add_argument("--flights-m", type=int, default=5000, help="flights centers (default 5,000)")
     ap.add_argument("--flights-lam", type=float, default=1e-6, help="flights lambda (default 1e-6)")
     ap.add_argument("--flights-kernel", choices=["rbf", "matern52"], default="rbf")
@@ -417,7 +431,7 @@ def main() -> None:
         else int(gpfalkon.settings.memory_budget.value())
     )
     log(f"parts: {parts}; memory budget {budget / 2**30:.2f} GiB; block_rows {gpfalkon.settings.block_rows.value()}")
-    notes: List[str] = []
+    notes: list[str] = []
     sections = []
     t0 = time.perf_counter()
     with gpfalkon.settings.memory_budget(budget):

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import REPO, environment_lines, log, markdown_table, write_result  # noqa: E402
+from gpfalkon import CGNotConvergedWarning, FalkonGP, median_lengthscale
+from gpfalkon.objectives import StochasticNystromCompReg
 
-from gpfalkon import CGNotConvergedWarning, FalkonGP, median_lengthscale  # noqa: E402
-from gpfalkon.objectives import StochasticNystromCompReg  # noqa: E402
+from _common import REPO, environment_lines, log, markdown_table, write_result
 
 
 def predict_rmse(model, xte, yte, chunk=100_000) -> float:
@@ -67,7 +67,8 @@ def main() -> None:
     xtr, xte = ((xtr - mu) / sd).to(dtype), ((xte - mu) / sd).to(dtype)
     ytr, yte = ((ytr - ym) / ys).to(dtype), ((yte - ym) / ys).to(dtype)
     ls0 = float(median_lengthscale(xtr))
-    log(f"flights: n_train={len(xtr):,} n_test={len(xte):,} d={xtr.shape[1]} {args.dtype}, median lengthscale {ls0:.3f}")
+    log(f"flights: n_train={len(xtr):,} n_test={len(xte):,} d={xtr.shape[1]} {args.dtype}, "
+        f"median lengthscale {ls0:.3f}")
     rows = []
     mean_rmse = float(yte.double().square().mean().sqrt())
 
@@ -75,7 +76,8 @@ def main() -> None:
     k = gpytorch.kernels.RBFKernel().to(dtype)
     k.lengthscale = ls0
     t0 = time.perf_counter()
-    fal = FalkonGP(xtr, ytr, kernel=k, num_centers=args.falkon_centers, penalty=1e-6, max_iter=args.fit_iterations, tol=0)
+    fal = FalkonGP(xtr, ytr, kernel=k, num_centers=args.falkon_centers, penalty=1e-6, max_iter=args.fit_iterations,
+                   tol=0)
     fal.fit()
     t_fit = time.perf_counter() - t0
     r = predict_rmse(fal, xte, yte)
@@ -114,12 +116,14 @@ def main() -> None:
                  t_fit2, r2,
                  r2 * float(ys)])
     log(f"learned: train {t_train:.0f} s, fit {t_fit2:.1f} s, test RMSE {r2:.4f}")
-    table = markdown_table(["method", "training s", "fit s", "test RMSE (std.)", "test RMSE (min)"], rows, align="lrrrr")
+    table = markdown_table(["method", "training s", "fit s", "test RMSE (std.)", "test RMSE (min)"], rows,
+                           align="lrrrr")
     body = (
         f"flights: n_train = {len(xtr):,}, n_test = {len(xte):,}, {args.dtype}; RBF kernel; FALKON fits use "
         f"{args.fit_iterations} CG iterations. Learned model: ARD lengthscales, lambda (init 1e-4) and centers "
         f"(init random rows) by Adam (lr {args.lr}), r = {args.trace_vectors} trace vectors, at most "
-        f"{args.cg_iterations} warm-started CG iterations per step (stopping at relative residual 1e-4). Predicting the training mean: RMSE {mean_rmse:.4f} "
+        f"{args.cg_iterations} warm-started CG iterations per step (stopping at relative residual 1e-4). "
+        f"Predicting the training mean: RMSE {mean_rmse:.4f} "
         f"({mean_rmse * float(ys):.2f} min).\n\n" + table + "\n"
     )
     write_result(args.out, "Large-scale hyperparameter learning on flights", env, body)

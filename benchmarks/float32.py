@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _baselines import SGPR  # noqa: E402
-from _common import REPO, environment_lines, log, markdown_table, write_result  # noqa: E402
+from gpfalkon import FalkonGP, median_lengthscale
 
-from gpfalkon import FalkonGP, median_lengthscale  # noqa: E402
+from _baselines import SGPR
+from _common import REPO, environment_lines, log, markdown_table, write_result
 
 
 def make_kernel(ls: float, dtype):

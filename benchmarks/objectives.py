@@ -24,11 +24,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _baselines import SGPR  # noqa: E402
-from _common import REPO, environment_lines, log, markdown_table, write_result  # noqa: E402
+from gpfalkon import CGNotConvergedWarning, FalkonGP, median_lengthscale
+from gpfalkon import objectives as O
 
-from gpfalkon import CGNotConvergedWarning, FalkonGP, median_lengthscale  # noqa: E402
-from gpfalkon import objectives as O  # noqa: E402
+from _baselines import SGPR
+from _common import REPO, environment_lines, log, markdown_table, write_result
 
 DATA = REPO.parent / "shared" / "data"
 DEFAULT = ["yacht", "energy", "concrete", "airfoil", "wine", "skillcraft", "sml", "parkinsons", "pumadyn32nm", "kin40k"]
@@ -132,13 +132,15 @@ def main() -> None:
         rows.append(row)
         secs.append(trow)
     mean_row = ["mean", "", ""] + [float(np.mean([r[3 + j] for r in rows])) for j in range(len(args.methods))]
-    table = markdown_table(["dataset", "n_train", "d", *args.methods], rows + [mean_row], align="lrr" + "r" * len(args.methods))
+    table = markdown_table(["dataset", "n_train", "d", *args.methods], [*rows, mean_row],
+                           align="lrr" + "r" * len(args.methods))
     ttable = markdown_table(["dataset", *args.methods], secs, align="l" + "r" * len(args.methods))
     body = (
         f"Adam (lr {args.lr}) for {args.steps} steps from the same initialisation: RBF ARD kernel, lengthscales = "
         f"median heuristic, lambda = {args.penalty:g}, M = {args.centers} centers (learned; GPyTorch SGPR: learned "
         "inducing points, noise initialised at n lambda, its own ExactMarginalLogLikelihood loss, GPyTorch's default "
-        "prediction). Test NRMSE = RMSE / std(y_test), split 0 of each source. 'none' = initialisation, no training.\n\n"
+        "prediction). Test NRMSE = RMSE / std(y_test), split 0 of each source. "
+        "'none' = initialisation, no training.\n\n"
         + table + "\n\nWall seconds per method (training + fit + prediction):\n\n" + ttable
         + f"\n\nTotal {time.perf_counter() - t_all:.0f} s.\n"
     )

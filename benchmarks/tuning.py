@@ -23,9 +23,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import REPO, environment_lines, log, markdown_table, write_result  # noqa: E402
-
-from gpfalkon.tuning import (  # noqa: E402
+from gpfalkon.tuning import (
     BoTorchSearch,
     Categorical,
     GridSearch,
@@ -34,6 +32,8 @@ from gpfalkon.tuning import (  # noqa: E402
     RandomSearch,
     falkon_validation_error,
 )
+
+from _common import REPO, environment_lines, log, markdown_table, write_result
 
 DATA = REPO.parent / "shared" / "data"
 SPACE = {
@@ -95,7 +95,8 @@ def main() -> None:
         [[k, float(np.mean([a for a, _, _ in v])), float(np.mean([b for _, b, _ in v])),
           float(np.mean([c for _, _, c in v]))] for k, v in agg.items()], align="lrrr")
     body = (f"Budget {args.budget} evaluations per search; RMSE in standardised units.\n\n"
-            f"Means over {len(args.datasets)} datasets x {len(args.seeds)} seeds:\n\n{summary}\n\nAll runs:\n\n{table}\n\n"
+            f"Means over {len(args.datasets)} datasets x {len(args.seeds)} seeds:\n\n{summary}\n\n"
+            f"All runs:\n\n{table}\n\n"
             f"Total {time.perf_counter() - t_all:.0f} s.\n")
     write_result(args.out, "Outer-loop search: BoTorch vs random vs grid", env, body)
     log(f"written to {args.out}")

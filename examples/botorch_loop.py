@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Callable, Dict, List
+from collections.abc import Callable
 
 import torch
 from botorch.acquisition.logei import qLogNoisyExpectedImprovement
@@ -43,7 +43,7 @@ def fit_falkon(X: torch.Tensor, Y: torch.Tensor, num_centers: int):
 
 
 def run(fit: Callable, problem: Hartmann, X0: torch.Tensor, iterations: int, q: int, num_centers: int,
-        restarts: int, raw: int, seed: int) -> Dict[str, List[float]]:
+        restarts: int, raw: int, seed: int) -> dict[str, list[float]]:
     bounds = problem.bounds.to(X0)
     X, Y = X0.clone(), problem(X0).unsqueeze(-1)
     best, fit_s = [float(Y.max())], []
@@ -83,7 +83,8 @@ def main() -> None:
     print(f"{'iteration':>9} | {'STGP best':>9} {'fit s':>6} | {'Falkon best':>11} {'fit s':>6}")
     a, b = results["SingleTaskGP"], results["FalkonModel"]
     for i in range(args.iterations):
-        print(f"{i + 1:>9} | {a['best'][i + 1]:>9.4f} {a['fit_s'][i]:>6.2f} | {b['best'][i + 1]:>11.4f} {b['fit_s'][i]:>6.2f}")
+        print(f"{i + 1:>9} | {a['best'][i + 1]:>9.4f} {a['fit_s'][i]:>6.2f} | "
+              f"{b['best'][i + 1]:>11.4f} {b['fit_s'][i]:>6.2f}")
     for name, r in results.items():
         print(f"{name}: final regret {opt - r['best'][-1]:.4f}, mean fit {sum(r['fit_s']) / len(r['fit_s']):.2f} s")
     if args.plot:

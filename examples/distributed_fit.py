@@ -65,7 +65,7 @@ def main() -> None:
                                          y.sum(dtype=torch.float64), y.double().square().sum())
     mu, sd = s1 / n, (s2 / n - (s1 / n) ** 2).clamp_min(1e-24).sqrt()
     ym, ys = ys1 / n, (ys2 / n - (ys1 / n) ** 2).sqrt()
-    z = lambda a: ((a - mu) / sd).to(dtype)  # noqa: E731
+    z = lambda a: ((a - mu) / sd).to(dtype)
     x, xte_z, y_z = z(x), z(xte), ((y - ym) / ys).to(dtype)
 
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5)).to(dtype)
@@ -84,7 +84,8 @@ def main() -> None:
             opt.step()
         if rank == 0:
             print(f"learned {args.learn} Adam steps on the SGPR bound in {time.perf_counter() - t0:.2f} s: "
-                  f"noise {float(model.noise.detach()):.4g}, lengthscale {float(kernel.base_kernel.lengthscale.detach()):.4g}")
+                  f"noise {float(model.noise.detach()):.4g}, "
+                  f"lengthscale {float(kernel.base_kernel.lengthscale.detach()):.4g}")
 
     t0 = time.perf_counter()
     model.fit()

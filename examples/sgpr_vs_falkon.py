@@ -75,7 +75,9 @@ def run_svgp(x, y, xt, epochs: int) -> tuple:
         def __init__(self, ind):
             dist = gpytorch.variational.CholeskyVariationalDistribution(ind.shape[0])
             super().__init__(gpytorch.variational.VariationalStrategy(self, ind, dist, learn_inducing_locations=True))
-            self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5, ard_num_dims=x.shape[1]))
+            self.covar_module = gpytorch.kernels.ScaleKernel(
+                gpytorch.kernels.MaternKernel(nu=2.5, ard_num_dims=x.shape[1])
+            )
 
         def forward(self, z):
             return gpytorch.distributions.MultivariateNormal(torch.zeros_like(z[:, 0]), self.covar_module(z))

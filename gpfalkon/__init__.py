@@ -1,6 +1,9 @@
 """gpfalkon: FALKON (Nyström kernel ridge regression by preconditioned CG) for GPyTorch."""
 from . import backend, objectives, settings
 from .auto import AutoFitReport, auto_fit
+from .backend import KernelEngine
+from .backend.distributed import DistributedBackend, init_distributed, shard_range
+from .backend.sources import NpyRows, ParquetRows, RowSource, shard_files, shard_rows
 from .centers import (
     CenterSelection,
     CenterSelector,
@@ -12,11 +15,15 @@ from .centers import (
     leverage_centers,
     uniform_centers,
 )
-from .errors import CGNotConvergedWarning, DistributedError, FalkonConvergenceError, JitterWarning, NotFittedError, NotPSDError
+from .errors import (
+    CGNotConvergedWarning,
+    DistributedError,
+    FalkonConvergenceError,
+    JitterWarning,
+    NotFittedError,
+    NotPSDError,
+)
 from .heuristics import median_lengthscale
-from .backend import KernelEngine
-from .backend.distributed import DistributedBackend, init_distributed, shard_range
-from .backend.sources import NpyRows, ParquetRows, RowSource, shard_files, shard_rows
 from .kernels import FastfoodKernel
 from .models import FalkonClassifier, FalkonGP, NystromPosteriorFactors, encode_labels
 from .objectives import NystromMarginalLogLikelihood
@@ -24,52 +31,52 @@ from .operators import FalkonPreconditioner, NystromKRROperator
 from .options import FalkonOptions
 from .solvers import CGInfo, Preconditioner, PreconditionerBuilder, Solver, conjugate_gradient, falkon_solve
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one place: pyproject.toml reads it (tool.setuptools.dynamic)
 
 __all__ = [
     "AutoFitReport",
-    "auto_fit",
-    "approximate_leverage_scores",
-    "backend",
-    "effective_dimension",
-    "leverage_centers",
     "CGInfo",
     "CGNotConvergedWarning",
-    "DistributedBackend",
-    "NystromMarginalLogLikelihood",
-    "DistributedError",
-    "init_distributed",
-    "shard_range",
-    "shard_files",
-    "shard_rows",
-    "NpyRows",
-    "ParquetRows",
-    "RowSource",
     "CenterSelection",
     "CenterSelector",
-    "FixedCenters",
+    "DistributedBackend",
+    "DistributedError",
     "FalkonClassifier",
     "FalkonConvergenceError",
     "FalkonGP",
     "FalkonOptions",
     "FalkonPreconditioner",
     "FastfoodKernel",
-    "NystromPosteriorFactors",
+    "FixedCenters",
     "JitterWarning",
     "KernelEngine",
     "LeverageCenters",
     "NotFittedError",
     "NotPSDError",
+    "NpyRows",
     "NystromKRROperator",
+    "NystromMarginalLogLikelihood",
+    "NystromPosteriorFactors",
+    "ParquetRows",
     "Preconditioner",
     "PreconditionerBuilder",
+    "RowSource",
     "Solver",
     "UniformCenters",
+    "approximate_leverage_scores",
+    "auto_fit",
+    "backend",
     "conjugate_gradient",
+    "effective_dimension",
     "encode_labels",
     "falkon_solve",
+    "init_distributed",
+    "leverage_centers",
     "median_lengthscale",
     "objectives",
     "settings",
+    "shard_files",
+    "shard_range",
+    "shard_rows",
     "uniform_centers",
 ]

@@ -6,7 +6,7 @@ sees *which* input is wrong, and none of them mutates anything.
 from __future__ import annotations
 
 import operator
-from typing import Optional
+from typing import Any, TypeGuard
 
 import torch
 from torch import Tensor
@@ -27,12 +27,14 @@ def check_finite(name: str, t: Tensor) -> None:
         raise ValueError(f"{name} contains {bad} NaN or Inf value(s)")
 
 
-def is_row_source(x: object) -> bool:
+def is_row_source(x: object) -> TypeGuard[Any]:  # a backend.sources.RowSource (a layer above)
     """Is ``x`` a :class:`~gpfalkon.backend.sources.RowSource` (rows read block by block)?"""
-    return not isinstance(x, Tensor) and callable(getattr(x, "read", None)) and callable(getattr(x, "check_finite", None))
+    return (
+        not isinstance(x, Tensor) and callable(getattr(x, "read", None)) and callable(getattr(x, "check_finite", None))
+    )
 
 
-def check_inputs(name: str, x: Tensor, d: Optional[int] = None, allow_empty: bool = False) -> None:
+def check_inputs(name: str, x: Tensor, d: int | None = None, allow_empty: bool = False) -> None:
     """``x`` must be a finite float ``(rows, d)`` matrix with at least one row (``allow_empty``:
     zero rows allowed, for a shard of a distributed data set). ``x`` may be a row source (one
     streamed pass checks finiteness)."""
@@ -142,7 +144,7 @@ def check_scores(name: str, scores: Tensor, n: int) -> None:
         raise ValueError(f"{name} sum to 0: nothing to sample from")
 
 
-def check_center_weights(name: str, weights: Tensor, m: int, device: Optional[torch.device] = None) -> None:
+def check_center_weights(name: str, weights: Tensor, m: int, device: torch.device | None = None) -> None:
     """Preconditioner weights ``D``: a finite, strictly positive float ``(m,)`` tensor."""
     check_dtype(name, weights)
     if weights.shape != (m,):

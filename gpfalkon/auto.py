@@ -25,7 +25,8 @@ Inputs and targets are standardised internally, ``z = (x - mu) / s`` per feature
 ``k(z, z') = sigma_f^2 rho(|z_j - z'_j| / l_j)``, ``k`` on raw ``x`` has lengthscales ``l_j s_j``;
 the model on raw ``y`` has outputscale ``r^2 sigma_f^2``, noise ``r^2 sigma_n^2`` (so the same
 ``alpha`` up to the factor ``r``) and the constant prior mean ``m`` (``FalkonGP(mean_constant=m)``).
-The returned model takes and predicts raw data. Cost: stage 1 ``O(steps hyper_rows hyper_centers^2)`` per objective; stages 2-3
+The returned model takes and predicts raw data. Cost: stage 1
+``O(steps hyper_rows hyper_centers^2)`` per objective; stages 2-3
 FALKON fits, ``O(n M t + M^3)`` each; ``budget`` bounds the sum (measured, not predicted, except
 for the final fit whose time is extrapolated from the measured selection fits).
 
@@ -39,8 +40,9 @@ import copy
 import math
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import gpytorch
 import torch
@@ -52,10 +54,10 @@ from .errors import CGNotConvergedWarning
 from .models import FalkonGP
 from .objectives import GCV, LOOCV, CompReg, NystromCompReg, SGPRBound, StochasticNystromCompReg
 
-__all__ = ["auto_fit", "AutoFitReport", "OBJECTIVES", "KERNEL_FAMILIES"]
+__all__ = ["KERNEL_FAMILIES", "OBJECTIVES", "AutoFitReport", "auto_fit"]
 
 #: objective name -> class (the names ``objectives=`` accepts)
-OBJECTIVES: Dict[str, type] = {
+OBJECTIVES: dict[str, type] = {
     "sgpr": SGPRBound,
     "gcv": GCV,
     "compreg": CompReg,
@@ -65,7 +67,7 @@ OBJECTIVES: Dict[str, type] = {
 }
 
 #: kernel family name -> ``(d) -> ScaleKernel(base kernel with d ARD lengthscales)``
-KERNEL_FAMILIES: Dict[str, Callable[[int], Kernel]] = {
+KERNEL_FAMILIES: dict[str, Callable[[int], Kernel]] = {
     "rbf": lambda d: ScaleKernel(RBFKernel(ard_num_dims=d)),
     "matern12": lambda d: ScaleKernel(MaternKernel(nu=0.5, ard_num_dims=d)),
     "matern32": lambda d: ScaleKernel(MaternKernel(nu=1.5, ard_num_dims=d)),
@@ -88,11 +90,11 @@ class AutoFitReport:
     n_val: int
     val_source: str
     kernel: str
-    learn: List[Dict[str, Any]] = field(default_factory=list)
-    search: List[Dict[str, Any]] = field(default_factory=list)
-    chosen: Dict[str, Any] = field(default_factory=dict)
-    stages: Dict[str, float] = field(default_factory=dict)
-    notes: List[str] = field(default_factory=list)
+    learn: list[dict[str, Any]] = field(default_factory=list)
+    search: list[dict[str, Any]] = field(default_factory=list)
+    chosen: dict[str, Any] = field(default_factory=dict)
+    stages: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:
@@ -148,7 +150,7 @@ class _Clock:
             self.bar.close()
 
 
-def _lengthscale_modules(kernel: Kernel) -> List[Kernel]:
+def _lengthscale_modules(kernel: Kernel) -> list[Kernel]:
     return [m for m in kernel.modules() if isinstance(m, Kernel) and getattr(m, "has_lengthscale", False)]
 
 
@@ -165,7 +167,7 @@ def _val_mse(model: FalkonGP, xv: Tensor, yv: Tensor) -> float:
     return float((pred - yv.to(torch.float64)).square().mean())
 
 
-def _fit_quiet(model: FalkonGP) -> Tuple[FalkonGP, bool]:
+def _fit_quiet(model: FalkonGP) -> tuple[FalkonGP, bool]:
     """Fit, recording (not printing) CG's cap warning; returns (model, converged)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -210,9 +212,9 @@ class _ObjectiveRun:
         self.step = 0  # objective evaluations (gradient steps for Adam, function evaluations for L-BFGS)
         self.since_best = 0
         self.active = True
-        self.failed: Optional[str] = None
-        self.best: Optional[Dict[str, Any]] = None
-        self.rec: Dict[str, Any] = dict(objective=name, rows=rows, steps=0, best_step=0, best_error=start_error,
+        self.failed: str | None = None
+        self.best: dict[str, Any] | None = None
+        self.rec: dict[str, Any] = dict(objective=name, rows=rows, steps=0, best_step=0, best_error=start_error,
                                         curve=[(0, 0.0, start_error)], stopped="")
 
     def stalled(self, evals: int = 5, rel: float = 0.01) -> bool:
@@ -245,14 +247,15 @@ class _ObjectiveRun:
         before = self.step
         try:
             if self.lbfgs:
-                self.opt.step(self._closure)
+                # torch types Optimizer.step's closure as returning float; LBFGS's returns the loss tensor
+                self.opt.step(self._closure)  # type: ignore[arg-type]
             else:
                 for _ in range(min(self.eval_every, max_steps - self.step)):
                     if time.perf_counter() >= deadline:
                         break
                     self._closure()
                     self.opt.step()
-        except Exception as exc:  # noqa: BLE001 - an objective that breaks down loses the race
+        except Exception as exc:
             self.failed = f"step {self.step}: {type(exc).__name__}: {exc}"
             self.stop(self.failed)
             return
@@ -266,7 +269,7 @@ class _ObjectiveRun:
         try:
             _fit_quiet(self.model)
             err = _val_mse(self.model, xv, yv)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self.failed = f"fit at step {self.step}: {type(exc).__name__}: {exc}"
             self.stop(self.failed)
             return
@@ -295,8 +298,8 @@ def auto_fit(
     train_y: Tensor,
     *,
     budget: float = 120.0,
-    val_x: Optional[Tensor] = None,
-    val_y: Optional[Tensor] = None,
+    val_x: Tensor | None = None,
+    val_y: Tensor | None = None,
     kernel: str | Kernel = "matern52",
     objectives: Sequence[str] = ("sgpr", "gcv", "nystrom-compreg"),
     learn_centers: bool = False,
@@ -387,6 +390,7 @@ def auto_fit(
     if (val_x is None) != (val_y is None):
         raise ValueError("give both val_x and val_y, or neither")
     if val_x is not None:
+        assert val_y is not None  # given together (checked just above)
         check_inputs("val_x", val_x, d=d)
         if val_y.dim() >= 1 and val_y.shape[0] != val_x.shape[0]:
             raise ValueError(f"val_y has {val_y.shape[0]} rows but val_x has {val_x.shape[0]}")
@@ -447,7 +451,7 @@ def auto_fit(
 
         # ------------------------------------------------------------------ splits
         if val_x is None:
-            n_val = min(max_val_rows, max(1, int(round(val_fraction * n_all))))
+            n_val = min(max_val_rows, max(1, round(val_fraction * n_all)))
             if n_all - n_val < 2:
                 raise ValueError(f"val_fraction={val_fraction} leaves {n_all - n_val} of {n_all} rows for training; "
                                  "lower it or pass val_x / val_y")
@@ -458,6 +462,7 @@ def auto_fit(
             val_source = f"held out {n_val:,} of {n_all:,} training rows"
         else:
             xt, yt = x_all, y_all
+            assert val_y is not None  # given with val_x (checked at the top)
             xv, yv = val_x.detach().to(torch.float64), val_y.detach().to(torch.float64)
             val_source = "given val_x / val_y"
         n_tr = xt.shape[0]
@@ -485,8 +490,9 @@ def auto_fit(
             ratio = float((x_mu.abs() / x_sd).max())
             if ratio > 1e4:
                 warnings.warn(
-                    f"train_x: a feature's |mean| / std is {ratio:.3g}; the returned model stores raw inputs in float32, "
-                    "which resolve that feature only to ~1e-7 x |mean|: centre such features or pass dtype=torch.float64",
+                    f"train_x: a feature's |mean| / std is {ratio:.3g}; the returned model stores raw inputs "
+                    "in float32, which resolve that feature only to ~1e-7 x |mean|: centre such features or "
+                    "pass dtype=torch.float64",
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -517,12 +523,12 @@ def auto_fit(
                 k0.base_kernel.lengthscale = torch.full((1, d), ls0, dtype=dtype, device=dev)
                 k0.outputscale = torch.tensor(1.0, dtype=dtype, device=dev)
         noise0 = 0.1
-        best_state: Dict[str, Any] = dict(
+        best_state: dict[str, Any] = dict(
             kernel=copy.deepcopy(k0), noise=noise0, centers=centers0, objective="initial", step=0, error=math.inf,
             rows=n_h,
         )
 
-        def h_model(k: Kernel, noise: float, centers: Tensor, learn: bool, rows: Optional[int] = None) -> FalkonGP:
+        def h_model(k: Kernel, noise: float, centers: Tensor, learn: bool, rows: int | None = None) -> FalkonGP:
             r = n_h if rows is None else rows
             x_, y_ = (xh, yh) if rows is None else (xt_z[h_perm[:r]], yt_z[h_perm[:r]])
             return FalkonGP(x_, y_, kernel=k, centers=centers, penalty=noise / r, learn_centers=learn,
@@ -533,7 +539,7 @@ def auto_fit(
             m0, _ = _fit_quiet(h_model(copy.deepcopy(k0), noise0, centers0, False))
             best_state["error"] = _val_mse(m0, xv_z, yv_z)
             del m0
-        except Exception as exc:  # noqa: BLE001 - recorded, the learning below may still succeed
+        except Exception as exc:
             report.notes.append(f"initial hyperparameters failed to fit: {type(exc).__name__}: {exc}")
         report.learn.append(dict(objective="initial", rows=n_h, steps=0, best_step=0, best_error=best_state["error"],
                                  curve=[]))
@@ -603,7 +609,7 @@ def auto_fit(
         extra = xs[torch.randperm(n_s, generator=gen, device=dev)]
         c_pool = torch.cat([learned_c.to(dtype), extra], 0) if learn_centers else extra
         base_kernel = best_state["kernel"]
-        cache: Dict[Tuple[int, float, float], float] = {}
+        cache: dict[tuple[int, float, float], float] = {}
 
         def score(m: int, noise: float, mult: float) -> float:
             key = (m, round(math.log(noise), 6), round(math.log(mult), 6))
@@ -620,7 +626,7 @@ def auto_fit(
                 del mod
                 if not math.isfinite(err):  # NaN / inf predictions: an infeasible point
                     err = math.inf
-            except Exception as exc:  # noqa: BLE001 - an infeasible point scores +inf
+            except Exception as exc:
                 err, conv, iters = math.inf, False, None
                 report.notes.append(f"selection fit M={m} noise={noise:.3g} mult={mult:.3g} failed: {exc}")
             sec = time.perf_counter() - t
@@ -630,7 +636,7 @@ def auto_fit(
             clock.tick(f"select M={m}", val_rmse=f"{math.sqrt(err):.4f}" if math.isfinite(err) else "inf")
             return err
 
-        def line_search(m: int, point: Dict[str, float], which: str, factor: float, lo: float, hi: float,
+        def line_search(m: int, point: dict[str, float], which: str, factor: float, lo: float, hi: float,
                         deadline: float) -> None:
             """Log-spaced 1-D search around ``v = point[which]``: steps of ``factor`` downwards while the error
             falls; if the first step down did not improve, steps upwards while it falls (so the grid keeps
@@ -678,11 +684,13 @@ def auto_fit(
                                       ("noise", 2.0, 1e-8, 1e2)):
             stage_deadline = clock.t0 + budget - 1.2 * final_cost(m)
             line_search(m, point, which, factor, lo, hi, stage_deadline)
-        levels = [dict(M=m, **point)]
+        levels: list[dict[str, Any]] = [dict(M=m, **point)]
         while True:
             m_next = min(2 * m, n_s, max_centers)
             if m_next <= m:
-                report.notes.append(f"centers stopped at M={m}: " + ("all selection rows" if m >= n_s else "max_centers"))
+                report.notes.append(
+                    f"centers stopped at M={m}: " + ("all selection rows" if m >= n_s else "max_centers")
+                )
                 break
             # predicted cost of the next size: FALKON's fit time grows between 2x (data passes, linear in M)
             # and 8x (the M^3 factorisations) per doubling; the growth measured over the last doubling is
@@ -704,7 +712,8 @@ def auto_fit(
                 break
             if point["error"] > levels[-2]["error"] * (1.0 - min_gain):
                 report.notes.append(
-                    f"centers stopped at M={m}: validation error gained less than {100 * min_gain:g}% over M={levels[-2]['M']}"
+                    f"centers stopped at M={m}: validation error gained less than {100 * min_gain:g}% "
+                    f"over M={levels[-2]['M']}"
                 )
                 break
         best_level = min(levels, key=lambda r: (r["error"], r["M"]))

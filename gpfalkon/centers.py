@@ -28,7 +28,7 @@ import copy
 import itertools
 import warnings
 from dataclasses import dataclass
-from typing import Any, List, Optional, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from gpytorch.kernels import Kernel
@@ -37,29 +37,29 @@ from torch import Tensor
 from ._validation import (
     check_center_weights,
     check_dtype,
+    check_generator,
     check_inputs,
     check_kernel,
-    check_generator,
     check_num_centers,
     check_penalty,
     check_positive_real,
     check_scores,
 )
-from .errors import JitterWarning
 from .backend.blocks import FACTOR, block_rows_for
 from .backend.passes import backend_pass, is_sharded, total_rows
+from .errors import JitterWarning
 from .linalg import jittered_cholesky
 
 __all__ = [
     "CenterSelection",
-    "uniform_centers",
-    "UniformCenters",
-    "FixedCenters",
     "CenterSelector",
+    "FixedCenters",
+    "LeverageCenters",
+    "UniformCenters",
     "approximate_leverage_scores",
     "effective_dimension",
     "leverage_centers",
-    "LeverageCenters",
+    "uniform_centers",
 ]
 
 
@@ -81,20 +81,20 @@ class CenterSelection:
     """
 
     centers: Tensor
-    indices: Optional[Tensor] = None
-    weights: Optional[Tensor] = None
-    counts: Optional[Tensor] = None
-    probabilities: Optional[Tensor] = None
+    indices: Tensor | None = None
+    weights: Tensor | None = None
+    counts: Tensor | None = None
+    probabilities: Tensor | None = None
 
 
-def _rand(num: int, generator: Optional[torch.Generator], device: torch.device) -> Tensor:
+def _rand(num: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
     """``num`` float64 uniforms from ``generator`` (its own device), moved to ``device``."""
     gen_device = generator.device if generator is not None else torch.device("cpu")
     return torch.rand(num, generator=generator, dtype=torch.float64, device=gen_device).to(device)
 
 
 def uniform_centers(
-    x: Tensor, num_centers: int, generator: Optional[torch.Generator] = None, backend: Optional[Any] = None
+    x: Tensor, num_centers: int, generator: torch.Generator | None = None, backend: Any | None = None
 ) -> CenterSelection:
     """Sample ``num_centers`` rows of ``x`` uniformly without replacement.
 
@@ -113,6 +113,7 @@ def uniform_centers(
     idx = torch.randperm(n, generator=generator, device=device)[:num_centers]
     idx = idx.sort().values.to(x.device)
     if sharded:
+        assert backend is not None  # is_sharded(None) is False
         return CenterSelection(centers=backend.gather_rows(x, idx), indices=idx)
     return CenterSelection(centers=x[idx].clone(), indices=idx)
 
@@ -130,18 +131,18 @@ class CenterSelector(Protocol):
     """
 
     def __call__(
-        self, x: Tensor, num_centers: Optional[int], kernel: Optional[Kernel] = None, penalty: Optional[float | Tensor] = None
+        self, x: Tensor, num_centers: int | None, kernel: Kernel | None = None, penalty: float | Tensor | None = None
     ) -> CenterSelection:
         ...
 
 
-def default_num_centers(x: Tensor, backend: Optional[Any] = None, n: Optional[int] = None) -> int:
+def default_num_centers(x: Tensor, backend: Any | None = None, n: int | None = None) -> int:
     """``min(n, 1000)``: the number of centers drawn when none is asked for (``n`` over all
     shards for a sharded ``backend``; pass ``n`` when it is known, to save the collective)."""
     return min(total_rows(backend, x) if n is None else int(n), 1000)
 
 
-def _generator(seed: Optional[int], generator: Optional[torch.Generator]) -> torch.Generator:
+def _generator(seed: int | None, generator: torch.Generator | None) -> torch.Generator:
     if generator is None:
         generator = torch.Generator()
         generator.manual_seed(0 if seed is None else int(seed))
@@ -152,13 +153,13 @@ def _generator(seed: Optional[int], generator: Optional[torch.Generator]) -> tor
 class UniformCenters:
     """Center selector: ``M`` rows drawn uniformly without replacement (:func:`uniform_centers`)."""
 
-    def __init__(self, seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
-                 backend: Optional[Any] = None) -> None:
+    def __init__(self, seed: int | None = None, generator: torch.Generator | None = None,
+                 backend: Any | None = None) -> None:
         self.generator = _generator(seed, generator)
         self.backend = backend
 
     def __call__(
-        self, x: Tensor, num_centers: Optional[int], kernel: Optional[Kernel] = None, penalty: Optional[float | Tensor] = None
+        self, x: Tensor, num_centers: int | None, kernel: Kernel | None = None, penalty: float | Tensor | None = None
     ) -> CenterSelection:
         m = default_num_centers(x, self.backend) if num_centers is None else num_centers
         return uniform_centers(x, m, self.generator, backend=self.backend)
@@ -167,7 +168,7 @@ class UniformCenters:
 class FixedCenters:
     """Center selector that returns given centers (and optional preconditioner weights ``D``)."""
 
-    def __init__(self, centers: Tensor, weights: Optional[Tensor] = None) -> None:
+    def __init__(self, centers: Tensor, weights: Tensor | None = None) -> None:
         check_dtype("centers", centers)
         if centers.dim() != 2 or centers.shape[0] == 0:
             raise ValueError(f"centers must have shape (M, d) with M >= 1, got {tuple(centers.shape)}")
@@ -177,7 +178,7 @@ class FixedCenters:
         self.weights = None if weights is None else weights.detach().to(torch.float64).clone()
 
     def __call__(
-        self, x: Tensor, num_centers: Optional[int], kernel: Optional[Kernel] = None, penalty: Optional[float | Tensor] = None
+        self, x: Tensor, num_centers: int | None, kernel: Kernel | None = None, penalty: float | Tensor | None = None
     ) -> CenterSelection:
         if num_centers is not None and num_centers != self.centers.shape[0]:
             raise ValueError(f"num_centers={num_centers} but {self.centers.shape[0]} centers were given")
@@ -186,7 +187,9 @@ class FixedCenters:
         if self.centers.device != x.device:
             raise ValueError(f"centers is on {self.centers.device} but train_x is on {x.device}")
         check_inputs("centers", self.centers, d=x.shape[1])
-        return CenterSelection(centers=self.centers.clone(), weights=None if self.weights is None else self.weights.clone())
+        return CenterSelection(
+            centers=self.centers.clone(), weights=None if self.weights is None else self.weights.clone()
+        )
 
 
 # --------------------------------------------------------------- leverage scores
@@ -203,12 +206,12 @@ def _dense(t) -> Tensor:
     return t if isinstance(t, Tensor) else t.to_dense()
 
 
-def _rows_per_block(m: int, n: int, block_rows: Optional[int]) -> int:
+def _rows_per_block(m: int, n: int, block_rows: int | None) -> int:
     """Row-block height of the leverage-score passes (float64, ``O(M_J^2)`` work per row)."""
     return block_rows_for(n, m, 8, FACTOR, block_rows=block_rows)
 
 
-def _kernel_diag(kernel64: Kernel, x: Tensor, rows: int, backend: Optional[Any] = None) -> Tensor:
+def _kernel_diag(kernel64: Kernel, x: Tensor, rows: int, backend: Any | None = None) -> Tensor:
     """``K_ii`` for all rows of ``x`` (float64, ``O(n d)``): one backend pass."""
     with torch.no_grad():
         diag = backend_pass(backend, "kernel_diagonal")(kernel64, x, rows, dtype=torch.float64)
@@ -222,11 +225,12 @@ class _Rows:
     Every random draw is made for the *global* rows, so the result does not depend on the
     number of ranks."""
 
-    def __init__(self, x: Tensor, backend: Optional[Any]) -> None:
+    def __init__(self, x: Tensor, backend: Any | None) -> None:
         self.sharded = is_sharded(backend)
-        self.backend = backend
+        self.backend: Any = backend  # not None where self.sharded
         self.n_local = int(x.shape[0])
         if self.sharded:
+            assert backend is not None  # is_sharded(None) is False
             self.offset, _, self.n = backend.row_range(x)
             self.rank = backend.rank
         else:
@@ -241,7 +245,7 @@ class _Rows:
     def max(self, value: float) -> float:
         return self.backend.maximum(value) if self.sharded else float(value)
 
-    def counts(self, k: int) -> List[int]:
+    def counts(self, k: int) -> list[int]:
         return self.backend.counts(k) if self.sharded else [int(k)]
 
     def concat(self, t: Tensor) -> Tensor:
@@ -251,7 +255,7 @@ class _Rows:
         """``X_global[indices]`` (global row indices)."""
         return self.backend.gather_rows(x, indices) if self.sharded else x[indices]
 
-    def draws(self, count: int, generator: Optional[torch.Generator], device: torch.device) -> Tensor:
+    def draws(self, count: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
         """This shard's part of ``count = n`` global uniforms (all of them in one process)."""
         return _rand(count, generator, device)[self.offset : self.offset + self.n_local]
 
@@ -290,13 +294,13 @@ class _Dictionary:
         self,
         kernel64: Kernel,
         x: Tensor,
-        rows_idx: Optional[Tensor],
+        rows_idx: Tensor | None,
         lam_n: float,
         diag: Tensor,
         trace: float,
-        block_rows: Optional[int],
-        backend: Optional[Any] = None,
-        rows_info: Optional[_Rows] = None,
+        block_rows: int | None,
+        backend: Any | None = None,
+        rows_info: _Rows | None = None,
     ) -> Tensor:
         """Estimated ``l_i`` for ``i`` in ``rows_idx`` (``None``: all rows), float64.
 
@@ -336,13 +340,13 @@ def approximate_leverage_scores(
     kernel: Kernel,
     penalty: float | Tensor,
     *,
-    generator: Optional[torch.Generator] = None,
+    generator: torch.Generator | None = None,
     oversampling: float = 5.0,
     lambda_step: float = 2.0,
     max_dictionary_size: int = 2048,
     min_dictionary_size: int = 128,
-    block_rows: Optional[int] = None,
-    backend: Optional[Any] = None,
+    block_rows: int | None = None,
+    backend: Any | None = None,
 ) -> Tensor:
     r"""Approximate ridge leverage scores ``l_i(lambda) = (K (K + n lambda I)^{-1})_ii`` by BLESS-R.
 
@@ -439,16 +443,24 @@ def approximate_leverage_scores(
     check_generator(generator)
     q2 = check_positive_real("oversampling", oversampling, minimum=1.0)
     q = check_positive_real("lambda_step", lambda_step, minimum=1.0, strict_minimum=True)
-    if isinstance(max_dictionary_size, bool) or int(max_dictionary_size) != max_dictionary_size or max_dictionary_size < 1:
+    if (
+        isinstance(max_dictionary_size, bool)
+        or int(max_dictionary_size) != max_dictionary_size
+        or max_dictionary_size < 1
+    ):
         raise ValueError(f"max_dictionary_size must be an integer >= 1, got {max_dictionary_size!r}")
     max_dict = int(max_dictionary_size)
-    if isinstance(min_dictionary_size, bool) or int(min_dictionary_size) != min_dictionary_size or min_dictionary_size < 0:
+    if (
+        isinstance(min_dictionary_size, bool)
+        or int(min_dictionary_size) != min_dictionary_size
+        or min_dictionary_size < 0
+    ):
         raise ValueError(f"min_dictionary_size must be an integer >= 0, got {min_dictionary_size!r}")
     min_dict = min(int(min_dictionary_size), max_dict)
     lam = float(torch.as_tensor(penalty).detach())
     n = rows_info.n  # all shards' rows
     k64 = _kernel64(kernel)
-    capped_at: Optional[float] = None
+    capped_at: float | None = None
     with torch.no_grad():
         if rows_info.n_local > 0:
             diag = _kernel_diag(k64, x, _rows_per_block(1, rows_info.n_local, block_rows), backend)
@@ -469,7 +481,7 @@ def approximate_leverage_scores(
         dictionary = _Dictionary(
             torch.empty(0, dtype=torch.long, device=x.device), torch.empty(0, dtype=torch.float64, device=x.device)
         )
-        d_prev: Optional[float] = None  # estimate of d_eff at the previous level
+        d_prev: float | None = None  # estimate of d_eff at the previous level
         for lam_h in levels:
             lam_n = lam_h * n
             bound = diag / (diag + lam_n)  # l_i <= bound_i
@@ -517,8 +529,8 @@ def effective_dimension(
     kernel: Kernel,
     penalty: float | Tensor,
     *,
-    generator: Optional[torch.Generator] = None,
-    scores: Optional[Tensor] = None,
+    generator: torch.Generator | None = None,
+    scores: Tensor | None = None,
     **kwargs,
 ) -> float:
     r"""Approximate effective dimension ``d_eff(lambda) = tr K (K + n lambda I)^{-1} = sum_i l_i(lambda)``.
@@ -544,8 +556,8 @@ def leverage_centers(
     kernel: Kernel,
     penalty: float | Tensor,
     *,
-    generator: Optional[torch.Generator] = None,
-    scores: Optional[Tensor] = None,
+    generator: torch.Generator | None = None,
+    scores: Tensor | None = None,
     weighting: str = "unbiased",
     **kwargs,
 ) -> CenterSelection:
@@ -645,9 +657,9 @@ class LeverageCenters:
 
     def __init__(
         self,
-        penalty: Optional[float | Tensor] = None,
-        seed: Optional[int] = None,
-        generator: Optional[torch.Generator] = None,
+        penalty: float | Tensor | None = None,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
         **kwargs,
     ) -> None:
         if penalty is not None:
@@ -657,7 +669,7 @@ class LeverageCenters:
         self.kwargs = kwargs
 
     def __call__(
-        self, x: Tensor, num_centers: Optional[int], kernel: Optional[Kernel] = None, penalty: Optional[float | Tensor] = None
+        self, x: Tensor, num_centers: int | None, kernel: Kernel | None = None, penalty: float | Tensor | None = None
     ) -> CenterSelection:
         if num_centers is None:
             num_centers = default_num_centers(x, self.kwargs.get("backend"))

@@ -4,9 +4,9 @@ from __future__ import annotations
 from linear_operator.utils.errors import NotPSDError
 
 __all__ = [
-    "FalkonConvergenceError",
     "CGNotConvergedWarning",
     "DistributedError",
+    "FalkonConvergenceError",
     "JitterWarning",
     "NotFittedError",
     "NotPSDError",

@@ -1,8 +1,6 @@
 """Data-driven starting points for hyperparameters."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -11,7 +9,7 @@ from ._validation import check_inputs
 __all__ = ["median_lengthscale"]
 
 
-def median_lengthscale(x: Tensor, max_points: int = 2000, generator: Optional[torch.Generator] = None) -> Tensor:
+def median_lengthscale(x: Tensor, max_points: int = 2000, generator: torch.Generator | None = None) -> Tensor:
     """The median heuristic: median pairwise Euclidean distance between rows of ``x``.
 
     Uses a random subset of at most ``max_points`` rows (``O(max_points^2 d)``

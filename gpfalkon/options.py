@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from linear_operator import settings as lo_settings
@@ -58,16 +59,16 @@ class FalkonOptions:
             offer :class:`~gpfalkon.backend.KernelEngine`'s passes.
     """
 
-    memory_budget: Optional[int] = None
-    block_rows: Optional[int] = None
-    store_kernel: Optional[bool] = None
-    max_iter: Optional[int] = None
-    tol: Optional[float] = None
+    memory_budget: int | None = None
+    block_rows: int | None = None
+    store_kernel: bool | None = None
+    max_iter: int | None = None
+    tol: float | None = None
     verbose: bool = False
-    precond_dtype: Optional[torch.dtype] = torch.float64
-    solver: Optional[Callable[..., Any]] = None
-    preconditioner: Optional[Callable[..., Any]] = None
-    backend: Optional[Callable[..., Any]] = None
+    precond_dtype: torch.dtype | None = torch.float64
+    solver: Callable[..., Any] | None = None
+    preconditioner: Callable[..., Any] | None = None
+    backend: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         for name, minimum in (("memory_budget", 1), ("block_rows", 1), ("max_iter", 0)):
@@ -87,7 +88,7 @@ class FalkonOptions:
                 raise TypeError(f"{name} must be callable or None, got {type(value).__name__}")
 
     # ----------------------------------------------------------------- building
-    def replace(self, **changes: Any) -> "FalkonOptions":
+    def replace(self, **changes: Any) -> FalkonOptions:
         """A copy with ``changes`` applied (validated); unknown names raise ``TypeError``."""
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
@@ -95,7 +96,7 @@ class FalkonOptions:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def merged(cls, options: Optional["FalkonOptions"] = None, **keywords: Any) -> "FalkonOptions":
+    def merged(cls, options: FalkonOptions | None = None, **keywords: Any) -> FalkonOptions:
         """``options`` (or the defaults) with the keyword arguments that were given.
 
         A keyword counts as given when it differs from the dataclass default
@@ -116,13 +117,14 @@ class FalkonOptions:
                 getattr(options, name), value
             ):
                 raise ValueError(
-                    f"{name} is given both as {name}={value!r} and in options ({getattr(options, name)!r}); give it once"
+                    f"{name} is given both as {name}={value!r} and in options ({getattr(options, name)!r}); "
+                    "give it once"
                 )
             given[name] = value
         return base.replace(**given) if given else base
 
     # ---------------------------------------------------------------- resolving
-    def resolved(self) -> "ResolvedOptions":
+    def resolved(self) -> ResolvedOptions:
         """The options with every ``None`` replaced by the setting in force now."""
         budget = memory_budget_for(self.memory_budget)
         rows = resolve_block_rows(self.block_rows)
@@ -151,12 +153,12 @@ class ResolvedOptions:
     (``block_rows=None`` still means the automatic block rule)."""
 
     memory_budget: int
-    block_rows: Optional[int]
-    store_kernel: Optional[bool]
+    block_rows: int | None
+    store_kernel: bool | None
     max_iter: int
     tol: float
     verbose: bool
-    precond_dtype: Optional[torch.dtype]
+    precond_dtype: torch.dtype | None
 
 
 def option_property(name: str, *, settable: bool = False) -> property:
@@ -178,7 +180,7 @@ def _same(a: Any, b: Any) -> bool:
     return a is b or (type(a) is type(b) and a == b)
 
 
-def _check_int(name: str, value: Any, *, minimum: int) -> Optional[int]:
+def _check_int(name: str, value: Any, *, minimum: int) -> int | None:
     """An integer (``int``, NumPy / 0-d tensor integers, integer-valued floats such as ``2e9``)."""
     if value is None:
         return None

@@ -5,11 +5,9 @@ whose class method ``value()`` returns the value in force.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from linear_operator.settings import _value_context
 
-__all__ = ["memory_budget", "block_rows", "cg_tolerance", "max_cg_iterations"]
+__all__ = ["block_rows", "cg_tolerance", "max_cg_iterations", "memory_budget"]
 
 
 class memory_budget(_value_context):
@@ -32,7 +30,7 @@ class block_rows(_value_context):
     blocks would not fit in the memory budget.
     """
 
-    _global_value: Optional[int] = None
+    _global_value: int | None = None
 
 
 class cg_tolerance(_value_context):

@@ -25,26 +25,27 @@ import json
 import math
 import pathlib
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
 __all__ = [
-    "Integer",
-    "Float",
-    "LogFloat",
+    "BoTorchSearch",
     "Categorical",
+    "Float",
+    "GridSearch",
+    "Integer",
+    "LogFloat",
+    "RandomSearch",
+    "SearchResult",
     "SearchSpace",
     "Trial",
-    "SearchResult",
-    "RandomSearch",
-    "GridSearch",
-    "BoTorchSearch",
-    "make_kernel",
     "falkon_validation_error",
     "gradient_tuned_error",
+    "make_kernel",
 ]
 
 
@@ -65,14 +66,14 @@ class Integer:
         if self.log and self.low < 1:
             raise ValueError(f"Integer(log=True) needs low >= 1, got {self.low}")
 
-    def encode(self, value: int) -> float:
+    def encode(self, value: float) -> float:
         return math.log(value) if self.log else float(value)
 
     def decode(self, z: float) -> int:
-        v = int(round(math.exp(z))) if self.log else int(round(z))
+        v = round(math.exp(z)) if self.log else round(z)
         return min(max(v, self.low), self.high)
 
-    def encoded_values(self) -> List[float]:
+    def encoded_values(self) -> list[float]:
         return [self.encode(v) for v in range(self.low, self.high + 1)]
 
 
@@ -130,10 +131,10 @@ class Categorical:
         return float(self.choices.index(value))
 
     def decode(self, z: float) -> Any:
-        return self.choices[min(max(int(round(z)), 0), len(self.choices) - 1)]
+        return self.choices[min(max(round(z), 0), len(self.choices) - 1)]
 
 
-Dimension = Union[Integer, Float, LogFloat, Categorical]
+Dimension = Integer | Float | LogFloat | Categorical
 
 
 # -------------------------------------------------------------------- space
@@ -148,7 +149,7 @@ class SearchSpace:
                 raise TypeError(f"search space names must be strings, got {name!r}")
             if not isinstance(dim, (Integer, Float, LogFloat, Categorical)):
                 raise TypeError(f"search space entry {name!r} must be Integer, Float, LogFloat or Categorical")
-        self.dims: Dict[str, Dimension] = dict(dims)
+        self.dims: dict[str, Dimension] = dict(dims)
         self.names = list(self.dims)
 
     def __len__(self) -> int:
@@ -157,33 +158,35 @@ class SearchSpace:
     def encode(self, config: Mapping[str, Any]) -> Tensor:
         return torch.tensor([self.dims[k].encode(config[k]) for k in self.names], dtype=torch.float64)
 
-    def decode(self, z: Tensor) -> Dict[str, Any]:
+    def decode(self, z: Tensor) -> dict[str, Any]:
         return {k: self.dims[k].decode(float(z[i])) for i, k in enumerate(self.names)}
 
     def bounds(self) -> Tensor:
         lo, hi = [], []
         for d in self.dims.values():
             if isinstance(d, Categorical):
-                lo.append(0.0), hi.append(float(len(d.choices) - 1))
+                lo.append(0.0)
+                hi.append(float(len(d.choices) - 1))
             else:
-                lo.append(d.encode(d.low)), hi.append(d.encode(d.high))
+                lo.append(d.encode(d.low))
+                hi.append(d.encode(d.high))
         return torch.tensor([lo, hi], dtype=torch.float64)
 
-    def cat_dims(self) -> Dict[int, List[float]]:
+    def cat_dims(self) -> dict[int, list[float]]:
         return {i: [float(j) for j in range(len(d.choices))]
                 for i, d in enumerate(self.dims.values()) if isinstance(d, Categorical)}
 
-    def discrete_dims(self) -> Dict[int, List[float]]:
+    def discrete_dims(self) -> dict[int, list[float]]:
         return {i: d.encoded_values() for i, d in enumerate(self.dims.values()) if isinstance(d, Integer)}
 
-    def sample(self, n: int, generator: torch.Generator) -> List[Dict[str, Any]]:
+    def sample(self, n: int, generator: torch.Generator) -> list[dict[str, Any]]:
         """``n`` configurations uniform in the encoded space (log-uniform for log scales)."""
         b = self.bounds()
         u = torch.rand(n, len(self), generator=generator, dtype=torch.float64)
         z = b[0] + u * (b[1] - b[0])
         return [self.decode(row) for row in z]
 
-    def grid(self, budget: int) -> List[Dict[str, Any]]:
+    def grid(self, budget: int) -> list[dict[str, Any]]:
         """A full-factorial grid with at most ``budget`` points: every categorical value,
         and as many evenly spaced levels per other dimension as the budget allows."""
         cats = [len(d.choices) for d in self.dims.values() if isinstance(d, Categorical)]
@@ -213,13 +216,13 @@ class SearchSpace:
                 if v not in vals:
                     vals.append(v)
             axes.append(vals)
-        return [dict(zip(self.names, combo)) for combo in itertools.product(*axes)][:budget]
+        return [dict(zip(self.names, combo, strict=False)) for combo in itertools.product(*axes)][:budget]
 
 
 # ------------------------------------------------------------------ results
 @dataclass
 class Trial:
-    config: Dict[str, Any]
+    config: dict[str, Any]
     value: float
     seconds: float
     source: str = ""
@@ -227,11 +230,11 @@ class Trial:
 
 @dataclass
 class SearchResult:
-    best_config: Dict[str, Any]
+    best_config: dict[str, Any]
     best_value: float
-    history: List[Trial] = field(default_factory=list)
+    history: list[Trial] = field(default_factory=list)
 
-    def best_so_far(self) -> List[float]:
+    def best_so_far(self) -> list[float]:
         """Best value after each evaluation."""
         out, best = [], math.inf
         for t in self.history:
@@ -250,12 +253,12 @@ class _Search(abc.ABC):
 
     def __init__(
         self,
-        space: Union[SearchSpace, Mapping[str, Dimension]],
+        space: SearchSpace | Mapping[str, Dimension],
         objective: Objective,
         budget: int,
         seed: int = 0,
         *,
-        history_path: Optional[Union[str, pathlib.Path]] = None,
+        history_path: str | pathlib.Path | None = None,
         verbose: bool = False,
     ) -> None:
         self.space = space if isinstance(space, SearchSpace) else SearchSpace(space)
@@ -268,13 +271,13 @@ class _Search(abc.ABC):
         self.generator = torch.Generator().manual_seed(int(seed))
         self.history_path = None if history_path is None else pathlib.Path(history_path)
         self.verbose = verbose
-        self.history: List[Trial] = []
+        self.history: list[Trial] = []
         if self.history_path is not None and self.history_path.exists():
             data = json.loads(self.history_path.read_text())
             self.history = [Trial(**t) for t in data["history"]]
 
     @abc.abstractmethod
-    def _propose(self) -> Dict[str, Any]:
+    def _propose(self) -> dict[str, Any]:
         """The next configuration to evaluate."""
 
     def _save(self) -> None:
@@ -315,7 +318,7 @@ class RandomSearch(_Search):
 
     source = "random"
 
-    def _propose(self) -> Dict[str, Any]:
+    def _propose(self) -> dict[str, Any]:
         return self.space.sample(1, self.generator)[0]
 
 
@@ -329,7 +332,7 @@ class GridSearch(_Search):
         self._grid = self.space.grid(budget)
         self.budget = min(budget, len(self._grid))
 
-    def _propose(self) -> Dict[str, Any]:
+    def _propose(self) -> dict[str, Any]:
         return self._grid[len(self.history)]
 
 
@@ -355,7 +358,7 @@ class BoTorchSearch(_Search):
         budget,
         seed: int = 0,
         *,
-        n_initial: Optional[int] = None,
+        n_initial: int | None = None,
         cost_aware: bool = False,
         log_objective: bool = True,
         num_restarts: int = 4,
@@ -388,7 +391,7 @@ class BoTorchSearch(_Search):
         fit_gpytorch_mll(ExactMarginalLogLikelihood(model.likelihood, model))
         return model
 
-    def _propose(self) -> Dict[str, Any]:
+    def _propose(self) -> dict[str, Any]:
         if len(self.history) < self.n_initial:
             return self.space.sample(1, self.generator)[0]
         from botorch.acquisition import LogExpectedImprovement
@@ -406,7 +409,8 @@ class BoTorchSearch(_Search):
         if self.cost_aware:
             cost_model = self._fit_gp(X, torch.tensor([[math.log(max(t.seconds, 1e-6))] for t in ok],
                                                       dtype=torch.float64))
-            acqf = _LogEIPerCost(acqf, cost_model)
+            # duck-typed: the optimiser only calls it on X and reads .model
+            acqf = cast(AcquisitionFunction, _LogEIPerCost(acqf, cost_model))
         # BoTorch's optimiser draws its raw samples from the global RNG: seed it from
         # this search's generator inside fork_rng, leaving the caller's RNG untouched
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))

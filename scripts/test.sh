@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# Set up .venv if needed and run the test suite (about 2 minutes on 2 cores).
+# Set up .venv with the test extras if needed, then run every check (scripts/check.sh: ruff, mypy,
+# the test suite, the wheel smoke test; about 5 minutes on 2 cores).
+# With arguments, only the test suite runs, with those pytest arguments: bash scripts/test.sh -k fantasy
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
-exec .venv/bin/python -m pytest -q "$@"
+if [ "$#" -gt 0 ]; then
+  exec .venv/bin/python -m pytest -q "$@"
+fi
+exec bash scripts/check.sh

@@ -5,14 +5,15 @@ what it computed to ``<out>/rank<r>.pt``; the test compares with a single proces
 """
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import socket
 import traceback
-from typing import Any, Callable, Dict, List, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import multiprocessing as mp
 
 import gpfalkon
 from gpfalkon import FalkonGP, FalkonOptions
@@ -40,7 +41,7 @@ def data(n: int = N, d: int = D, outputs: int = 1, dtype: torch.dtype = torch.fl
     return x, (y[:, 0] if outputs == 1 else y), xt
 
 
-def shard_bounds(sizes: Sequence[int]) -> List[tuple]:
+def shard_bounds(sizes: Sequence[int]) -> list[tuple]:
     out, s = [], 0
     for k in sizes:
         out.append((s, s + k))
@@ -73,10 +74,11 @@ def probes(n: int = N, r: int = 4) -> torch.Tensor:
     return torch.randn(n, r, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
 
 
-def model_results(model: FalkonGP, xt: torch.Tensor, rows: slice = slice(None)) -> Dict[str, Any]:
+def model_results(model: FalkonGP, xt: torch.Tensor, rows: slice | None = None) -> dict[str, Any]:
     """alpha, centers, predictions and every objective's value and gradients (``rows``: this
     process's rows of the global data, for the stochastic objective's probe vectors)."""
-    out: Dict[str, Any] = {"centers": model.centers.detach().clone(), "n": model.n}
+    rows = slice(None) if rows is None else rows
+    out: dict[str, Any] = {"centers": model.centers.detach().clone(), "n": model.n}
     model.fit()
     out["alpha"] = model.alpha.clone()
     out["state_dict"] = {k: v.clone() for k, v in model.state_dict().items()}  # saved right after the fit
@@ -114,7 +116,7 @@ def model_results(model: FalkonGP, xt: torch.Tensor, rows: slice = slice(None)) 
     return out
 
 
-def single_process_results(outputs: int = 1) -> Dict[str, Any]:
+def single_process_results(outputs: int = 1) -> dict[str, Any]:
     x, y, xt = data(outputs=outputs)
     return model_results(build(x, y), xt)
 
@@ -150,7 +152,7 @@ def _source_and_save(rank: int, world: int, path: str, out_dir: str) -> None:
     """Each rank reads its balanced shard of one .npy file (gpfalkon.shard_rows)."""
     from gpfalkon import NpyRows, shard_rows
 
-    x, y, xt = data()
+    _x, y, xt = data()
     src = shard_rows(NpyRows(path))
     s, e = gpfalkon.shard_range(N)
     model = build(src, y[s:e], DistributedBackend(), learn_centers=False)
@@ -172,8 +174,10 @@ def _leverage_and_save(rank: int, world: int, sizes: Sequence[int], out_dir: str
     x, y, _ = data()
     s, e = shard_bounds(sizes)[rank]
     model = leverage_model(x[s:e], y[s:e], DistributedBackend()).fit()
-    torch.save({"centers": model.centers.clone(), "weights": model.center_weights.clone(), "alpha": model.alpha.clone()},
-               os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(
+        {"centers": model.centers.clone(), "weights": model.center_weights.clone(), "alpha": model.alpha.clone()},
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
 
 
 def _inconsistent(rank: int, world: int, out_dir: str, what: str) -> None:
@@ -206,7 +210,7 @@ def _killed(rank: int, world: int, out_dir: str) -> None:
         FalkonGP(x[s:e], y[s:e], make_kernel(), num_centers=M, seed=3,
                  options=FalkonOptions(backend=DistributedBackend())).fit()
         msg, kind = "no error", None
-    except Exception as exc:  # noqa: BLE001 - the type is what the test checks
+    except Exception as exc:
         msg, kind = str(exc), type(exc).__name__
     torch.save({"message": msg, "type": kind, "seconds": time.perf_counter() - t0},
                os.path.join(out_dir, f"rank{rank}.pt"))
@@ -214,8 +218,8 @@ def _killed(rank: int, world: int, out_dir: str) -> None:
 
 def _entry(rank: int, world: int, port: int, job: Callable[..., None], args: tuple, out_dir: str,
            timeout_s: float, final_barrier: bool) -> None:
-    import sys
     import faulthandler
+    import sys
 
     # a fatal signal (SIGABRT from a C++ terminate, SIGSEGV) leaves the Python stacks of every thread
     # in fault<r>.txt, which the parent prints: a crash is diagnosable, not only an exit code
@@ -241,14 +245,17 @@ def _entry(rank: int, world: int, port: int, job: Callable[..., None], args: tup
 
 
 def run(world: int, job: Callable[..., None], args: tuple, out_dir: str, timeout_s: float = 60.0,
-        deadline_s: float = 300.0, allow_exit: Sequence[int] = (), final_barrier: bool = True) -> List[int]:
+        deadline_s: float = 300.0, allow_exit: Sequence[int] = (), final_barrier: bool = True) -> list[int]:
     """``job(rank, world, *args)`` in ``world`` spawned processes (gloo on loopback, collective
     timeout ``timeout_s``); returns the exit codes. Raises with the ranks' tracebacks if a rank
     not in ``allow_exit`` failed, or if any is still running after ``deadline_s``. ``final_barrier``:
     the ranks meet in a barrier after the job (off for jobs where a rank dies on purpose)."""
     port = free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(r, world, port, job, args, out_dir, timeout_s, final_barrier)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, job, args, out_dir, timeout_s, final_barrier))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     import time
@@ -273,4 +280,4 @@ def run(world: int, job: Callable[..., None], args: tuple, out_dir: str, timeout
     return codes
 
 
-__all__ = ["run", "single_process_results", "data", "shard_bounds", "build", "gpfalkon"]
+__all__ = ["build", "data", "gpfalkon", "run", "shard_bounds", "single_process_results"]

@@ -16,6 +16,7 @@ The package's ``__init__`` (the public namespace) is exempt.
 from __future__ import annotations
 
 import ast
+import itertools
 import pathlib
 import re
 
@@ -104,9 +105,9 @@ def test_no_import_cycle_between_units():
         state[u] = 1
         for v in sorted(graph.get(u, ())):
             if state.get(v) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack + [u, v]))
+                raise AssertionError("import cycle: " + " -> ".join([*stack, u, v]))
             if v not in state:
-                visit(v, stack + [u])
+                visit(v, [*stack, u])
         state[u] = 2
 
     for u in sorted(graph):
@@ -152,7 +153,7 @@ def test_block_rule(n, m, rows):
     assert tight == min(3, n)
     blocks = list(row_blocks(n, r))
     assert blocks[0][0] == 0 and blocks[-1][1] == n
-    assert all(b[0] == a[1] for a, b in zip(blocks, blocks[1:]))
+    assert all(b[0] == a[1] for a, b in itertools.pairwise(blocks))
     assert all(0 < e - s <= r for s, e in blocks)
     with pytest.raises(ValueError, match="block_rows"):
         block_rows_for(n, m, 8, PRODUCT, block_rows=0)

@@ -5,8 +5,8 @@ import math
 
 import gpytorch
 import pytest
-from gpytorch.utils.warnings import GPInputWarning
 import torch
+from gpytorch.utils.warnings import GPInputWarning
 
 from gpfalkon import FalkonGP, auto_fit
 from gpfalkon.objectives import GCV, SGPRBound
@@ -126,14 +126,14 @@ def test_mean_constant_multi_output():
 # ------------------------------------------------------------------------ auto_fit
 @pytest.fixture(scope="module")
 def fitted():
-    x, y, f = _data(500)
+    x, y, _f = _data(500)
     xt, yt, ft = _data(300, seed=1)
     model = auto_fit(x, y, **SMALL)
     return model, (x, y), (xt, yt, ft)
 
 
 def test_auto_fit_predicts_in_raw_units(fitted):
-    model, _, (xt, yt, ft) = fitted
+    model, _, (xt, _yt, ft) = fitted
     model.eval()
     with torch.no_grad():
         pred = model(xt)
@@ -152,7 +152,7 @@ def test_auto_fit_predicts_in_raw_units(fitted):
 def test_auto_fit_final_model_is_the_dense_nystrom_solution(fitted):
     """The returned model, with its reported hyperparameters, equals a dense direct Nystrom KRR solve."""
     model, _, (xt, _, _) = fitted
-    x, y = model.train_inputs[0], model.train_targets
+    y = model.train_targets
     alpha = _dense_alpha(model, y - model.mean_constant)
     pred_ref = model.mean_constant + dense_kernel(model.kernel, xt, model.centers) @ alpha
     model.eval()

@@ -12,10 +12,11 @@ from botorch.models.transforms.input import Normalize
 from botorch.models.transforms.outcome import Standardize
 from botorch.optim import optimize_acqf
 from botorch.posteriors import GPyTorchPosterior
-from conftest import dense_kernel, make_kernel
 
 from gpfalkon import FalkonGP, NotFittedError
 from gpfalkon.botorch import FalkonModel
+
+from conftest import dense_kernel, make_kernel
 
 
 def _data(n=300, d=2, m=1, seed=0):
@@ -30,7 +31,9 @@ def test_posterior_equals_falkongp_and_dense_sgpr_formulas():
     X, Y = _data()
     k = make_kernel("scale_matern52", 2)
     model = FalkonModel(X, Y, kernel=k, num_centers=30, penalty=1e-4, outcome_transform=None, tol=1e-12, max_iter=1000)
-    ref = FalkonGP(X, Y.squeeze(-1), kernel=k, centers=model.centers, penalty=1e-4, tol=1e-12, max_iter=1000).fit().eval()
+    ref = FalkonGP(
+        X, Y.squeeze(-1), kernel=k, centers=model.centers, penalty=1e-4, tol=1e-12, max_iter=1000
+    ).fit().eval()
     Xt = torch.rand(4, 3, 2, dtype=torch.float64)  # batch of 4 joint q=3 posteriors
     post = model.posterior(Xt)
     assert isinstance(post, GPyTorchPosterior) and post.mean.shape == (4, 3, 1)
@@ -42,7 +45,11 @@ def test_posterior_equals_falkongp_and_dense_sgpr_formulas():
         c, n, lam = model.centers, X.shape[0], 1e-4
         knm, kmm, ktm = dense_kernel(k, X, c), dense_kernel(k, c, c), dense_kernel(k, Xt[1], c)
         H = knm.T @ knm + n * lam * kmm
-        cov = dense_kernel(k, Xt[1], Xt[1]) - ktm @ torch.linalg.solve(kmm, ktm.T) + n * lam * ktm @ torch.linalg.solve(H, ktm.T)
+        cov = (
+            dense_kernel(k, Xt[1], Xt[1])
+            - ktm @ torch.linalg.solve(kmm, ktm.T)
+            + n * lam * ktm @ torch.linalg.solve(H, ktm.T)
+        )
         torch.testing.assert_close(post.distribution.covariance_matrix[1], cov, rtol=1e-6, atol=1e-10)
         noisy = model.posterior(Xt, observation_noise=True)
         torch.testing.assert_close(noisy.variance, post.variance + n * lam)
@@ -93,7 +100,9 @@ def test_posterior_gradients_wrt_candidates():
 
 def test_condition_on_observations_refits_with_fixed_noise():
     X, Y = _data(n=300)
-    model = FalkonModel(X[:250], Y[:250], num_centers=30, penalty=1e-4, outcome_transform=None, tol=1e-12, max_iter=1000)
+    model = FalkonModel(
+        X[:250], Y[:250], num_centers=30, penalty=1e-4, outcome_transform=None, tol=1e-12, max_iter=1000
+    )
     noise = model.noise.detach().clone()
     new = model.condition_on_observations(X[250:], Y[250:])
     torch.testing.assert_close(new.noise, noise)
@@ -227,7 +236,9 @@ def test_model_list_batched_posterior_and_rsample():
     torch.testing.assert_close(post.variance, torch.cat([p1.variance, p2.variance], -1), rtol=1e-10, atol=1e-10)
     cov = post.distribution.covariance_matrix  # (2, 6, 6), outputs interleaved or blocked
     assert cov.shape == (2, 6, 6) and bool(torch.isfinite(cov).all())
-    torch.testing.assert_close(cov.diagonal(dim1=-2, dim2=-1).sum(-1), post.variance.sum((-1, -2)), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(
+        cov.diagonal(dim1=-2, dim2=-1).sum(-1), post.variance.sum((-1, -2)), rtol=1e-10, atol=1e-10
+    )
     samples = SobolQMCNormalSampler(torch.Size([64]), seed=0)(post)
     assert samples.shape == (64, 2, 3, 2)
     torch.testing.assert_close(samples.mean(0), post.mean, rtol=0, atol=0.5)
@@ -265,7 +276,9 @@ def test_multiobjective_example_runs():
     """examples/multiobjective.py (ModelListGP of FalkonModels, qLogNEHVI), small sizes."""
     import re
 
-    out = _run_example("multiobjective.py", "--iterations", "2", "--init", "8", "--restarts", "2", "--raw-samples", "16")
+    out = _run_example(
+        "multiobjective.py", "--iterations", "2", "--init", "8", "--restarts", "2", "--raw-samples", "16"
+    )
     hv = [float(v) for v in re.findall(r"hypervolume ([0-9.]+)", out)]
     assert len(hv) == 3 and hv == sorted(hv), out  # initial + 2 iterations, never decreasing
 
@@ -336,3 +349,12 @@ def test_mll_adds_the_log_priors_as_gpytorchs_mlls():
     torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-12)
     without = (-SGPRBound(model)() / 120).detach()
     assert abs(float(value.detach() - without)) > 1e-3  # the priors do contribute
+    # other objectives are errors / risks: no priors unless asked
+    from gpfalkon.objectives import GCV
+
+    gcv = NystromMarginalLogLikelihood(model.likelihood, model, objective="gcv")
+    torch.testing.assert_close(gcv(None, model.train_targets), -GCV(model)() / 120, rtol=1e-12, atol=1e-14)
+    with_priors = NystromMarginalLogLikelihood(model.likelihood, model, objective="gcv", add_priors=True)
+    torch.testing.assert_close(with_priors(None, model.train_targets) - gcv(None, model.train_targets),
+                               (expected + SGPRBound(model)() / 120).detach(), rtol=1e-10, atol=1e-12)
+

@@ -10,7 +10,6 @@ import statistics
 import gpytorch
 import pytest
 import torch
-from conftest import dense_kernel, dense_nystrom, make_data, make_kernel
 
 from gpfalkon import FalkonGP, FalkonPreconditioner, NystromKRROperator
 from gpfalkon.centers import (
@@ -21,6 +20,8 @@ from gpfalkon.centers import (
     leverage_centers,
     uniform_centers,
 )
+
+from conftest import dense_kernel, dense_nystrom, make_data, make_kernel
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -288,7 +289,7 @@ def test_falkon_gp_leverage_options():
     sel = leverage_centers(x, 60, k, model.penalty.detach(), generator=_gen(4), weighting="paper", oversampling=3.0)
     assert torch.equal(model.centers, sel.centers)
     torch.testing.assert_close(model.center_weights, 1 / torch.sqrt(400 * sel.probabilities * sel.counts))
-    with pytest.raises(ValueError, match="leverage_options.*bogus"):
+    with pytest.raises(ValueError, match=r"leverage_options.*bogus"):
         FalkonGP(x, y, leverage_options={"bogus": 1}, **kw)
     with pytest.raises(TypeError, match="leverage_options"):
         FalkonGP(x, y, leverage_options=[("weighting", "paper")], **kw)
@@ -402,7 +403,7 @@ def test_falkon_gp_leverage_fits_the_dense_nystrom_solution():
 
 
 def test_falkon_gp_leverage_weights_survive_copies_and_state_dict():
-    model, x, y, k = _leverage_model()
+    model, x, y, _k = _leverage_model()
     model.fit()
     model.eval()
     xt = make_data(15, 3, seed=3)[0]

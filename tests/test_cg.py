@@ -29,7 +29,7 @@ def test_zero_rhs_column_and_warm_start():
     A = spd()
     b = torch.randn(30, 2, dtype=torch.float64)
     b[:, 1] = 0
-    x, info = conjugate_gradient(lambda u: A @ u, b, tol=1e-12, max_iter=500)
+    x, _info = conjugate_gradient(lambda u: A @ u, b, tol=1e-12, max_iter=500)
     assert torch.equal(x[:, 1], torch.zeros(30, dtype=torch.float64))
     ref = torch.linalg.solve(A, b)
     x2, info2 = conjugate_gradient(lambda u: A @ u, b, x0=ref, tol=1e-8, max_iter=50)
@@ -41,7 +41,7 @@ def test_callback_and_iteration_cap():
     A = spd(cond=1e8)
     b = torch.randn(30, 1, dtype=torch.float64)
     seen = []
-    x, info = conjugate_gradient(lambda u: A @ u, b, tol=0.0, max_iter=5, callback=lambda i, xx, r: seen.append(i))
+    _x, info = conjugate_gradient(lambda u: A @ u, b, tol=0.0, max_iter=5, callback=lambda i, xx, r: seen.append(i))
     assert seen == [1, 2, 3, 4, 5] and info.iterations == 5 and not info.converged
 
 
@@ -98,7 +98,7 @@ def test_zero_rhs_with_warm_start_returns_zero():
 def test_warm_start_worse_than_zero_is_dropped():
     A = spd()
     b = torch.randn(30, 2, dtype=torch.float64)
-    cold, info_cold = conjugate_gradient(lambda u: A @ u, b, tol=0.0, max_iter=5)
+    cold, _info_cold = conjugate_gradient(lambda u: A @ u, b, tol=0.0, max_iter=5)
     bad = 1e6 * torch.randn(30, 2, dtype=torch.float64)
     warm, info_warm = conjugate_gradient(lambda u: A @ u, b, x0=bad, tol=0.0, max_iter=5)
     torch.testing.assert_close(warm, cold)

@@ -81,11 +81,13 @@ def test_classifier_bad_labels():
 def test_bool_labels_and_given_classes():
     x, labels = _blobs(10, 2)
     t_bool, c_bool = encode_labels(labels.bool())
-    t_int, c_int = encode_labels(labels)
+    t_int, _c_int = encode_labels(labels)
     assert torch.equal(t_bool, t_int) and c_bool.tolist() == [0, 1]
     # given classes (a superset, sorted) code the same labels into more columns
     t3, c3 = encode_labels(labels, classes=torch.tensor([0, 1, 2]))
     assert t3.shape == (20, 3) and bool((t3[:, 2] == 0).all()) and c3.tolist() == [0, 1, 2]
     clf = FalkonClassifier(x, labels.bool(), _kernel(), num_centers=10, penalty=1e-3).fit()
-    assert torch.equal(clf.predict(x), FalkonClassifier(x, labels, _kernel(), num_centers=10, penalty=1e-3).fit().predict(x))
+    assert torch.equal(
+        clf.predict(x), FalkonClassifier(x, labels, _kernel(), num_centers=10, penalty=1e-3).fit().predict(x)
+    )
 

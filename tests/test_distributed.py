@@ -18,7 +18,7 @@ import gpfalkon
 from gpfalkon import DistributedError, FalkonClassifier, FalkonGP
 
 sys.path.insert(0, os.path.dirname(__file__))
-import _distributed_workers as W  # noqa: E402
+import _distributed_workers as W
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")

@@ -4,9 +4,10 @@ from __future__ import annotations
 import gpytorch
 import pytest
 import torch
-from conftest import make_data, make_kernel
 
 from gpfalkon import FalkonConvergenceError, FalkonGP, NotFittedError, NotPSDError
+
+from conftest import make_data, make_kernel
 
 
 @pytest.fixture
@@ -82,17 +83,17 @@ def test_penalty(data, bad):
 
 def test_dtypes(data):
     x, y = data
-    with pytest.raises(TypeError, match="train_x has dtype torch.int64"):
+    with pytest.raises(TypeError, match=r"train_x has dtype torch.int64"):
         FalkonGP(x.long(), y, kernel=_k(), num_centers=5)
-    with pytest.raises(TypeError, match="train_x has dtype torch.float16"):
+    with pytest.raises(TypeError, match=r"train_x has dtype torch.float16"):
         FalkonGP(x.half(), y.half(), kernel=_k(), num_centers=5)
-    with pytest.raises(TypeError, match="train_y has dtype torch.float32 but train_x has torch.float64"):
+    with pytest.raises(TypeError, match=r"train_y has dtype torch.float32 but train_x has torch.float64"):
         FalkonGP(x, y.float(), kernel=_k(), num_centers=5)
-    with pytest.raises(TypeError, match="centers has dtype torch.float32"):
+    with pytest.raises(TypeError, match=r"centers has dtype torch.float32"):
         FalkonGP(x, y, kernel=_k(), centers=x[:4].float())
-    with pytest.raises(TypeError, match="train_x must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"train_x must be a torch.Tensor"):
         FalkonGP(x.numpy(), y, kernel=_k(), num_centers=5)
-    with pytest.raises(TypeError, match="kernel must be a gpytorch.kernels.Kernel"):
+    with pytest.raises(TypeError, match=r"kernel must be a gpytorch.kernels.Kernel"):
         FalkonGP(x, y, kernel="rbf", num_centers=5)
     with pytest.raises(TypeError, match="likelihood must be"):
         FalkonGP(x, y, kernel=_k(), num_centers=5, likelihood=gpytorch.likelihoods.BernoulliLikelihood())
@@ -137,6 +138,6 @@ def test_non_finite_kernel_values_stop_cg(data):
             return k
 
     model = FalkonGP(x, y, kernel=NaNKernel(), centers=x[:5])
-    with pytest.raises(FalkonConvergenceError, match="NaN or Inf|non-finite"):
+    with pytest.raises(FalkonConvergenceError, match=r"NaN or Inf|non-finite"):
         model.fit()
     assert not bool(model.fitted)

@@ -6,9 +6,10 @@ import warnings
 import linear_operator
 import pytest
 import torch
-from conftest import dense_nystrom, make_data, make_kernel
 
 from gpfalkon import CGNotConvergedWarning, NystromKRROperator, settings
+
+from conftest import dense_nystrom, make_data, make_kernel
 
 KERNELS = ["rbf", "matern12", "matern32", "matern52", "scale_matern52", "periodic"]
 
@@ -79,20 +80,20 @@ def test_alpha_matches_dense_float32(name, store):
         H, knm, _ = dense_nystrom(k64, x, c, lam)
         ref = torch.linalg.solve(H, knm.T @ y.unsqueeze(-1))
     op = NystromKRROperator(x.float(), c.float(), torch.tensor(lam), kernel=k32, store_kernel=store)
-    alpha, info = op.falkon_solve(op.kmn_y(y.float().unsqueeze(-1)), tol=1e-7, max_iter=200, warn=False)
+    alpha, _info = op.falkon_solve(op.kmn_y(y.float().unsqueeze(-1)), tol=1e-7, max_iter=200, warn=False)
     assert alpha.dtype == torch.float64
     rel = (alpha - ref).norm() / ref.norm()
     assert rel < 1e-4, rel
 
 
 def test_linear_operator_solve_and_settings():
-    x, y = make_data(300, 2)
+    x, _y = make_data(300, 2)
     c = x[:20]
     k = make_kernel("rbf", 2)
     k.lengthscale = k.lengthscale * 0.5  # cond(H) ~ 1e4: an accurate dense reference
     lam = 1e-4
     with torch.no_grad():
-        H, knm, _ = dense_nystrom(k, x, c, lam)
+        H, _knm, _ = dense_nystrom(k, x, c, lam)
     op = NystromKRROperator(x, c, torch.tensor(lam, dtype=torch.float64), kernel=k)
     b = torch.randn(20, 2, dtype=torch.float64)
     with torch.no_grad(), settings.cg_tolerance(1e-12):
@@ -163,7 +164,7 @@ def test_solve_gradients_match_dense_autograd(name):
             p.grad = None
         _solve_loss(x, c, lam, k, b, g, dense).backward()
         grads.append([x.grad, c.grad, lam.grad, b.grad] + [p.grad.clone() for p in ps])
-    for a, r in zip(*grads):
+    for a, r in zip(*grads, strict=False):
         torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-9)
 
 
@@ -201,12 +202,12 @@ def test_diagonal_gradients_match_dense_autograd():
             diag = NystromKRROperator(x, c, lam, kernel=k, block_rows=7).diagonal()
         (diag * g).sum().backward()
         grads.append([x.grad, c.grad, lam.grad] + [p.grad.clone() for p in ps])
-    for a, r in zip(*grads):
+    for a, r in zip(*grads, strict=False):
         torch.testing.assert_close(a, r, rtol=1e-8, atol=1e-10)
 
 
 def test_reused_operator_follows_hyperparameter_changes():
-    x, y = make_data(200, 2)
+    x, _y = make_data(200, 2)
     c = x[:15]
     k = make_kernel("rbf", 2)
     lam = torch.tensor(1e-3, dtype=torch.float64)

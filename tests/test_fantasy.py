@@ -115,6 +115,69 @@ class TestFalkonFantasies(BotorchTestCase):
             self.assertAllClose(post.mean[s, b], ref.mean, rtol=1e-6, atol=1e-7)
             self.assertAllClose(post.variance[s, b], ref.variance, rtol=1e-6, atol=1e-8)
 
+    def test_standardize_with_noise_in_the_transformed_space_and_output_indices(self) -> None:
+        """Two outputs through Standardize: ``noise`` is taken in the transformed space (BoTorch's
+        convention), the result equals the dense DTC posterior of the standardised rows mapped back;
+        without ``noise`` the outputs share sigma^2; ``output_indices`` in any order."""
+        X, Y = get_random_data(torch.Size(), m=2, d=2, n=150, **F64)
+        X[:, 1] = torch.rand(150, generator=torch.Generator().manual_seed(12), **F64)
+        Y = Y * torch.tensor([3.0, 0.5], **F64) + torch.tensor([1.0, -2.0], **F64)
+        model = FalkonModel(X, Y, num_centers=25, penalty=1e-3, tol=1e-13, max_iter=3000)
+        tf = model.outcome_transform
+        mu, sd = tf.means.reshape(-1), tf.stdvs.reshape(-1)
+        g = torch.Generator().manual_seed(13)
+        Xf = torch.rand(3, 2, 2, generator=g, **F64)
+        Yf = torch.randn(3, 2, 2, generator=g, **F64) * 2
+        noise_t = torch.rand(3, 2, 2, generator=g, **F64) * 0.05 + 0.01  # transformed space
+        xt = torch.rand(4, 2, generator=g, **F64)
+        X0, y0 = model.train_inputs[0], model.train_targets  # standardised targets
+        v = model.noise.detach()
+        for noise in (noise_t, None):
+            post = model.condition_on_observations(Xf, Yf, noise=noise).posterior(xt)
+            for b in (0, 2):
+                for t in range(2):
+                    Xall = torch.cat([X0, Xf[b]])
+                    yall = torch.cat([y0[:, t], (Yf[b, :, t] - mu[t]) / sd[t]])
+                    nf = v.expand(2) if noise is None else noise[b, :, t]
+                    mean, cov = dense_dtc(model, Xall, yall, torch.cat([v.expand(X0.shape[0]), nf]), xt)
+                    self.assertAllClose(post.mean[b, :, t], mean * sd[t] + mu[t], rtol=1e-7, atol=1e-7)
+                    self.assertAllClose(post.variance[b, :, t], cov.diagonal() * sd[t] ** 2, rtol=1e-7, atol=1e-9)
+            for idx in ([1, 0], [1], [0, 0]):
+                sub = model.condition_on_observations(Xf, Yf, noise=noise).posterior(xt, output_indices=idx)
+                self.assertAllClose(sub.mean, post.mean[..., idx], rtol=1e-12, atol=1e-12)
+                self.assertAllClose(sub.variance, post.variance[..., idx], rtol=1e-12, atol=1e-12)
+
+    def test_nested_fantasize_and_model_list(self) -> None:
+        """A fantasy model fantasizes again (multi-step look-ahead), and a ModelListGP of FalkonModels
+        fantasizes into a list of fantasy models whose posteriors are the members'."""
+        from botorch.models import ModelListGP
+
+        model = self._model()
+        g = torch.Generator().manual_seed(14)
+        X1, X2 = torch.rand(2, 1, 2, generator=g, **F64), torch.rand(2, 1, 2, generator=g, **F64)
+        fm = model.fantasize(X1, SobolQMCNormalSampler(torch.Size([3]), seed=0))
+        fm2 = fm.fantasize(X2, SobolQMCNormalSampler(torch.Size([4]), seed=1))
+        self.assertEqual(fm2.batch_shape, torch.Size([4, 3, 2]))
+        xt = torch.rand(5, 2, generator=g, **F64)
+        # the same as conditioning the base model on both fantasy rows at once
+        once = model.condition_on_observations(torch.cat([X1.expand(4, 3, 2, 1, 2), X2.expand(4, 3, 2, 1, 2)], -2),
+                                               torch.cat([fm._Y.expand(4, 3, 2, 1, 1), fm2._Y[..., -1:, :]], -2))
+        self.assertAllClose(fm2.posterior(xt).mean, once.posterior(xt).mean, rtol=1e-10, atol=1e-12)
+        other = self._model(m=1, n=120)
+        mlist = ModelListGP(model, other)
+        flist = mlist.fantasize(X1, SobolQMCNormalSampler(torch.Size([3]), seed=2))
+        p = flist.posterior(xt)
+        self.assertEqual(p.mean.shape, torch.Size([3, 2, 5, 2]))
+        alone = model.fantasize(X1, SobolQMCNormalSampler(torch.Size([3]), seed=2)).posterior(xt)
+        self.assertAllClose(p.variance[..., 0], alone.variance[..., 0], rtol=1e-10, atol=1e-12)
+
+    def test_conditioning_a_fresh_model_keeps_its_input_transform(self) -> None:
+        X, Y = get_random_data(torch.Size(), m=1, d=2, n=100, **F64)
+        model = FalkonModel(X * 5, Y, num_centers=20, input_transform=Normalize(d=2))
+        bounds = model.input_transform.bounds.clone()
+        model.condition_on_observations(torch.rand(2, 3, 2, **F64) * 50, torch.rand(2, 3, 1, **F64))
+        self.assertAllClose(model.input_transform.bounds, bounds, rtol=0, atol=0)
+
     def test_conditioning_a_fantasy_model_again_appends_rows(self) -> None:
         model = self._model()
         g = torch.Generator().manual_seed(7)

@@ -110,7 +110,7 @@ def test_dense_and_structured_projections_agree(d, n):
 
 def test_input_dtype_must_match_the_kernel():
     k = _kernel(16, 3)
-    with pytest.raises(ValueError, match="`x1` has dtype torch.float32"):
+    with pytest.raises(ValueError, match=r"`x1` has dtype torch.float32"):
         k(torch.rand(5, 3)).to_dense()
 
 

@@ -96,9 +96,9 @@ def test_cg_returns_best_iterate_when_the_operator_is_inaccurate(skew, diverges,
 def test_breakdown_on_singular_kmm_rebuilds_preconditioner():
     """M = n with a tiny penalty (K_MM numerically singular, float64): the first CG breaks
     down; the operator raises the jitter, warns, and still solves H alpha = K_Mn y."""
-    from conftest import make_data
-
     from gpfalkon import JitterWarning, NystromKRROperator
+
+    from conftest import make_data
 
     x, y = make_data(400, 2)
     k = gpytorch.kernels.RBFKernel().double()
@@ -108,7 +108,7 @@ def test_breakdown_on_singular_kmm_rebuilds_preconditioner():
     with pytest.warns(JitterWarning, match="broke down"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CGNotConvergedWarning)
-            alpha, info = op.falkon_solve(rhs, tol=0, max_iter=20)
+            alpha, _info = op.falkon_solve(rhs, tol=0, max_iter=20)
     assert op._jitter_boost > 1
     h_alpha = op.h_matmul_nograd(alpha)
     assert float((h_alpha - rhs).norm() / rhs.norm()) < 1e-4

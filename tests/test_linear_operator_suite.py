@@ -265,7 +265,7 @@ class TestFalkonPreconditioner(_Float64Mixin, RectangularLinearOperatorTestCase,
         torch.linalg.solve(linear_op, rhs).backward(grad)
         torch.linalg.solve(evaluated, rhs_copy).backward(grad)
         self.assertAllClose(rhs.grad, rhs_copy.grad)
-        for arg, arg_copy in zip(linear_op.representation(), linear_op_copy.representation()):
+        for arg, arg_copy in zip(linear_op.representation(), linear_op_copy.representation(), strict=False):
             self.assertAllClose(arg.grad, arg_copy.grad, rtol=1e-6, atol=1e-8)
 
     def test_identity_b_bt(self):
@@ -345,9 +345,9 @@ def test_solve_ignores_max_cholesky_size_and_differentiates_kernel_params(float6
     ref = torch.linalg.solve(h, rhs)
     ref.backward(grad_out)
     torch.testing.assert_close(sol, ref.detach(), rtol=1e-8, atol=1e-10)
-    for ours, p in zip(g_params, params):
+    for ours, p in zip(g_params, params, strict=False):
         torch.testing.assert_close(ours, p.grad, rtol=1e-6, atol=1e-9)
-    for ours, t in zip(g_ours, [x, centers, penalty, rhs]):
+    for ours, t in zip(g_ours, [x, centers, penalty, rhs], strict=False):
         torch.testing.assert_close(ours, t.grad, rtol=1e-6, atol=1e-9)
 
 

@@ -5,12 +5,13 @@ import warnings
 
 import gpytorch
 import pytest
-from gpytorch.utils.warnings import GPInputWarning
 import torch
-from conftest import dense_kernel, make_data, make_kernel
+from gpytorch.utils.warnings import GPInputWarning
 from linear_operator.operators import ZeroLinearOperator
 
 from gpfalkon import FalkonGP, NotFittedError
+
+from conftest import dense_kernel, make_data, make_kernel
 
 
 class SGPR(gpytorch.models.ExactGP):
@@ -19,7 +20,9 @@ class SGPR(gpytorch.models.ExactGP):
     def __init__(self, x, y, kernel, inducing, likelihood):
         super().__init__(x, y, likelihood)
         self.mean_module = gpytorch.means.ZeroMean()
-        self.covar_module = gpytorch.kernels.InducingPointKernel(kernel, inducing_points=inducing, likelihood=likelihood)
+        self.covar_module = gpytorch.kernels.InducingPointKernel(
+            kernel, inducing_points=inducing, likelihood=likelihood
+        )
 
     def forward(self, x):
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
@@ -72,7 +75,11 @@ def test_posterior_matches_dense_formulas():
         knm, kmm, ktm = dense_kernel(k, x, c), dense_kernel(k, c, c), dense_kernel(k, xt, c)
         H = knm.T @ knm + n * lam * kmm
         mean = ktm @ torch.linalg.solve(H, knm.T @ y)
-        cov = dense_kernel(k, xt, xt) - ktm @ torch.linalg.solve(kmm, ktm.T) + n * lam * ktm @ torch.linalg.solve(H, ktm.T)
+        cov = (
+            dense_kernel(k, xt, xt)
+            - ktm @ torch.linalg.solve(kmm, ktm.T)
+            + n * lam * ktm @ torch.linalg.solve(H, ktm.T)
+        )
         p = model(xt)
     torch.testing.assert_close(p.mean, mean, rtol=1e-8, atol=1e-10)
     torch.testing.assert_close(p.covariance_matrix, cov, rtol=1e-6, atol=1e-10)
@@ -97,7 +104,7 @@ def test_multi_output_is_joint_and_consistent():
 
 
 def test_float32_model_close_to_float64():
-    m64, x, y, _ = _fitted("matern52", lam=1e-5)
+    m64, _x, _y, _ = _fitted("matern52", lam=1e-5)
     m32, _, _, _ = _fitted("matern52", lam=1e-5, dtype=torch.float32)
     torch.testing.assert_close(m32.centers.double(), m64.centers)
     xt = make_data(40, 3, seed=5)[0]
@@ -109,7 +116,7 @@ def test_float32_model_close_to_float64():
 
 
 def test_state_dict_round_trip_is_exact():
-    model, x, y, k = _fitted("scale_matern52", learn_centers=True)
+    model, x, y, _k = _fitted("scale_matern52", learn_centers=True)
     xt = make_data(15, 3, seed=3)[0]
     with torch.no_grad():
         p = model(xt)
@@ -148,7 +155,7 @@ def test_penalty_and_likelihood_are_one_quantity():
 
 
 def test_refit_required_after_hyperparameter_change():
-    model, x, y, k = _fitted("rbf")
+    model, _x, _y, k = _fitted("rbf")
     xt = make_data(5, 3, seed=1)[0]
     with torch.no_grad():
         model(xt)
@@ -178,7 +185,7 @@ def test_prediction_needs_fit_and_valid_inputs():
 
 
 def test_train_mode_returns_prior_and_skip_variances():
-    model, x, y, k = _fitted("rbf")
+    model, x, _y, k = _fitted("rbf")
     xt = make_data(6, 3, seed=11)[0]
     model.train()
     with pytest.warns(GPInputWarning, match="call model.eval"):  # a fitted model queried in train mode
@@ -197,7 +204,7 @@ def test_train_mode_returns_prior_and_skip_variances():
 
 
 def test_batched_test_inputs_and_gradient_wrt_inputs():
-    model, x, y, k = _fitted("scale_matern52")
+    model, _x, _y, _k = _fitted("scale_matern52")
     xt = make_data(8, 3, seed=4)[0].reshape(2, 4, 3)
     with torch.no_grad():
         pb = model(xt)
@@ -231,7 +238,7 @@ def test_user_centers_and_reproducible_sampling():
 
 
 def test_fit_options_warm_start_variance_and_verbose(capsys):
-    model, x, y, k = _fitted("rbf")
+    model, _x, _y, _k = _fitted("rbf")
     iters = model.fit_info.iterations
     model.fit(warm_start=True, compute_variance=True)
     assert model.fit_info.iterations < iters / 2
@@ -241,7 +248,7 @@ def test_fit_options_warm_start_variance_and_verbose(capsys):
 
 
 def test_set_train_data_keeps_penalty_and_requires_refit():
-    model, x, y, k = _fitted("rbf")
+    model, x, y, _k = _fitted("rbf")
     lam = model.penalty.detach().clone()
     model.set_train_data(x[:200], y[:200])
     torch.testing.assert_close(model.penalty.detach(), lam)
@@ -272,7 +279,7 @@ def test_chunked_prediction_equals_unchunked():
 
 
 def test_dtype_conversion_moves_data_and_keeps_the_fit():
-    model, x, y, k = _fitted("rbf")
+    model, _x, _y, _k = _fitted("rbf")
     xt = make_data(9, 3, seed=6)[0]
     with torch.no_grad():
         p64 = model(xt)
@@ -310,7 +317,7 @@ def test_copies_keep_the_fit_and_foreign_state_is_rejected(tmp_path):
     import copy
     import warnings as _w
 
-    model, x, y, k = _fitted("rbf")
+    model, x, y, _k = _fitted("rbf")
     xt = make_data(7, 3, seed=13)[0]
     with torch.no_grad():
         p = model(xt)
@@ -334,7 +341,7 @@ def test_copies_keep_the_fit_and_foreign_state_is_rejected(tmp_path):
 
 
 def test_float_keeps_alpha_in_float64():
-    model, x, y, k = _fitted("rbf")
+    model, _x, _y, _k = _fitted("rbf")
     model.float()
     assert model.alpha.dtype == torch.float64 and model.data_fingerprint.dtype == torch.float64
 

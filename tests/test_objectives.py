@@ -6,10 +6,11 @@ import math
 import gpytorch
 import pytest
 import torch
-from conftest import dense_kernel, make_data, make_kernel
 
 from gpfalkon import FalkonGP
 from gpfalkon.objectives import GCV, LOOCV, CompReg, HoldOut, NystromCompReg, SGPRBound
+
+from conftest import dense_kernel, make_data, make_kernel
 
 
 def _model(t=None, n=120, m=12, lam=1e-3, learn_centers=True, dtype=torch.float64):
@@ -83,7 +84,7 @@ def test_value_and_gradients_match_naive_dense(name, t):
     ref = naive(name, model, obj)
     g_ref = torch.autograd.grad(ref, params)
     torch.testing.assert_close(ours, ref, rtol=1e-8, atol=1e-10)
-    for a, b in zip(g_ours, g_ref):
+    for a, b in zip(g_ours, g_ref, strict=False):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
 
 
@@ -96,7 +97,7 @@ def test_gradients_match_finite_differences(name):
     # finite differences of the objective against its autograd gradient, per parameter
     base = obj()
     grads = torch.autograd.grad(base, [ls, noise, c])
-    for p, g in zip([ls, noise, c], grads):
+    for p, g in zip([ls, noise, c], grads, strict=False):
         d = torch.randn_like(p)
         eps = 1e-6
         with torch.no_grad():
@@ -142,7 +143,7 @@ def test_holdout_split_is_reproducible_and_validated():
     model = _model()
     a = HoldOut(model, val_fraction=0.3, generator=torch.Generator().manual_seed(5))
     b = HoldOut(model, val_fraction=0.3, generator=torch.Generator().manual_seed(5))
-    assert all(torch.equal(p, q) for p, q in zip(a.split(), b.split()))
+    assert all(torch.equal(p, q) for p, q in zip(a.split(), b.split(), strict=False))
     assert len(a.split()[1]) == 36
     torch.testing.assert_close(a(), b())
     r = HoldOut(model, redraw=True)
@@ -179,7 +180,7 @@ def test_objectives_train_in_a_gpytorch_loop():
 
 from gpfalkon.objectives import StochasticNystromCompReg  # noqa: E402
 
-GRAD_PARAMS = lambda m: [m.kernel.base_kernel.raw_lengthscale, m.kernel.raw_outputscale,  # noqa: E731
+GRAD_PARAMS = lambda m: [m.kernel.base_kernel.raw_lengthscale, m.kernel.raw_outputscale,
                          m.likelihood.raw_noise, m.centers]
 
 
@@ -199,7 +200,7 @@ def test_stochastic_is_exact_with_identity_trace_vectors(ktilde_trace):
     v_e = exact()
     g_e = torch.autograd.grad(v_e, params)
     torch.testing.assert_close(v_s, v_e, rtol=1e-8, atol=1e-8)
-    for a, b in zip(g_s, g_e):
+    for a, b in zip(g_s, g_e, strict=False):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
@@ -366,5 +367,5 @@ def test_fit_gpytorch_mll_reaches_the_optimum_of_an_ordinary_loop():
     a.zero_grad()
     (-mll_a(a(x), y)).backward()
     assert max(float(p.grad.abs().max()) for p in a.parameters() if p.grad is not None) < 1e-4
-    for (k, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+    for (k, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=False):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-3, atol=1e-3, msg=k)

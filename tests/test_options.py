@@ -1,6 +1,8 @@
 """FalkonOptions and the injectable parts: solver, preconditioner, data backend."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 import linear_operator
 import pytest
 import torch
@@ -146,7 +148,7 @@ def test_injected_preconditioner_builder_solves_the_same_system():
 
 
 def test_preconditioner_builder_must_return_a_preconditioner():
-    x, y = make_data(50)
+    x, _y = make_data(50)
     k = make_kernel("rbf", x.shape[1])
     op = NystromKRROperator(x, x[:5].clone(), 1e-2, kernel=k, preconditioner=lambda *a, **kw: object())
     with pytest.raises(TypeError, match="apply_b"):
@@ -221,7 +223,9 @@ def test_a_selector_returning_bad_centers_is_refused():
 
     x, y = make_data(40)
     with pytest.raises(ValueError, match="center_selection returned"):
-        FalkonGP(x, y, num_centers=5, center_selection=lambda x_, m, kernel=None, penalty=None: CenterSelection(x_[:5, :2]))
+        FalkonGP(
+            x, y, num_centers=5, center_selection=lambda x_, m, kernel=None, penalty=None: CenterSelection(x_[:5, :2])
+        )
     with pytest.raises(ValueError, match="center_selection"):
         FalkonGP(x, y, num_centers=5, center_selection=42)
     with pytest.raises(ValueError, match="num_centers"):
@@ -258,13 +262,11 @@ def test_models_pickled_before_falkon_options_still_load():
 class _PassCountingEngine(KernelEngine):
     """A backend overriding every GPyTorch-block pass (delegating to the in-memory ones)."""
 
-    calls: dict = {}
+    calls: ClassVar[dict] = {}
 
     @staticmethod
     def _count(name):
-        from gpfalkon.backend import passes
-
-        from gpfalkon.backend import autograd
+        from gpfalkon.backend import autograd, passes
 
         module = autograd if name == "blockwise_kernel_grad" else passes
 
@@ -288,10 +290,15 @@ def test_every_pass_goes_through_an_injected_backend():
     _PassCountingEngine.calls = {}
     kw = dict(kernel=k, num_centers=15, penalty=1e-3, center_selection="leverage")
     opts = FalkonOptions(tol=1e-10, max_iter=300)
-    m = FalkonGP(x, y, options=opts.replace(backend=_PassCountingEngine), generator=torch.Generator().manual_seed(0), **kw)
+    m = FalkonGP(
+        x, y, options=opts.replace(backend=_PassCountingEngine), generator=torch.Generator().manual_seed(0), **kw
+    )
     ref = FalkonGP(x, y, options=opts, generator=torch.Generator().manual_seed(0), **kw)
     assert torch.equal(m.centers, ref.centers)  # the leverage scores went through the backend, same values
-    assert _PassCountingEngine.calls.get("kernel_diagonal", 0) >= 1 and _PassCountingEngine.calls.get("whitened_sq_norms", 0) >= 1
+    assert (
+        _PassCountingEngine.calls.get("kernel_diagonal", 0) >= 1
+        and _PassCountingEngine.calls.get("whitened_sq_norms", 0) >= 1
+    )
     for obj in (NystromCompReg, LOOCV, HoldOut):
         torch.testing.assert_close(obj(m)(), obj(ref)())
     sto = StochasticNystromCompReg(m, num_trace_vectors=3)

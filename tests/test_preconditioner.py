@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import dense_kernel, make_data, make_kernel
 
 from gpfalkon import FalkonPreconditioner, JitterWarning, NotPSDError
 from gpfalkon.linalg import jittered_cholesky
+
+from conftest import dense_kernel, make_data, make_kernel
 
 
 def _setup(m=15, d=3, weights=False):
@@ -76,7 +77,7 @@ def test_not_psd_raises():
 
 def test_cholesky_float32_input_is_factored_in_float64():
     kmm, _ = _setup()
-    L, j = jittered_cholesky(kmm.float(), upper=False)
+    L, _j = jittered_cholesky(kmm.float(), upper=False)
     assert L.dtype == torch.float64
     P = FalkonPreconditioner.from_kernel_matrix(kmm.float(), 1e-3, 10, dtype=torch.float32)
     assert P.chol_t.dtype == torch.float32

@@ -13,7 +13,6 @@ from __future__ import annotations
 import pathlib
 import re
 import socket
-from typing import Dict, List
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ import torch.distributed as dist
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 # README text -> small-data text (every key must occur)
-SCALE_DOWN: Dict[str, str] = {
+SCALE_DOWN: dict[str, str] = {
     "num_centers=2000": "num_centers=120",
     "num_centers=1000": "num_centers=80",
     "num_centers=500": "num_centers=60",
@@ -38,15 +37,15 @@ SCALE_DOWN: Dict[str, str] = {
 }
 
 
-def python_blocks(text: str) -> List[str]:
+def python_blocks(text: str) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
 
 
-def user_data() -> Dict[str, object]:
+def user_data() -> dict[str, object]:
     """What the README's snippets assume the user has."""
     g = torch.Generator().manual_seed(0)
     d, n = 3, 600
-    f = lambda x: torch.sin(3 * x[:, 0]) + x[:, 1] * x[:, 2]  # noqa: E731
+    f = lambda x: torch.sin(3 * x[:, 0]) + x[:, 1] * x[:, 2]
     x = torch.rand(n + 200, d, generator=g, dtype=torch.float64)
     y = f(x) + 0.05 * torch.randn(n + 200, generator=g, dtype=torch.float64)
 
@@ -81,7 +80,7 @@ def test_every_readme_python_block_runs(tmp_path: pathlib.Path, monkeypatch: pyt
         port = s.getsockname()[1]
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(k, v)
-    namespace: Dict[str, object] = user_data()
+    namespace: dict[str, object] = user_data()
     try:
         for i, block in enumerate(python_blocks(text)):
             try:

@@ -1,6 +1,8 @@
 """Row sources (data read block by block from .npy / Parquet files) against the in-memory tensors."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from conftest import make_data, make_kernel
 def _write_npy(tmp_path, x: np.ndarray, parts: int = 2):
     bounds = np.linspace(0, len(x), parts + 1).astype(int)
     paths = []
-    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(bounds)):
         p = tmp_path / f"x{i}.npy"
         np.save(p, x[a:b])
         paths.append(p)
@@ -104,8 +106,8 @@ def test_falkon_gp_on_a_file_source_equals_in_memory(tmp_path, data, store):
     src = NpyRows(_write_npy(tmp_path, x.numpy()))
     models = []
     for train_x in (x, src):
-        m = FalkonGP(train_x, y, make_kernel("matern52", 3, torch.float64), num_centers=40, penalty=1e-4, seed=1, tol=1e-12,
-                     max_iter=500, store_kernel=store, block_rows=64, learn_centers=True)
+        m = FalkonGP(train_x, y, make_kernel("matern52", 3, torch.float64), num_centers=40, penalty=1e-4, seed=1,
+                     tol=1e-12, max_iter=500, store_kernel=store, block_rows=64, learn_centers=True)
         m.fit()
         models.append(m)
     ref, got = models

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-from conftest import make_data
 
 from gpfalkon.tuning import (
     BoTorchSearch,
@@ -18,6 +17,8 @@ from gpfalkon.tuning import (
     falkon_validation_error,
     gradient_tuned_error,
 )
+
+from conftest import make_data
 
 SPACE = {"num_centers": Integer(10, 1000, log=True), "kernel": Categorical(["rbf", "matern12", "matern32"]),
          "penalty": LogFloat(1e-9, 1e-2)}

@@ -17,10 +17,20 @@
 It imports nothing from the rest of gpfalkon except :mod:`gpfalkon.settings` and :mod:`gpfalkon.errors`.
 """
 from .autograd import KernelProduct, blockwise_kernel_grad, kernel_params, kernel_product, scatter_grads
-from .blocks import AGGREGATE, FACTOR, GRADIENT, PRODUCT, STORED, BlockProfile, block_rows_for, memory_budget_for, resolve_block_rows, row_blocks
+from .blocks import (
+    AGGREGATE,
+    FACTOR,
+    GRADIENT,
+    PRODUCT,
+    STORED,
+    BlockProfile,
+    block_rows_for,
+    memory_budget_for,
+    resolve_block_rows,
+    row_blocks,
+)
 from .distributed import DistributedBackend, ShardedEngine, init_distributed, shard_range
 from .engine import KernelEngine, StationarySpec, kernel_block, stationary_spec
-from .sources import NpyRows, ParquetRows, RowSource, SliceRows, TensorRows, shard_files, shard_rows
 from .passes import (
     WhitenedAggregates,
     kernel_diagonal,
@@ -29,6 +39,7 @@ from .passes import (
     whitened_aggregates,
     whitened_sq_norms,
 )
+from .sources import NpyRows, ParquetRows, RowSource, SliceRows, TensorRows, shard_files, shard_rows
 
 __all__ = [
     "AGGREGATE",
@@ -38,25 +49,25 @@ __all__ = [
     "STORED",
     "BlockProfile",
     "DistributedBackend",
-    "ShardedEngine",
-    "init_distributed",
     "KernelEngine",
     "KernelProduct",
     "NpyRows",
     "ParquetRows",
     "RowSource",
+    "ShardedEngine",
     "SliceRows",
-    "TensorRows",
     "StationarySpec",
+    "TensorRows",
     "WhitenedAggregates",
     "block_rows_for",
     "blockwise_kernel_grad",
+    "init_distributed",
     "kernel_block",
     "kernel_diagonal",
     "kernel_matmul",
-    "map_whitened_blocks",
     "kernel_params",
     "kernel_product",
+    "map_whitened_blocks",
     "memory_budget_for",
     "resolve_block_rows",
     "row_blocks",

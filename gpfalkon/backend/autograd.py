@@ -13,7 +13,7 @@ the fast :class:`~gpfalkon.backend.KernelEngine`, backward by one such pass.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 import torch
 from gpytorch.kernels import Kernel
@@ -23,15 +23,22 @@ from torch.autograd.function import once_differentiable
 from .blocks import GRADIENT, block_rows_for, row_blocks
 from .engine import KernelEngine, kernel_block
 
-__all__ = ["backward_params", "kernel_params", "blockwise_kernel_grad", "scatter_grads", "KernelProduct", "kernel_product"]
+__all__ = [
+    "KernelProduct",
+    "backward_params",
+    "blockwise_kernel_grad",
+    "kernel_params",
+    "kernel_product",
+    "scatter_grads",
+]
 
 
-def kernel_params(kernel: Kernel) -> List[Tensor]:
+def kernel_params(kernel: Kernel) -> list[Tensor]:
     """The kernel's parameters that require a gradient (the raw, unconstrained ones)."""
     return [p for p in kernel.parameters() if p.requires_grad]
 
 
-def backward_params(kernel: Kernel, saved: Sequence[Tensor]) -> List[Tensor]:
+def backward_params(kernel: Kernel, saved: Sequence[Tensor]) -> list[Tensor]:
     """The tensors a hand-written backward differentiates the kernel w.r.t.: the kernel's
     parameters as they are when the backward runs, matching ``saved`` (those given to the
     forward) position by position.
@@ -42,15 +49,15 @@ def backward_params(kernel: Kernel, saved: Sequence[Tensor]) -> List[Tensor]:
     parameters, and the gradients w.r.t. those are the gradients w.r.t. the substitutes.
     """
     now = kernel_params(kernel)
-    if len(now) != len(saved) or any(a.shape != b.shape for a, b in zip(now, saved)):
+    if len(now) != len(saved) or any(a.shape != b.shape for a, b in zip(now, saved, strict=False)):
         raise RuntimeError("the kernel's parameters changed between the forward and the backward pass")
     return now
 
 
-def scatter_grads(needs: Sequence[bool], grads: Sequence[Optional[Tensor]], sign: float = 1.0) -> List[Optional[Tensor]]:
+def scatter_grads(needs: Sequence[bool], grads: Sequence[Tensor | None], sign: float = 1.0) -> list[Tensor | None]:
     """Spread the gradients of the needed inputs (in order) back over all inputs."""
     it = iter(grads)
-    out: List[Optional[Tensor]] = []
+    out: list[Tensor | None] = []
     for need in needs:
         g = next(it) if need else None
         out.append(None if g is None else (g if sign == 1.0 else sign * g))
@@ -68,9 +75,9 @@ def blockwise_kernel_grad(
     params: Sequence[Tensor],
     need_x: bool,
     need_centers: bool,
-    memory_budget: Optional[int] = None,
-    block_rows: Optional[int] = None,
-) -> Tuple[Optional[Tensor], Optional[Tensor], List[Optional[Tensor]]]:
+    memory_budget: int | None = None,
+    block_rows: int | None = None,
+) -> tuple[Tensor | None, Tensor | None, list[Tensor | None]]:
     """Gradients of ``sum_b surrogate(start, stop, K_b)`` with ``K_b = k(x[start:stop], centers)``.
 
     ``surrogate`` receives the block with its autograd graph and returns a scalar;
@@ -82,11 +89,16 @@ def blockwise_kernel_grad(
     """
     n = x.shape[0]
     rows = block_rows_for(
-        n, centers.shape[0], torch.finfo(x.dtype).bits // 8, GRADIENT, memory_budget=memory_budget, block_rows=block_rows
+        n,
+        centers.shape[0],
+        torch.finfo(x.dtype).bits // 8,
+        GRADIENT,
+        memory_budget=memory_budget,
+        block_rows=block_rows,
     )
     grad_x = torch.zeros_like(x) if need_x else None
     grad_c = torch.zeros_like(centers) if need_centers else None
-    grad_p: List[Optional[Tensor]] = [None] * len(params)
+    grad_p: list[Tensor | None] = [None] * len(params)
     with torch.enable_grad():
         c = centers.detach().requires_grad_(True) if need_centers else centers.detach()
         for start, stop in row_blocks(n, rows):
@@ -95,7 +107,7 @@ def blockwise_kernel_grad(
                 xb.requires_grad_(True)
             kb = kernel_block(kernel, xb, c)
             s = surrogate(start, stop, kb)
-            inputs: List[Tensor] = list(params)
+            inputs: list[Tensor] = list(params)
             if need_x:
                 inputs.append(xb)
             if need_centers:
@@ -106,10 +118,11 @@ def blockwise_kernel_grad(
             for i in range(len(params)):
                 g = grads[i]
                 if g is not None:
-                    grad_p[i] = g if grad_p[i] is None else grad_p[i] + g
-            if need_x and grads[len(params)] is not None:
+                    prev = grad_p[i]
+                    grad_p[i] = g if prev is None else prev + g
+            if grad_x is not None and grads[len(params)] is not None:  # grad_x is not None iff need_x
                 grad_x[start:stop] = grads[len(params)]
-            if need_centers and grads[-1] is not None:
+            if grad_c is not None and grads[-1] is not None:  # grad_c is not None iff need_centers
                 grad_c += grads[-1]
     return grad_x, grad_c, grad_p
 
@@ -124,7 +137,7 @@ class KernelProduct(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, engine: KernelEngine, u: Tensor, v: Tensor, x: Tensor, centers: Tensor, *params: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, engine: KernelEngine, u: Tensor, v: Tensor, x: Tensor, centers: Tensor, *params: Tensor) -> Tensor:
         # the 1-D empty tensor stands for "absent" (a 2-D v with 0 rows is an empty shard's rows)
         uu = None if u.dim() == 1 and u.numel() == 0 else u
         vv = None if v.dim() == 1 and v.numel() == 0 else v
@@ -138,7 +151,7 @@ class KernelProduct(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
+    def backward(ctx, grad: Tensor):
         u, v, x, centers, *params = ctx.saved_tensors
         u, v = u.to(x.dtype), v.to(x.dtype)
         engine: KernelEngine = ctx.engine
@@ -147,7 +160,7 @@ class KernelProduct(torch.autograd.Function):
         need_x, need_c = ctx.needs_input_grad[3], ctx.needs_input_grad[4]
         need_p = [ctx.needs_input_grad[5 + i] for i in range(len(params))]
         grad_u = grad_v = grad_x = grad_c = None
-        grad_p: List[Optional[Tensor]] = [None] * len(params)
+        grad_p: list[Tensor | None] = [None] * len(params)
         g = grad.to(x.dtype)
         if not (need_x or need_c or any(need_p)):
             # only U / V: two fast products, no autograd
@@ -172,16 +185,25 @@ class KernelProduct(torch.autograd.Function):
                 acc_u.add_((kd.t() @ q).to(torch.float64))
             if grad_v is not None:
                 grad_v[start:stop] = q
+            assert r is not None  # u or v is present (the forward product needs one)
             s = ((kb @ g) * r).sum()
             if uu is not None:
                 s = s + ((kb @ uu) * q).sum()
             return s
 
-        active = [p for p, need in zip(backward_params(engine.kernel, params), need_p) if need]
+        active = [p for p, need in zip(backward_params(engine.kernel, params), need_p, strict=False) if need]
         # an engine class may override the gradient pass (a backend's ``blockwise_kernel_grad``)
         grad_pass = getattr(type(engine), "blockwise_kernel_grad", blockwise_kernel_grad)
         gx, gc, gp = grad_pass(
-            engine.kernel, x, centers, surrogate, active, need_x, need_c, engine.memory_budget, engine.block_rows_setting
+            engine.kernel,
+            x,
+            centers,
+            surrogate,
+            active,
+            need_x,
+            need_c,
+            engine.memory_budget,
+            engine.block_rows_setting,
         )
         grad_p = scatter_grads(need_p, gp)
         if acc_u is not None:
@@ -197,7 +219,7 @@ def _local_kmn_k(engine: KernelEngine) -> Callable[..., Tensor]:
     return local if callable(local) else engine.kmn_k
 
 
-def kernel_product(engine: KernelEngine, u: Optional[Tensor], v: Optional[Tensor], x: Tensor, centers: Tensor) -> Tensor:
+def kernel_product(engine: KernelEngine, u: Tensor | None, v: Tensor | None, x: Tensor, centers: Tensor) -> Tensor:
     """Differentiable ``K_nM^T (K_nM u + v)`` (see :class:`KernelProduct`).
 
     With a sharded engine (:class:`~gpfalkon.backend.distributed.ShardedEngine`) the product of

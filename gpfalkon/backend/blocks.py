@@ -28,12 +28,23 @@ Profiles (their defaults are the measured ones of ``benchmarks/engine.py``):
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
 
 from .. import settings
 
-__all__ = ["BlockProfile", "PRODUCT", "GRADIENT", "FACTOR", "AGGREGATE", "STORED", "block_rows_for", "memory_budget_for", "resolve_block_rows", "row_blocks"]
+__all__ = [
+    "AGGREGATE",
+    "FACTOR",
+    "GRADIENT",
+    "PRODUCT",
+    "STORED",
+    "BlockProfile",
+    "block_rows_for",
+    "memory_budget_for",
+    "resolve_block_rows",
+    "row_blocks",
+]
 
 
 @dataclass(frozen=True)
@@ -41,10 +52,10 @@ class BlockProfile:
     """How a pass uses memory per block (see the module docstring)."""
 
     live_blocks: int
-    target_bytes: Optional[int] = None  # size the default height by bytes ...
+    target_bytes: int | None = None  # size the default height by bytes ...
     default_rows: int = 2048  # ... or use a fixed default height
     min_rows: int = 1
-    itemsize: Optional[int] = None  # bytes per value; None: the caller's dtype
+    itemsize: int | None = None  # bytes per value; None: the caller's dtype
 
 
 PRODUCT = BlockProfile(live_blocks=2, target_bytes=2 * 2**20, min_rows=32)
@@ -54,7 +65,7 @@ AGGREGATE = BlockProfile(live_blocks=4, default_rows=2048)
 STORED = BlockProfile(live_blocks=1, target_bytes=2 * 2**20, min_rows=16)
 
 
-def resolve_block_rows(block_rows: Optional[int] = None) -> Optional[int]:
+def resolve_block_rows(block_rows: int | None = None) -> int | None:
     """``block_rows``, or :class:`gpfalkon.settings.block_rows` when ``None`` (read now),
     validated; ``None`` means the automatic rule of the pass's profile."""
     if block_rows is None:
@@ -72,8 +83,8 @@ def block_rows_for(
     itemsize: int,
     profile: BlockProfile,
     *,
-    memory_budget: Optional[int] = None,
-    block_rows: Optional[int] = None,
+    memory_budget: int | None = None,
+    block_rows: int | None = None,
 ) -> int:
     """Rows per block for a pass of ``profile`` over ``n`` rows against ``m`` columns.
 
@@ -95,7 +106,7 @@ def block_rows_for(
     return max(1, min(rows, max(int(n), 1)))
 
 
-def memory_budget_for(memory_budget: Optional[int] = None) -> int:
+def memory_budget_for(memory_budget: int | None = None) -> int:
     """``memory_budget`` in bytes, or :class:`gpfalkon.settings.memory_budget` when ``None``."""
     budget = settings.memory_budget.value() if memory_budget is None else memory_budget
     if isinstance(budget, bool) or int(budget) != budget or int(budget) < 1:
@@ -103,7 +114,7 @@ def memory_budget_for(memory_budget: Optional[int] = None) -> int:
     return int(budget)
 
 
-def row_blocks(n: int, rows: int, start: int = 0) -> Iterator[Tuple[int, int]]:
+def row_blocks(n: int, rows: int, start: int = 0) -> Iterator[tuple[int, int]]:
     """``(start, stop)`` of consecutive blocks of at most ``rows`` rows covering ``[start, n)``."""
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}")

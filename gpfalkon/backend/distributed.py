@@ -29,7 +29,8 @@ anchor for empty shards and one call per tensor.
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,9 +44,9 @@ from .passes import WhitenedAggregates, whitened_aggregates
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "DistributedBackend",
-    "init_distributed",
     "ShardedEngine",
     "all_reduce_sum",
+    "init_distributed",
     "scale_gradient",
     "sum_gradients",
 ]
@@ -55,7 +56,7 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 300.0
 
 
-def init_distributed(backend: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S, **kw: Any) -> None:
+def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, **kw: Any) -> None:
     """``torch.distributed.init_process_group`` with a stated collective timeout.
 
     ``backend`` defaults to ``"nccl"`` when CUDA is available, else ``"gloo"``; the rendezvous
@@ -85,7 +86,7 @@ def _collective(what: str, call: Callable[[], Any]) -> Any:
         ) from exc
 
 
-def shard_range(n: int, rank: Optional[int] = None, world_size: Optional[int] = None) -> Tuple[int, int]:
+def shard_range(n: int, rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
     """``(start, stop)``: the contiguous rows ``start .. stop - 1`` of ``n`` that rank ``rank`` of
     ``world_size`` holds (balanced: sizes differ by at most one; the shards in rank order are the
     rows in order). Defaults: this process's rank and world size."""
@@ -102,7 +103,7 @@ def shard_range(n: int, rank: Optional[int] = None, world_size: Optional[int] = 
     return start, start + base + (1 if rank < extra else 0)
 
 
-def _require_group(group: Optional[Any]) -> None:
+def _require_group(group: Any | None) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "gpfalkon's distributed backend needs an initialised torch.distributed process group: call "
@@ -110,7 +111,7 @@ def _require_group(group: Optional[Any]) -> None:
         )
 
 
-def _flat(tensors: Sequence[Tensor]) -> Tuple[Tensor, List[Tuple[torch.Size, torch.dtype]]]:
+def _flat(tensors: Sequence[Tensor]) -> tuple[Tensor, list[tuple[torch.Size, torch.dtype]]]:
     """One float64 buffer holding all ``tensors`` (one collective for all of them)."""
     meta = [(t.shape, t.dtype) for t in tensors]
     dev = tensors[0].device
@@ -118,7 +119,7 @@ def _flat(tensors: Sequence[Tensor]) -> Tuple[Tensor, List[Tuple[torch.Size, tor
     return flat, meta
 
 
-def _unflat(flat: Tensor, meta: List[Tuple[torch.Size, torch.dtype]]) -> List[Tensor]:
+def _unflat(flat: Tensor, meta: list[tuple[torch.Size, torch.dtype]]) -> list[Tensor]:
     out, i = [], 0
     for shape, dtype in meta:
         k = 1
@@ -129,11 +130,13 @@ def _unflat(flat: Tensor, meta: List[Tuple[torch.Size, torch.dtype]]) -> List[Te
     return out
 
 
-def _all_reduce_flat(tensors: Sequence[Tensor], group: Optional[Any]) -> List[Tensor]:
+def _all_reduce_flat(tensors: Sequence[Tensor], group: Any | None) -> list[Tensor]:
     if not tensors:
         return []
     flat, meta = _flat(tensors)
-    _collective(f"all_reduce of {flat.numel()} values", lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group))
+    _collective(
+        f"all_reduce of {flat.numel()} values", lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    )
     return _unflat(flat, meta)
 
 
@@ -141,16 +144,17 @@ class _AllReduceSum(torch.autograd.Function):
     """``out_i = sum over ranks of t_i`` (one collective); backward: the same sum of gradients."""
 
     @staticmethod
-    def forward(ctx, group: Optional[Any], anchor: Optional[Tensor], *tensors: Tensor):  # type: ignore[override]
+    def forward(ctx, group: Any | None, anchor: Tensor | None, *tensors: Tensor):
         ctx.group = group
         ctx.has_anchor = anchor is not None
         ctx.meta = [(t.dtype, t.device) for t in tensors]
         return tuple(_all_reduce_flat(tensors, group))
 
     @staticmethod
-    def backward(ctx, *grads: Tensor):  # type: ignore[override]
+    def backward(ctx, *grads: Tensor):
         grads_in = [
-            torch.zeros((), dtype=dt, device=dv) if g is None else g for g, (dt, dv) in zip(grads, ctx.meta)
+            torch.zeros((), dtype=dt, device=dv) if g is None else g
+            for g, (dt, dv) in zip(grads, ctx.meta, strict=False)
         ]
         summed = _all_reduce_flat(grads_in, ctx.group)
         out = [g if ctx.needs_input_grad[2 + i] else None for i, g in enumerate(summed)]
@@ -161,29 +165,32 @@ class _SumGradients(torch.autograd.Function):
     """Identity forward; backward: the gradients summed over ranks (one collective)."""
 
     @staticmethod
-    def forward(ctx, group: Optional[Any], *tensors: Tensor):  # type: ignore[override]
+    def forward(ctx, group: Any | None, *tensors: Tensor):
         ctx.group = group
         ctx.meta = [(t.shape, t.dtype, t.device) for t in tensors]
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
-    def backward(ctx, *grads: Tensor):  # type: ignore[override]
-        grads_in = [torch.zeros(s, dtype=dt, device=dv) if g is None else g for g, (s, dt, dv) in zip(grads, ctx.meta)]
+    def backward(ctx, *grads: Tensor):
+        grads_in = [
+            torch.zeros(s, dtype=dt, device=dv) if g is None else g
+            for g, (s, dt, dv) in zip(grads, ctx.meta, strict=False)
+        ]
         return (None, *_all_reduce_flat(grads_in, ctx.group))
 
 
 class _ScaleGradient(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t: Tensor, factor: float):  # type: ignore[override]
+    def forward(ctx, t: Tensor, factor: float):
         ctx.factor = factor
         return t.view_as(t)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
+    def backward(ctx, grad: Tensor):
         return grad * ctx.factor, None
 
 
-def all_reduce_sum(*tensors: Tensor, group: Optional[Any] = None, anchor: Optional[Tensor] = None) -> List[Tensor]:
+def all_reduce_sum(*tensors: Tensor, group: Any | None = None, anchor: Tensor | None = None) -> list[Tensor]:
     """The sums over ranks of ``tensors`` (one ``all_reduce`` in float64), differentiable.
 
     Backward is the adjoint of the sum: the incoming gradients, summed over ranks (one more
@@ -199,7 +206,7 @@ def all_reduce_sum(*tensors: Tensor, group: Optional[Any] = None, anchor: Option
     return _all_reduce_flat(tensors, group)
 
 
-def sum_gradients(*tensors: Tensor, group: Optional[Any] = None) -> List[Tensor]:
+def sum_gradients(*tensors: Tensor, group: Any | None = None) -> list[Tensor]:
     """``tensors`` unchanged, whose gradients are summed over ranks in the backward pass."""
     _require_group(group)
     return list(_SumGradients.apply(group, *tensors))
@@ -210,7 +217,7 @@ def scale_gradient(t: Tensor, factor: float) -> Tensor:
     return _ScaleGradient.apply(t, float(factor))
 
 
-def _anchor(tensors: Sequence[Optional[Tensor]]) -> Optional[Tensor]:
+def _anchor(tensors: Sequence[Tensor | None]) -> Tensor | None:
     """``0 * sum(t)`` over the tensors that require a gradient (``None`` if none does)."""
     live = [t for t in tensors if t is not None and t.requires_grad]
     if not live or not torch.is_grad_enabled():
@@ -226,7 +233,7 @@ class ShardedEngine(KernelEngine):
     (``K_nM u``, one value per row) stays local. ``n`` is the shard's row count.
     """
 
-    def __init__(self, kernel: Kernel, x: Tensor, centers: Tensor, *, backend: "DistributedBackend", **kw: Any) -> None:
+    def __init__(self, kernel: Kernel, x: Tensor, centers: Tensor, *, backend: DistributedBackend, **kw: Any) -> None:
         super().__init__(kernel, x, centers, **kw)
         self.backend = backend
 
@@ -238,14 +245,14 @@ class ShardedEngine(KernelEngine):
         """The sum over ranks of ``t`` (no autograd; one collective)."""
         return self.backend.reduce_nograd(t)
 
-    def kmn_k(self, u: Optional[Tensor] = None, v: Optional[Tensor] = None) -> Tensor:
+    def kmn_k(self, u: Tensor | None = None, v: Tensor | None = None) -> Tensor:
         return self.reduce_nograd(self.local_kmn_k(u, v))
 
-    def local_kmn_k(self, u: Optional[Tensor] = None, v: Optional[Tensor] = None) -> Tensor:
+    def local_kmn_k(self, u: Tensor | None = None, v: Tensor | None = None) -> Tensor:
         """This shard's ``K_nM^T (K_nM u + v)`` (no communication)."""
         return super().kmn_k(u, v)
 
-    def reduce_product(self, out: Tensor, anchor: Optional[Tensor] = None) -> Tensor:
+    def reduce_product(self, out: Tensor, anchor: Tensor | None = None) -> Tensor:
         """The differentiable sum over ranks of a product of this shard's rows."""
         return self.backend.reduce(out, anchor=anchor)[0]
 
@@ -276,7 +283,7 @@ class DistributedBackend:
         group: the process group (default: the default group).
     """
 
-    def __init__(self, group: Optional[Any] = None) -> None:
+    def __init__(self, group: Any | None = None) -> None:
         _require_group(group)
         self.group = group
 
@@ -289,7 +296,7 @@ class DistributedBackend:
     def world_size(self) -> int:
         return dist.get_world_size(self.group)
 
-    def shard_sizes(self, x: Tensor) -> List[int]:
+    def shard_sizes(self, x: Tensor) -> list[int]:
         """Rows per rank, in rank order (one ``all_gather`` of one integer)."""
         mine = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
         sizes = [torch.zeros_like(mine) for _ in range(self.world_size)]
@@ -300,14 +307,14 @@ class DistributedBackend:
         """The global ``n``: the sum over ranks of ``x.shape[0]``."""
         return sum(self.shard_sizes(x))
 
-    def row_range(self, x: Tensor) -> Tuple[int, int, int]:
+    def row_range(self, x: Tensor) -> tuple[int, int, int]:
         """``(offset, stop, n_total)``: this shard holds global rows ``offset .. stop - 1``."""
         sizes = self.shard_sizes(x)
         off = sum(sizes[: self.rank])
         return off, off + x.shape[0], sum(sizes)
 
     # ------------------------------------------------------------ reductions
-    def reduce(self, *tensors: Tensor, anchor: Optional[Tensor] = None) -> List[Tensor]:
+    def reduce(self, *tensors: Tensor, anchor: Tensor | None = None) -> list[Tensor]:
         """Sums over ranks (differentiable; one collective): :func:`all_reduce_sum`."""
         return all_reduce_sum(*tensors, group=self.group, anchor=anchor)
 
@@ -337,7 +344,7 @@ class DistributedBackend:
         _collective("all_reduce (max)", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group))
         return float(t[0])
 
-    def counts(self, k: int) -> List[int]:
+    def counts(self, k: int) -> list[int]:
         """Every rank's ``k``, in rank order (one ``all_gather``)."""
         mine = torch.tensor([int(k)], dtype=torch.int64, device=self._device())
         out = [torch.zeros_like(mine) for _ in range(self.world_size)]
@@ -353,13 +360,13 @@ class DistributedBackend:
         buf[: t.numel()] = t.to(torch.float64)
         out = [torch.zeros_like(buf) for _ in range(self.world_size)]
         _collective("all_gather of variable-length parts", lambda: dist.all_gather(out, buf, group=self.group))
-        return torch.cat([o[:k] for o, k in zip(out, sizes)])
+        return torch.cat([o[:k] for o, k in zip(out, sizes, strict=False)])
 
     def distinct_values(self, values: Tensor) -> Tensor:
         """The sorted distinct values of ``values`` over all ranks (e.g. the class labels; one
         ``all_gather_object`` of each rank's distinct values)."""
         mine = torch.unique(values.detach()).cpu()
-        everyone: List[Any] = [None] * self.world_size
+        everyone: list[Any] = [None] * self.world_size
         _collective("all_gather of the distinct values",
                     lambda: dist.all_gather_object(everyone, mine, group=self.group))
         return torch.unique(torch.cat([t.to(mine.dtype) for t in everyone])).to(values.device)
@@ -376,7 +383,7 @@ class DistributedBackend:
         if x.shape[0] > 0:
             local = list(whitened_aggregates(kernel, x, y, centers, L, rows))
         else:
-            z = lambda *s: torch.zeros(*s, dtype=L.dtype, device=L.device)  # noqa: E731
+            z = lambda *s: torch.zeros(*s, dtype=L.dtype, device=L.device)
             local = [z(m, m), z(m, t), z(()), z(())]
         anchor = _anchor([L, centers, *kernel.parameters()])
         return WhitenedAggregates(*self.reduce(*local, anchor=anchor))
@@ -390,7 +397,7 @@ class DistributedBackend:
         if not named or not torch.is_grad_enabled():
             return fn()
         synced = sum_gradients(*[p for _, p in named], group=self.group)
-        params: Dict[str, Tensor] = {k: s for (k, _), s in zip(named, synced)}
+        params: dict[str, Tensor] = {k: s for (k, _), s in zip(named, synced, strict=False)}
         out = torch.func.functional_call(_Call(module, fn), {f"target.{k}": v for k, v in params.items()}, ())
         return scale_gradient(out, 1.0 / self.world_size)
 

@@ -32,8 +32,9 @@ copies them; a stored ``K_nM`` freezes them): build a new one after they change
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import overload
 
 import torch
 from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
@@ -42,7 +43,7 @@ from torch import Tensor
 from .blocks import PRODUCT, STORED, block_rows_for, memory_budget_for, resolve_block_rows, row_blocks
 from .sources import RowSource
 
-__all__ = ["KernelEngine", "StationarySpec", "stationary_spec", "kernel_block"]
+__all__ = ["KernelEngine", "StationarySpec", "kernel_block", "stationary_spec"]
 
 
 @dataclass
@@ -51,13 +52,13 @@ class StationarySpec:
 
     kind: str  # "rbf", "matern12", "matern32", "matern52"
     lengthscale: Tensor  # (1, d) or (1, 1)
-    outputscale: Optional[Tensor]  # scalar or None
+    outputscale: Tensor | None  # scalar or None
 
 
 _MATERN_KIND = {0.5: "matern12", 1.5: "matern32", 2.5: "matern52"}
 
 
-def stationary_spec(kernel: Kernel) -> Optional[StationarySpec]:
+def stationary_spec(kernel: Kernel) -> StationarySpec | None:
     """Return the fast-path description of ``kernel``, or ``None`` for the generic path."""
     outputscale = None
     base = kernel
@@ -87,7 +88,7 @@ _FACTOR = {"rbf": -0.5, "matern12": 1.0, "matern32": 3.0, "matern52": 5.0}
 _CONST = {"rbf": 1.0, "matern12": 1.0, "matern32": 1.0, "matern52": 1.0 / 3.0}
 
 
-def _apply_profile_(kind: str, buf: Tensor, tmp: Optional[Tensor], zero_below: float = 0.0) -> Tensor:
+def _apply_profile_(kind: str, buf: Tensor, tmp: Tensor | None, zero_below: float = 0.0) -> Tensor:
     """In place: ``buf`` holds ``FACTOR[kind] * ||x - c||^2 / ell^2``; returns ``phi(buf)``.
 
     rbf: ``exp(t)`` (t <= 0); Matern with ``z = sqrt(t)``: 1/2 ``exp(-z)``,
@@ -99,10 +100,11 @@ def _apply_profile_(kind: str, buf: Tensor, tmp: Optional[Tensor], zero_below: f
     """
     if kind == "rbf":
         return buf.clamp_(max=0.0).exp_()
-    torch.nn.functional.threshold_(buf, zero_below, 0.0)
+    torch.threshold_(buf, zero_below, 0.0)  # the same builtin as torch.nn.functional.threshold_
     buf.sqrt_()
     if kind == "matern12":
         return buf.neg_().exp_()
+    assert tmp is not None  # the Matern-3/2 and 5/2 profiles are always given a buffer
     torch.neg(buf, out=tmp).exp_()
     if kind == "matern32":
         return buf.add_(1.0).mul_(tmp)
@@ -140,9 +142,9 @@ class KernelEngine:
         x: Tensor,
         centers: Tensor,
         *,
-        memory_budget: Optional[int] = None,
-        block_rows: Optional[int] = None,
-        store: Optional[bool] = None,
+        memory_budget: int | None = None,
+        block_rows: int | None = None,
+        store: bool | None = None,
     ) -> None:
         self.kernel = kernel
         self.x = x.detach()  # a tensor, or a RowSource read block by block (never held whole)
@@ -172,9 +174,11 @@ class KernelEngine:
         )
         # A stored K_nM is read twice per block (K_b u, then (.)^T K_b): blocks of about
         # 2 MiB let the second read hit cache (benchmarks/engine.py measures it), whatever block_rows says.
+        assert STORED.target_bytes is not None  # the STORED profile sizes by bytes
         cache_rows = max(STORED.min_rows, STORED.target_bytes // row_bytes)
         self.stored_block_rows = min(
-            self.block_rows, block_rows_for(self.n, self.m, itemsize, STORED, memory_budget=budget, block_rows=cache_rows)
+            self.block_rows,
+            block_rows_for(self.n, self.m, itemsize, STORED, memory_budget=budget, block_rows=cache_rows),
         )
         self.memory_budget = budget
 
@@ -197,11 +201,11 @@ class KernelEngine:
                 self.scale = (1.0 if s is None else float(s)) * _CONST[self.spec.kind]
             else:
                 self.scale = 1.0
-        self._k: Optional[Tensor] = None
-        self._buf: Optional[Tensor] = None
-        self._tmp: Optional[Tensor] = None
+        self._k: Tensor | None = None
+        self._buf: Tensor | None = None
+        self._tmp: Tensor | None = None
 
-    def _augment(self, xb: Tensor) -> Tuple[Tensor, Tensor]:
+    def _augment(self, xb: Tensor) -> tuple[Tensor, Tensor]:
         """``([-2 f z, f |z|^2, 1], |z|^2)`` for ``z = (x_b - mu) / ell`` (see ``__init__``)."""
         z = (xb - self._mu).div_(self._ls)
         f = _FACTOR[self.spec.kind]  # type: ignore[union-attr]
@@ -209,10 +213,10 @@ class KernelEngine:
         return torch.cat([(-2.0 * f) * z, f * z_sq, torch.ones_like(z_sq)], -1), z_sq.squeeze(-1)
 
     # ------------------------------------------------------------------ blocks
-    def _blocks(self, rows: Optional[int] = None) -> Iterator[Tuple[int, int]]:
+    def _blocks(self, rows: int | None = None) -> Iterator[tuple[int, int]]:
         return row_blocks(self.n, self.block_rows if rows is None else rows)
 
-    def _compute_block(self, start: int, stop: int, out: Optional[Tensor] = None) -> Tensor:
+    def _compute_block(self, start: int, stop: int, out: Tensor | None = None) -> Tensor:
         """Base kernel values ``K0[start:stop]`` (without the outputscale of the fast path)."""
         if self.spec is None:
             blk = kernel_block(self.kernel, self.x[start:stop], self.centers)
@@ -246,7 +250,7 @@ class KernelEngine:
             self._k = k
         return self._k
 
-    def iter_blocks(self, rows: Optional[int] = None) -> Iterator[Tuple[int, int, Tensor]]:
+    def iter_blocks(self, rows: int | None = None) -> Iterator[tuple[int, int, Tensor]]:
         """Yield ``(start, stop, K0_b)``: the base block, ``K_nM[start:stop] = scale * K0_b``.
 
         The yielded tensor is a reused buffer (or a view of the stored matrix):
@@ -293,12 +297,18 @@ class KernelEngine:
         self._k = self._buf = self._tmp = None
 
     # ---------------------------------------------------------------- products
-    def _cast(self, t: Optional[Tensor]) -> Optional[Tensor]:
+    @overload
+    def _cast(self, t: Tensor) -> Tensor: ...
+
+    @overload
+    def _cast(self, t: None) -> None: ...
+
+    def _cast(self, t: Tensor | None) -> Tensor | None:
         if t is None:
             return None
         return t.to(dtype=self.dtype, device=self.device)
 
-    def kmn_k(self, u: Optional[Tensor] = None, v: Optional[Tensor] = None) -> Tensor:
+    def kmn_k(self, u: Tensor | None = None, v: Tensor | None = None) -> Tensor:
         """``K_nM^T (K_nM u + v)`` for ``u`` ``(M, k)`` and ``v`` ``(n, k)`` (either may be
         ``None``, meaning zero). Returns float64 ``(M, k)``: a sum over row blocks, so the
         results of several row shards of the same data (same centers) are combined by summing.
@@ -310,6 +320,7 @@ class KernelEngine:
         if u is None and v is None:
             raise ValueError("kmn_k needs u or v")
         ref = u if u is not None else v
+        assert ref is not None  # checked just above
         k = ref.shape[-1]
         s = self.scale
         u_t = None
@@ -326,6 +337,7 @@ class KernelEngine:
                     if v_t is not None:
                         w.add_(v_t[:, start:stop])
                 else:
+                    assert v_t is not None  # u is None here, so v is not
                     w = v_t[:, start:stop]
                 acc += (w @ blk).to(self.acc_dtype)
         if s != 1.0:

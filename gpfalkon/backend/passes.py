@@ -11,7 +11,8 @@ summed).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, NamedTuple, Optional
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeGuard
 
 import torch
 from gpytorch.kernels import Kernel
@@ -25,28 +26,28 @@ __all__ = [
     "WhitenedAggregates",
     "backend_pass",
     "is_sharded",
-    "reduce_rows",
-    "total_rows",
     "kernel_diagonal",
     "kernel_matmul",
     "map_whitened_blocks",
+    "reduce_rows",
+    "total_rows",
     "whitened_aggregates",
     "whitened_sq_norms",
 ]
 
 
-def is_sharded(backend: Optional[Any]) -> bool:
+def is_sharded(backend: Any | None) -> TypeGuard[Any]:
     """Does ``backend`` hold one shard of the rows (it then reports the global row count)?"""
     return callable(getattr(backend, "global_rows", None))
 
 
-def total_rows(backend: Optional[Any], x: Tensor) -> int:
+def total_rows(backend: Any | None, x: Tensor) -> int:
     """The global ``n``: ``x.shape[0]``, or the sum over shards for a sharded backend (a
     collective: every rank must call it)."""
     return int(backend.global_rows(x)) if is_sharded(backend) else int(x.shape[0])
 
 
-def reduce_rows(backend: Optional[Any], *tensors: Tensor, anchor: Optional[Tensor] = None) -> List[Tensor]:
+def reduce_rows(backend: Any | None, *tensors: Tensor, anchor: Tensor | None = None) -> list[Tensor]:
     """Sums over rows computed on this process's rows, completed over all shards (identity
     for the in-memory backend; a differentiable collective for a sharded one)."""
     if is_sharded(backend):
@@ -57,7 +58,7 @@ def reduce_rows(backend: Optional[Any], *tensors: Tensor, anchor: Optional[Tenso
 PASSES = ("whitened_aggregates", "map_whitened_blocks", "kernel_matmul", "kernel_diagonal", "whitened_sq_norms")
 
 
-def backend_pass(backend: Optional[Any], name: str) -> Callable[..., Any]:
+def backend_pass(backend: Any | None, name: str) -> Callable[..., Any]:
     """The pass ``name`` of an injected backend (``FalkonOptions.backend``), else this module's.
 
     A backend overrides a pass by defining it as an attribute with this module's signature
@@ -79,7 +80,9 @@ class WhitenedAggregates(NamedTuple):
     tr_knn: Tensor  # ()  sum_i k(x_i, x_i)
 
 
-def whitened_aggregates(kernel: Kernel, x: Tensor, y: Tensor, centers: Tensor, L: Tensor, rows: int) -> WhitenedAggregates:
+def whitened_aggregates(
+    kernel: Kernel, x: Tensor, y: Tensor, centers: Tensor, L: Tensor, rows: int
+) -> WhitenedAggregates:
     """``A A^T``, ``A y``, ``||A||_F^2`` and ``tr K_nn`` for ``A = L^{-1} K_Mn`` (``L`` lower).
 
     Differentiable w.r.t. ``x``, ``centers``, ``L`` and the kernel's parameters; each block
@@ -92,17 +95,17 @@ def whitened_aggregates(kernel: Kernel, x: Tensor, y: Tensor, centers: Tensor, L
         ab = torch.linalg.solve_triangular(L_, kb.mT, upper=False)  # (M, rows)
         return ab @ ab.mT, ab @ yb, ab.square().sum(), kernel(xb, diag=True).sum()
 
-    acc: Optional[List[Tensor]] = None
+    acc: list[Tensor] | None = None
     for s, e in row_blocks(x.shape[0], rows):
         out = checkpoint(block, x[s:e], y[s:e], L, centers, use_reentrant=False)
-        acc = list(out) if acc is None else [a + o for a, o in zip(acc, out)]
+        acc = list(out) if acc is None else [a + o for a, o in zip(acc, out, strict=False)]
     assert acc is not None  # x has at least one row (validated by the callers)
     return WhitenedAggregates(*acc)
 
 
 def map_whitened_blocks(
     kernel: Kernel, x: Tensor, centers: Tensor, L: Tensor, fn: Callable[[Tensor, int, int], Tensor], rows: int
-) -> List[Tensor]:
+) -> list[Tensor]:
     """``[fn(A_b, start, stop) for each block]`` with ``A_b = L^{-1} K_Mb`` (checkpointed, differentiable)."""
     outs = []
     for s, e in row_blocks(x.shape[0], rows):
@@ -124,7 +127,7 @@ def kernel_matmul(kernel: Kernel, x: Tensor, centers: Tensor, alpha: Tensor, row
     return torch.cat(parts, -2)
 
 
-def kernel_diagonal(kernel: Kernel, x: Tensor, rows: int, *, dtype: Optional[torch.dtype] = None) -> Tensor:
+def kernel_diagonal(kernel: Kernel, x: Tensor, rows: int, *, dtype: torch.dtype | None = None) -> Tensor:
     """``k(x_i, x_i)`` for every row (``O(n d)``), in ``dtype`` (default the kernel's output),
     differentiable. Raises ``ValueError`` for kernels whose diagonal is not one value per row."""
     parts = []
@@ -142,7 +145,7 @@ def kernel_diagonal(kernel: Kernel, x: Tensor, rows: int, *, dtype: Optional[tor
 
 
 def whitened_sq_norms(kernel: Kernel, x: Tensor, basis: Tensor, chol: Tensor, rows: int,
-                      indices: Optional[Tensor] = None) -> Tensor:
+                      indices: Tensor | None = None) -> Tensor:
     """``||chol^{-1} k(basis, x_i)||^2`` for the rows ``i`` of ``x`` (or ``x[indices]``), float64, no grad.
 
     ``chol`` is lower triangular (``J x J``). Cost ``O(r J (J + d))`` for ``r`` rows, memory

@@ -25,8 +25,10 @@ files as a float matrix (``torch.utils.data`` iterates samples; ``pyarrow.datase
 from __future__ import annotations
 
 import abc
+import itertools
 import os
-from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
+from collections.abc import Iterator, Sequence
+from typing import Any, Union
 
 import numpy as np
 import torch
@@ -49,7 +51,7 @@ class RowSource(abc.ABC):
     ``device`` says otherwise (blocks are then moved there after reading).
     """
 
-    def __init__(self, n: int, d: int, dtype: torch.dtype, device: Optional[torch.device] = None) -> None:
+    def __init__(self, n: int, d: int, dtype: torch.dtype, device: torch.device | None = None) -> None:
         if dtype not in (torch.float32, torch.float64):
             raise TypeError(f"a row source holds float32 or float64 rows, got {dtype}")
         self._n, self._d = int(n), int(d)
@@ -84,13 +86,13 @@ class RowSource(abc.ABC):
         out = torch.empty(idx.numel(), self._d, dtype=self.dtype, device=self.device)
         breaks = torch.nonzero(srt[1:] - srt[:-1] > 1).reshape(-1) + 1
         bounds = [0, *breaks.tolist(), srt.numel()]
-        for a, b in zip(bounds[:-1], bounds[1:]):
+        for a, b in itertools.pairwise(bounds):
             lo, hi = int(srt[a]), int(srt[b - 1]) + 1
             blk = self.read(lo, hi)
             out[order[a:b].to(self.device)] = blk[(srt[a:b] - lo).to(self.device)]
         return out
 
-    def blocks(self, rows: int) -> Iterator[Tuple[int, int, Tensor]]:
+    def blocks(self, rows: int) -> Iterator[tuple[int, int, Tensor]]:
         """``(start, stop, x[start:stop])`` over the whole source in blocks of ``rows``."""
         for s, e in row_blocks(self._n, max(1, int(rows))):
             yield s, e, self.read(s, e)
@@ -113,7 +115,7 @@ class RowSource(abc.ABC):
     def __len__(self) -> int:
         return self._n
 
-    def size(self, dim: Optional[int] = None):
+    def size(self, dim: int | None = None):
         return self.shape if dim is None else self.shape[dim]
 
     def __getitem__(self, key: Any) -> Tensor:
@@ -128,7 +130,7 @@ class RowSource(abc.ABC):
             return self.take(key.nonzero().reshape(-1))
         raise IndexError(f"a row source supports row slices and 1-D index tensors, got {type(key).__name__}")
 
-    def detach(self) -> "RowSource":
+    def detach(self) -> RowSource:
         return self
 
     @property
@@ -175,7 +177,7 @@ class SliceRows(RowSource):
         return self.source.read(self.start + start, self.start + stop)
 
 
-def _as_paths(paths: Union[PathLike, Sequence[PathLike]], what: str) -> List[str]:
+def _as_paths(paths: PathLike | Sequence[PathLike], what: str) -> list[str]:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     out = [os.fspath(p) for p in paths]
@@ -199,16 +201,18 @@ class NpyRows(RowSource):
     memory map, so the resident memory of a pass is one block whatever the file size.
     """
 
-    def __init__(self, paths: Union[PathLike, Sequence[PathLike]], dtype: Optional[torch.dtype] = None,
-                 device: Optional[torch.device] = None) -> None:
+    def __init__(self, paths: PathLike | Sequence[PathLike], dtype: torch.dtype | None = None,
+                 device: torch.device | None = None) -> None:
         self.paths = _as_paths(paths, "NpyRows")
-        self._files: List[Tuple[str, int, int, np.dtype]] = []  # path, rows, data offset, dtype
-        d: Optional[int] = None
-        fdt: Optional[np.dtype] = None
+        self._files: list[tuple[str, int, int, np.dtype]] = []  # path, rows, data offset, dtype
+        d: int | None = None
+        fdt: np.dtype | None = None
         for p in self.paths:
             with open(p, "rb") as f:
                 version = np.lib.format.read_magic(f)
-                header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                header = (
+                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                )
                 shape, fortran, dt = header(f)
                 offset = f.tell()
             if len(shape) != 2:
@@ -256,9 +260,9 @@ class ParquetRows(RowSource):
     memory of a pass is about one row group of the chosen columns.
     """
 
-    def __init__(self, paths: Union[PathLike, Sequence[PathLike]], columns: Optional[Sequence[str]] = None,
+    def __init__(self, paths: PathLike | Sequence[PathLike], columns: Sequence[str] | None = None,
                  exclude: Sequence[str] = (), dtype: torch.dtype = torch.float64,
-                 device: Optional[torch.device] = None) -> None:
+                 device: torch.device | None = None) -> None:
         try:
             import pyarrow.parquet as pq
         except ImportError as exc:  # pragma: no cover - pyarrow is a declared extra
@@ -274,7 +278,7 @@ class ParquetRows(RowSource):
         if missing or not columns:
             raise ValueError(f"ParquetRows: columns {missing or columns} not in {self.paths[0]} (has {names})")
         self.columns = columns
-        self._groups: List[Tuple[int, int, int]] = []  # (file index, row group, rows)
+        self._groups: list[tuple[int, int, int]] = []  # (file index, row group, rows)
         for i, p in enumerate(self.paths):
             meta = pq.ParquetFile(p).metadata
             file_names = [meta.schema.column(j).name for j in range(meta.num_columns)]
@@ -283,7 +287,7 @@ class ParquetRows(RowSource):
             for g in range(meta.num_row_groups):
                 self._groups.append((i, g, meta.row_group(g).num_rows))
         self._starts = np.cumsum([0] + [r for _, _, r in self._groups])
-        self._cache: Tuple[int, Optional[np.ndarray]] = (-1, None)
+        self._cache: tuple[int, np.ndarray | None] = (-1, None)
         self._handles: dict = {}
         super().__init__(int(self._starts[-1]), len(columns), dtype, device)
 
@@ -323,7 +327,7 @@ class ParquetRows(RowSource):
         self._pq = pq
 
 
-def shard_rows(source: RowSource, rank: Optional[int] = None, world_size: Optional[int] = None) -> SliceRows:
+def shard_rows(source: RowSource, rank: int | None = None, world_size: int | None = None) -> SliceRows:
     """This rank's contiguous part of ``source`` (balanced; defaults: torch.distributed's rank and
     world size): the shards in rank order are the source's rows in order."""
     from .distributed import shard_range
@@ -332,7 +336,7 @@ def shard_rows(source: RowSource, rank: Optional[int] = None, world_size: Option
     return SliceRows(source, start, stop)
 
 
-def shard_files(paths: Sequence[PathLike], rank: Optional[int] = None, world_size: Optional[int] = None) -> List[str]:
+def shard_files(paths: Sequence[PathLike], rank: int | None = None, world_size: int | None = None) -> list[str]:
     """Files ``rank, rank + world_size, ...`` of ``paths`` (round robin; an empty list where there
     are fewer files than ranks). Defaults: torch.distributed's rank and world size. For whole-file
     shards; :func:`shard_rows` balances rows instead."""

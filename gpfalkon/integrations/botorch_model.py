@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, List, Optional, Union
+from typing import Any, cast
 
 import torch
 from botorch.models.gpytorch import GPyTorchModel
 from botorch.models.model import FantasizeMixin
-from botorch.models.utils.assorted import fantasize as fantasize_flag
 from botorch.models.transforms.input import InputTransform
 from botorch.models.transforms.outcome import OutcomeTransform
+from botorch.models.utils.assorted import fantasize as fantasize_flag
 from botorch.models.utils.assorted import validate_input_scaling
 from botorch.models.utils.gpytorch_modules import (
     MIN_INFERRED_NOISE_LEVEL,
@@ -30,7 +30,7 @@ __all__ = ["FalkonModel", "default_botorch_likelihood"]
 
 
 def default_botorch_likelihood(
-    num_outputs: int = 1, *, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None
+    num_outputs: int = 1, *, dtype: torch.dtype | None = None, device: torch.device | None = None
 ) -> Likelihood:
     """SingleTaskGP's default noise model for FalkonModel: a ``LogNormal(-4, 1)`` prior on
     ``sigma^2``, the bound ``sigma^2 >= 1e-4`` (BoTorch's ``MIN_INFERRED_NOISE_LEVEL``) and the
@@ -48,7 +48,8 @@ def default_botorch_likelihood(
     return lik.to(dtype=dtype, device=device)
 
 
-class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
+# BoTorch declares Model.posterior and FantasizeMixin.posterior inconsistently (SingleTaskGP has the same bases)
+class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):  # type: ignore[misc]
     r"""A BoTorch model whose posterior is the FALKON / SGPR-DTC posterior of :class:`FalkonGP`.
 
     For surrogates with 10^4 - 10^6 observations, where ``SingleTaskGP``'s ``n x n``
@@ -95,13 +96,13 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
         self,
         train_X: Tensor,
         train_Y: Tensor,
-        kernel: Optional[Kernel] = None,
+        kernel: Kernel | None = None,
         *,
-        num_centers: Optional[int] = None,
-        input_transform: Optional[InputTransform] = None,
-        outcome_transform: Optional[OutcomeTransform] | str = "standardize",
+        num_centers: int | None = None,
+        input_transform: InputTransform | None = None,
+        outcome_transform: OutcomeTransform | None | str = "standardize",
         fit: bool = True,
-        train_Yvar: Optional[Tensor] = None,
+        train_Yvar: Tensor | None = None,
         **kwargs: Any,
     ) -> None:
         if train_Yvar is not None:
@@ -119,15 +120,17 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
             from botorch.models.transforms.outcome import Standardize
 
             outcome_transform = Standardize(m=train_Y.shape[-1])
+        # the string default is resolved above
+        out_tf = cast("OutcomeTransform | None", outcome_transform)
         with torch.no_grad():
             x = train_X
             if input_transform is not None:
                 input_transform.train()
                 x = input_transform(train_X)
             y = train_Y
-            if outcome_transform is not None:
-                outcome_transform.train()
-                y, _ = outcome_transform(train_Y, X=x)
+            if out_tf is not None:
+                out_tf.train()
+                y, _ = out_tf(train_Y, X=x)
         # BoTorch's input checks, as SingleTaskGP makes them: NaNs raise; X outside the unit cube or
         # Y not standardised (after the transforms) give an InputDataWarning
         validate_input_scaling(train_X=x, train_Y=y)
@@ -139,9 +142,9 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
         super().__init__(x, y_model, kernel, num_centers=num_centers, **kwargs)
         if input_transform is not None:
             self.input_transform = input_transform
-        if outcome_transform is not None:
-            self.outcome_transform = outcome_transform
-            outcome_transform.eval()
+        if out_tf is not None:
+            self.outcome_transform = out_tf
+            out_tf.eval()
         self._fit_kwargs = kwargs
         if fit:
             self.fit()
@@ -155,14 +158,16 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
     def _revert_to_original_inputs(self) -> None:
         return None
 
-    def subset_output(self, idcs: List[int]) -> "FalkonModel":
+    def subset_output(self, idcs: list[int]) -> FalkonModel:
         """The model of the outputs ``idcs`` only: the same kernel, centers and noise, the columns
         ``idcs`` of the targets, of ``alpha`` and of the outcome transform. No refit: every output's
         ``alpha`` solves its own right-hand side of the same system."""
         if not isinstance(idcs, (list, tuple)) or not idcs or any(
             isinstance(i, bool) or not isinstance(i, int) or not -self.num_outputs <= i < self.num_outputs for i in idcs
         ):
-            raise ValueError(f"idcs must be a non-empty list of output indices in [0, {self.num_outputs}), got {idcs!r}")
+            raise ValueError(
+                f"idcs must be a non-empty list of output indices in [0, {self.num_outputs}), got {idcs!r}"
+            )
         idcs = [i % self.num_outputs for i in idcs]
         if idcs == list(range(self.num_outputs)):
             return copy.deepcopy(self)
@@ -177,7 +182,10 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
         new.train_targets = y2[:, idcs].squeeze(-1) if k == 1 else y2[:, idcs]
         new.alpha = a2[:, idcs].squeeze(-1) if k == 1 else a2[:, idcs].clone()
         new.mean_constant = mc[idcs].reshape(()) if k == 1 else mc[idcs].clone()
-        new.likelihood = default_likelihood(k, dtype=new.train_inputs[0].dtype, device=new.train_inputs[0].device)
+        dev, dt = new.train_inputs[0].device, new.train_inputs[0].dtype
+        had_priors = any(True for _ in self.likelihood.named_priors())  # SingleTaskGP's noise model
+        build = default_botorch_likelihood if had_priors else default_likelihood
+        new.likelihood = build(k, dtype=dt, device=dev)
         new.likelihood.noise = noise.to(new.likelihood.raw_noise.dtype)
         if hasattr(new, "outcome_transform"):
             new.outcome_transform = new.outcome_transform.subset_output(idcs)
@@ -189,26 +197,30 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
         return new
 
     def condition_on_observations(
-        self, X: Tensor, Y: Tensor, noise: Optional[Tensor] = None, **kwargs: Any
-    ) -> Union["FalkonModel", FalkonFantasyModel]:
+        self, X: Tensor, Y: Tensor, noise: Tensor | None = None, **kwargs: Any
+    ) -> FalkonModel | FalkonFantasyModel:
         """The model conditioned on ``(X, Y)`` (raw inputs and outcomes, as BoTorch passes them).
 
         Batched ``X`` (``batch x q x d``) or ``Y`` (``batch' x q x m``, e.g. from :meth:`fantasize`),
         or any call inside BoTorch's fantasize context, give a :class:`FalkonFantasyModel`: the exact
         closed-form conditioning of the fitted posterior on every batch of observations at once
-        (noise ``sigma^2``, or ``noise`` per observation). Non-batched ``(n', d)`` / ``(n', m)``
+        (noise ``sigma^2``, or ``noise`` per observation, in the outcome-transformed space as BoTorch
+        passes it). Non-batched ``(n', d)`` / ``(n', m)``
         observations give a new FalkonModel with the rows appended and refitted by FALKON (warm
         start; the same posterior as the closed form, and a full model to keep using)."""
         if not isinstance(X, Tensor) or not isinstance(Y, Tensor) or X.dim() < 2 or Y.dim() < 2:
             raise ValueError(f"X and Y must be tensors of shapes (..., q, d) and (..., q, m), got "
                              f"{getattr(X, 'shape', type(X))} and {getattr(Y, 'shape', type(Y))}")
+        # eval mode first: in train mode an input transform such as Normalize would re-learn its
+        # bounds from X (BoTorch reaches conditioning through posterior(), which sets eval mode)
+        self.eval()
         if X.dim() > 2 or Y.dim() > 2 or fantasize_flag.on():
             self._check_fitted()
             Xt = self.transform_inputs(X)  # differentiable: one-shot knowledge gradient needs d/dX
-            Yt, noise_t = Y, noise
-            if hasattr(self, "outcome_transform"):
-                Yt, noise_t = self.outcome_transform(Y, noise, X=Xt)  # eval mode: the fitted statistics
-            return FalkonFantasyModel(self, Xt, Yt, noise_t)
+            Yt = Y
+            if hasattr(self, "outcome_transform"):  # noise is in the transformed space already (BoTorch's convention)
+                Yt, _ = self.outcome_transform(Y, X=Xt)  # eval mode: the fitted statistics
+            return FalkonFantasyModel(self, Xt, Yt, noise)
         if noise is not None:
             raise NotImplementedError(
                 "FalkonModel refits with one homoskedastic noise sigma^2: per-observation noise is supported for "

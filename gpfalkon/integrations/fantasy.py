@@ -12,7 +12,7 @@ which a Nyström model does not have, hence this module.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, List, Optional, Union
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from botorch.models.model import FantasizeMixin, Model
@@ -58,7 +58,7 @@ class FalkonFantasyModel(Model, FantasizeMixin):
     closed form with ``q + q'`` rows).
     """
 
-    def __init__(self, base: "FalkonModel", X: Tensor, Y: Tensor, noise: Optional[Tensor] = None) -> None:
+    def __init__(self, base: FalkonModel, X: Tensor, Y: Tensor, noise: Tensor | None = None) -> None:
         """``X``: transformed fantasy inputs ``(batch_x..., q, d)``; ``Y``: transformed targets
         ``(batch_y..., q, m)``; ``noise``: their noise variances (transformed), broadcastable to ``Y``,
         or ``None`` for the model's ``sigma^2``."""
@@ -67,14 +67,21 @@ class FalkonFantasyModel(Model, FantasizeMixin):
         if X.dim() < 2 or X.shape[-1] != d:
             raise ValueError(f"X must have shape (..., q, {d}), got {tuple(X.shape)}")
         if Y.dim() < 2 or Y.shape[-1] != m or Y.shape[-2] != X.shape[-2]:
-            raise ValueError(f"Y must have shape (..., {X.shape[-2]}, {m}) to match X {tuple(X.shape)}, got {tuple(Y.shape)}")
+            raise ValueError(
+                f"Y must have shape (..., {X.shape[-2]}, {m}) to match X {tuple(X.shape)}, got {tuple(Y.shape)}"
+            )
         if not bool(torch.isfinite(X).all()) or not bool(torch.isfinite(Y).all()):
             raise ValueError("the fantasy observations X, Y contain NaN or Inf values")
         if noise is not None:
+            ok = noise.dim() >= 2
             try:
-                noise = noise.expand_as(Y) if noise.shape != Y.shape else noise
-            except RuntimeError as exc:
-                raise ValueError(f"noise must broadcast to Y's shape {tuple(Y.shape)}, got {tuple(noise.shape)}") from exc
+                ok = ok and torch.broadcast_shapes(noise.shape, Y.shape) == Y.shape
+            except RuntimeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"noise must broadcast to Y's shape {tuple(Y.shape)}, got {tuple(noise.shape)}")
+            # its own batch dims only: W and S need not be repeated over, e.g., the fantasy samples
+            noise = noise.expand(*noise.shape[:-2], *Y.shape[-2:])
             if not bool((noise > 0).all()):
                 raise ValueError("noise (the fantasy observations' variances) must be positive")
         self._base = [base]  # not a submodule: the fantasy model holds no parameters of its own
@@ -114,16 +121,23 @@ class FalkonFantasyModel(Model, FantasizeMixin):
         return self._batch_shape
 
     @property
-    def base_model(self) -> "FalkonModel":
+    def likelihood(self) -> Any:
+        """The base model's likelihood (noise ``sigma^2``): BoTorch's ``fantasize`` and
+        ``ModelListGP`` read it."""
+        return self.base_model.likelihood
+
+    @property
+    def base_model(self) -> FalkonModel:
         """The fitted model the fantasies condition."""
         return self._base[0]
 
-    def posterior(
+    # BoTorch's Model.posterior signature; FantasizeMixin declares an inconsistent one (*args)
+    def posterior(  # type: ignore[override]
         self,
         X: Tensor,
-        output_indices: Optional[List[int]] = None,
-        observation_noise: Union[bool, Tensor] = False,
-        posterior_transform: Optional[Any] = None,
+        output_indices: list[int] | None = None,
+        observation_noise: bool | Tensor = False,
+        posterior_transform: Any | None = None,
         **kwargs: Any,
     ) -> Any:
         """The conditioned posterior at ``X`` (``(batch..., p, d)``, broadcast with the model's
@@ -148,45 +162,61 @@ class FalkonFantasyModel(Model, FantasizeMixin):
             t = len(idx)
         dtype = X.dtype
         if t == 1:
-            mvn: MultivariateNormal = MultivariateNormal(mean[..., 0, :].to(dtype), DenseLinearOperator(covar[..., 0, :, :].to(dtype)))
+            mvn: MultivariateNormal = MultivariateNormal(
+                mean[..., 0, :].to(dtype), DenseLinearOperator(covar[..., 0, :, :].to(dtype))
+            )
         elif covar.shape[-3] == 1:  # one covariance shared by the outputs: C (x) I_t, interleaved
             eye_t = DiagLinearOperator(torch.ones(*covar.shape[:-3], t, dtype=dtype, device=X.device))
             mvn = MultitaskMultivariateNormal(
-                mean.mT.to(dtype), KroneckerProductLinearOperator(DenseLinearOperator(covar[..., 0, :, :].to(dtype)), eye_t),
+                mean.mT.to(dtype),
+                KroneckerProductLinearOperator(DenseLinearOperator(covar[..., 0, :, :].to(dtype)), eye_t),
                 interleaved=True,
             )
         else:
             mvn = MultitaskMultivariateNormal.from_independent_mvns(
-                [MultivariateNormal(mean[..., i, :].to(dtype), DenseLinearOperator(covar[..., i, :, :].to(dtype))) for i in range(t)]
+                [
+                    MultivariateNormal(mean[..., i, :].to(dtype), DenseLinearOperator(covar[..., i, :, :].to(dtype)))
+                    for i in range(t)
+                ]
             )
         posterior: Any = GPyTorchPosterior(mvn)
         if hasattr(base, "outcome_transform"):
             tf = base.outcome_transform
-            if output_indices is not None and t != self._num_outputs:
+            if output_indices is not None and list(output_indices) != list(range(self._num_outputs)):
                 tf = tf.subset_output(list(output_indices))
             posterior = tf.untransform_posterior(posterior)
         if posterior_transform is not None:
             posterior = posterior_transform(posterior)
         return posterior
 
-    def condition_on_observations(self, X: Tensor, Y: Tensor, noise: Optional[Tensor] = None, **kwargs: Any) -> "FalkonFantasyModel":
+    def condition_on_observations(
+        self, X: Tensor, Y: Tensor, noise: Tensor | None = None, **kwargs: Any
+    ) -> FalkonFantasyModel:
         """The base model conditioned on these fantasies and ``(X, Y)`` (raw inputs and targets,
         as BoTorch passes them): the fantasy sets grow by ``X.shape[-2]`` rows."""
         base = self.base_model
+        base.eval()  # an input transform in train mode would re-learn its bounds from X
         Xt = base.transform_inputs(X)
         Yt = Y
-        if hasattr(base, "outcome_transform"):
-            Yt, noise = base.outcome_transform(Y, noise, X=Xt)
-        if (noise is None) != (self._noise is None):
+        if hasattr(base, "outcome_transform"):  # noise is in the transformed space already (BoTorch's convention)
+            Yt, _ = base.outcome_transform(Y, X=Xt)
+        if noise is not None:
+            noise = noise.expand(*noise.shape[:-2], *Yt.shape[-2:]) if noise.dim() >= 2 else noise.expand_as(Yt)
+        old: Tensor | None
+        if (noise is None) != (self._noise is None):  # one of the two uses sigma^2: make it explicit
             v = self._v.to(Y.dtype)
-            noise = v.expand_as(Yt) if noise is None else noise
-            old = v.expand_as(self._Y) if self._noise is None else self._noise
+            noise = v.expand(*Yt.shape[-2:]) if noise is None else noise
+            old = v.expand(*self._Y.shape[-2:]) if self._noise is None else self._noise
         else:
             old = self._noise
-        shape = torch.broadcast_shapes(self._batch_shape, Xt.shape[:-2], Yt.shape[:-2])
-        cat = lambda a, b: torch.cat([a.expand(*shape, *a.shape[-2:]), b.expand(*shape, *b.shape[-2:])], -2)  # noqa: E731
+
+        def cat(a: Tensor, b: Tensor) -> Tensor:  # rows appended; batch dims broadcast, no more
+            batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+            return torch.cat([a.expand(*batch, *a.shape[-2:]), b.expand(*batch, *b.shape[-2:])], -2)
+
+        # old is a tensor whenever noise is (both made explicit above, or both given)
         return FalkonFantasyModel(
-            base, cat(self._X, Xt), cat(self._Y, Yt), None if noise is None else cat(old, noise)
+            base, cat(self._X, Xt), cat(self._Y, Yt), None if noise is None else cat(cast(Tensor, old), noise)
         )
 
     # ------------------------------------------------------------------ pieces

@@ -50,7 +50,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from gpytorch.kernels import Kernel
@@ -82,7 +82,9 @@ def _positive_int(name: str, value: Any, extra: str = "") -> int:
     except TypeError:
         out = 0
     if out < 1:
-        raise ValueError(f"FastfoodKernel: `{name}` must be a positive integer{' ' + extra if extra else ''}, got {value!r}")
+        raise ValueError(
+            f"FastfoodKernel: `{name}` must be a positive integer{' ' + extra if extra else ''}, got {value!r}"
+        )
     return out
 
 
@@ -179,9 +181,9 @@ class FastfoodKernel(Kernel):
     def __init__(
         self,
         num_samples: int,
-        num_dims: Optional[int] = None,
-        nu: Optional[float] = None,
-        generator: Optional[torch.Generator] = None,
+        num_dims: int | None = None,
+        nu: float | None = None,
+        generator: torch.Generator | None = None,
         **kwargs: Any,
     ) -> None:
         num_samples = _positive_int("num_samples", num_samples)
@@ -193,20 +195,20 @@ class FastfoodKernel(Kernel):
             raise ValueError(f"FastfoodKernel: `generator` must be a torch.Generator or None, got {type(generator)}")
         super().__init__(**kwargs)
         self.num_samples: int = num_samples
-        self.num_dims: Optional[int] = None
-        self.nu: Optional[float] = None if nu is None else float(nu)
-        self.generator: Optional[torch.Generator] = generator
+        self.num_dims: int | None = None
+        self.nu: float | None = None if nu is None else float(nu)
+        self.generator: torch.Generator | None = generator
         if num_dims is not None:
             self._init_weights(num_dims)
 
     # ------------------------------------------------------------------ sampling
     @property
-    def padded_dims(self) -> Optional[int]:
+    def padded_dims(self) -> int | None:
         """:math:`d'`, the next power of two >= ``num_dims`` (``None`` before initialisation)."""
         return None if self.num_dims is None else _next_power_of_two(self.num_dims)
 
     @property
-    def num_blocks(self) -> Optional[int]:
+    def num_blocks(self) -> int | None:
         """Number of stacked :math:`d' \\times d'` Fastfood blocks (``None`` before initialisation)."""
         dp = self.padded_dims
         return None if dp is None else -(-self.num_samples // dp)
@@ -236,7 +238,7 @@ class FastfoodKernel(Kernel):
         gauss = torch.randn(shape, dtype=f64, device=dev, generator=g)
         s = self._sample_chi2(shape, dp, dev).sqrt()  # chi_{d'} row norms
         if self.nu is not None:
-            u = self._sample_chi2(shape, int(round(2 * self.nu)), dev)
+            u = self._sample_chi2(shape, round(2 * self.nu), dev)
             s = s * torch.sqrt(2 * self.nu / u)
         scale = s / gauss.norm(dim=-1, keepdim=True)
 

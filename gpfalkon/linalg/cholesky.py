@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import warnings
-from typing import Tuple
 
 import torch
 from torch import Tensor
@@ -19,7 +18,7 @@ def jittered_cholesky(
     name: str = "K_MM",
     jitter: float | None = None,
     max_relative_jitter: float = 1e-2,
-) -> Tuple[Tensor, float]:
+) -> tuple[Tensor, float]:
     """Factor ``a + j I`` (float64) for the smallest ``j`` in an escalating schedule.
 
     The first try uses ``j = eps_64 * M * mean(diag(a))`` (FALKON's ``eps M``

@@ -15,8 +15,6 @@ iteration) and ``O(q M (d + t))`` to score ``q`` points.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import gpytorch
 import torch
 from gpytorch.kernels import Kernel
@@ -28,7 +26,9 @@ from .falkon_gp import FalkonGP
 __all__ = ["FalkonClassifier", "encode_labels"]
 
 
-def encode_labels(labels: Tensor, classes: Optional[Tensor] = None, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+def encode_labels(
+    labels: Tensor, classes: Tensor | None = None, dtype: torch.dtype = torch.float64
+) -> tuple[Tensor, Tensor]:
     """Coded targets for ``labels`` (``(n,)`` integer or float class labels).
 
     Returns ``(targets, classes)``: ``classes`` are the sorted distinct labels (or the
@@ -86,8 +86,11 @@ class FalkonClassifier(torch.nn.Module):
     the distinct labels of all ranks).
     """
 
-    def __init__(self, train_x: Tensor, labels: Tensor, kernel: Optional[Kernel] = None, *,
-                 classes: Optional[Tensor] = None, **falkon_kwargs) -> None:
+    classes: Tensor  # a buffer
+    model: FalkonGP
+
+    def __init__(self, train_x: Tensor, labels: Tensor, kernel: Kernel | None = None, *,
+                 classes: Tensor | None = None, **falkon_kwargs) -> None:
         super().__init__()
         if not isinstance(train_x, Tensor):
             raise TypeError(f"train_x must be a torch.Tensor, got {type(train_x).__name__}")
@@ -107,7 +110,7 @@ class FalkonClassifier(torch.nn.Module):
     def num_classes(self) -> int:
         return int(self.classes.numel())
 
-    def fit(self, **fit_kwargs) -> "FalkonClassifier":
+    def fit(self, **fit_kwargs) -> FalkonClassifier:
         """Fit the underlying GP (``fit_kwargs`` go to :meth:`FalkonGP.fit`); returns ``self``."""
         self.model.fit(**fit_kwargs)
         return self

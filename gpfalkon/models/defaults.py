@@ -9,8 +9,6 @@
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from gpytorch.constraints import Positive
 from gpytorch.kernels import Kernel, MaternKernel, ScaleKernel
@@ -20,7 +18,7 @@ __all__ = ["check_likelihood", "default_kernel", "default_likelihood"]
 
 
 def default_kernel(
-    ard_num_dims: int, *, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None
+    ard_num_dims: int, *, dtype: torch.dtype | None = None, device: torch.device | None = None
 ) -> Kernel:
     """``ScaleKernel(MaternKernel(nu=2.5, ard_num_dims=ard_num_dims))`` in ``dtype`` on ``device``."""
     if isinstance(ard_num_dims, bool) or not isinstance(ard_num_dims, int) or ard_num_dims < 1:
@@ -29,7 +27,7 @@ def default_kernel(
 
 
 def default_likelihood(
-    num_outputs: int = 1, *, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None
+    num_outputs: int = 1, *, dtype: torch.dtype | None = None, device: torch.device | None = None
 ) -> Likelihood:
     """A Gaussian likelihood with one shared noise (log-scale positivity), ``num_outputs`` tasks."""
     if isinstance(num_outputs, bool) or not isinstance(num_outputs, int) or num_outputs < 1:

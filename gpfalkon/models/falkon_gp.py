@@ -4,7 +4,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from collections.abc import Callable
+from typing import Any, cast
 
 import gpytorch
 import torch
@@ -16,13 +17,13 @@ from linear_operator.operators import DiagLinearOperator, KroneckerProductLinear
 from torch import Tensor
 
 from .._validation import (
-    is_row_source,
     check_center_weights,
     check_dtype,
     check_inputs,
     check_num_centers,
     check_penalty,
     check_targets,
+    is_row_source,
 )
 from ..backend.passes import is_sharded, reduce_rows, total_rows
 from ..centers import CenterSelector, FixedCenters, LeverageCenters, UniformCenters, default_num_centers
@@ -44,16 +45,16 @@ _LEVERAGE_OPTIONS = frozenset(
 
 def _center_selector(
     train_x: Tensor,
-    num_centers: Optional[int],
-    centers: Optional[Tensor],
-    center_selection: Union[str, CenterSelector],
-    center_weights: Optional[Tensor],
-    leverage_options: Optional[Dict[str, Any]],
-    generator: Optional[torch.Generator],
+    num_centers: int | None,
+    centers: Tensor | None,
+    center_selection: str | CenterSelector,
+    center_weights: Tensor | None,
+    leverage_options: dict[str, Any] | None,
+    generator: torch.Generator | None,
     seed: int,
-    backend: Optional[Any] = None,
-    n_total: Optional[int] = None,
-) -> Tuple[CenterSelector, Optional[int]]:
+    backend: Any | None = None,
+    n_total: int | None = None,
+) -> tuple[CenterSelector, int | None]:
     """FalkonGP's center arguments as one :class:`~gpfalkon.centers.CenterSelector` and ``M``."""
     is_selector = not isinstance(center_selection, str)
     if is_selector and not callable(center_selection):
@@ -62,7 +63,9 @@ def _center_selector(
             f"(x, num_centers, kernel=, penalty=) -> CenterSelection), got {center_selection!r}"
         )
     if not is_selector and center_selection not in ("uniform", "leverage"):
-        raise ValueError(f"center_selection must be 'uniform', 'leverage' or a CenterSelector, got {center_selection!r}")
+        raise ValueError(
+            f"center_selection must be 'uniform', 'leverage' or a CenterSelector, got {center_selection!r}"
+        )
     if leverage_options is not None:
         if not isinstance(leverage_options, dict):
             raise TypeError(f"leverage_options must be a dict, got {type(leverage_options).__name__}")
@@ -70,7 +73,9 @@ def _center_selector(
             raise ValueError("leverage_options only applies with center_selection='leverage'")
         unknown = set(leverage_options) - _LEVERAGE_OPTIONS
         if unknown:
-            raise ValueError(f"leverage_options: unknown option(s) {sorted(unknown)}; allowed: {sorted(_LEVERAGE_OPTIONS)}")
+            raise ValueError(
+                f"leverage_options: unknown option(s) {sorted(unknown)}; allowed: {sorted(_LEVERAGE_OPTIONS)}"
+            )
     if centers is not None and num_centers is not None:
         raise ValueError("give either centers or num_centers, not both")
     if centers is not None and center_selection != "uniform":
@@ -116,7 +121,7 @@ _EXACT_MLL_MESSAGE = (
 class _PriorMixin:
     """A train-mode prior that refuses the exact ``log_prob`` (see ``_EXACT_MLL_MESSAGE``)."""
 
-    def log_prob(self, value: Tensor) -> Tensor:  # type: ignore[override]
+    def log_prob(self, value: Tensor) -> Tensor:
         raise RuntimeError(_EXACT_MLL_MESSAGE)
 
 
@@ -174,7 +179,8 @@ class FalkonGP(gpytorch.models.GP):
             (:func:`~gpfalkon.centers.leverage_centers`, BLESS scores, ``O(n M_J^2)``,
             ``M_J ~ 5 d_eff``) with the preconditioner weights ``D`` of FALKON's
             appendix A (by default their unbiased form ``sqrt(M count_j / (n R p_j))``;
-            ``leverage_options={"weighting": "paper"}`` gives ``1 / sqrt(n p_j count_j)``). The scores depend on ``lambda`` and on the kernel: they are
+            ``leverage_options={"weighting": "paper"}`` gives ``1 / sqrt(n p_j count_j)``).
+            The scores depend on ``lambda`` and on the kernel: they are
             computed *once, here*, at the initial penalty and kernel hyperparameters;
             the centers and weights are not re-drawn when those change later (call
             :func:`~gpfalkon.centers.leverage_centers` again and build a new model).
@@ -220,31 +226,38 @@ class FalkonGP(gpytorch.models.GP):
             objectives see ``y - c``. Stored as the buffer ``mean_constant``.
     """
 
+    # buffers (register_buffer)
+    center_weights: Tensor | None
+    mean_constant: Tensor
+    alpha: Tensor
+    fitted: Tensor
+    data_fingerprint: Tensor
+
     def __init__(
         self,
         train_x: Tensor,
         train_y: Tensor,
-        kernel: Optional[Kernel] = None,
+        kernel: Kernel | None = None,
         *,
-        num_centers: Optional[int] = None,
-        centers: Optional[Tensor] = None,
-        penalty: Optional[float | Tensor] = None,
-        likelihood: Optional[Likelihood] = None,
+        num_centers: int | None = None,
+        centers: Tensor | None = None,
+        penalty: float | Tensor | None = None,
+        likelihood: Likelihood | None = None,
         learn_centers: bool = False,
-        center_selection: Union[str, CenterSelector] = "uniform",
-        center_weights: Optional[Tensor] = None,
-        leverage_options: Optional[Dict[str, Any]] = None,
-        generator: Optional[torch.Generator] = None,
+        center_selection: str | CenterSelector = "uniform",
+        center_weights: Tensor | None = None,
+        leverage_options: dict[str, Any] | None = None,
+        generator: torch.Generator | None = None,
         seed: int = 0,
-        max_iter: Optional[int] = None,
-        tol: Optional[float] = None,
-        memory_budget: Optional[int] = None,
-        block_rows: Optional[int] = None,
-        store_kernel: Optional[bool] = None,
+        max_iter: int | None = None,
+        tol: float | None = None,
+        memory_budget: int | None = None,
+        block_rows: int | None = None,
+        store_kernel: bool | None = None,
         verbose: bool = False,
         predict_chunk_size: int = 4096,
         mean_constant: float | Tensor = 0.0,
-        options: Optional[FalkonOptions] = None,
+        options: FalkonOptions | None = None,
     ) -> None:
         super().__init__()
         sharded = options is not None and is_sharded(getattr(options, "backend", None))
@@ -261,7 +274,7 @@ class FalkonGP(gpytorch.models.GP):
             if p.device != train_x.device:
                 raise ValueError(f"kernel parameter {name} is on {p.device} but train_x is on {train_x.device}")
         self.kernel = kernel
-        self.train_inputs: Tuple[Tensor, ...] = (train_x,)
+        self.train_inputs: tuple[Tensor, ...] = (train_x,)
         self.train_targets: Tensor = train_y
         self._num_outputs = 1 if train_y.dim() == 1 else int(train_y.shape[1])
 
@@ -310,7 +323,7 @@ class FalkonGP(gpytorch.models.GP):
                     )
         self.likelihood = likelihood
         if penalty is not None:
-            self.penalty = penalty  # type: ignore[assignment]
+            self.penalty = penalty
         sel = selector(train_x, m, kernel=kernel, penalty=self.penalty.detach())
         c, weights = sel.centers, sel.weights
         if (
@@ -368,12 +381,12 @@ class FalkonGP(gpytorch.models.GP):
         self.register_buffer("fitted", torch.tensor(False, device=train_x.device))
         # value fingerprint of the training data alpha was fitted on (persists in state_dict)
         self.register_buffer("data_fingerprint", torch.zeros(6, dtype=torch.float64, device=train_x.device))
-        self.fit_info: Optional[CGInfo] = None
+        self.fit_info: CGInfo | None = None
         self._fit_tracker = FitTracker()
-        self._factors: Optional[NystromPosteriorFactors] = None
+        self._factors: NystromPosteriorFactors | None = None
         self.register_load_state_dict_post_hook(FalkonGP._after_load)
 
-    def __setstate__(self, state: Dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         # models pickled before FalkonOptions / FitTracker existed kept the options as
         # attributes and the fit snapshot inline: rebuild both (the fit revalidates by value)
         if "options" not in state:
@@ -421,7 +434,9 @@ class FalkonGP(gpytorch.models.GP):
         try:
             self.likelihood.noise = noise.to(self.likelihood.raw_noise.dtype)
         except RuntimeError as exc:  # the likelihood's constraint cannot hold it
-            raise ValueError(f"penalty={float(value):g} (noise {float(noise):g}) violates the likelihood's noise constraint: {exc}") from exc
+            raise ValueError(
+                f"penalty={float(value):g} (noise {float(noise):g}) violates the likelihood's noise constraint: {exc}"
+            ) from exc
 
     # the FalkonOptions fields, readable and assignable as attributes (as before FalkonOptions)
     max_iter = option_property("max_iter", settable=True)
@@ -463,11 +478,11 @@ class FalkonGP(gpytorch.models.GP):
         *,
         warm_start: bool = False,
         compute_variance: bool = False,
-        callback: Optional[Callable[[int, Tensor, Tensor], None]] = None,
-        tol: Optional[float] = None,
-        max_iter: Optional[int] = None,
-        verbose: Optional[bool] = None,
-    ) -> "FalkonGP":
+        callback: Callable[[int, Tensor, Tensor], None] | None = None,
+        tol: float | None = None,
+        max_iter: int | None = None,
+        verbose: bool | None = None,
+    ) -> FalkonGP:
         """Solve ``H alpha = K_Mn y`` by FALKON and store ``alpha``; returns ``self``.
 
         ``warm_start`` starts CG from the previous ``alpha`` (one more data pass,
@@ -491,7 +506,7 @@ class FalkonGP(gpytorch.models.GP):
         return self
 
     # ------------------------------------------------ is the fit still valid?
-    def _fit_dependencies(self) -> List[Tensor]:
+    def _fit_dependencies(self) -> list[Tensor]:
         """Everything alpha depends on except the data: kernel, centers, noise, constant mean."""
         return [
             *self.kernel.parameters(),
@@ -501,7 +516,7 @@ class FalkonGP(gpytorch.models.GP):
             self.mean_constant,
         ]
 
-    def _fit_data(self) -> Tuple[Tensor, Tensor]:
+    def _fit_data(self) -> tuple[Tensor, Tensor]:
         return self.train_inputs[0], self.train_targets
 
     def _mark_fitted(self) -> None:
@@ -518,7 +533,7 @@ class FalkonGP(gpytorch.models.GP):
             self._fit_dependencies(), self._fit_data(), self.data_fingerprint, reduce=self._row_sum
         )
 
-    def _apply(self, fn, *args, **kwargs):  # type: ignore[override]
+    def _apply(self, fn, *args, **kwargs):
         # .to(device / dtype), .double(), .cuda() ... move the training data too (as
         # ExactGP does); a fit that was valid stays valid; alpha and the fingerprint
         # stay float64 (predictions are computed in float64).
@@ -527,7 +542,8 @@ class FalkonGP(gpytorch.models.GP):
         mean_c = self.mean_constant  # likewise
         super()._apply(fn, *args, **kwargs)
         # a row source (rows on disk) stays where it is: its blocks are read onto the engine's device
-        self.train_inputs = tuple(t if is_row_source(t) else fn(t) for t in self.train_inputs)
+        # (a row source stands in for a tensor in train_inputs)
+        self.train_inputs = tuple(cast(Tensor, t) if is_row_source(t) else fn(t) for t in self.train_inputs)
         self.train_targets = fn(self.train_targets)
         self.alpha = self.alpha.to(torch.float64)
         self.mean_constant = mean_c.to(device=self.alpha.device, dtype=torch.float64)
@@ -541,7 +557,7 @@ class FalkonGP(gpytorch.models.GP):
             self._fit_tracker.forget()
         return self
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:  # type: ignore[override]
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         # ``fitted`` in a saved state means "alpha solves the saved hyperparameters": a fit made stale
         # by later hyperparameter changes is saved as unfitted (no stale alpha after loading)
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -592,7 +608,7 @@ class FalkonGP(gpytorch.models.GP):
                 missing_keys.remove(m_key)
 
     @staticmethod
-    def _after_load(module: "FalkonGP", incompatible_keys) -> None:
+    def _after_load(module: FalkonGP, incompatible_keys) -> None:
         module._factors = None
         module._fit_tracker.forget()
         if not bool(module.fitted):
@@ -608,7 +624,7 @@ class FalkonGP(gpytorch.models.GP):
                 stacklevel=2,
             )
 
-    def set_train_data(self, inputs: Optional[Tensor] = None, targets: Optional[Tensor] = None,
+    def set_train_data(self, inputs: Tensor | None = None, targets: Tensor | None = None,
                        strict: bool = False) -> None:
         """Replace the training data (centers unchanged), as ``ExactGP.set_train_data``:
         ``None`` keeps the current inputs / targets; ``strict=True`` requires the new ones to have
@@ -647,7 +663,9 @@ class FalkonGP(gpytorch.models.GP):
         if inputs.device != self.centers.device or targets.device != inputs.device:
             raise ValueError(f"inputs and targets must be on {self.centers.device}")
         if targets.dim() != self.train_targets.dim() or (targets.dim() == 2 and targets.shape[1] != self._num_outputs):
-            raise ValueError(f"targets must keep the shape convention of train_y ({tuple(self.train_targets.shape[1:])})")
+            raise ValueError(
+                f"targets must keep the shape convention of train_y ({tuple(self.train_targets.shape[1:])})"
+            )
         pen = self.penalty.detach().clone()
         n_new = total_rows(self.options.backend, inputs)
         if n_new == 0:
@@ -694,7 +712,7 @@ class FalkonGP(gpytorch.models.GP):
         if not bool(torch.isfinite(x).all()):
             raise ValueError("x contains NaN or Inf values")
 
-    def __call__(self, x: Tensor, **kwargs) -> MultivariateNormal:  # type: ignore[override]
+    def __call__(self, x: Tensor, **kwargs) -> MultivariateNormal:
         if x.dim() == 1:
             x = x.unsqueeze(-1)
         self._check_test_inputs(x)

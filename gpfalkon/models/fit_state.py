@@ -13,7 +13,7 @@ constant mean and the training data. :class:`FitTracker` records, at fit time,
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -26,7 +26,7 @@ Reduce = Callable[[Tensor], Tensor]
 
 
 def data_fingerprint(
-    x: Tensor, y: Tensor, device: Optional[torch.device] = None, reduce: Optional[Callable[[Tensor], Tensor]] = None
+    x: Tensor, y: Tensor, device: torch.device | None = None, reduce: Callable[[Tensor], Tensor] | None = None
 ) -> Tensor:
     """``[n, d, sum x, ||x||, sum y, ||y||]`` in float64: ``O(n d)``.
 
@@ -66,10 +66,10 @@ class FitTracker:
     ``data = (x, y)``."""
 
     def __init__(self) -> None:
-        self.snapshot: Optional[List[Tensor]] = None
-        self.data_key: Optional[tuple] = None
+        self.snapshot: list[Tensor] | None = None
+        self.data_key: tuple | None = None
 
-    def mark(self, hyper: Sequence[Tensor], data: Tuple[Tensor, Tensor], reduce: Optional[Reduce] = None) -> Tensor:
+    def mark(self, hyper: Sequence[Tensor], data: tuple[Tensor, Tensor], reduce: Reduce | None = None) -> Tensor:
         """Record the current state as fitted; returns the data fingerprint to store
         (``reduce``: see :func:`data_fingerprint`)."""
         self.snapshot = [t.detach().clone() for t in hyper]
@@ -87,7 +87,9 @@ class FitTracker:
         self.snapshot = [t.detach().clone() for t in hyper]
         self.data_key = None
 
-    def data_changed(self, data: Tuple[Tensor, Tensor], stored_fingerprint: Tensor, reduce: Optional[Reduce] = None) -> bool:
+    def data_changed(
+        self, data: tuple[Tensor, Tensor], stored_fingerprint: Tensor, reduce: Reduce | None = None
+    ) -> bool:
         """Have the training data changed since the fit that stored ``stored_fingerprint``?"""
         if self.data_key is not None and self.data_key == _identity(data):
             return False
@@ -97,14 +99,14 @@ class FitTracker:
             self.data_key = _identity(data)
         return not same
 
-    def stale(self, hyper: Sequence[Tensor], data: Tuple[Tensor, Tensor], stored_fingerprint: Tensor,
-              reduce: Optional[Reduce] = None) -> bool:
+    def stale(self, hyper: Sequence[Tensor], data: tuple[Tensor, Tensor], stored_fingerprint: Tensor,
+              reduce: Reduce | None = None) -> bool:
         """Has anything the fit depends on changed (or was nothing recorded)?"""
         if self.snapshot is None:
             return True
         if len(hyper) != len(self.snapshot) or any(
             a.shape != b.shape or not torch.equal(a.detach(), b.to(device=a.device, dtype=a.dtype))
-            for a, b in zip(hyper, self.snapshot)
+            for a, b in zip(hyper, self.snapshot, strict=False)
         ):
             return True
         return self.data_changed(data, stored_fingerprint, reduce=reduce)

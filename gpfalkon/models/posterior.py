@@ -1,7 +1,8 @@
 """The SGPR/DTC posterior (docs/math.md §4): its factors, its chunked mean and its lazy covariance."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Tuple
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from gpytorch.kernels import Kernel
@@ -40,7 +41,7 @@ class NystromPosteriorFactors:
         self.LB = LB
 
     @classmethod
-    def compute(cls, op: NystromKRROperator) -> "NystromPosteriorFactors":
+    def compute(cls, op: NystromKRROperator) -> NystromPosteriorFactors:
         v = op.n * float(op.penalty.detach())
         L, _ = jittered_cholesky(op.kmm, upper=False, name="K_MM")
         bmat = op.engine.whitened_gram(L).div_(v)
@@ -64,7 +65,9 @@ class NystromPosteriorCovariance(LinearOperator):
     the dtype of ``x``. Differentiable w.r.t. ``x`` (and the kernel's parameters).
     """
 
-    def __init__(self, x: Tensor, centers: Tensor, L: Tensor, LB: Tensor, *, kernel: Kernel, chunk_size: int = 4096) -> None:
+    def __init__(
+        self, x: Tensor, centers: Tensor, L: Tensor, LB: Tensor, *, kernel: Kernel, chunk_size: int = 4096
+    ) -> None:
         super().__init__(x, centers, L, LB, kernel=kernel, chunk_size=chunk_size)
         self.x = x
         self.centers = centers
@@ -74,10 +77,10 @@ class NystromPosteriorCovariance(LinearOperator):
         self.chunk_size = int(chunk_size)
 
     # ------------------------------------------------------------------ pieces
-    def _chunks(self) -> Iterator[Tuple[int, int]]:
+    def _chunks(self) -> Iterator[tuple[int, int]]:
         return row_blocks(self.x.shape[-2], self.chunk_size)
 
-    def _roots(self, xs: Tensor) -> Tuple[Tensor, Tensor]:
+    def _roots(self, xs: Tensor) -> tuple[Tensor, Tensor]:
         return posterior_roots(self.kernel, xs, self.centers, self.L, self.LB)
 
     # ------------------------------------------------------- LinearOperator API
@@ -85,7 +88,7 @@ class NystromPosteriorCovariance(LinearOperator):
         q = self.x.shape[-2]
         return torch.Size((*self.x.shape[:-2], q, q))
 
-    def _transpose_nonbatch(self) -> "NystromPosteriorCovariance":
+    def _transpose_nonbatch(self) -> NystromPosteriorCovariance:
         return self
 
     def _diagonal(self) -> Tensor:
@@ -124,6 +127,7 @@ class NystromPosteriorCovariance(LinearOperator):
         for s, e in self._chunks():
             xs = self.x[..., s:e, :].to(torch.float64)
             a, c = self._roots(self.x[..., s:e, :])
+            assert ar is not None and cr is not None  # pass 1 ran over the same (non-empty) chunks
             row = c.mT @ cr - a.mT @ ar
             for s2, e2 in self._chunks():
                 row = row + self.kernel(xs, x64[..., s2:e2, :]).to_dense() @ r[..., s2:e2, :]
@@ -131,17 +135,17 @@ class NystromPosteriorCovariance(LinearOperator):
         out = torch.cat(rows, -2).to(rhs.dtype if rhs.is_floating_point() else self.x.dtype)
         return out.squeeze(-1) if vec else out
 
-    def _expand_batch(self, batch_shape: torch.Size) -> "NystromPosteriorCovariance":
+    def _expand_batch(self, batch_shape: torch.Size) -> NystromPosteriorCovariance:
         x = self.x.expand(*batch_shape, *self.x.shape[-2:])
         return self.__class__(x, self.centers, self.L, self.LB, kernel=self.kernel, chunk_size=self.chunk_size)
 
-    def _unsqueeze_batch(self, dim: int) -> "NystromPosteriorCovariance":
+    def _unsqueeze_batch(self, dim: int) -> NystromPosteriorCovariance:
         x = self.x.unsqueeze(dim)
         return self.__class__(x, self.centers, self.L, self.LB, kernel=self.kernel, chunk_size=self.chunk_size)
 
     # The batch dimensions are those of x alone (centers and factors are shared): linear_operator's
     # generic batch operations would apply to every tensor argument.
-    def _permute_batch(self, *dims: int) -> "NystromPosteriorCovariance":
+    def _permute_batch(self, *dims: int) -> NystromPosteriorCovariance:
         x = self.x.permute(*dims, self.x.dim() - 2, self.x.dim() - 1)
         return self.__class__(x, self.centers, self.L, self.LB, kernel=self.kernel, chunk_size=self.chunk_size)
 
@@ -152,7 +156,7 @@ class NystromPosteriorCovariance(LinearOperator):
         return super()._getitem(row_index, col_index, *batch_indices)
 
 
-def posterior_roots(kernel: Kernel, xs: Tensor, centers: Tensor, L: Tensor, LB: Tensor) -> Tuple[Tensor, Tensor]:
+def posterior_roots(kernel: Kernel, xs: Tensor, centers: Tensor, L: Tensor, LB: Tensor) -> tuple[Tensor, Tensor]:
     r"""``a = L^{-1} K_M*`` and ``c = L_B^{-1} a`` (float64, ``(..., M, q)``) for test inputs ``xs``
     (``(..., q, d)``), with the factors of :class:`NystromPosteriorFactors`: ``O(q M (M + d))``.
     Differentiable w.r.t. ``xs`` and the kernel's parameters."""
@@ -174,7 +178,7 @@ def posterior_roots(kernel: Kernel, xs: Tensor, centers: Tensor, L: Tensor, LB: 
 
 
 def nystrom_posterior_mean(
-    kernel: Kernel, x: Tensor, centers: Tensor, alpha: Tensor, chunk_size: int, backend: Optional[Any] = None
+    kernel: Kernel, x: Tensor, centers: Tensor, alpha: Tensor, chunk_size: int, backend: Any | None = None
 ) -> Tensor:
     """``K_*M alpha`` (docs/math.md §4; the constant mean not added), float64 ``(..., q, t)``.
 

@@ -4,5 +4,17 @@ from .exact import GCV, LOOCV, CompReg, HoldOut, NystromCompReg, SGPRBound
 from .mll import OBJECTIVE_NAMES, NystromMarginalLogLikelihood
 from .stochastic import StochasticNystromCompReg, nystrom_quadratic_forms
 
-__all__ = ["CompReg", "GCV", "HoldOut", "LOOCV", "NystromAggregates", "NystromCompReg", "NystromMarginalLogLikelihood",
-           "NystromObjective", "OBJECTIVE_NAMES", "SGPRBound", "StochasticNystromCompReg", "nystrom_quadratic_forms"]
+__all__ = [
+           "GCV",
+           "LOOCV",
+           "OBJECTIVE_NAMES",
+           "CompReg",
+           "HoldOut",
+           "NystromAggregates",
+           "NystromCompReg",
+           "NystromMarginalLogLikelihood",
+           "NystromObjective",
+           "SGPRBound",
+           "StochasticNystromCompReg",
+           "nystrom_quadratic_forms",
+]

@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..backend.blocks import AGGREGATE, block_rows_for
-from ..backend.passes import backend_pass, is_sharded, reduce_rows
 from ..backend.engine import kernel_block
+from ..backend.passes import backend_pass, is_sharded, reduce_rows
 from ..linalg import jittered_cholesky
 
-__all__ = ["NystromObjective", "NystromAggregates"]
+__all__ = ["NystromAggregates", "NystromObjective"]
 
 
 @dataclass
@@ -56,7 +57,7 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
             capped by the model's ``memory_budget``, :mod:`gpfalkon.backend.blocks`).
     """
 
-    def __init__(self, model, *, block_rows: Optional[int] = None) -> None:
+    def __init__(self, model, *, block_rows: int | None = None) -> None:
         super().__init__()
         self.model = model
         if block_rows is not None and int(block_rows) < 1:
@@ -64,7 +65,7 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
         self.block_rows = block_rows
 
     # ----------------------------------------------------------------- data
-    def _data(self) -> Tuple[Tensor, Tensor]:
+    def _data(self) -> tuple[Tensor, Tensor]:
         x = self.model.train_inputs[0]
         centered = getattr(self.model, "centered_targets", None)
         if centered is not None:  # y - mean_constant
@@ -108,18 +109,20 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
             self.model.kernel, x, y, self.model.centers, L, self._rows(x.shape[0])
         )
         yy, n = self.reduce(y.square().sum(0), torch.tensor(float(x.shape[0]), dtype=torch.float64, device=x.device))
-        return NystromAggregates(L=L, AAt=agg.AAt, AY=agg.AY, tr_ktilde=agg.tr_ktilde, tr_knn=agg.tr_knn, yy=yy, n=int(n))
+        return NystromAggregates(
+            L=L, AAt=agg.AAt, AY=agg.AY, tr_ktilde=agg.tr_ktilde, tr_knn=agg.tr_knn, yy=yy, n=int(n)
+        )
 
     def for_each_block(
         self, x: Tensor, L: Tensor, fn: Callable[[Tensor, int, int], Tensor]
-    ) -> List[Tensor]:
+    ) -> list[Tensor]:
         """Apply ``fn(A_b, start, stop)`` (checkpointed) to every block ``A_b = L^{-1} K_Mb``."""
         return self.backend_pass("map_whitened_blocks")(
             self.model.kernel, x, self.model.centers, L, fn, self._rows(x.shape[0])
         )
 
     @property
-    def backend(self) -> Optional[Any]:
+    def backend(self) -> Any | None:
         """The model's data backend (``model.options.backend``; ``None``: in memory)."""
         return getattr(getattr(self.model, "options", None), "backend", None)
 
@@ -127,7 +130,7 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
         """The data pass ``name`` of the model's backend (``model.options.backend``), else the in-memory one."""
         return backend_pass(self.backend, name)
 
-    def reduce(self, *tensors: Tensor, anchor: Optional[Tensor] = None) -> List[Tensor]:
+    def reduce(self, *tensors: Tensor, anchor: Tensor | None = None) -> list[Tensor]:
         """Sums over this process's rows completed over every shard (identity in one process;
         a differentiable collective with a sharded backend: every rank must call it)."""
         return reduce_rows(self.backend, *tensors, anchor=anchor)
@@ -168,14 +171,14 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
             return joint(self, self.objective)
         return self.objective()
 
-    def minimize(self, steps: int, lr: float = 0.05, optimizer: Optional[torch.optim.Optimizer] = None) -> List[float]:
+    def minimize(self, steps: int, lr: float = 0.05, optimizer: torch.optim.Optimizer | None = None) -> list[float]:
         """Run ``steps`` optimiser steps on the model's parameters (Adam with ``lr`` unless
         ``optimizer`` is given); returns the objective values seen. The usual GPyTorch loop
         works just as well: this is the loop, written once."""
         if int(steps) < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         opt = optimizer if optimizer is not None else torch.optim.Adam(self.model.parameters(), lr=lr)
-        values: List[float] = []
+        values: list[float] = []
         for _ in range(int(steps)):
             opt.zero_grad()
             loss = self()

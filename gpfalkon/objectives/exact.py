@@ -7,7 +7,7 @@ exactly the formulas of docs/math.md §5.2, the ones of the paper's reference im
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -15,7 +15,7 @@ from torch import Tensor
 from ..backend.passes import is_sharded
 from .base import NystromObjective
 
-__all__ = ["CompReg", "NystromCompReg", "GCV", "LOOCV", "HoldOut", "SGPRBound"]
+__all__ = ["GCV", "LOOCV", "CompReg", "HoldOut", "NystromCompReg", "SGPRBound"]
 
 
 class CompReg(NystromObjective):
@@ -91,7 +91,7 @@ class LOOCV(NystromObjective):
             return (r / (1 - s_ii).unsqueeze(-1)).square().sum(0)
 
         local = self.for_each_block(x, L, block)
-        total = sum(local) if local else torch.zeros(y.shape[-1], dtype=L.dtype, device=L.device)
+        total = cast(Tensor, sum(local)) if local else torch.zeros(y.shape[-1], dtype=L.dtype, device=L.device)
         # an empty shard ties its zero to everything the blocks would have used, so that its
         # backward pass reaches the same collectives as the other ranks'
         (total,) = self.reduce(total, anchor=None if local else (L.sum() + LB.sum() + w.sum()) * 0.0)
@@ -117,21 +117,21 @@ class HoldOut(NystromObjective):
         model,
         *,
         val_fraction: float = 0.5,
-        generator: Optional[torch.Generator] = None,
+        generator: torch.Generator | None = None,
         redraw: bool = False,
-        block_rows: Optional[int] = None,
+        block_rows: int | None = None,
     ) -> None:
         super().__init__(model, block_rows=block_rows)
         if not (0.0 < float(val_fraction) < 1.0):
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
         n = model.n
-        self.n_val = int(round(n * float(val_fraction)))
+        self.n_val = round(n * float(val_fraction))
         if self.n_val < 1 or self.n_val > n - 1:
             raise ValueError(f"val_fraction={val_fraction} leaves an empty part with n={n}")
         dev = model.train_inputs[0].device
         self.generator = generator if generator is not None else torch.Generator(device=dev).manual_seed(0)
         self.redraw = bool(redraw)
-        self._perm: Optional[Tensor] = None
+        self._perm: Tensor | None = None
 
     def split(self) -> tuple[Tensor, Tensor]:
         """``(train_idx, val_idx)``: the current split."""

@@ -1,8 +1,8 @@
 """The objectives as GPyTorch marginal-log-likelihood objects (for ``fit_gpytorch_mll`` and GPyTorch loops).
 
 :class:`NystromMarginalLogLikelihood` wraps one :mod:`gpfalkon.objectives` objective as a
-:class:`gpytorch.mlls.MarginalLogLikelihood`: ``mll(output, train_y) = (-objective() + log-priors) / n``
-(per data point, with the log-priors of the parameters, as GPyTorch's MLLs). The ``output``
+:class:`gpytorch.mlls.MarginalLogLikelihood`: ``mll(output, train_y) = (-objective() + log-priors) / (n t)``
+(per observation, with the log-priors of the parameters for the SGPR bound, as GPyTorch's MLLs). The ``output``
 argument (the model's train-mode output) is not used: every objective reads the model's kernel, penalty, centers and
 training data itself. So both
 
@@ -24,7 +24,7 @@ output (the ``n x n`` prior): for a Nyström model that is the wrong objective a
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Type, Union
+from typing import Any
 
 import torch
 from gpytorch.mlls import MarginalLogLikelihood
@@ -34,10 +34,10 @@ from .base import NystromObjective
 from .exact import GCV, LOOCV, CompReg, HoldOut, NystromCompReg, SGPRBound
 from .stochastic import StochasticNystromCompReg
 
-__all__ = ["NystromMarginalLogLikelihood", "OBJECTIVE_NAMES"]
+__all__ = ["OBJECTIVE_NAMES", "NystromMarginalLogLikelihood"]
 
 #: the names ``objective=`` accepts
-OBJECTIVE_NAMES: Dict[str, Type[NystromObjective]] = {
+OBJECTIVE_NAMES: dict[str, type[NystromObjective]] = {
     "sgpr": SGPRBound,
     "gcv": GCV,
     "compreg": CompReg,
@@ -49,11 +49,14 @@ OBJECTIVE_NAMES: Dict[str, Type[NystromObjective]] = {
 
 
 class NystromMarginalLogLikelihood(MarginalLogLikelihood):
-    """``(-objective() + sum of log-priors) / n`` as a GPyTorch MLL (see the module docstring).
+    """``(-objective() [+ sum of log-priors]) / (n t)`` as a GPyTorch MLL (see the module docstring).
 
-    As in GPyTorch's ``ExactMarginalLogLikelihood``, the log-densities of the priors registered
-    on the model's and likelihood's parameters (and any added loss terms) are added before the
-    division by ``n``: a model without priors gets ``-objective() / n``.
+    As in GPyTorch's ``ExactMarginalLogLikelihood``, the result is per observation (divided by
+    ``n t`` for ``t`` outputs) and, for the SGPR bound (a bound on the log marginal likelihood),
+    the log-densities of the priors registered on the model's and likelihood's parameters (and any
+    added loss terms) are added before the division: maximising it is MAP estimation. The other
+    objectives are validation errors or regularised risks, to which log-priors do not belong:
+    their priors are not added unless ``add_priors=True``.
 
     Args:
         likelihood: the model's likelihood (``model.likelihood``).
@@ -62,11 +65,12 @@ class NystromMarginalLogLikelihood(MarginalLogLikelihood):
             whose value per point is GPyTorch SGPR's loss), an objective class, or an objective
             built on ``model``.
         refit: refit the model by FALKON when the MLL goes to eval mode (default ``True``).
+        add_priors: add the parameters' log-priors (default: for the SGPR bound only).
         objective_kwargs: options of the objective class (``num_trace_vectors``, ...).
     """
 
-    def __init__(self, likelihood: Any, model: Any, objective: Union[str, Type[NystromObjective], NystromObjective] = "sgpr",
-                 *, refit: bool = True, **objective_kwargs: Any) -> None:
+    def __init__(self, likelihood: Any, model: Any, objective: str | type[NystromObjective] | NystromObjective = "sgpr",
+                 *, refit: bool = True, add_priors: bool | None = None, **objective_kwargs: Any) -> None:
         super().__init__(likelihood, model)
         if likelihood is not getattr(model, "likelihood", None):
             raise ValueError("likelihood must be the model's own likelihood (model.likelihood)")
@@ -84,10 +88,14 @@ class NystromMarginalLogLikelihood(MarginalLogLikelihood):
             obj = cls(model, **objective_kwargs)
         self.objective = obj
         self.refit = bool(refit)
+        # log-priors belong with a (bound on the) negative log-likelihood, i.e. a MAP objective; added
+        # to a validation error (GCV, LOOCV, HoldOut) or a complexity-regularised risk they would mix
+        # units and, on O(1) errors, dominate them
+        self.add_priors = isinstance(obj, SGPRBound) if add_priors is None else bool(add_priors)
 
     def forward(self, function_dist: Any, target: Tensor, *params: Any, **kwargs: Any) -> Tensor:
-        """``-objective() / n``; ``target`` must be the model's training targets (the objective is
-        computed on them)."""
+        """``(-objective() [+ log-priors]) / (n t)``; ``target`` must be the model's training targets
+        (the objective is computed on them)."""
         want = self.model.train_targets
         if not isinstance(target, Tensor) or target.numel() != want.numel():
             raise ValueError(
@@ -96,14 +104,15 @@ class NystromMarginalLogLikelihood(MarginalLogLikelihood):
             )
         res = -self.objective()
         # as GPyTorch's exact MLL: added loss terms and the log-priors of the model's (and its
-        # likelihood's) parameters, e.g. BoTorch's LogNormal noise prior, then per data point
+        # likelihood's) parameters, e.g. BoTorch's LogNormal noise prior, then per observation
         for term in self.model.added_loss_terms():
             res = res + term.loss(*params)
-        for _, module, prior, closure, _ in self.model.named_priors():
-            res = res + prior.log_prob(closure(module)).sum()
-        return res / self.model.n
+        if self.add_priors:
+            for _, module, prior, closure, _ in self.model.named_priors():
+                res = res + prior.log_prob(closure(module)).sum()
+        return res / (self.model.n * self.model.num_outputs)
 
-    def train(self, mode: bool = True) -> "NystromMarginalLogLikelihood":
+    def train(self, mode: bool = True) -> NystromMarginalLogLikelihood:
         super().train(mode)
         if not mode and self.refit:
             model = self.model

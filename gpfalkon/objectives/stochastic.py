@@ -1,7 +1,7 @@
 """The scalable, stochastic form of the complexity-regularisation objective (docs/math.md §5.3)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
@@ -9,9 +9,12 @@ from torch.autograd.function import once_differentiable
 
 from ..backend.autograd import backward_params, kernel_params, scatter_grads
 from ..backend.engine import kernel_block
-from ..operators import NystromKRROperator
 from ..backend.passes import is_sharded
+from ..operators import NystromKRROperator
 from .base import NystromObjective
+
+if TYPE_CHECKING:
+    from ..backend.distributed import ShardedEngine
 
 __all__ = ["StochasticNystromCompReg", "nystrom_quadratic_forms"]
 
@@ -30,7 +33,7 @@ class _QuadForms(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, state: dict, U: Tensor, centers: Tensor, penalty: Tensor, *params: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, state: dict, U: Tensor, centers: Tensor, penalty: Tensor, *params: Tensor) -> Tensor:
         op: NystromKRROperator = state["op"]
         rhs = op.kmn_y(U)  # (M, J) float64, one pass
         x0 = state.get("x0")
@@ -48,7 +51,7 @@ class _QuadForms(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
+    def backward(ctx, grad: Tensor):
         (U,) = ctx.saved_tensors
         op: NystromKRROperator = ctx.state["op"]
         dtype = op.x.dtype
@@ -57,7 +60,7 @@ class _QuadForms(torch.autograd.Function):
         Ud = U.detach().to(dtype)
         need_u, need_c, need_pen = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         need_p = list(ctx.needs_input_grad[4:])
-        active = [p for p, need in zip(backward_params(op.kernel, ctx.params), need_p) if need]
+        active = [p for p, need in zip(backward_params(op.kernel, ctx.params), need_p, strict=False) if need]
         grad_u = torch.zeros_like(Ud) if need_u else None
 
         def surrogate(start: int, stop: int, kb: Tensor) -> Tensor:
@@ -74,7 +77,7 @@ class _QuadForms(torch.autograd.Function):
         reduce = getattr(engine, "reduce_nograd", None)
         if callable(reduce):
             g = reduce(g)
-            m_weight = 1.0 / engine.world_size
+            m_weight = 1.0 / cast("ShardedEngine", engine).world_size  # an engine that reduces is sharded
         h = op.surrogate_grads(
             surrogate, lambda kmm: -((W * g) * (kmm @ W)).sum() * m_weight, active, need_x=False, need_c=need_c,
             need_pen=need_pen,
@@ -83,7 +86,7 @@ class _QuadForms(torch.autograd.Function):
 
 
 def nystrom_quadratic_forms(
-    op: NystromKRROperator, U: Tensor, x0: Optional[Tensor] = None, *, max_iter: int = 10, tol: float = 0.0
+    op: NystromKRROperator, U: Tensor, x0: Tensor | None = None, *, max_iter: int = 10, tol: float = 0.0
 ) -> tuple[Tensor, dict]:
     """``q_j = u_j^T K_nM H^{-1} K_Mn u_j`` (differentiable, see :class:`_QuadForms`).
 
@@ -106,7 +109,8 @@ class StochasticNystromCompReg(NystromObjective):
         objective  =  tr(S) + y^T (I - S) y + [(tr(K_nn) - tr(K~)) / (n lambda)] [y^T (I - S) y / n]
 
     summed over output columns. One FALKON solve with ``r + t`` right-hand sides per
-    evaluation, warm-started from the previous evaluation's solution; gradients w.r.t. every kernel parameter, the penalty and
+    evaluation, warm-started from the previous evaluation's solution; gradients w.r.t. every
+    kernel parameter, the penalty and
     the centers are hand-derived (:class:`_QuadForms`), so no CG iteration is
     unrolled. Cost per evaluation ``O((cg_iterations + 2) n M (d + r + t) + M^3 + t' M^2)``;
     memory ``O(n (r + t) + M^2)`` (``Z`` is stored).
@@ -129,19 +133,22 @@ class StochasticNystromCompReg(NystromObjective):
         ktilde_trace: ``"subsample"`` (default, ``t' = min(n, subsample_size)``) or ``"hutchinson"``.
     """
 
+    trace_vectors: Tensor  # buffers
+    subsample: Tensor
+
     def __init__(
         self,
         model,
         num_trace_vectors: int = 20,
         *,
-        trace_vectors: Optional[Tensor] = None,
-        generator: Optional[torch.Generator] = None,
+        trace_vectors: Tensor | None = None,
+        generator: torch.Generator | None = None,
         cg_iterations: int = 50,
         cg_tol: float = 1e-4,
         ktilde_trace: str = "subsample",
         subsample_size: int = 1000,
         warm_start: bool = True,
-        block_rows: Optional[int] = None,
+        block_rows: int | None = None,
     ) -> None:
         super().__init__(model, block_rows=block_rows)
         x = model.train_inputs[0]
@@ -181,7 +188,7 @@ class StochasticNystromCompReg(NystromObjective):
         self.cg_iterations = int(cg_iterations)
         self.cg_tol = float(cg_tol)
         self.warm_start = bool(warm_start)
-        self._alpha: Optional[Tensor] = None
+        self._alpha: Tensor | None = None
         self.last_info = None
 
     def _row_offset(self) -> int:
@@ -194,7 +201,7 @@ class StochasticNystromCompReg(NystromObjective):
         m = self.model
         return m.nystrom_operator(block_rows=self.block_rows if self.block_rows is not None else m.block_rows)
 
-    def trace_ktilde(self, L: Tensor, rhs_z: Optional[Tensor] = None) -> Tensor:
+    def trace_ktilde(self, L: Tensor, rhs_z: Tensor | None = None) -> Tensor:
         """The estimate of ``tr(K~)`` (differentiable)."""
         x = self.model.train_inputs[0]
         n = self.model.n

@@ -1,5 +1,5 @@
 """Linear operators: the FALKON preconditioner and the Nyström KRR system."""
-from .preconditioner import FalkonPreconditioner
 from .nystrom import NystromKRROperator
+from .preconditioner import FalkonPreconditioner
 
 __all__ = ["FalkonPreconditioner", "NystromKRROperator"]

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import warnings
-from typing import Callable, List, NamedTuple, Optional, Tuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from gpytorch.kernels import Kernel
@@ -25,13 +26,13 @@ __all__ = ["HGrads", "NystromKRROperator"]
 class HGrads(NamedTuple):
     """Gradients returned by :meth:`NystromKRROperator.surrogate_grads` (``None``: not requested)."""
 
-    x: Optional[Tensor]
-    centers: Optional[Tensor]
-    penalty: Optional[Tensor]
-    params: List[Optional[Tensor]]
+    x: Tensor | None
+    centers: Tensor | None
+    penalty: Tensor | None
+    params: list[Tensor | None]
 
 
-def _as_columns(rhs: Tensor, m: int) -> Tuple[Tensor, Callable[[Tensor], Tensor]]:
+def _as_columns(rhs: Tensor, m: int) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
     """Reshape ``(M,)`` or ``(..., M, k)`` to ``(M, K)`` and return the inverse map."""
     if rhs.dim() == 1:
         return rhs.unsqueeze(-1), lambda out: out.squeeze(-1)
@@ -94,19 +95,19 @@ class NystromKRROperator(LinearOperator):
         penalty: Tensor,
         *,
         kernel: Kernel,
-        weights: Optional[Tensor] = None,
-        memory_budget: Optional[int] = None,
-        block_rows: Optional[int] = None,
-        store_kernel: Optional[bool] = None,
-        max_iter: Optional[int] = None,
-        tol: Optional[float] = None,
+        weights: Tensor | None = None,
+        memory_budget: int | None = None,
+        block_rows: int | None = None,
+        store_kernel: bool | None = None,
+        max_iter: int | None = None,
+        tol: float | None = None,
         verbose: bool = False,
-        callback: Optional[Callable[[int, Tensor, Tensor], None]] = None,
-        precond_dtype: Optional[torch.dtype] = torch.float64,
-        solver: Optional[Solver] = None,
-        preconditioner: Optional[PreconditionerBuilder] = None,
-        backend: Optional[Callable[..., KernelEngine]] = None,
-        options: Optional[FalkonOptions] = None,
+        callback: Callable[[int, Tensor, Tensor], None] | None = None,
+        precond_dtype: torch.dtype | None = torch.float64,
+        solver: Solver | None = None,
+        preconditioner: PreconditionerBuilder | None = None,
+        backend: Callable[..., KernelEngine] | None = None,
+        options: FalkonOptions | None = None,
     ) -> None:
         sharded = is_sharded(backend if backend is not None else getattr(options, "backend", None))
         check_inputs("x", x, allow_empty=sharded)
@@ -116,7 +117,8 @@ class NystromKRROperator(LinearOperator):
         check_inputs("centers", centers, d=x.shape[1])
         if centers.dtype != x.dtype or centers.device != x.device:
             raise TypeError(
-                f"centers ({centers.dtype}, {centers.device}) must have the dtype and device of x ({x.dtype}, {x.device})"
+                f"centers ({centers.dtype}, {centers.device}) must have the dtype and device of x "
+                f"({x.dtype}, {x.device})"
             )
         if not isinstance(penalty, Tensor):
             penalty = torch.tensor(float(penalty), dtype=x.dtype, device=x.device)
@@ -152,13 +154,13 @@ class NystromKRROperator(LinearOperator):
         self._n_total = total_rows(options.backend, x)
         if self._n_total == 0:
             raise ValueError("x is empty (0 rows) on every rank")
-        self._engine: Optional[KernelEngine] = None
-        self._kmm: Optional[Tensor] = None
-        self._precond: Optional[Preconditioner] = None
+        self._engine: KernelEngine | None = None
+        self._kmm: Tensor | None = None
+        self._precond: Preconditioner | None = None
         # multiplier of the preconditioner's jitter, raised after a CG breakdown (kept)
         self._jitter_boost = 1.0
-        self._cache_key: Optional[tuple] = None
-        self.last_info: Optional[CGInfo] = None
+        self._cache_key: tuple | None = None
+        self.last_info: CGInfo | None = None
 
     # ------------------------------------------------------------ components
     memory_budget = option_property("memory_budget")
@@ -188,7 +190,7 @@ class NystromKRROperator(LinearOperator):
         old = self._cache_key
         if old is None or old[0] != key[0] or len(old[1]) != len(key[1]):
             return False
-        return all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(old[1], key[1]))
+        return all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(old[1], key[1], strict=False))
 
     def _refresh(self) -> None:
         """Drop the engine, ``K_MM`` and the preconditioner if x, the centers, the
@@ -243,7 +245,7 @@ class NystromKRROperator(LinearOperator):
             self._precond = precond
         return self._precond
 
-    def _precond_jitter(self) -> Optional[float]:
+    def _precond_jitter(self) -> float | None:
         """FALKON's ``eps M`` jitter with ``eps`` the machine epsilon of the *data* dtype.
 
         When ``K_nM`` products are computed in float32, ``H`` is only known to about
@@ -263,7 +265,7 @@ class NystromKRROperator(LinearOperator):
             scale = 1.0
         return float(torch.finfo(dtype).eps) * kmm.shape[-1] * scale * self._jitter_boost
 
-    def _stopping_rule(self, tol: Optional[float], max_iter: Optional[int]) -> Tuple[float, int]:
+    def _stopping_rule(self, tol: float | None, max_iter: int | None) -> tuple[float, int]:
         """Per-call ``tol`` / ``max_iter`` win over the options, resolved against the settings now."""
         opts = self.options
         if tol is not None or max_iter is not None:
@@ -289,14 +291,14 @@ class NystromKRROperator(LinearOperator):
     def falkon_solve(
         self,
         rhs: Tensor,
-        x0: Optional[Tensor] = None,
+        x0: Tensor | None = None,
         *,
-        tol: Optional[float] = None,
-        max_iter: Optional[int] = None,
-        callback: Optional[Callable[[int, Tensor, Tensor], None]] = None,
-        verbose: Optional[bool] = None,
+        tol: float | None = None,
+        max_iter: int | None = None,
+        callback: Callable[[int, Tensor, Tensor], None] | None = None,
+        verbose: bool | None = None,
         warn: bool = True,
-    ) -> Tuple[Tensor, CGInfo]:
+    ) -> tuple[Tensor, CGInfo]:
         """FALKON solve of ``H alpha = rhs`` (``rhs`` ``(M, k)``), no autograd.
 
         Returns ``(alpha, info)`` with ``alpha`` in float64. See
@@ -356,7 +358,7 @@ class NystromKRROperator(LinearOperator):
     def _size(self) -> torch.Size:
         return torch.Size((self.m, self.m))
 
-    def _transpose_nonbatch(self) -> "NystromKRROperator":
+    def _transpose_nonbatch(self) -> NystromKRROperator:
         return self
 
     def _differentiable_kmm(self) -> Tensor:
@@ -393,7 +395,7 @@ class NystromKRROperator(LinearOperator):
             out = self.h_matmul_nograd(cols.to(torch.float64))
         return back(out.to(rhs.dtype))
 
-    def matmul(self, other):  # type: ignore[override]
+    def matmul(self, other):
         # Route tensors through our own autograd so kernel-parameter gradients
         # survive (linear_operator's Matmul only differentiates the representation).
         if isinstance(other, Tensor) and other.shape[-2 if other.dim() > 1 else -1] == self.m:
@@ -423,7 +425,7 @@ class NystromKRROperator(LinearOperator):
             "it has no batch mode, so it cannot be unsqueezed, expanded or broadcast to batch dimensions"
         )
 
-    def _expand_batch(self, batch_shape: torch.Size | List[int]) -> LinearOperator:
+    def _expand_batch(self, batch_shape: torch.Size | list[int]) -> LinearOperator:
         if len(batch_shape) == 0:
             return self
         return self._unsqueeze_batch(0)
@@ -440,7 +442,7 @@ class NystromKRROperator(LinearOperator):
             return _HDiagonal.apply(self, self.x, self.centers, self.penalty, *params)
         return self.diagonal_nograd().to(self.x.dtype)
 
-    def solve(self, right_tensor: Tensor, left_tensor: Optional[Tensor] = None) -> Tensor:  # type: ignore[override]
+    def solve(self, right_tensor: Tensor, left_tensor: Tensor | None = None) -> Tensor:
         """``H^{-1} right`` (or ``left H^{-1} right``) by FALKON, differentiable."""
         cols, back = _as_columns(right_tensor, self.m)
         params = kernel_params(self.kernel)
@@ -455,16 +457,16 @@ class NystromKRROperator(LinearOperator):
             return left_tensor @ out
         return out
 
-    def inv_quad(self, inv_quad_rhs: Tensor, reduce_inv_quad: bool = True) -> Tensor:  # type: ignore[override]
+    def inv_quad(self, inv_quad_rhs: Tensor, reduce_inv_quad: bool = True) -> Tensor:
         """``rhs^T H^{-1} rhs`` (per column, summed if ``reduce_inv_quad``) by the FALKON
         solve: differentiable w.r.t. ``rhs``, x, centers, penalty and kernel parameters."""
         rhs = inv_quad_rhs.unsqueeze(-1) if inv_quad_rhs.dim() == 1 else inv_quad_rhs
         out = (rhs * self.solve(rhs)).sum(-2)
         return out.sum(-1) if reduce_inv_quad else out
 
-    def inv_quad_logdet(  # type: ignore[override]
-        self, inv_quad_rhs: Optional[Tensor] = None, logdet: bool = False, reduce_inv_quad: bool = True
-    ) -> Tuple[Tensor, Tensor]:
+    def inv_quad_logdet(
+        self, inv_quad_rhs: Tensor | None = None, logdet: bool = False, reduce_inv_quad: bool = True
+    ) -> tuple[Tensor, Tensor]:
         """``rhs^T H^{-1} rhs`` by FALKON (differentiable w.r.t. everything, kernel
         parameters included) and, if asked, ``log det H`` by linear_operator's
         stochastic Lanczos estimator on ``H @ u``.
@@ -493,12 +495,12 @@ class NystromKRROperator(LinearOperator):
         self,
         surrogate: Callable[[int, int, Tensor], Tensor],
         penalty_form: Callable[[Tensor], Tensor],
-        params: List[Tensor],
+        params: list[Tensor],
         *,
         need_x: bool,
         need_c: bool,
         need_pen: bool,
-    ) -> "HGrads":
+    ) -> HGrads:
         """Gradients of ``sum_b surrogate(start, stop, K_b(theta)) + n lambda(theta) penalty_form(K_MM(theta))``.
 
         The one gradient path of every hand-derived backward (the FALKON solve, ``diag H``,
@@ -514,8 +516,8 @@ class NystromKRROperator(LinearOperator):
         # could walk back into their (already freed) history
         c_leaf = self.centers.detach().requires_grad_(need_c)
         pen_leaf = self.penalty.detach().requires_grad_(need_pen)
-        inputs: List[Tensor] = list(params) + ([c_leaf] if need_c else []) + ([pen_leaf] if need_pen else [])
-        g_pen: Optional[Tensor] = None
+        inputs: list[Tensor] = list(params) + ([c_leaf] if need_c else []) + ([pen_leaf] if need_pen else [])
+        g_pen: Tensor | None = None
         if inputs:
             with torch.enable_grad():
                 kmm = kernel_block(self.kernel, c_leaf, c_leaf).to(self.x.dtype)
@@ -533,7 +535,7 @@ class NystromKRROperator(LinearOperator):
                 g_pen = grads[j]
         return HGrads(x=gx, centers=gc, penalty=g_pen, params=gp)
 
-    def blockwise_grad(self, surrogate, params: List[Tensor], need_x: bool, need_c: bool):
+    def blockwise_grad(self, surrogate, params: list[Tensor], need_x: bool, need_c: bool):
         """:func:`~gpfalkon.backend.blockwise_kernel_grad` on this operator's data (the kernel
         part of :meth:`surrogate_grads`, without the penalty term), in blocks within its options;
         an injected backend (``options.backend``) may replace it by its own ``blockwise_kernel_grad``."""
@@ -544,8 +546,8 @@ class NystromKRROperator(LinearOperator):
         )
 
     def bilinear_grads(
-        self, left: Tensor, right: Tensor, need_x: bool, need_c: bool, need_pen: bool, params: List[Tensor]
-    ) -> "HGrads":
+        self, left: Tensor, right: Tensor, need_x: bool, need_c: bool, need_pen: bool, params: list[Tensor]
+    ) -> HGrads:
         """Gradients of ``left^T H(theta) right`` (columns summed) w.r.t. x, centers,
         penalty and ``params``: one blockwise pass plus an ``O(M^2 d)`` term."""
         dtype = self.x.dtype
@@ -560,10 +562,12 @@ class NystromKRROperator(LinearOperator):
             surrogate, lambda kmm: (lf * (kmm @ rt)).sum(), params, need_x=need_x, need_c=need_c, need_pen=need_pen
         )
 
-    def _bilinear_derivative(self, left_vecs: Tensor, right_vecs: Tensor) -> Tuple[Optional[Tensor], ...]:
+    def _bilinear_derivative(self, left_vecs: Tensor, right_vecs: Tensor) -> tuple[Tensor | None, ...]:
         lf, _ = _as_columns(left_vecs, self.m)
         rt, _ = _as_columns(right_vecs, self.m)
-        g = self.bilinear_grads(lf, rt, self.x.requires_grad, self.centers.requires_grad, self.penalty.requires_grad, [])
+        g = self.bilinear_grads(
+            lf, rt, self.x.requires_grad, self.centers.requires_grad, self.penalty.requires_grad, []
+        )
         return g.x, g.centers, g.penalty
 
 
@@ -575,7 +579,9 @@ class _FalkonSolve(torch.autograd.Function):
     The context keeps ``op`` (and so a stored ``K_nM``) alive until the graph is freed."""
 
     @staticmethod
-    def forward(ctx, op: NystromKRROperator, rhs: Tensor, x: Tensor, centers: Tensor, penalty: Tensor, *params: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(
+        ctx, op: NystromKRROperator, rhs: Tensor, x: Tensor, centers: Tensor, penalty: Tensor, *params: Tensor
+    ) -> Tensor:
         sol, _ = op.falkon_solve(rhs.to(torch.float64))
         ctx.op = op
         ctx.params = params
@@ -584,7 +590,7 @@ class _FalkonSolve(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
+    def backward(ctx, grad: Tensor):
         op: NystromKRROperator = ctx.op
         sol = ctx.saved_tensors[0].detach()
         lam, _ = op.falkon_solve(grad.detach().to(torch.float64))
@@ -592,9 +598,9 @@ class _FalkonSolve(torch.autograd.Function):
         need_x, need_c, need_pen = ctx.needs_input_grad[2], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
         need_p = list(ctx.needs_input_grad[5:])
         gx = gc = gpen = None
-        gp: List[Optional[Tensor]] = [None] * len(need_p)
+        gp: list[Tensor | None] = [None] * len(need_p)
         if need_x or need_c or need_pen or any(need_p):
-            active = [p for p, need in zip(backward_params(op.kernel, ctx.params), need_p) if need]
+            active = [p for p, need in zip(backward_params(op.kernel, ctx.params), need_p, strict=False) if need]
             g = op.bilinear_grads(lam, sol, need_x, need_c, need_pen, active)
             gp = scatter_grads(need_p, g.params, sign=-1.0)
             gx = None if g.x is None else -g.x
@@ -610,19 +616,19 @@ class _HDiagonal(torch.autograd.Function):
     + n lambda(theta) g^T diag(K_MM(theta)) ]``, one blockwise pass."""
 
     @staticmethod
-    def forward(ctx, op: NystromKRROperator, x: Tensor, centers: Tensor, penalty: Tensor, *params: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, op: NystromKRROperator, x: Tensor, centers: Tensor, penalty: Tensor, *params: Tensor) -> Tensor:
         ctx.op = op
         ctx.params = params
         return op.diagonal_nograd().to(x.dtype)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
+    def backward(ctx, grad: Tensor):
         op: NystromKRROperator = ctx.op
         g = grad.detach().to(op.x.dtype)
         need_x, need_c, need_pen = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         need_p = list(ctx.needs_input_grad[4:])
-        active = [p for p, need in zip(backward_params(op.kernel, ctx.params), need_p) if need]
+        active = [p for p, need in zip(backward_params(op.kernel, ctx.params), need_p, strict=False) if need]
 
         def surrogate(start: int, stop: int, kb: Tensor) -> Tensor:
             return (kb.square() * g).sum()

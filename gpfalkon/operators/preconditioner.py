@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from linear_operator.operators import LinearOperator
@@ -56,10 +55,10 @@ class FalkonPreconditioner(LinearOperator):
         kmm: Tensor,
         penalty: Tensor | float,
         n: int,
-        weights: Optional[Tensor] = None,
-        dtype: Optional[torch.dtype] = torch.float64,
-        jitter: Optional[float] = None,
-    ) -> "FalkonPreconditioner":
+        weights: Tensor | None = None,
+        dtype: torch.dtype | None = torch.float64,
+        jitter: float | None = None,
+    ) -> FalkonPreconditioner:
         """Factor ``K_MM`` (float64) into the FALKON preconditioner.
 
         ``weights`` is the diagonal of ``D`` (default all ones). ``dtype`` is the
@@ -127,14 +126,14 @@ class FalkonPreconditioner(LinearOperator):
     def _size(self) -> torch.Size:
         return torch.Size(self.chol_t.shape)
 
-    def _transpose_nonbatch(self) -> "FalkonPreconditioner":
+    def _transpose_nonbatch(self) -> FalkonPreconditioner:
         return self.__class__(self.chol_t, self.chol_a, self.weights, n=self.n, transposed=not self.transposed)
 
     def _diagonal(self) -> Tensor:
         # T^{-1} A^{-1} is upper triangular with diagonal 1 / (T_ii A_ii), and D is diagonal
         return self.weights / (self.chol_t.diagonal() * self.chol_a.diagonal() * math.sqrt(self.n))
 
-    def solve(self, right_tensor: Tensor, left_tensor: Optional[Tensor] = None) -> Tensor:  # type: ignore[override]
+    def solve(self, right_tensor: Tensor, left_tensor: Tensor | None = None) -> Tensor:
         r"""``B^{-1} R`` (or ``L B^{-1} R``) exactly: ``B^{-1} = n^{1/2} A T D^{-1}``.
 
         ``B`` is not symmetric, so linear_operator's generic solve (Cholesky of the

@@ -4,4 +4,4 @@ from .cg import CGInfo, conjugate_gradient
 from .falkon import falkon_solve
 from .protocols import Preconditioner, PreconditionerBuilder, Solver
 
-__all__ = ["CGInfo", "conjugate_gradient", "falkon_solve", "Preconditioner", "PreconditionerBuilder", "Solver"]
+__all__ = ["CGInfo", "Preconditioner", "PreconditionerBuilder", "Solver", "conjugate_gradient", "falkon_solve"]

@@ -11,8 +11,8 @@ on a well-preconditioned system whatever the scale of ``b``.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -53,13 +53,13 @@ Callback = Callable[[int, Tensor, Tensor], None]
 def conjugate_gradient(
     matvec: Callable[[Tensor], Tensor],
     b: Tensor,
-    x0: Optional[Tensor] = None,
+    x0: Tensor | None = None,
     *,
     tol: float = 1e-7,
     max_iter: int = 100,
-    callback: Optional[Callback] = None,
+    callback: Callback | None = None,
     verbose: bool = False,
-    stagnation_window: Optional[int] = 50,
+    stagnation_window: int | None = 50,
     desc: str = "FALKON CG",
 ) -> tuple[Tensor, CGInfo]:
     """Solve ``W x = b`` column by column, ``b`` of shape ``(M, k)``.
@@ -155,7 +155,9 @@ def conjugate_gradient(
                     f"{float(pwp[bad].min()):.3g}): the kernel matrix is not positive semi-definite "
                     "or the system is too ill-conditioned for this dtype"
                 )
-            rq_max = torch.maximum(rq_max, torch.where(pp > 0, pwp / torch.where(pp > 0, pp, torch.ones_like(pp)), rq_max))
+            rq_max = torch.maximum(
+                rq_max, torch.where(pp > 0, pwp / torch.where(pp > 0, pp, torch.ones_like(pp)), rq_max)
+            )
             step = torch.where(active, rs / torch.where(active, pwp, torch.ones_like(pwp)), torch.zeros_like(rs))
             x.add_(p * step)
             r.sub_(wp * step)

@@ -6,13 +6,13 @@ nothing from ``operators/``, so the operators can depend on the solvers and not 
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from ..errors import CGNotConvergedWarning
-from .cg import CGInfo, Callback, conjugate_gradient
+from .cg import Callback, CGInfo, conjugate_gradient
 from .protocols import Preconditioner
 
 __all__ = ["falkon_solve"]
@@ -22,14 +22,14 @@ def falkon_solve(
     h_matmul: Callable[[Tensor], Tensor],
     precond: Preconditioner,
     rhs: Tensor,
-    x0: Optional[Tensor] = None,
+    x0: Tensor | None = None,
     *,
     tol: float,
     max_iter: int,
-    callback: Optional[Callback] = None,
+    callback: Callback | None = None,
     verbose: bool = False,
     warn: bool = True,
-    stagnation_window: Optional[int] = 50,
+    stagnation_window: int | None = 50,
 ) -> tuple[Tensor, CGInfo]:
     """Solve ``H alpha = rhs`` by CG on ``W beta = B^T rhs``, ``W = B^T H B``, ``alpha = B beta``.
 

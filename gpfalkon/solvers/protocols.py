@@ -10,7 +10,8 @@ operator.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol, Tuple, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -54,9 +55,9 @@ class PreconditionerBuilder(Protocol):
         kmm: Tensor,
         penalty: Tensor | float,
         n: int,
-        weights: Optional[Tensor] = None,
-        dtype: Optional[torch.dtype] = torch.float64,
-        jitter: Optional[float] = None,
+        weights: Tensor | None = None,
+        dtype: torch.dtype | None = torch.float64,
+        jitter: float | None = None,
     ) -> Preconditioner:
         ...
 
@@ -74,12 +75,12 @@ class Solver(Protocol):
         h_matmul: Callable[[Tensor], Tensor],
         precond: Preconditioner,
         rhs: Tensor,
-        x0: Optional[Tensor] = None,
+        x0: Tensor | None = None,
         *,
         tol: float,
         max_iter: int,
-        callback: Optional[Callable[[int, Tensor, Tensor], None]] = None,
+        callback: Callable[[int, Tensor, Tensor], None] | None = None,
         verbose: bool = False,
         warn: bool = True,
-    ) -> Tuple[Tensor, CGInfo]:
+    ) -> tuple[Tensor, CGInfo]:
         ...
