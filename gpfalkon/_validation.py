@@ -74,8 +74,10 @@ def check_targets(name: str, y: Tensor, n: int) -> None:
 def check_penalty(penalty: Tensor | float, name: str = "penalty") -> None:
     if penalty is None or isinstance(penalty, (bool, str)):
         raise TypeError(f"{name} must be a positive number or a scalar tensor, got {penalty!r}")
-    try:
-        value = torch.as_tensor(penalty)
+    try:  # Python numbers in float64: a float32 cast would turn 1e-300 into 0 and -1e-3 into -0.0010000000474
+        value = penalty.detach().to(torch.float64) if isinstance(penalty, Tensor) else torch.as_tensor(
+            penalty, dtype=torch.float64
+        )
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"{name} must be a positive number or a scalar tensor, got {type(penalty).__name__}") from None
     if value.dtype == torch.bool or value.is_complex():

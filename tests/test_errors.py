@@ -141,3 +141,32 @@ def test_non_finite_kernel_values_stop_cg(data):
     with pytest.raises(FalkonConvergenceError, match=r"NaN or Inf|non-finite"):
         model.fit()
     assert not bool(model.fitted)
+
+
+# ---------------------------------------------------------------- issue 15 (part): inputs a careful user tries
+@pytest.mark.parametrize("t", [1, 2])
+def test_empty_test_batch_gives_an_empty_distribution(data, t):
+    x, y = data
+    yy = y if t == 1 else torch.stack([y, 2 * y], -1)
+    model = FalkonGP(x, yy, kernel=_k(), num_centers=8, penalty=1e-3).fit().eval()
+    for shape in ((0, x.shape[1]), (3, 0, x.shape[1])):
+        pred = model(torch.empty(*shape, dtype=x.dtype))
+        want = (*shape[:-1], t) if t > 1 else shape[:-1]
+        assert pred.mean.shape == want and pred.variance.shape == want
+    # a non-empty batch next to it is unaffected
+    torch.testing.assert_close(model(x[:4]).mean, model(x[:6]).mean[:4])
+
+
+def test_numpy_test_inputs_are_refused_by_name(data):
+    x, y = data
+    model = FalkonGP(x, y, kernel=_k(), num_centers=8, penalty=1e-3).fit().eval()
+    with pytest.raises(TypeError, match=r"x must be a torch.Tensor .* got ndarray"):
+        model(x.numpy())
+
+
+def test_penalty_checks_python_numbers_in_float64(data):
+    x, y = data
+    with pytest.raises(ValueError, match=r"penalty must be > 0, got -0\.001$"):
+        FalkonGP(x, y, kernel=_k(), num_centers=8, penalty=-1e-3)
+    tiny = FalkonGP(x, y, kernel=_k(), num_centers=8, penalty=1e-300)  # valid, not rounded to 0
+    assert float(tiny.penalty.detach()) == pytest.approx(1e-300, rel=1e-12)

@@ -13,7 +13,12 @@ from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNorm
 from gpytorch.kernels import Kernel
 from gpytorch.likelihoods import Likelihood
 from gpytorch.utils.warnings import GPInputWarning
-from linear_operator.operators import DiagLinearOperator, KroneckerProductLinearOperator, ZeroLinearOperator
+from linear_operator.operators import (
+    DenseLinearOperator,
+    DiagLinearOperator,
+    KroneckerProductLinearOperator,
+    ZeroLinearOperator,
+)
 from torch import Tensor
 
 from .._validation import (
@@ -713,6 +718,9 @@ class FalkonGP(gpytorch.models.GP):
             raise ValueError("x contains NaN or Inf values")
 
     def __call__(self, x: Tensor, **kwargs) -> MultivariateNormal:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a torch.Tensor of shape (..., q, d), got {type(x).__name__} "
+                            "(convert with torch.as_tensor(x, dtype=...))")
         if x.dim() == 1:
             x = x.unsqueeze(-1)
         self._check_test_inputs(x)
@@ -752,6 +760,12 @@ class FalkonGP(gpytorch.models.GP):
         self._check_fitted()
         out_dtype = x.dtype
         q = x.shape[-2]
+        if q == 0:  # an empty batch of test points is valid: an empty distribution
+            empty = DenseLinearOperator(torch.zeros(*x.shape[:-2], 0, 0, dtype=out_dtype, device=x.device))
+            if self._num_outputs == 1:
+                return MultivariateNormal(torch.zeros(*x.shape[:-2], 0, dtype=out_dtype, device=x.device), empty)
+            mean0 = torch.zeros(*x.shape[:-2], 0, self._num_outputs, dtype=out_dtype, device=x.device)
+            return MultitaskMultivariateNormal(mean0, empty, interleaved=True)
         kxa = nystrom_posterior_mean(
             self.kernel, x, self.centers, self.alpha, self.predict_chunk_size, backend=self.options.backend
         )
