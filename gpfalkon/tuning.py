@@ -23,6 +23,7 @@ import abc
 import itertools
 import json
 import math
+import numbers
 import pathlib
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -85,6 +86,7 @@ class Float:
     high: float
 
     def __post_init__(self) -> None:
+        _check_real("Float", self.low, self.high)
         if not (math.isfinite(self.low) and math.isfinite(self.high)) or not self.low < self.high:
             raise ValueError(f"Float: need finite low < high, got low={self.low}, high={self.high}")
 
@@ -95,6 +97,12 @@ class Float:
         return float(min(max(z, self.low), self.high))
 
 
+def _check_real(kind: str, low: Any, high: Any) -> None:
+    for name, v in (("low", low), ("high", high)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{kind}: {name} must be a real number, got {v!r}")
+
+
 @dataclass(frozen=True)
 class LogFloat:
     """Positive reals in ``[low, high]``, searched in log10 space."""
@@ -103,6 +111,7 @@ class LogFloat:
     high: float
 
     def __post_init__(self) -> None:
+        _check_real("LogFloat", self.low, self.high)
         if not (self.low > 0 and math.isfinite(self.high)) or not self.low < self.high:
             raise ValueError(f"LogFloat: need 0 < low < high < inf, got low={self.low}, high={self.high}")
 
@@ -123,7 +132,13 @@ class Categorical:
         choices = tuple(choices)
         if len(choices) == 0:
             raise ValueError("Categorical: choices is empty")
-        if len(set(choices)) != len(choices):
+        try:
+            distinct = len(set(choices))
+        except TypeError as exc:  # e.g. lists: the search maps choices to indices through a dict
+            raise TypeError(
+                f"Categorical: choices must be hashable (str, int, float, tuple...), got {choices!r}"
+            ) from exc
+        if distinct != len(choices):
             raise ValueError(f"Categorical: choices has duplicates: {choices}")
         object.__setattr__(self, "choices", choices)
 

@@ -170,3 +170,30 @@ def test_penalty_checks_python_numbers_in_float64(data):
         FalkonGP(x, y, kernel=_k(), num_centers=8, penalty=-1e-3)
     tiny = FalkonGP(x, y, kernel=_k(), num_centers=8, penalty=1e-300)  # valid, not rounded to 0
     assert float(tiny.penalty.detach()) == pytest.approx(1e-300, rel=1e-12)
+
+
+def test_arguments_of_the_wrong_type_are_named_before_any_work(data):
+    from gpfalkon import objectives, tuning
+    from gpfalkon.botorch import FalkonModel
+
+    x, y = data
+    model = FalkonGP(x, y, kernel=_k(), num_centers=8, penalty=1e-3)
+    with pytest.raises(TypeError, match="callback must be callable"):
+        model.fit(callback=42)
+    assert not bool(model.fitted)  # nothing half-done
+    with pytest.raises(TypeError, match="seed must be an integer, got 'abc'"):
+        FalkonGP(x, y, kernel=_k(), num_centers=8, seed="abc")
+    with pytest.raises(ValueError, match=r"outcome_transform must be 'standardize'.*'bogus'"):
+        FalkonModel(x, y.unsqueeze(-1), num_centers=8, outcome_transform="bogus")
+    with pytest.raises(TypeError, match=r"outcome_transform must be 'standardize'.*int"):
+        FalkonModel(x, y.unsqueeze(-1), num_centers=8, outcome_transform=3)
+    with pytest.raises(TypeError, match="model must be a FalkonGP"):
+        objectives.NystromCompReg("x")
+    with pytest.raises(TypeError, match="Float: low must be a real number"):
+        tuning.Float("a", "b")
+    with pytest.raises(TypeError, match="LogFloat: high must be a real number"):
+        tuning.LogFloat(1e-3, None)
+    with pytest.raises(TypeError, match="Categorical: choices must be hashable"):
+        tuning.Categorical([[1], [2]])
+    # valid values still work
+    assert tuning.Float(0, 1.5).decode(2.0) == 1.5 and tuning.Categorical(["a", "b"]).decode(0.2) == "a"

@@ -116,6 +116,11 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):  # type: ignore[misc
             raise ValueError(
                 f"train_Y must be an (n, m) tensor with n = {train_X.shape[0]}, got {getattr(train_Y, 'shape', None)}"
             )
+        allowed = "outcome_transform must be 'standardize', an OutcomeTransform or None"
+        if isinstance(outcome_transform, str) and outcome_transform != "standardize":
+            raise ValueError(f"{allowed}, got {outcome_transform!r}")
+        if outcome_transform is not None and not isinstance(outcome_transform, (str, OutcomeTransform)):
+            raise TypeError(f"{allowed}, got {type(outcome_transform).__name__}")
         if outcome_transform == "standardize":
             from botorch.models.transforms.outcome import Standardize
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import warnings
 from collections.abc import Callable
 from typing import Any, cast
@@ -105,6 +106,8 @@ def _center_selector(
     n = total_rows(backend, train_x) if n_total is None else int(n_total)  # the model passes its global n
     m = check_num_centers(default_num_centers(train_x, n=n) if num_centers is None else num_centers, n)
     if generator is None:  # on the data's device: the draws happen there
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"seed must be an integer, got {seed!r}")
         generator = torch.Generator(device=train_x.device)
         generator.manual_seed(int(seed))
     if center_selection == "leverage":
@@ -497,6 +500,8 @@ class FalkonGP(gpytorch.models.GP):
         """
         y2 = self.centered_targets()
         with torch.no_grad():
+            if callback is not None and not callable(callback):  # before the O(n M) passes, not after
+                raise TypeError(f"callback must be callable (iteration, x, residual), got {type(callback).__name__}")
             op = self.nystrom_operator()
             rhs = op.kmn_y(y2)
             x0 = None

@@ -59,6 +59,8 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
 
     def __init__(self, model, *, block_rows: int | None = None) -> None:
         super().__init__()
+        if not (hasattr(model, "nystrom_operator") and hasattr(model, "train_inputs")):
+            raise TypeError(f"model must be a FalkonGP (or FalkonModel), got {type(model).__name__}")
         self.model = model
         if block_rows is not None and int(block_rows) < 1:
             raise ValueError(f"block_rows must be >= 1, got {block_rows}")
