@@ -243,6 +243,24 @@ class Trial:
     source: str = ""
 
 
+def _load_history(path: pathlib.Path) -> list[Trial]:
+    """The trials saved at ``path``; a file that is not a saved search history raises ``ValueError``
+    naming ``history_path`` (it is never overwritten silently)."""
+    try:
+        data = json.loads(path.read_text())
+        trials = [Trial(**t) for t in data["history"]]
+        for t in trials:
+            if not isinstance(t.config, dict):
+                raise TypeError("a trial's config is not a mapping")
+            t.value, t.seconds = float(t.value), float(t.seconds)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(
+            f"history_path {str(path)!r} is not a search history saved by gpfalkon.tuning "
+            f"({type(exc).__name__}: {exc}); move it away or pass another history_path"
+        ) from exc
+    return trials
+
+
 @dataclass
 class SearchResult:
     best_config: dict[str, Any]
@@ -288,8 +306,7 @@ class _Search(abc.ABC):
         self.verbose = verbose
         self.history: list[Trial] = []
         if self.history_path is not None and self.history_path.exists():
-            data = json.loads(self.history_path.read_text())
-            self.history = [Trial(**t) for t in data["history"]]
+            self.history = _load_history(self.history_path)
 
     @abc.abstractmethod
     def _propose(self) -> dict[str, Any]:

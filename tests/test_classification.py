@@ -91,3 +91,16 @@ def test_bool_labels_and_given_classes():
         clf.predict(x), FalkonClassifier(x, labels, _kernel(), num_centers=10, penalty=1e-3).fit().predict(x)
     )
 
+
+
+def test_continuous_float_labels_are_refused_unless_classes_are_given():
+    """Issue 15 (part): float labels with non-integer values (regression targets by mistake) raise
+    instead of becoming an n-class problem; integer-valued floats and explicit classes still work."""
+    y = torch.linspace(0, 1, 30, dtype=torch.float64)
+    with pytest.raises(ValueError, match="non-integer values"):
+        encode_labels(y)
+    targets, classes = encode_labels(torch.tensor([0.0, 2.0, 2.0, 0.0], dtype=torch.float64))
+    assert classes.tolist() == [0.0, 2.0] and targets.tolist() == [-1.0, 1.0, 1.0, -1.0]
+    halves = torch.tensor([0.5, 1.5, 0.5], dtype=torch.float64)
+    targets, classes = encode_labels(halves, classes=torch.tensor([0.5, 1.5], dtype=torch.float64))
+    assert targets.tolist() == [-1.0, 1.0, -1.0]

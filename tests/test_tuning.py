@@ -133,3 +133,15 @@ def test_search_leaves_the_global_rng_alone():
     torch.manual_seed(123)
     BoTorchSearch(SPACE, synthetic, budget=9, seed=0, n_initial=7, raw_samples=16, num_restarts=1).run()
     torch.testing.assert_close(torch.rand(3), expected)
+
+
+def test_a_foreign_or_corrupt_history_path_is_refused_by_name(tmp_path):
+    """Issue 15 (part): a history_path that is not a saved search raises ValueError naming it (was a
+    bare JSONDecodeError / KeyError), and the file is left untouched."""
+    for name, text in [("corrupt.json", "{not json"), ("foreign.json", '{"rows": [1, 2]}'),
+                       ("bad-trial.json", '{"history": [{"config": 3, "value": 1.0, "seconds": 0.1}]}')]:
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(ValueError, match=r"history_path .*" + name + r".* is not a search history"):
+            RandomSearch(SPACE, synthetic, budget=2, seed=0, history_path=path)
+        assert path.read_text() == text

@@ -50,6 +50,11 @@ def encode_labels(
     if labels.is_floating_point() and not bool(torch.isfinite(labels).all()):
         raise ValueError("labels contains NaN or Inf values")
     if classes is None:
+        if labels.is_floating_point() and not bool((labels == labels.round()).all()):
+            raise ValueError(
+                "labels are floats with non-integer values (continuous targets?): FalkonClassifier needs class "
+                "labels; pass classes= to use such values as classes, or FalkonGP for regression"
+            )
         classes = torch.unique(labels)
     else:
         if not isinstance(classes, Tensor):
