@@ -18,10 +18,10 @@ import torch
 from botorch.models.model import FantasizeMixin, Model
 from botorch.posteriors.gpytorch import GPyTorchPosterior
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
-from linear_operator.operators import DenseLinearOperator, DiagLinearOperator, KroneckerProductLinearOperator
+from linear_operator.operators import DenseLinearOperator
 from torch import Tensor
 
-from ..models.posterior import posterior_roots
+from ..models.posterior import posterior_roots, shared_covariance_distribution
 
 if TYPE_CHECKING:
     from .botorch_model import FalkonModel
@@ -161,17 +161,8 @@ class FalkonFantasyModel(Model, FantasizeMixin):
             covar = covar if covar.shape[-3] == 1 else covar[..., idx, :, :]
             t = len(idx)
         dtype = X.dtype
-        if t == 1:
-            mvn: MultivariateNormal = MultivariateNormal(
-                mean[..., 0, :].to(dtype), DenseLinearOperator(covar[..., 0, :, :].to(dtype))
-            )
-        elif covar.shape[-3] == 1:  # one covariance shared by the outputs: C (x) I_t, interleaved
-            eye_t = DiagLinearOperator(torch.ones(*covar.shape[:-3], t, dtype=dtype, device=X.device))
-            mvn = MultitaskMultivariateNormal(
-                mean.mT.to(dtype),
-                KroneckerProductLinearOperator(DenseLinearOperator(covar[..., 0, :, :].to(dtype)), eye_t),
-                interleaved=True,
-            )
+        if t == 1 or covar.shape[-3] == 1:  # one covariance (per output, or shared by all outputs)
+            mvn = shared_covariance_distribution(mean.mT.to(dtype), DenseLinearOperator(covar[..., 0, :, :].to(dtype)))
         else:
             mvn = MultitaskMultivariateNormal.from_independent_mvns(
                 [

@@ -39,7 +39,12 @@ from ..options import FalkonOptions, option_property
 from ..solvers import CGInfo
 from .defaults import check_likelihood, default_kernel, default_likelihood
 from .fit_state import FitTracker
-from .posterior import NystromPosteriorCovariance, NystromPosteriorFactors, nystrom_posterior_mean
+from .posterior import (
+    NystromPosteriorCovariance,
+    NystromPosteriorFactors,
+    nystrom_posterior_mean,
+    shared_covariance_distribution,
+)
 
 __all__ = ["FalkonGP", "NystromPosteriorFactors"]
 
@@ -767,10 +772,8 @@ class FalkonGP(gpytorch.models.GP):
         q = x.shape[-2]
         if q == 0:  # an empty batch of test points is valid: an empty distribution
             empty = DenseLinearOperator(torch.zeros(*x.shape[:-2], 0, 0, dtype=out_dtype, device=x.device))
-            if self._num_outputs == 1:
-                return MultivariateNormal(torch.zeros(*x.shape[:-2], 0, dtype=out_dtype, device=x.device), empty)
             mean0 = torch.zeros(*x.shape[:-2], 0, self._num_outputs, dtype=out_dtype, device=x.device)
-            return MultitaskMultivariateNormal(mean0, empty, interleaved=True)
+            return shared_covariance_distribution(mean0, empty)
         kxa = nystrom_posterior_mean(
             self.kernel, x, self.centers, self.alpha, self.predict_chunk_size, backend=self.options.backend
         )
@@ -782,10 +785,4 @@ class FalkonGP(gpytorch.models.GP):
             covar = NystromPosteriorCovariance(
                 x, self.centers.detach(), f.L, f.LB, kernel=self.kernel, chunk_size=self.predict_chunk_size
             )
-        if self._num_outputs == 1:
-            return MultivariateNormal(mean.squeeze(-1), covar)
-        # t outputs share one covariance: cov = C (x) I_t in the interleaved (point, task)
-        # order, so the variances cost one C.diagonal() whatever t is
-        t = self._num_outputs
-        eye_t = DiagLinearOperator(torch.ones(*x.shape[:-2], t, dtype=out_dtype, device=x.device))
-        return MultitaskMultivariateNormal(mean, KroneckerProductLinearOperator(covar, eye_t), interleaved=True)
+        return shared_covariance_distribution(mean, covar)

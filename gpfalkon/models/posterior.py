@@ -5,8 +5,9 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from gpytorch.kernels import Kernel
-from linear_operator.operators import LinearOperator
+from linear_operator.operators import DiagLinearOperator, KroneckerProductLinearOperator, LinearOperator
 from linear_operator.utils.memoize import cached
 from torch import Tensor
 
@@ -17,7 +18,8 @@ from ..linalg import jittered_cholesky
 if TYPE_CHECKING:
     from ..operators import NystromKRROperator
 
-__all__ = ["NystromPosteriorCovariance", "NystromPosteriorFactors", "nystrom_posterior_mean", "posterior_roots"]
+__all__ = ["NystromPosteriorCovariance", "NystromPosteriorFactors", "nystrom_posterior_mean", "posterior_roots",
+           "shared_covariance_distribution"]
 
 
 class NystromPosteriorFactors:
@@ -175,6 +177,18 @@ def posterior_roots(kernel: Kernel, xs: Tensor, centers: Tensor, L: Tensor, LB: 
         return t.mT.reshape(*batch, q, m).mT
 
     return back(a), back(c)
+
+
+def shared_covariance_distribution(mean: Tensor, covar: LinearOperator) -> MultivariateNormal:
+    """``N(mean, covar)`` for ``t`` outputs that share one ``q x q`` covariance: a
+    ``MultivariateNormal`` for ``t = 1`` (``mean`` is ``(..., q, 1)``), else a
+    ``MultitaskMultivariateNormal`` with ``covar (x) I_t`` in the interleaved (point, output) order,
+    so the variances cost one ``covar.diagonal()`` whatever ``t`` is."""
+    t = mean.shape[-1]
+    if t == 1:
+        return MultivariateNormal(mean.squeeze(-1), covar)
+    eye_t = DiagLinearOperator(torch.ones(*mean.shape[:-2], t, dtype=mean.dtype, device=mean.device))
+    return MultitaskMultivariateNormal(mean, KroneckerProductLinearOperator(covar, eye_t), interleaved=True)
 
 
 def nystrom_posterior_mean(
