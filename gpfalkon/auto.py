@@ -9,14 +9,17 @@
    on some datasets). Every ``eval_every`` steps the current hyperparameters are scored by the
    validation error of a FALKON fit on the subsample; after ``race_rounds`` such rounds only the
    leading objective goes on, and whenever it stalls it continues from its best point on twice
-   the rows (up to ``max_hyper_rows``). The best (objective, rows, step) over the whole race wins,
-   so the objective *and* the stopping point are chosen on validation data.
+   the rows and ``sqrt(2)`` times the centers (``M = O(sqrt(n))``, nested subsamples, within the
+   memory budget ``hyper_entries``); stalled on all the rows it may use, it stops. The best
+   (objective, rows, step) over the whole race wins, so the objective *and* the stopping point
+   are chosen on validation data.
 2. **Select** on at most ``select_rows`` training rows: a coordinate search over the noise
    ``sigma^2 = n lambda`` and a common lengthscale multiplier, each a log-spaced 1-D grid around
    the learned value that keeps extending while the best point is at its edge; then the number
    of centers is doubled (nested centers) while the validation error improves by more than
-   ``min_gain`` and the measured cost of the next size fits the remaining budget, re-tuning the
-   noise (it falls as the Nyström approximation improves) at each size.
+   ``min_gain`` and the predicted cost of the next size (from the measured fit times) fits the
+   remaining budget (or grown by the largest factor >= 1.25 that fits), re-tuning the noise and
+   the multiplier (both move as the Nyström approximation improves) at each size.
 3. **Refit** on all rows (training rows plus the held-out rows, unless ``val_x`` was given) with
    the chosen kernel, noise and number of centers.
 
@@ -214,7 +217,7 @@ class _ObjectiveRun:
         self.active = True
         self.failed: str | None = None
         self.best: dict[str, Any] | None = None
-        self.rec: dict[str, Any] = dict(objective=name, rows=rows, steps=0, best_step=0, best_error=start_error,
+        self.rec: dict[str, Any] = dict(objective=name, rows=rows, centers=int(model.centers.shape[0]), steps=0, best_step=0, best_error=start_error,
                                         curve=[(0, 0.0, start_error)], stopped="")
 
     def stalled(self, evals: int = 5, rel: float = 0.01) -> bool:
@@ -307,7 +310,8 @@ def auto_fit(
     max_val_rows: int = 20_000,
     hyper_rows: int = 2_000,
     hyper_centers: int = 300,
-    max_hyper_rows: int = 16_000,
+    max_hyper_rows: int | None = None,
+    hyper_entries: int = 2**25,
     select_rows: int = 50_000,
     min_centers: int = 1_000,
     max_centers: int = 50_000,
@@ -355,7 +359,15 @@ def auto_fit(
         hyper_rows, hyper_centers: subsample and number of centers of stage 1.
         max_hyper_rows: when the leading objective stalls (no new best in 3 validation scores, or
             less than 1% gain over 5), it goes on from its best point on twice the rows (nested
-            subsamples), up to this many.
+            subsamples), up to this many (``None``: all training rows, within ``hyper_entries``
+            and the learning share of the budget). The centers grow with the rows as
+            ``hyper_centers * sqrt(rows / hyper_rows)`` (nested: new centers are drawn from the
+            new rows), the ``M = O(sqrt(n))`` of FALKON's statistical bound, so the objectives see
+            a Nystrom approximation that tightens as they see more data.
+        hyper_entries: memory budget of stage 1, in entries of its ``rows x centers`` kernel
+            matrix (``2**25``: 128 MiB in float32 per copy, a few copies live in autograd); the
+            rows stop doubling when the current centers would exceed it, and the centers stop
+            growing at ``hyper_entries // rows``.
         select_rows: rows of the stage-2 selection fits.
         min_centers, max_centers: the first and the largest number of centers of stage 2.
         optimizer: ``"lbfgs"`` (``torch.optim.LBFGS`` with a strong-Wolfe line search, ``eval_every``
@@ -366,7 +378,7 @@ def auto_fit(
         race_rounds: after this many rounds of ``eval_every`` steps of every objective, only the
             one with the best validation error so far goes on (the others' best points stay
             candidates).
-        min_gain: relative validation-error gain needed to keep doubling the centers.
+        min_gain: relative validation-error gain needed to keep growing the centers.
         max_iter, tol: FALKON's CG stopping rule for every fit.
         refit_on_all: fit the final model on training plus held-out rows.
         dtype: dtype of the data passes (float32 by default: half the time; CG, Cholesky factors
@@ -430,7 +442,9 @@ def auto_fit(
     max_val_rows = _check_count("max_val_rows", max_val_rows)
     hyper_rows = _check_count("hyper_rows", hyper_rows, 2)
     hyper_centers = _check_count("hyper_centers", hyper_centers)
-    max_hyper_rows = _check_count("max_hyper_rows", max_hyper_rows, 2)
+    if max_hyper_rows is not None:
+        max_hyper_rows = _check_count("max_hyper_rows", max_hyper_rows, 2)
+    hyper_entries = _check_count("hyper_entries", hyper_entries, 2)
     select_rows = _check_count("select_rows", select_rows, 2)
     min_centers = _check_count("min_centers", min_centers)
     max_centers = _check_count("max_centers", max_centers)
@@ -552,6 +566,7 @@ def auto_fit(
         ]
         rounds = 0
         rows_h = n_h
+        rows_cap = n_tr if max_hyper_rows is None else min(n_tr, max_hyper_rows)
         while True:
             active = [r for r in runners if r.active]
             if not active:
@@ -580,15 +595,29 @@ def auto_fit(
                         if r is not leader:
                             r.stop(f"dropped after {race_rounds} rounds (leader: {leader.name})")
             live = [r for r in runners if r.active]
-            if rounds >= race_rounds and len(live) == 1 and live[0].stalled() and rows_h < min(n_tr, max_hyper_rows):
+            start = None
+            if rounds >= race_rounds and len(live) == 1 and live[0].stalled():
+                start = best_state if best_state["objective"] == live[0].name else (live[0].best or best_state)
+                rows_next = min(2 * rows_h, rows_cap)
+                if rows_next <= rows_h or rows_next * start["centers"].shape[0] > hyper_entries:
+                    # stalled on as many rows as it may use: more steps here buy little; the rest of the
+                    # learning share goes to the selection stage
+                    live[0].stop(f"stalled on {rows_h:,} rows, the most it may use")
+                    start = None
+            if start is not None:
                 # progressive subsampling: the leader has stalled on this many rows; go on from the best point
-                # with twice the rows (nested subsamples; a fresh optimiser)
+                # with twice the rows and sqrt(2) times the centers (both nested; a fresh optimiser)
                 old = live[0]
-                rows_h = min(2 * rows_h, n_tr, max_hyper_rows)
-                old.stop(f"stalled; continued on {rows_h:,} rows")
-                start = best_state if best_state["objective"] == old.name else (old.best or best_state)
+                rows_prev, rows_h = rows_h, rows_next
+                c_start = start["centers"]
+                m_next = min(max(c_start.shape[0], round(hyper_centers * math.sqrt(rows_h / n_h))),
+                             hyper_entries // rows_h, rows_h - rows_prev + c_start.shape[0])
+                new_rows = h_perm[rows_prev:rows_h]
+                pick = new_rows[torch.randperm(new_rows.shape[0], generator=gen, device=dev)[: m_next - c_start.shape[0]]]
+                centers_next = torch.cat([c_start.to(dtype), xt_z[pick]], 0)
+                old.stop(f"stalled; continued on {rows_h:,} rows, {centers_next.shape[0]:,} centers")
                 runners.append(_ObjectiveRun(
-                    old.name, h_model(copy.deepcopy(start["kernel"]), float(start["noise"]), start["centers"].clone(),
+                    old.name, h_model(copy.deepcopy(start["kernel"]), float(start["noise"]), centers_next,
                                       learn_centers, rows=rows_h),
                     optimizer, lr, eval_every, best_state["error"]))
         for r in runners:
@@ -675,7 +704,7 @@ def auto_fit(
             # M^3 factorisations: scaling the whole measured time by the rows ratio is an upper bound
             return last_fit_seconds(m) * max(1.0, n_final / n_s)
 
-        m = min(n_s, max(min_centers, m_h), max_centers)
+        m = min(n_s, max(min_centers, int(learned_c.shape[0]) if learn_centers else m_h), max_centers)
         point = dict(noise=float(best_state["noise"]), multiplier=1.0)
         point["error"] = score(m, point["noise"], point["multiplier"])
         # coordinate search at the first size: noise, multiplier, noise again (finer)
@@ -692,20 +721,26 @@ def auto_fit(
                     f"centers stopped at M={m}: " + ("all selection rows" if m >= n_s else "max_centers")
                 )
                 break
-            # predicted cost of the next size: FALKON's fit time grows between 2x (data passes, linear in M)
-            # and 8x (the M^3 factorisations) per doubling; the growth measured over the last doubling is
-            # used (4x before one is seen), at least two fits there, then the final fit at that size
-            growth = 4.0
-            if len(levels) >= 2 and last_fit_seconds(levels[-2]["M"]) > 0:
-                growth = min(8.0, max(2.0, last_fit_seconds(m) / last_fit_seconds(levels[-2]["M"])))
-            predicted = growth * (2 * last_fit_seconds(m) + final_cost(m))
-            if predicted > clock.left():
+            # predicted cost of growing M by a factor f: FALKON's fit time grows as f^p with p between 1
+            # (data passes, linear in M) and 3 (the M^3 factorisations); p is measured over the last
+            # growth (2 before one is seen); the next size needs about four selection fits (the
+            # noise and multiplier searches) and then the final fit. When doubling does not fit the
+            # remaining budget, the largest factor >= 1.25 that does is taken.
+            p = 2.0
+            if len(levels) >= 2 and last_fit_seconds(levels[-2]["M"]) > 0 and last_fit_seconds(m) > 0:
+                ratio = last_fit_seconds(m) / last_fit_seconds(levels[-2]["M"])
+                p = min(3.0, max(1.0, math.log(max(ratio, 1e-9)) / math.log(m / levels[-2]["M"])))
+            unit = 4 * last_fit_seconds(m) + final_cost(m)
+            f_fit = (clock.left() / unit) ** (1.0 / p) if unit > 0 else math.inf
+            if f_fit < min(1.25, m_next / m):
                 report.notes.append(f"centers stopped at M={m}: M={m_next} would not fit the remaining budget")
                 break
-            m = m_next
+            m = min(m_next, int(m * f_fit))
             point = dict(noise=levels[-1]["noise"], multiplier=levels[-1]["multiplier"])
             point["error"] = score(m, point["noise"], point["multiplier"])
+            # the best noise falls and the best lengthscales shorten as the Nystrom approximation improves
             line_search(m, point, "noise", 2.0, 1e-8, 1e2, clock.t0 + budget - 1.2 * final_cost(m))
+            line_search(m, point, "multiplier", 1.25, 1e-3, 1e3, clock.t0 + budget - 1.2 * final_cost(m))
             levels.append(dict(M=m, **point))
             if not math.isfinite(point["error"]):
                 report.notes.append(f"centers stopped at M={m}: the fits failed")

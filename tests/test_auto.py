@@ -207,6 +207,26 @@ def test_auto_fit_invariant_to_affine_rescaling():
     assert m1.auto_report.chosen["objective"] == m2.auto_report.chosen["objective"]
 
 
+def test_auto_fit_learning_grows_rows_and_centers_within_the_memory_budget():
+    """Stage 1's progressive subsampling: each continuation doubles the rows and grows the centers as
+    hyper_centers * sqrt(rows / hyper_rows) (never shrinking, never past hyper_entries // rows); stalled
+    where doubling would exceed hyper_entries, the leader stops instead of running on."""
+    x, y, _ = _data(1200, noise=0.5)
+    kw = dict(SMALL, hyper_rows=100, hyper_centers=20, max_steps=2000, objectives=("gcv", "sgpr"), race_rounds=2,
+              hyper_entries=24_000)
+    rep = auto_fit(x, y, **kw).auto_report
+    leader = [r for r in rep.learn[1:] if r["objective"] == rep.learn[1]["objective"]]
+    assert len(leader) >= 3, [(r["rows"], r["stopped"]) for r in rep.learn]
+    for prev, cur in zip(leader, leader[1:]):
+        assert prev["stopped"].startswith(f"stalled; continued on {cur['rows']:,} rows")
+        assert cur["rows"] == min(2 * prev["rows"], rep.n_train)
+        want = min(max(prev["centers"], round(20 * math.sqrt(cur["rows"] / 100))), 24_000 // cur["rows"])
+        assert cur["centers"] == want and cur["rows"] * cur["centers"] <= 24_000
+    last = leader[-1]
+    assert last["stopped"] == f"stalled on {last['rows']:,} rows, the most it may use"
+    assert min(2 * last["rows"], rep.n_train) * last["centers"] > 24_000 or last["rows"] == rep.n_train
+
+
 def test_auto_fit_grid_extends_past_its_edge():
     """No learning (max_steps=0): noise starts at 0.1 (standardised) on nearly noise-free data, so the
     best noise lies several grid steps below: the 1-D grid must keep extending downwards."""
@@ -277,6 +297,8 @@ def test_auto_fit_respects_a_small_budget():
         (dict(optimizer="sgd"), "optimizer"),
         (dict(dtype=torch.float16), "dtype"),
         (dict(min_gain=-1.0), "min_gain"),
+        (dict(hyper_entries=0), "hyper_entries"),
+        (dict(max_hyper_rows=1), "max_hyper_rows"),
     ],
 )
 def test_auto_fit_bad_arguments(kwargs, match):
