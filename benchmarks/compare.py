@@ -36,7 +36,9 @@ How each method is configured (its own documentation's recipe, same everywhere):
   lambda re-selected by the same hold-out as FALKON (its fit time includes the learning).
 * gpfalkon auto_fit (``--methods falkon-auto``): ``gpfalkon.auto_fit(x, y, budget=--budget)``
   with its defaults, on the raw targets (it standardises by itself); its whole wall time
-  (learning, selection, final fit) is its fit time.
+  (learning, selection, final fit) is its fit time. The environment variable
+  ``GPFALKON_AUTO_KWARGS`` (a JSON object, default ``{}``) passes further arguments, for A/B runs
+  of the defaults on the development sets.
 * GPyTorch SGPR (GPyTorch's "SGPR regression" example): ConstantMean,
   ScaleKernel(RBF) through InducingPointKernel with 500 inducing points initialised at
   random training rows (learned), Adam lr 0.1, exact marginal likelihood, ARD lengthscales
@@ -676,7 +678,7 @@ def run_auto(data: dict, budget: float) -> list[dict]:
     xtr = data["xtr"]
     ytr = data["ytr"].double() * data["y_scale"] + data["y_mean"]
     t0 = time.perf_counter()
-    model = auto_fit(xtr, ytr, budget=budget, seed=0)
+    model = auto_fit(xtr, ytr, budget=budget, seed=0, **json.loads(os.environ.get("GPFALKON_AUTO_KWARGS", "{}")))
     fit_s = time.perf_counter() - t0
     model.eval()
     t1 = time.perf_counter()

@@ -9,8 +9,8 @@
    on some datasets). Every ``eval_every`` steps the current hyperparameters are scored by the
    validation error of a FALKON fit on the subsample; after ``race_rounds`` such rounds only the
    leading objective goes on, and whenever it stalls it continues from its best point on twice
-   the rows and ``sqrt(2)`` times the centers (``M = O(sqrt(n))``, nested subsamples, within the
-   memory budget ``hyper_entries``); stalled on all the rows it may use, it stops. The best
+   the rows (nested subsamples; optionally more centers, ``hyper_centers_growth``), within the
+   memory budget ``hyper_entries``; stalled on all the rows it may use, it stops. The best
    (objective, rows, step) over the whole race wins, so the objective *and* the stopping point
    are chosen on validation data.
 2. **Select** on at most ``select_rows`` training rows: a coordinate search over the noise
@@ -217,7 +217,8 @@ class _ObjectiveRun:
         self.active = True
         self.failed: str | None = None
         self.best: dict[str, Any] | None = None
-        self.rec: dict[str, Any] = dict(objective=name, rows=rows, centers=int(model.centers.shape[0]), steps=0, best_step=0, best_error=start_error,
+        self.rec: dict[str, Any] = dict(objective=name, rows=rows, centers=int(model.centers.shape[0]), steps=0,
+                                        best_step=0, best_error=start_error,
                                         curve=[(0, 0.0, start_error)], stopped="")
 
     def stalled(self, evals: int = 5, rel: float = 0.01) -> bool:
@@ -312,6 +313,7 @@ def auto_fit(
     hyper_centers: int = 300,
     max_hyper_rows: int | None = None,
     hyper_entries: int = 2**25,
+    hyper_centers_growth: float = 0.0,
     select_rows: int = 50_000,
     min_centers: int = 1_000,
     max_centers: int = 50_000,
@@ -361,9 +363,12 @@ def auto_fit(
             less than 1% gain over 5), it goes on from its best point on twice the rows (nested
             subsamples), up to this many (``None``: all training rows, within ``hyper_entries``
             and the learning share of the budget). The centers grow with the rows as
-            ``hyper_centers * sqrt(rows / hyper_rows)`` (nested: new centers are drawn from the
-            new rows), the ``M = O(sqrt(n))`` of FALKON's statistical bound, so the objectives see
-            a Nystrom approximation that tightens as they see more data.
+            ``hyper_centers * (rows / hyper_rows) ** hyper_centers_growth`` (nested: new centers
+            are drawn from the new rows); ``0.5`` is the ``M = O(sqrt(n))`` of FALKON's
+            statistical bound (the objectives see a Nystrom approximation that tightens as they
+            see more data, at 2x the cost per step); the default ``0`` keeps ``hyper_centers``
+            (on the development sets, 0.5 was no better within the same budget:
+            ``benchmarks/results/auto-notes.md``).
         hyper_entries: memory budget of stage 1, in entries of its ``rows x centers`` kernel
             matrix (``2**25``: 128 MiB in float32 per copy, a few copies live in autograd); the
             rows stop doubling when the current centers would exceed it, and the centers stop
@@ -445,6 +450,9 @@ def auto_fit(
     if max_hyper_rows is not None:
         max_hyper_rows = _check_count("max_hyper_rows", max_hyper_rows, 2)
     hyper_entries = _check_count("hyper_entries", hyper_entries, 2)
+    if isinstance(hyper_centers_growth, bool) or not isinstance(hyper_centers_growth, (int, float)) \
+            or not 0.0 <= hyper_centers_growth <= 1.0:
+        raise ValueError(f"hyper_centers_growth must be a number in [0, 1], got {hyper_centers_growth!r}")
     select_rows = _check_count("select_rows", select_rows, 2)
     min_centers = _check_count("min_centers", min_centers)
     max_centers = _check_count("max_centers", max_centers)
@@ -610,10 +618,11 @@ def auto_fit(
                 old = live[0]
                 rows_prev, rows_h = rows_h, rows_next
                 c_start = start["centers"]
-                m_next = min(max(c_start.shape[0], round(hyper_centers * math.sqrt(rows_h / n_h))),
+                m_next = min(max(c_start.shape[0], round(hyper_centers * (rows_h / n_h) ** hyper_centers_growth)),
                              hyper_entries // rows_h, rows_h - rows_prev + c_start.shape[0])
                 new_rows = h_perm[rows_prev:rows_h]
-                pick = new_rows[torch.randperm(new_rows.shape[0], generator=gen, device=dev)[: m_next - c_start.shape[0]]]
+                draw = torch.randperm(new_rows.shape[0], generator=gen, device=dev)
+                pick = new_rows[draw[: m_next - c_start.shape[0]]]
                 centers_next = torch.cat([c_start.to(dtype), xt_z[pick]], 0)
                 old.stop(f"stalled; continued on {rows_h:,} rows, {centers_next.shape[0]:,} centers")
                 runners.append(_ObjectiveRun(

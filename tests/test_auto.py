@@ -1,6 +1,7 @@
 """auto_fit (gpfalkon.auto) and FalkonGP's constant prior mean."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import gpytorch
@@ -213,11 +214,11 @@ def test_auto_fit_learning_grows_rows_and_centers_within_the_memory_budget():
     where doubling would exceed hyper_entries, the leader stops instead of running on."""
     x, y, _ = _data(1200, noise=0.5)
     kw = dict(SMALL, hyper_rows=100, hyper_centers=20, max_steps=2000, objectives=("gcv", "sgpr"), race_rounds=2,
-              hyper_entries=24_000)
+              hyper_entries=24_000, hyper_centers_growth=0.5)
     rep = auto_fit(x, y, **kw).auto_report
     leader = [r for r in rep.learn[1:] if r["objective"] == rep.learn[1]["objective"]]
     assert len(leader) >= 3, [(r["rows"], r["stopped"]) for r in rep.learn]
-    for prev, cur in zip(leader, leader[1:]):
+    for prev, cur in itertools.pairwise(leader):
         assert prev["stopped"].startswith(f"stalled; continued on {cur['rows']:,} rows")
         assert cur["rows"] == min(2 * prev["rows"], rep.n_train)
         want = min(max(prev["centers"], round(20 * math.sqrt(cur["rows"] / 100))), 24_000 // cur["rows"])
@@ -299,6 +300,7 @@ def test_auto_fit_respects_a_small_budget():
         (dict(min_gain=-1.0), "min_gain"),
         (dict(hyper_entries=0), "hyper_entries"),
         (dict(max_hyper_rows=1), "max_hyper_rows"),
+        (dict(hyper_centers_growth=1.5), "hyper_centers_growth"),
     ],
 )
 def test_auto_fit_bad_arguments(kwargs, match):
