@@ -47,7 +47,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import gpytorch
 import torch
 from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from torch import Tensor
@@ -165,8 +164,7 @@ def _scale_lengthscales(kernel: Kernel, factor: Tensor | float) -> None:
 
 def _val_mse(model: FalkonGP, xv: Tensor, yv: Tensor) -> float:
     model.eval()
-    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
-        pred = model(xv).mean.to(torch.float64)
+    pred = model.posterior_mean(xv).to(torch.float64)
     return float((pred - yv.to(torch.float64)).square().mean())
 
 

@@ -206,9 +206,9 @@ def _dense(t) -> Tensor:
     return t if isinstance(t, Tensor) else t.to_dense()
 
 
-def _rows_per_block(m: int, n: int, block_rows: int | None) -> int:
-    """Row-block height of the leverage-score passes (float64, ``O(M_J^2)`` work per row)."""
-    return block_rows_for(n, m, 8, FACTOR, block_rows=block_rows)
+def _rows_per_block(m: int, n: int, block_rows: int | None, device: torch.device | None = None) -> int:
+    """Row-block height of the leverage-score passes (float64, ``O(M_J^2)`` work per row) on ``device``."""
+    return block_rows_for(n, m, 8, FACTOR, block_rows=block_rows, device=device)
 
 
 def _kernel_diag(kernel64: Kernel, x: Tensor, rows: int, backend: Any | None = None) -> Tensor:
@@ -324,7 +324,7 @@ class _Dictionary:
                 # jitter only perturbs sampling probabilities: no need to alarm the user
                 warnings.simplefilter("ignore", JitterWarning)
                 chol, _ = jittered_cholesky(g, upper=False, name="K_JJ + n lambda A (BLESS dictionary)")
-            rows = _rows_per_block(self.size, max(count, 1), block_rows)
+            rows = _rows_per_block(self.size, max(count, 1), block_rows, device=x.device)
             if count > 0:
                 norms = backend_pass(backend, "whitened_sq_norms")(kernel64, x, xj, chol, rows, indices=rows_idx)
             else:  # no rows to score on this shard
@@ -463,7 +463,7 @@ def approximate_leverage_scores(
     capped_at: float | None = None
     with torch.no_grad():
         if rows_info.n_local > 0:
-            diag = _kernel_diag(k64, x, _rows_per_block(1, rows_info.n_local, block_rows), backend)
+            diag = _kernel_diag(k64, x, _rows_per_block(1, rows_info.n_local, block_rows, device=x.device), backend)
         else:
             diag = torch.zeros(0, dtype=torch.float64, device=x.device)
         if not bool(torch.isfinite(diag).all()) or bool((diag < 0).any()):

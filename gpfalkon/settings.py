@@ -1,27 +1,98 @@
-"""Global settings for gpfalkon, in the style of ``gpytorch.settings``.
+"""Settings for gpfalkon, in the style of ``gpytorch.settings``, but per thread / context.
 
 Each setting is a context manager (``with gpfalkon.settings.memory_budget(2**30): ...``)
-whose class method ``value()`` returns the value in force.
+whose class method ``value()`` returns the value in force *in the current context*: the values
+live in :class:`contextvars.ContextVar` objects, so a ``with`` block in one thread (or asyncio
+task) never changes what another sees. A new thread starts from the defaults;
+``set_default(value)`` changes a default for the whole process (for configuration at start-up).
+
+Written here rather than with ``linear_operator.settings._value_context``, whose values are
+class attributes shared by every thread.
 """
 from __future__ import annotations
 
-from linear_operator.settings import _value_context
+import contextvars
+import math
+import numbers
+from typing import Any, ClassVar
 
 __all__ = ["block_rows", "cg_tolerance", "max_cg_iterations", "memory_budget"]
 
+_UNSET = object()
 
-class memory_budget(_value_context):
-    """Bytes the kernel-product engine may hold for kernel blocks (default 4 GiB).
 
-    When the whole ``n x M`` matrix ``K_nM`` fits in the budget it is computed once
-    and kept for the lifetime of the engine; otherwise it is recomputed block by
-    block on every product, each block at most ``block_rows x M``.
+class _setting:
+    """A value with a process-wide default and per-context overrides."""
+
+    _default: ClassVar[Any]
+    _initial: ClassVar[Any]
+    _var: ClassVar[contextvars.ContextVar]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._var = contextvars.ContextVar(f"gpfalkon.settings.{cls.__name__}")
+        cls._initial = cls.__dict__.get("_default")
+
+    def __init__(self, value: Any) -> None:
+        self._value = type(self)._check(value)
+        self._tokens: list[contextvars.Token] = []
+
+    @classmethod
+    def _check(cls, value: Any) -> Any:
+        return value
+
+    @classmethod
+    def value(cls) -> Any:
+        """The value in force in the current context."""
+        return cls._var.get(cls._default)
+
+    @classmethod
+    def overridden(cls) -> bool:
+        """Whether a ``with`` block in this context or :meth:`set_default` gave a value."""
+        return cls._var.get(_UNSET) is not _UNSET or ("_default" in cls.__dict__ and cls._default is not cls._initial)
+
+    @classmethod
+    def set_default(cls, value: Any) -> None:
+        """Set the process-wide default (what contexts without a ``with`` block see)."""
+        cls._default = cls._check(value)
+
+    def __enter__(self) -> _setting:
+        self._tokens.append(type(self)._var.set(self._value))
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        type(self)._var.reset(self._tokens.pop())
+        return False
+
+
+def _positive_int(name: str, value: Any, allow_none: bool) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
+        kind = "an integer >= 1" + (" or None" if allow_none else "")
+        raise ValueError(f"gpfalkon.settings.{name}: must be {kind}, got {value!r}")
+    return int(value)
+
+
+class memory_budget(_setting):
+    """Bytes the kernel-product engine may hold for kernel blocks.
+
+    Default ``None``: half the memory available now on the data's device (``MemAvailable`` of
+    ``/proc/meminfo`` for the host, ``torch.cuda.mem_get_info`` for a GPU), capped at 16 GiB and
+    at least 256 MiB; 4 GiB where the available memory cannot be read
+    (:func:`gpfalkon.backend.default_memory_budget`). When the whole ``n x M`` matrix ``K_nM``
+    fits in the budget it is computed once and kept for the lifetime of the engine; otherwise it
+    is recomputed block by block on every product, each block at most ``block_rows x M``.
     """
 
-    _global_value: int = 4 * 2**30
+    _default: ClassVar[int | None] = None
+
+    @classmethod
+    def _check(cls, value: Any) -> int | None:
+        return _positive_int("memory_budget", value, allow_none=True)
 
 
-class block_rows(_value_context):
+class block_rows(_setting):
     """Rows of X per kernel block when ``K_nM`` is computed on the fly.
 
     Default ``None``: blocks of about 2 MiB (``2 MiB / (M * itemsize)`` rows, at
@@ -30,21 +101,39 @@ class block_rows(_value_context):
     blocks would not fit in the memory budget.
     """
 
-    _global_value: int | None = None
+    _default: ClassVar[int | None] = None
+
+    @classmethod
+    def _check(cls, value: Any) -> int | None:
+        return _positive_int("block_rows", value, allow_none=True)
 
 
-class cg_tolerance(_value_context):
+class cg_tolerance(_setting):
     """Default relative residual ``||r_k|| / ||b||`` at which FALKON's CG stops.
 
     Used when neither the solver call nor ``linear_operator.settings.cg_tolerance``
     (when set below its default of 1) gives one. Default ``1e-6``: test error stops
-    changing long before (``benchmarks/fit.py``); gradients want tighter.
+    changing long before (``benchmarks/fit.py``); gradients want tighter. For float32 data
+    the default is raised to :data:`gpfalkon.operators.nystrom.FLOAT32_TOL`, the floor
+    float32 kernel products reach (a tolerance given explicitly is used as is).
     """
 
-    _global_value: float = 1e-6
+    _default: ClassVar[float] = 1e-6
+
+    @classmethod
+    def _check(cls, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"gpfalkon.settings.cg_tolerance: must be a finite number >= 0, got {value!r}")
+        return float(value)
 
 
-class max_cg_iterations(_value_context):
+class max_cg_iterations(_setting):
     """Default cap on FALKON CG iterations (each is one pass over the data). Default 100."""
 
-    _global_value: int = 100
+    _default: ClassVar[int] = 100
+
+    @classmethod
+    def _check(cls, value: Any) -> int:
+        out = _positive_int("max_cg_iterations", value, allow_none=False)
+        assert out is not None
+        return out

@@ -26,6 +26,7 @@ import math
 import numbers
 import pathlib
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
@@ -341,6 +342,15 @@ class _Search(abc.ABC):
         finally:
             if bar is not None:
                 bar.close()
+        bad = sum(not math.isfinite(t.value) for t in self.history)
+        if bad:
+            warnings.warn(
+                f"{type(self).__name__}: {bad} of {len(self.history)} evaluations returned a non-finite value "
+                "(recorded as inf)" + ("; none succeeded, so best_config is not a result: check the objective"
+                                       if bad == len(self.history) else ""),
+                RuntimeWarning,
+                stacklevel=2,
+            )
         best = min(self.history, key=lambda t: t.value)
         return SearchResult(best_config=best.config, best_value=best.value, history=list(self.history))
 
@@ -431,6 +441,8 @@ class BoTorchSearch(_Search):
         from botorch.optim.optimize_mixed import optimize_acqf_mixed_alternating
 
         ok = [t for t in self.history if math.isfinite(t.value)]
+        if len(ok) < 2:  # nothing (or one point) to fit a GP to: non-finite values were recorded as inf
+            return self.space.sample(1, self.generator)[0]
         X = torch.stack([self.space.encode(t.config) for t in ok])
         vals = torch.tensor([t.value for t in ok], dtype=torch.float64)
         if self.log_objective and bool((vals > 0).all()):
@@ -512,12 +524,9 @@ def _config_model(config: Mapping[str, Any], train_x: Tensor, train_y: Tensor, m
                     max_iter=max_iter, tol=0.0, seed=seed, center_selection=selection, **kw)
 
 
-def _rmse(model, val_x: Tensor, val_y: Tensor) -> float:
-    import gpytorch
-
+def _rmse(model: Any, val_x: Tensor, val_y: Tensor) -> float:
     model.eval()
-    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
-        pred = model(val_x).mean
+    pred = model.posterior_mean(val_x)  # no process-wide GPyTorch flag toggled
     return float(((pred - val_y) ** 2).mean().sqrt())
 
 

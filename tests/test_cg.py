@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpfalkon import FalkonConvergenceError, conjugate_gradient
+from gpfalkon import CGNotConvergedWarning, FalkonConvergenceError, conjugate_gradient
 
 
 def spd(m=30, cond=1e3, seed=0):
@@ -65,16 +65,31 @@ def test_non_finite_raises():
         conjugate_gradient(lambda u: u, torch.full((5, 1), float("inf"), dtype=torch.float64))
 
 
-def test_stagnation_raises():
+def test_stagnation_returns_the_best_iterate_with_advice_for_the_dtype():
     # condition number 1e16 in float64: CG's residual stops decreasing for good
+    A = spd(50, cond=1e16)
+    b = A @ torch.ones(50, 1, dtype=torch.float64)  # CG gets to ~1e-10 before round-off stops it
+    with pytest.warns(CGNotConvergedWarning, match="stagnated") as rec:
+        x, info = conjugate_gradient(lambda u: A @ u, b, tol=1e-14, max_iter=3000)
+    msg = str(rec[0].message)
+    assert "float64 data" not in msg and "increase the penalty" in msg  # float64 data: no "use float64"
+    assert info.extra["stagnated"] and not info.converged and info.iterations < 3000
+    # the returned iterate is the best one seen
+    rel = float((b - A @ x).norm() / b.norm())
+    assert rel <= float(info.residuals.min()) * 1.01 + 1e-12
+    # the advice names float64 only for narrower data
+    with pytest.warns(CGNotConvergedWarning, match="float32 kernel products"):
+        conjugate_gradient(lambda u: A @ u, b, tol=1e-14, max_iter=3000, data_dtype=torch.float32)
+    # the same system with stagnation detection off runs to the cap instead
+    _, info = conjugate_gradient(lambda u: A @ u, b, tol=1e-14, max_iter=200, stagnation_window=None)
+    assert info.iterations == 200 and not info.converged
+
+
+def test_stagnation_without_a_usable_iterate_raises():
+    # the same system with b = ones: the residual never gets below 0.5 before it stalls
     A = spd(50, cond=1e16)
     with pytest.raises(FalkonConvergenceError, match="stagnated"):
         conjugate_gradient(lambda u: A @ u, torch.ones(50, 1, dtype=torch.float64), tol=1e-14, max_iter=3000)
-    # the same system with stagnation detection off runs to the cap instead
-    _, info = conjugate_gradient(
-        lambda u: A @ u, torch.ones(50, 1, dtype=torch.float64), tol=1e-14, max_iter=200, stagnation_window=None
-    )
-    assert info.iterations == 200 and not info.converged
 
 
 def test_bad_arguments():

@@ -1,6 +1,8 @@
 """Every bad input gets a clear exception naming the argument, and changes nothing."""
 from __future__ import annotations
 
+import math
+
 import gpytorch
 import pytest
 import torch
@@ -138,7 +140,7 @@ def test_non_finite_kernel_values_stop_cg(data):
             return k
 
     model = FalkonGP(x, y, kernel=NaNKernel(), centers=x[:5])
-    with pytest.raises(FalkonConvergenceError, match=r"NaN or Inf|non-finite"):
+    with pytest.raises(FalkonConvergenceError, match=r"NaN or Inf|non-finite|not finite"):
         model.fit()
     assert not bool(model.fitted)
 
@@ -197,3 +199,78 @@ def test_arguments_of_the_wrong_type_are_named_before_any_work(data):
         tuning.Categorical([[1], [2]])
     # valid values still work
     assert tuning.Float(0, 1.5).decode(2.0) == 1.5 and tuning.Categorical(["a", "b"]).decode(0.2) == "a"
+
+
+# ------------------------------------------------------------------ issue 15 reproducers
+def test_targets_edited_in_place_to_nan_are_named_at_fit(data):
+    x, y = data
+    m = FalkonGP(x, y.clone(), kernel=_k(), num_centers=10, penalty=1e-3)
+    m.train_targets[3] = float("nan")
+    with pytest.raises(ValueError, match="train_y contains NaN"):
+        m.fit()
+    assert not bool(m.fitted)
+
+
+def test_float32_overflow_of_the_kernel_is_named(data):
+    x, y = data
+    xs, ys = (x * 1e30).float(), y.float()
+    m = FalkonGP(xs, ys, kernel=make_kernel("rbf", 2, dtype=torch.float32), num_centers=10, penalty=1e-3)
+    with pytest.raises(FalkonConvergenceError, match=r"overflows in torch\.float32"):
+        m.fit()
+
+
+def test_objectives_name_non_finite_state(data):
+    from gpfalkon.objectives import GCV, LOOCV, SGPRBound
+
+    x, y = data
+    m = FalkonGP(x, y.clone(), kernel=_k(), num_centers=10, penalty=1e-3)
+    m.train_targets[0] = float("nan")
+    with pytest.raises(ValueError, match="train_y contains NaN"):
+        LOOCV(m)()
+    m = FalkonGP(x, y, kernel=_k(), num_centers=10, penalty=1e-3)
+    with torch.no_grad():
+        m.likelihood.raw_noise.fill_(float("nan"))
+    with pytest.raises(ValueError, match="penalty is"):
+        GCV(m)()
+    m = FalkonGP(x, y, kernel=_k(), num_centers=10, penalty=1e-3)
+    with torch.no_grad():
+        m.kernel.raw_lengthscale.fill_(float("inf"))
+    with pytest.raises(ValueError, match=r"kernel parameter raw_lengthscale"):
+        SGPRBound(m)()
+
+
+def test_minimize_with_a_huge_learning_rate_is_named_and_restores_the_parameters(data):
+    from gpfalkon.objectives import GCV
+
+    x, y = data
+    m = FalkonGP(x, y, kernel=_k(), num_centers=10, penalty=1e-3)
+    obj = GCV(m)
+    with pytest.raises(ValueError, match="lr"):
+        obj.minimize(2, lr=float("nan"))
+    # a finite but absurd step: either a named error with the parameters restored, or finite values
+    try:
+        vals = obj.minimize(5, lr=1e6)
+    except ValueError as exc:
+        assert "lr=1000000.0" in str(exc), str(exc)
+    else:
+        assert all(map(math.isfinite, vals))
+    assert all(bool(torch.isfinite(p).all()) for p in m.parameters())
+    obj()  # still usable
+
+
+def test_searches_warn_when_evaluations_fail():
+    from gpfalkon.tuning import BoTorchSearch, LogFloat, RandomSearch
+
+    space = {"penalty": LogFloat(1e-6, 1e-1)}
+    with pytest.warns(RuntimeWarning, match="none succeeded"):
+        res = RandomSearch(space, lambda c: float("nan"), budget=3).run()
+    assert res.best_value == math.inf
+    calls = {"n": 0}
+
+    def half_nan(config):
+        calls["n"] += 1
+        return float("nan") if calls["n"] % 2 else math.log(config["penalty"]) ** 2
+
+    with pytest.warns(RuntimeWarning, match="3 of 6 evaluations"):
+        res = BoTorchSearch(space, half_nan, budget=6, n_initial=2, num_restarts=2, raw_samples=16).run()
+    assert math.isfinite(res.best_value)

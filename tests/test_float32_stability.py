@@ -11,6 +11,8 @@ import torch
 from gpfalkon import CGNotConvergedWarning, FalkonConvergenceError, FalkonGP, conjugate_gradient, median_lengthscale
 from gpfalkon.operators.nystrom import NystromKRROperator
 
+from conftest import make_data, make_kernel
+
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "protein.npz"
 
 
@@ -115,3 +117,42 @@ def test_breakdown_on_singular_kmm_rebuilds_preconditioner():
     # the fit itself is good: K_nM alpha reproduces the smooth targets
     knm = k(x, x).to_dense()
     assert float((knm @ alpha.squeeze(-1) - y).square().mean().sqrt()) < 0.15
+
+
+def test_float32_default_tolerance_is_the_float32_floor():
+    from gpfalkon import settings
+    from gpfalkon.operators.nystrom import FLOAT32_TOL
+
+    def fit(dtype, **kw):
+        x, y = make_data(200, 3, dtype=dtype)
+        return FalkonGP(x, y, kernel=make_kernel("rbf", 3, dtype=dtype), num_centers=40, penalty=1e-4, **kw).fit()
+
+    assert fit(torch.float32).fit_info.tol == FLOAT32_TOL
+    assert fit(torch.float64).fit_info.tol == settings.cg_tolerance.value() < FLOAT32_TOL
+    # a tolerance given explicitly (argument or setting) is used as is
+    assert fit(torch.float32, tol=1e-7).fit_info.tol == 1e-7
+    with settings.cg_tolerance(1e-8):
+        assert fit(torch.float32).fit_info.tol == 1e-8
+
+
+def test_cap_warning_only_when_the_cap_stopped_cg():
+    from gpfalkon.solvers import falkon_solve
+
+    class Identity:
+        def apply_b(self, r):
+            return r
+
+        apply_bt = apply_b_inv = apply_b
+
+    g = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(40, 40, generator=g, dtype=torch.float64))
+    a = q @ torch.diag(torch.logspace(0, 16, 40, dtype=torch.float64)) @ q.T
+    b = a @ torch.ones(40, 1, dtype=torch.float64)  # CG gets to ~1e-10, then round-off stalls it
+    with pytest.warns(CGNotConvergedWarning, match="reached max_iter=3"):
+        falkon_solve(lambda u: a @ u, Identity(), b, tol=1e-14, max_iter=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, info = falkon_solve(lambda u: a @ u, Identity(), b, tol=1e-14, max_iter=5000)
+    msgs = [str(w.message) for w in caught]
+    assert info.extra["stagnated"] and info.iterations < 5000
+    assert msgs and all("max_iter" not in m for m in msgs) and any("stagnated" in m for m in msgs), msgs

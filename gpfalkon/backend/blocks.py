@@ -28,8 +28,11 @@ Profiles (their defaults are the measured ones of ``benchmarks/engine.py``):
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+import torch
 
 from .. import settings
 
@@ -85,8 +88,10 @@ def block_rows_for(
     *,
     memory_budget: int | None = None,
     block_rows: int | None = None,
+    device: torch.device | str | None = None,
 ) -> int:
-    """Rows per block for a pass of ``profile`` over ``n`` rows against ``m`` columns.
+    """Rows per block for a pass of ``profile`` over ``n`` rows against ``m`` columns (on ``device``,
+    whose available memory sets the automatic budget; the host when ``None``).
 
     ``block_rows`` (else :class:`gpfalkon.settings.block_rows`) overrides the profile's
     default height; the result never exceeds ``memory_budget`` (else
@@ -100,16 +105,56 @@ def block_rows_for(
         rows = max(profile.min_rows, profile.target_bytes // (max(m, 1) * size))
     else:
         rows = profile.default_rows
-    budget = memory_budget_for(memory_budget)
+    budget = memory_budget_for(memory_budget, device=device)
     size = profile.itemsize or itemsize
     rows = min(rows, max(1, budget // (profile.live_blocks * max(m, 1) * size)))
     return max(1, min(rows, max(int(n), 1)))
 
 
-def memory_budget_for(memory_budget: int | None = None) -> int:
-    """``memory_budget`` in bytes, or :class:`gpfalkon.settings.memory_budget` when ``None``."""
+#: bounds of the automatic memory budget: half the available memory, within [floor, cap]
+AUTO_BUDGET_FLOOR = 256 * 2**20
+AUTO_BUDGET_CAP = 16 * 2**30
+#: the automatic budget where the available memory cannot be read
+AUTO_BUDGET_FALLBACK = 4 * 2**30
+
+
+def available_memory(device: torch.device | str | None = None) -> int | None:
+    """Bytes available now on ``device``: free GPU memory (``torch.cuda.mem_get_info``) for a CUDA
+    device, ``MemAvailable`` of ``/proc/meminfo`` for the host; ``None`` where it cannot be read."""
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    if dev.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(dev)[0])
+        except (RuntimeError, AssertionError):
+            return None
+    if dev.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def default_memory_budget(device: torch.device | str | None = None) -> int:
+    """The automatic memory budget: half of :func:`available_memory`, within
+    ``[AUTO_BUDGET_FLOOR, AUTO_BUDGET_CAP]``; ``AUTO_BUDGET_FALLBACK`` when it cannot be read."""
+    free = available_memory(device)
+    if free is None:
+        return AUTO_BUDGET_FALLBACK
+    return int(min(AUTO_BUDGET_CAP, max(AUTO_BUDGET_FLOOR, free // 2)))
+
+
+def memory_budget_for(memory_budget: int | None = None, device: torch.device | str | None = None) -> int:
+    """``memory_budget`` in bytes, else :class:`gpfalkon.settings.memory_budget` when set, else
+    :func:`default_memory_budget` of ``device`` (the host when ``None``)."""
     budget = settings.memory_budget.value() if memory_budget is None else memory_budget
-    if isinstance(budget, bool) or int(budget) != budget or int(budget) < 1:
+    if budget is None:
+        return default_memory_budget(device)
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or int(budget) != budget or int(budget) < 1:
         raise ValueError(f"memory_budget must be an integer >= 1 (bytes), got {budget!r}")
     return int(budget)
 

@@ -155,7 +155,7 @@ class KernelEngine:
         self.dtype = x.dtype
         self.device = x.device
         self.acc_dtype = torch.float64
-        budget = memory_budget_for(memory_budget)
+        budget = memory_budget_for(memory_budget, device=self.device)
         itemsize = torch.finfo(self.dtype).bits // 8
         row_bytes = self.m * itemsize
         full_bytes = self.n * row_bytes

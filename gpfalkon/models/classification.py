@@ -15,7 +15,6 @@ iteration) and ``O(q M (d + t))`` to score ``q`` points.
 """
 from __future__ import annotations
 
-import gpytorch
 import torch
 from gpytorch.kernels import Kernel
 from torch import Tensor
@@ -123,8 +122,7 @@ class FalkonClassifier(torch.nn.Module):
     def decision_function(self, x: Tensor) -> Tensor:
         """Scores ``f(x) = K_xM alpha``: ``(q,)`` for two classes, ``(q, k)`` otherwise."""
         self.model.eval()
-        with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
-            return self.model(x).mean
+        return self.model.posterior_mean(x)
 
     def predict(self, x: Tensor) -> Tensor:
         """Predicted labels ``(q,)``: ``classes[1]`` where the score is > 0 (two classes), else the argmax class."""

@@ -33,12 +33,12 @@ from .._validation import (
 )
 from ..backend.passes import is_sharded, reduce_rows, total_rows
 from ..centers import CenterSelector, FixedCenters, LeverageCenters, UniformCenters, default_num_centers
-from ..errors import NotFittedError
+from ..errors import FalkonConvergenceError, NotFittedError
 from ..operators import NystromKRROperator
 from ..options import FalkonOptions, option_property
 from ..solvers import CGInfo
 from .defaults import check_likelihood, default_kernel, default_likelihood
-from .fit_state import FitTracker
+from .fit_state import FIT_GROUPS, FitTracker, dtype_code, hyper_digest
 from .posterior import (
     NystromPosteriorCovariance,
     NystromPosteriorFactors,
@@ -392,8 +392,12 @@ class FalkonGP(gpytorch.models.GP):
         shape = (c.shape[0],) if self._num_outputs == 1 else (c.shape[0], self._num_outputs)
         self.register_buffer("alpha", torch.full(shape, float("nan"), dtype=torch.float64, device=train_x.device))
         self.register_buffer("fitted", torch.tensor(False, device=train_x.device))
-        # value fingerprint of the training data alpha was fitted on (persists in state_dict)
+        # what alpha was fitted on (persists in state_dict): sums / norms of the training data, and content
+        # digests of train_x, train_y and the hyperparameter groups (fit_state.FIT_GROUPS) + train_x's dtype code
         self.register_buffer("data_fingerprint", torch.zeros(6, dtype=torch.float64, device=train_x.device))
+        self.register_buffer("fit_digest", torch.zeros(2 * len(FIT_GROUPS) + 1, dtype=torch.int64,
+                                                        device=train_x.device))
+        self._legacy_state = False  # set while loading a state saved before fit_digest existed
         self.fit_info: CGInfo | None = None
         self._fit_tracker = FitTracker()
         self._factors: NystromPosteriorFactors | None = None
@@ -411,6 +415,18 @@ class FalkonGP(gpytorch.models.GP):
             tracker.snapshot = state.pop("_snapshot", None)
             state.pop("_fitted_data_key", None)  # the data are re-checked by value
             state["_fit_tracker"] = tracker
+        buffers = state.get("_buffers")
+        if isinstance(buffers, dict) and "fit_digest" not in buffers:
+            # pickled before content digests: the fit revalidates by the data's sums and norms until the next
+            # fit or save (which record the digests)
+            anchor = buffers.get("data_fingerprint", buffers.get("alpha"))
+            dev = anchor.device if isinstance(anchor, Tensor) else None
+            buffers["fit_digest"] = torch.zeros(2 * len(FIT_GROUPS) + 1, dtype=torch.int64, device=dev)
+            if "data_fingerprint" not in buffers:
+                buffers["data_fingerprint"] = torch.zeros(6, dtype=torch.float64, device=dev)
+                buffers["fitted"] = torch.zeros((), dtype=torch.bool, device=dev)  # nothing to check it by
+            state["_legacy_state"] = True
+        state.setdefault("_legacy_state", False)
         super().__setstate__(state)
 
     def _register_centers(self, c: Tensor, learn_centers: bool) -> None:
@@ -507,8 +523,25 @@ class FalkonGP(gpytorch.models.GP):
         with torch.no_grad():
             if callback is not None and not callable(callback):  # before the O(n M) passes, not after
                 raise TypeError(f"callback must be callable (iteration, x, residual), got {type(callback).__name__}")
+            # the data may have been edited in place since construction: O(n d), before any pass
+            x_tr = self.train_inputs[0]
+            bad = torch.tensor([float(not bool(torch.isfinite(self.train_targets).all())),
+                                float(not is_row_source(x_tr) and not bool(torch.isfinite(x_tr).all()))],
+                               dtype=torch.float64, device=self.centers.device)
+            bad = self._row_sum(bad)  # every rank learns of a bad shard (no rank waits in a collective alone)
+            for flag, name in zip(bad.tolist(), ("train_y", "train_x"), strict=True):
+                if flag:
+                    raise ValueError(f"{name} contains NaN or Inf (was it edited in place after the model was "
+                                     "built?)")
             op = self.nystrom_operator()
             rhs = op.kmn_y(y2)
+            if not bool(torch.isfinite(rhs).all()):
+                raise FalkonConvergenceError(
+                    f"K_Mn y is not finite: the kernel overflows in {x_tr.dtype} for these inputs and "
+                    "hyperparameters (huge or tiny lengthscales, or inputs scaled far from 1, e.g. |x| ~ 1e30); "
+                    "standardise train_x, check the kernel's lengthscale and outputscale"
+                    + (", or use float64" if x_tr.dtype.itemsize < 8 else "")
+                )
             x0 = None
             if warm_start and bool(self.fitted):
                 x0 = self.alpha.reshape(op.m, -1).to(torch.float64)
@@ -531,21 +564,55 @@ class FalkonGP(gpytorch.models.GP):
             self.mean_constant,
         ]
 
+    def _fit_groups(self) -> list[list[Tensor]]:
+        """The hyperparameter groups of ``fit_digest`` (FIT_GROUPS after train_x / train_y)."""
+        return [
+            [*self.kernel.parameters(), *self.kernel.buffers()],
+            [self.centers],
+            [self.likelihood.raw_noise],
+            [self.mean_constant],
+        ]
+
     def _fit_data(self) -> tuple[Tensor, Tensor]:
         return self.train_inputs[0], self.train_targets
 
+    def _digest_now(self, data_digest: Tensor) -> Tensor:
+        hyper = hyper_digest(self._fit_groups())
+        code = dtype_code(self.train_inputs[0].dtype)
+        return torch.cat([data_digest.to(torch.int64).cpu(), torch.tensor([*hyper, code], dtype=torch.int64)]).to(
+            self.fit_digest.device)
+
     def _mark_fitted(self) -> None:
+        if not bool(torch.isfinite(self.alpha).all()):
+            self.fitted.fill_(False)
+            self._fit_tracker.forget()
+            raise FalkonConvergenceError(
+                "fit: the solution alpha contains NaN or Inf (the kernel, penalty or data overflow in this "
+                f"dtype, {self.train_inputs[0].dtype}); check the data's scale and the penalty, or use float64"
+            )
         self.fitted.fill_(True)
-        fp = self._fit_tracker.mark(self._fit_dependencies(), self._fit_data(), reduce=self._row_sum)
-        self.data_fingerprint = fp.to(self.data_fingerprint.device)
+        self._legacy_state = False
+        summary, digest = self._fit_tracker.mark(self._fit_dependencies(), self._fit_data(), reduce=self._row_sum,
+                                                 row_offset=self._row_offset)
+        self.data_fingerprint = summary.to(self.data_fingerprint.device)
+        self.fit_digest = self._digest_now(digest)
 
     def _row_sum(self, t: Tensor) -> Tensor:
         """Sums over this process's rows completed over all shards (identity in one process)."""
         return reduce_rows(self.options.backend, t)[0]
 
+    def _row_offset(self) -> int:
+        """This process's first global row (0 in one process; a collective when sharded)."""
+        backend = self.options.backend
+        return int(backend.row_range(self.train_inputs[0])[0]) if is_sharded(backend) else 0
+
+    def _stored_fingerprint(self) -> tuple[Tensor, Tensor | None]:
+        return self.data_fingerprint, (None if self._legacy_state else self.fit_digest[:4])
+
     def _hyper_changed(self) -> bool:
         return self._fit_tracker.stale(
-            self._fit_dependencies(), self._fit_data(), self.data_fingerprint, reduce=self._row_sum
+            self._fit_dependencies(), self._fit_data(), self._stored_fingerprint(), reduce=self._row_sum,
+            row_offset=self._row_offset,
         )
 
     def _apply(self, fn, *args, **kwargs):
@@ -563,6 +630,7 @@ class FalkonGP(gpytorch.models.GP):
         self.alpha = self.alpha.to(torch.float64)
         self.mean_constant = mean_c.to(device=self.alpha.device, dtype=torch.float64)
         self.data_fingerprint = self.data_fingerprint.to(torch.float64)
+        self.fit_digest = self.fit_digest.to(torch.int64)
         if weights is not None:
             self.center_weights = weights.to(device=self.centers.device, dtype=torch.float64)
         self._factors = None
@@ -575,6 +643,12 @@ class FalkonGP(gpytorch.models.GP):
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         # ``fitted`` in a saved state means "alpha solves the saved hyperparameters": a fit made stale
         # by later hyperparameter changes is saved as unfitted (no stale alpha after loading)
+        if self._legacy_state and bool(self.fitted) and not self._hyper_changed():
+            # unpickled from before content digests and still valid by sums and norms: record them now
+            self._legacy_state = False
+            _, digest = self._fit_tracker.mark(self._fit_dependencies(), self._fit_data(), reduce=self._row_sum,
+                                               row_offset=self._row_offset)
+            self.fit_digest = self._digest_now(digest)
         super()._save_to_state_dict(destination, prefix, keep_vars)
         key = prefix + "fitted"
         if key in destination and bool(self.fitted) and self._hyper_changed():
@@ -614,6 +688,10 @@ class FalkonGP(gpytorch.models.GP):
         # a full model state dict (it has alpha) without the constant predates it: zero mean; a partial
         # dict (strict=False, e.g. only kernel hyperparameters) leaves the current constant alone
         had_mean = m_key in state_dict or a_key not in state_dict
+        d_key = prefix + "fit_digest"
+        # a full state saved before fit_digest existed: its data are checked by sums and norms, its
+        # hyperparameters are taken as those of the fit (as they were then)
+        legacy = a_key in state_dict and d_key not in state_dict
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
@@ -621,20 +699,48 @@ class FalkonGP(gpytorch.models.GP):
             self.mean_constant.zero_()
             if m_key in missing_keys:
                 missing_keys.remove(m_key)
+        if legacy and d_key in missing_keys:
+            missing_keys.remove(d_key)
+        self._legacy_state = legacy
 
     @staticmethod
     def _after_load(module: FalkonGP, incompatible_keys) -> None:
         module._factors = None
         module._fit_tracker.forget()
+        legacy, module._legacy_state = module._legacy_state, False
         if not bool(module.fitted):
             return
-        module._fit_tracker.adopt(module._fit_dependencies())
-        if module._fit_tracker.data_changed(module._fit_data(), module.data_fingerprint, reduce=module._row_sum):
+        differs: list[str] = []
+        if not bool(torch.isfinite(module.alpha).all()):
+            differs.append("alpha contains NaN or Inf")
+        elif legacy:
+            module._fit_tracker.adopt(module._fit_dependencies())
+            differs = module._fit_tracker.data_changed(module._fit_data(), (module.data_fingerprint, None),
+                                                       reduce=module._row_sum)
+            if not differs:  # the data match by sums and norms: record their digests from now on
+                _, digest = module._fit_tracker.mark(module._fit_dependencies(), module._fit_data(),
+                                                     reduce=module._row_sum, row_offset=module._row_offset)
+                module.fit_digest = module._digest_now(digest)
+        else:
+            saved = module.fit_digest.to(torch.int64).cpu()
+            x_dtype = module.train_inputs[0].dtype
+            if int(saved[-1]) != dtype_code(x_dtype):
+                differs.append(f"the training data's dtype (this model holds {x_dtype}; the fit was on another: "
+                               "load into a model of the fit's dtype, then .to() keeps the fit)")
+            else:
+                differs += module._fit_tracker.data_changed(module._fit_data(), (module.data_fingerprint, saved[:4]),
+                                                            reduce=module._row_sum, row_offset=module._row_offset)
+                now = hyper_digest(module._fit_groups())
+                differs += [name for i, name in enumerate(FIT_GROUPS[2:])
+                            if now[2 * i : 2 * i + 2] != saved[4 + 2 * i : 6 + 2 * i].tolist()]
+            if not differs:
+                module._fit_tracker.adopt(module._fit_dependencies(), module._fit_data())
+        if differs:
             module.fitted.fill_(False)
             module._fit_tracker.forget()
             warnings.warn(
-                "FalkonGP.load_state_dict: the loaded alpha was fitted on different training data than this "
-                "model holds; the model is marked unfitted (call fit())",
+                "FalkonGP.load_state_dict: the loaded alpha does not fit this model (it differs in: "
+                + "; ".join(differs) + "); the model is marked unfitted (call fit())",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -694,8 +800,8 @@ class FalkonGP(gpytorch.models.GP):
         if n_new != n_old:
             self.penalty = pen  # keep lambda: the noise n * lambda follows n
         self._factors = None
-        if was_valid and not self._fit_tracker.data_changed(self._fit_data(), self.data_fingerprint,
-                                                            reduce=self._row_sum):
+        if was_valid and not self._fit_tracker.data_changed(self._fit_data(), self._stored_fingerprint(),
+                                                            reduce=self._row_sum, row_offset=self._row_offset):
             return  # the same data by value: alpha still solves the system
         self.fitted.fill_(False)
         self._fit_tracker.forget()
@@ -766,6 +872,31 @@ class FalkonGP(gpytorch.models.GP):
         mean = mc.expand(*x.shape[:-1], t).clone()
         return FalkonMultitaskPrior(mean, KroneckerProductLinearOperator(covar, eye_t), interleaved=True)
 
+    def posterior_mean(self, x: Tensor) -> Tensor:
+        """The posterior mean ``c + K_xM alpha`` alone, shaped as ``self(x).mean`` in eval mode
+        (``(..., q)`` for one output, ``(..., q, t)`` for ``t``): no variance factors, and no
+        process-wide GPyTorch flag (``skip_posterior_variances``) toggled to get it, so it is safe
+        next to other threads' predictions. Cost ``O(q M d)``."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a torch.Tensor of shape (..., q, d), got {type(x).__name__} "
+                            "(convert with torch.as_tensor(x, dtype=...))")
+        if x.dim() == 1:
+            x = x.unsqueeze(-1)
+        self._check_test_inputs(x)
+        self._check_fitted()
+        with torch.no_grad():
+            mean = self._mean_at(x)
+        return mean.squeeze(-1) if self._num_outputs == 1 else mean
+
+    def _mean_at(self, x: Tensor) -> Tensor:
+        """``c + K_xM alpha`` in ``x``'s dtype, ``(..., q, t)``."""
+        if x.shape[-2] == 0:
+            return torch.zeros(*x.shape[:-1], self._num_outputs, dtype=x.dtype, device=x.device)
+        kxa = nystrom_posterior_mean(
+            self.kernel, x, self.centers, self.alpha, self.predict_chunk_size, backend=self.options.backend
+        )
+        return (kxa + self.mean_constant.to(torch.float64).reshape(-1)).to(x.dtype)
+
     def _posterior(self, x: Tensor) -> MultivariateNormal:
         self._check_fitted()
         out_dtype = x.dtype
@@ -774,10 +905,7 @@ class FalkonGP(gpytorch.models.GP):
             empty = DenseLinearOperator(torch.zeros(*x.shape[:-2], 0, 0, dtype=out_dtype, device=x.device))
             mean0 = torch.zeros(*x.shape[:-2], 0, self._num_outputs, dtype=out_dtype, device=x.device)
             return shared_covariance_distribution(mean0, empty)
-        kxa = nystrom_posterior_mean(
-            self.kernel, x, self.centers, self.alpha, self.predict_chunk_size, backend=self.options.backend
-        )
-        mean = (kxa + self.mean_constant.to(torch.float64).reshape(-1)).to(out_dtype)  # (..., q, t)
+        mean = self._mean_at(x)  # (..., q, t)
         if gpytorch.settings.skip_posterior_variances.on():
             covar = ZeroLinearOperator(*x.shape[:-1], q, dtype=out_dtype, device=x.device)
         else:

@@ -7,12 +7,33 @@ constant mean and the training data. :class:`FitTracker` records, at fit time,
   (GPyTorch's setters write through ``.data``, which bumps no version counter);
 * the identity of the training tensors (storage pointer, in-place version, shape):
   ``O(1)`` to check;
-* a value fingerprint of the training data (sizes, sums and norms in float64, ``O(n d)``),
-  which persists in the model's ``state_dict`` and is compared only when the identity
-  changed (a copy, a pickle, ``.to()``, an in-place edit).
+* a **content digest** of the training data (:func:`content_digest` of the bytes of ``x``
+  and ``y``, with their shapes and dtypes), recomputed only when the identity changed (a
+  copy, a pickle, ``.to()``, an in-place edit), and digests of the hyperparameter groups. Both
+  persist in the model's ``state_dict`` (``fit_digest``), so a load that does not match says
+  which of ``train_x``, ``train_y``, kernel, centers, noise or mean differs.
+
+The digest is a position-weighted modular sum over the data's machine words,
+``h = sum_i w_i m_i mod (2^61 - 1)`` with ``w_i`` the ``i``-th 32-bit word of the bytes and
+``m_i = g^i mod p``, ``p = 2^31 - 1``, ``g`` a primitive root of ``p`` (the MINSTD multipliers
+16807 and 48271: two independent digests). All products stay below ``2^63`` (exact int64
+arithmetic, no overflow), sums are reduced modulo the prime, so the result does not depend on
+summation order, thread count or device, and, being additive over positions, the digest of a
+sharded data set is the sum of its shards' digests (one collective). Any single changed word
+changes it (``w`` and ``m`` are nonzero and below the prime); since the weights are
+exponential, not linear, in the position, a structured edit such as a reordering cancels only
+when an integer combination of pseudo-random weights vanishes, about ``2^-31`` per digest. The
+weights repeat every ``p - 1`` words (8 GiB): a swap of two words exactly a multiple of that
+apart is not seen. Cost: ``O(n d)`` integer operations on the data's device, in blocks of
+``2^20`` words (a few reads of the data against the ``O(n M d)`` of one FALKON data pass;
+``benchmarks/fingerprint.py`` measures it).
+
+Written here because neither torch nor hashlib hashes a tensor on its device in a way that is
+additive over shards: ``hashlib`` needs the bytes on the host.
 """
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -20,18 +41,146 @@ from torch import Tensor
 
 from .._validation import is_row_source
 
-__all__ = ["FitTracker", "data_fingerprint"]
+__all__ = ["FIT_GROUPS", "FitTracker", "content_digest", "data_fingerprint", "hyper_digest"]
 
 Reduce = Callable[[Tensor], Tensor]
 
+_P61 = 2**61 - 1
+_P31 = 2**31 - 1
+_ROOTS = (16_807, 48_271)  # primitive roots of 2^31 - 1 (Park and Miller's MINSTD multipliers)
+_BLOCK_WORDS = 2**20
+_POWERS: dict[tuple[int, str], Tensor] = {}
+
+#: the groups whose digests ``fit_digest`` holds, in order (two int64 entries each), then the
+#: dtype code of ``train_x``
+FIT_GROUPS = ("train_x", "train_y", "kernel hyperparameters", "centers", "noise", "mean constant")
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A stable integer for ``dtype`` (CRC-32 of its name)."""
+    return zlib.crc32(str(dtype).encode())
+
+
+def _words(t: Tensor) -> Tensor:
+    """The bytes of ``t`` as non-negative int64 words (32-bit words; 16- or 8-bit for smaller dtypes)."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    size = flat.element_size()
+    if size >= 4:
+        w, bits = flat.view(torch.int32), 32
+    elif size == 2:
+        w, bits = flat.view(torch.int16), 16
+    else:
+        w, bits = flat.view(torch.uint8), 8
+    return w.to(torch.int64) & ((1 << bits) - 1)
+
+
+def _powers(g: int, device: torch.device) -> Tensor:
+    """``g^j mod P31`` for ``j < _BLOCK_WORDS`` (cached per device), by repeated doubling."""
+    key = (g, str(device))
+    if key not in _POWERS:
+        t = torch.ones(1, dtype=torch.int64, device=device)
+        while t.numel() < _BLOCK_WORDS:
+            step = pow(g, t.numel(), _P31)
+            t = torch.cat([t, (t * step) % _P31])  # products < 2^62
+        _POWERS[key] = t[:_BLOCK_WORDS]
+    return _POWERS[key]
+
+
+def _hash_words(w: Tensor, offset: int) -> tuple[int, int]:
+    """``sum_i w_i g^(offset + i) mod P31`` summed mod P61, for both roots ``g``
+    (``w`` at most ``_BLOCK_WORDS`` words)."""
+    out = []
+    for g in _ROOTS:
+        m = (_powers(g, w.device)[: w.numel()] * pow(g, offset, _P31)) % _P31  # in [1, P31): products < 2^62
+        v = (w * m) % _P61  # w < 2^32, m < 2^31: the product is < 2^63
+        while v.numel() > 1:  # sums of four values < 2^61 stay below 2^63
+            pad = (-v.numel()) % 4
+            if pad:
+                v = torch.cat([v, v.new_zeros(pad)])
+            v = v.view(-1, 4).sum(1) % _P61
+        out.append(int(v) if v.numel() else 0)
+    return out[0], out[1]
+
+
+def _add(h: tuple[int, int], g: tuple[int, int]) -> tuple[int, int]:
+    return (h[0] + g[0]) % _P61, (h[1] + g[1]) % _P61
+
+
+def _digest_tensor(t: Tensor, word_offset: int) -> tuple[int, int]:
+    """Digest of the bytes of tensor ``t`` from ``word_offset``, converted block by block (no int64
+    copy of the whole tensor)."""
+    h = (0, 0)
+    flat = t.detach().contiguous().reshape(-1)
+    per = _words_per_element(flat.dtype)
+    step = max(1, _BLOCK_WORDS // per)
+    for s in range(0, flat.numel(), step):
+        h = _add(h, _hash_words(_words(flat[s : s + step]), word_offset + s * per))
+    return h
+
+
+def _digest_rows(t: Tensor, word_offset: int) -> tuple[int, int]:
+    """Digest of the bytes of ``t`` (a tensor or a row source read block by block) from ``word_offset``."""
+    if not is_row_source(t):
+        return _digest_tensor(t, word_offset)
+    h, pos = (0, 0), word_offset
+    for _, _, blk in t.blocks(65536):
+        h = _add(h, _digest_tensor(blk, pos))
+        pos += blk.numel() * _words_per_element(blk.dtype)
+    return h
+
+
+def _words_per_element(dtype: torch.dtype) -> int:
+    size = torch.empty((), dtype=dtype).element_size()
+    return size // 4 if size >= 4 else 1
+
+
+def _words_per_row(t: Tensor) -> int:
+    cols = 1
+    for s in t.shape[1:]:
+        cols *= int(s)
+    return cols * _words_per_element(t.dtype)
+
+
+def _meta(t_shape: Sequence[int], dtype: torch.dtype) -> tuple[int, int]:
+    """Digest of a shape and dtype (weighted by ``g^j``, ``j`` from ``(p - 1) / 2``, far from the data words)."""
+    w = torch.tensor([len(t_shape), *t_shape, dtype_code(dtype)], dtype=torch.int64) & (2**32 - 1)
+    return _hash_words(w, (_P31 - 1) // 2)
+
+
+def content_digest(tensors: Sequence[Tensor]) -> tuple[int, int]:
+    """Digest of the bytes, shapes and dtypes of ``tensors`` (in order): two ints below ``2^61``."""
+    h, pos = (0, 0), 0
+    for t in tensors:
+        h = _add(h, _meta(tuple(t.shape), t.dtype))
+        h = _add(h, _digest_rows(t, pos))
+        pos += t.numel() * _words_per_element(t.dtype)
+    return h
+
+
+def hyper_digest(groups: Sequence[Sequence[Tensor]]) -> list[int]:
+    """Two digest entries per group of hyperparameter tensors."""
+    out: list[int] = []
+    for g in groups:
+        out.extend(content_digest(list(g)))
+    return out
+
 
 def data_fingerprint(
-    x: Tensor, y: Tensor, device: torch.device | None = None, reduce: Callable[[Tensor], Tensor] | None = None
-) -> Tensor:
-    """``[n, d, sum x, ||x||, sum y, ||y||]`` in float64: ``O(n d)``.
+    x: Tensor,
+    y: Tensor,
+    device: torch.device | None = None,
+    reduce: Reduce | None = None,
+    row_offset: Callable[[], int] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(summary, digest)`` of the training data.
 
-    ``reduce`` completes the row sums ``[n, sum x, ||x||^2, sum y, ||y||^2]`` over the shards of
-    a distributed data set (a collective), so a sharded model's fingerprint is that of all rows.
+    ``summary = [n, d, sum x, ||x||, sum y, ||y||]`` (float64; for messages, and for state dicts saved
+    before digests existed); ``digest = [x_1, x_2, y_1, y_2]`` (int64): :func:`content_digest`-style
+    digests of ``x`` and ``y`` with their global shapes and dtypes. ``reduce`` completes row sums over
+    the shards of a distributed data set (one collective) and ``row_offset`` gives this shard's first
+    global row, so a sharded model's fingerprint is that of all its rows.
     """
     x, y = x.detach(), y.detach()
     if is_row_source(x):  # one streamed pass
@@ -42,18 +191,27 @@ def data_fingerprint(
             sxx += blk.to(torch.float64).square().sum()
     else:
         sx, sxx = x.sum(dtype=torch.float64), x.to(torch.float64).square().sum()
-    sums = torch.stack([
-        torch.tensor(float(x.shape[0]), dtype=torch.float64, device=x.device),
-        sx,
-        sxx,
-        y.sum(dtype=torch.float64),
-        y.to(torch.float64).square().sum(),
-    ])
+    off = 0 if row_offset is None else int(row_offset())
+    hx = _digest_rows(x, off * _words_per_row(x))
+    hy = _digest_rows(y, off * _words_per_row(y))
+    # each digest as a low 31-bit and a high 30-bit half: float64 sums of these over up to 2^22 shards are exact
+    halves = [float(v) for h in (*hx, *hy) for v in (h & _P31, h >> 31)]
+    sums = torch.tensor([float(x.shape[0]), 0.0, 0.0, 0.0, 0.0, *halves], dtype=torch.float64, device=x.device)
+    sums[1], sums[2] = sx, sxx
+    sums[3], sums[4] = y.sum(dtype=torch.float64), y.to(torch.float64).square().sum()
     if reduce is not None:
         sums = reduce(sums)
-    vals = [sums[0], torch.tensor(float(x.shape[1]), dtype=torch.float64, device=x.device), sums[1], sums[2].sqrt(),
-            sums[3], sums[4].sqrt()]
-    return torch.stack(vals).to(x.device if device is None else device)
+    n = round(float(sums[0]))
+    vals = [round(float(v)) for v in sums[5:]]
+    digests = [(vals[2 * i] + (vals[2 * i + 1] << 31)) % _P61 for i in range(4)]
+    mx = _meta((n, *x.shape[1:]), x.dtype)
+    my = _meta((n, *y.shape[1:]), y.dtype)
+    digest = [(digests[0] + mx[0]) % _P61, (digests[1] + mx[1]) % _P61,
+              (digests[2] + my[0]) % _P61, (digests[3] + my[1]) % _P61]
+    summary = torch.stack([sums[0], torch.tensor(float(x.shape[1]), dtype=torch.float64, device=x.device),
+                           sums[1], sums[2].sqrt(), sums[3], sums[4].sqrt()])
+    dev = x.device if device is None else device
+    return summary.to(dev), torch.tensor(digest, dtype=torch.int64, device=dev)
 
 
 def _identity(tensors: Sequence[Tensor]) -> tuple:
@@ -69,38 +227,49 @@ class FitTracker:
         self.snapshot: list[Tensor] | None = None
         self.data_key: tuple | None = None
 
-    def mark(self, hyper: Sequence[Tensor], data: tuple[Tensor, Tensor], reduce: Reduce | None = None) -> Tensor:
-        """Record the current state as fitted; returns the data fingerprint to store
-        (``reduce``: see :func:`data_fingerprint`)."""
+    def mark(self, hyper: Sequence[Tensor], data: tuple[Tensor, Tensor], reduce: Reduce | None = None,
+             row_offset: Callable[[], int] | None = None) -> tuple[Tensor, Tensor]:
+        """Record the current state as fitted; returns the data's ``(summary, digest)`` to store
+        (``reduce``, ``row_offset``: see :func:`data_fingerprint`)."""
         self.snapshot = [t.detach().clone() for t in hyper]
         self.data_key = _identity(data)
-        return data_fingerprint(*data, reduce=reduce)
+        return data_fingerprint(*data, reduce=reduce, row_offset=row_offset)
 
     def forget(self) -> None:
         """Nothing is known to be fitted."""
         self.snapshot = None
         self.data_key = None
 
-    def adopt(self, hyper: Sequence[Tensor]) -> None:
-        """Take ``hyper`` as the fitted hyperparameters (after loading a fitted state); the
-        data are then checked by value against the stored fingerprint."""
+    def adopt(self, hyper: Sequence[Tensor], data: tuple[Tensor, Tensor] | None = None) -> None:
+        """Take ``hyper`` (and ``data``, when given: already checked by content) as fitted."""
         self.snapshot = [t.detach().clone() for t in hyper]
-        self.data_key = None
+        self.data_key = None if data is None else _identity(data)
 
     def data_changed(
-        self, data: tuple[Tensor, Tensor], stored_fingerprint: Tensor, reduce: Reduce | None = None
-    ) -> bool:
-        """Have the training data changed since the fit that stored ``stored_fingerprint``?"""
+        self,
+        data: tuple[Tensor, Tensor],
+        stored: tuple[Tensor, Tensor | None],
+        reduce: Reduce | None = None,
+        row_offset: Callable[[], int] | None = None,
+    ) -> list[str]:
+        """Which of ``train_x`` / ``train_y`` changed since the fit that stored ``stored = (summary,
+        digest)``; ``digest=None`` (a state saved before digests existed) compares the summary."""
         if self.data_key is not None and self.data_key == _identity(data):
-            return False
-        now = data_fingerprint(*data, device=stored_fingerprint.device, reduce=reduce)
-        same = torch.allclose(now, stored_fingerprint.to(torch.float64), rtol=1e-12, atol=0.0)
-        if same:
+            return []
+        summary, digest = data_fingerprint(*data, device=stored[0].device, reduce=reduce, row_offset=row_offset)
+        if stored[1] is None:
+            same = torch.allclose(summary, stored[0].to(torch.float64), rtol=1e-12, atol=0.0)
+            changed = [] if same else ["train_x or train_y (sums and norms)"]
+        else:
+            old = stored[1].to(device=digest.device, dtype=torch.int64)
+            changed = [name for i, name in enumerate(("train_x", "train_y"))
+                       if not torch.equal(digest[2 * i : 2 * i + 2], old[2 * i : 2 * i + 2])]
+        if not changed:
             self.data_key = _identity(data)
-        return not same
+        return changed
 
-    def stale(self, hyper: Sequence[Tensor], data: tuple[Tensor, Tensor], stored_fingerprint: Tensor,
-              reduce: Reduce | None = None) -> bool:
+    def stale(self, hyper: Sequence[Tensor], data: tuple[Tensor, Tensor], stored: tuple[Tensor, Tensor | None],
+              reduce: Reduce | None = None, row_offset: Callable[[], int] | None = None) -> bool:
         """Has anything the fit depends on changed (or was nothing recorded)?"""
         if self.snapshot is None:
             return True
@@ -109,4 +278,4 @@ class FitTracker:
             for a, b in zip(hyper, self.snapshot, strict=False)
         ):
             return True
-        return self.data_changed(data, stored_fingerprint, reduce=reduce)
+        return bool(self.data_changed(data, stored, reduce=reduce, row_offset=row_offset))

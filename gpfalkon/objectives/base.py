@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,7 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
             AGGREGATE,
             memory_budget=getattr(self.model, "memory_budget", None),
             block_rows=self.block_rows,
+            device=c.device,
         )
 
     # --------------------------------------------------------------- pieces
@@ -163,11 +165,37 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
     def objective(self) -> Tensor:
         """The objective's value (a differentiable scalar)."""
 
+    def check_state(self) -> None:
+        """Raise ``ValueError`` naming what is not finite: the penalty, a kernel parameter, the centers
+        or the training data (edited in place after the model was built). ``O(n d)``, against the
+        objective's ``O(n M^2)``."""
+        model = self.model
+        pen = model.penalty.detach()
+        if not bool(torch.isfinite(pen).all()) or not bool((pen > 0).all()):
+            raise ValueError(f"penalty is {pen.tolist()} (noise {getattr(model, 'noise', pen).detach().tolist()}): "
+                             "it must be finite and > 0 (a too-large optimiser step, or a NaN noise?)")
+        for name, p in model.kernel.named_parameters():
+            if not bool(torch.isfinite(p.detach()).all()):
+                raise ValueError(f"kernel parameter {name} is not finite: {p.detach().tolist()}")
+        if not bool(torch.isfinite(model.centers.detach()).all()):
+            raise ValueError("centers contain NaN or Inf")
+        x, y = self._data()
+        bad = torch.tensor([float(not bool(torch.isfinite(y.detach()).all())),
+                            float(isinstance(x, Tensor) and not bool(torch.isfinite(x.detach()).all()))],
+                           dtype=torch.float64, device=model.centers.device)
+        (bad,) = self.reduce(bad)  # a collective with a sharded backend: every rank learns of a bad shard
+        for flag, name in zip(bad.tolist(), ("train_y", "train_x"), strict=True):
+            if flag:
+                raise ValueError(f"{name} contains NaN or Inf (was it edited in place after the model was built?)")
+
     def forward(self) -> Tensor:
         """The objective's value; with a sharded backend, evaluated on the joint graph of all
         ranks so that every rank gets the single-process gradients
         (:meth:`~gpfalkon.backend.distributed.DistributedBackend.joint_objective`). Call the
-        module (``loss = objective()``), not :meth:`objective`, in a distributed run."""
+        module (``loss = objective()``), not :meth:`objective`, in a distributed run.
+        Raises ``ValueError`` naming a non-finite penalty, kernel parameter, center or datum
+        (:meth:`check_state`)."""
+        self.check_state()
         joint = getattr(self.backend, "joint_objective", None)
         if is_sharded(self.backend) and callable(joint):
             return joint(self, self.objective)
@@ -177,15 +205,45 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
         """Run ``steps`` optimiser steps on the model's parameters (Adam with ``lr`` unless
         ``optimizer`` is given); returns the objective values seen. The usual GPyTorch loop
         works just as well: this is the loop, written once."""
-        if int(steps) < 0:
-            raise ValueError(f"steps must be >= 0, got {steps}")
-        opt = optimizer if optimizer is not None else torch.optim.Adam(self.model.parameters(), lr=lr)
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+            raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+        if optimizer is None and (isinstance(lr, bool) or not isinstance(lr, (int, float))
+                                  or not math.isfinite(lr) or lr <= 0):
+            raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        opt = optimizer if optimizer is not None else torch.optim.Adam(params, lr=lr)
         values: list[float] = []
-        for _ in range(int(steps)):
+        before: list[Tensor] | None = None  # the parameters before the last step
+
+        def restore() -> None:
+            if before is not None:
+                with torch.no_grad():
+                    for p, b in zip(params, before, strict=True):
+                        p.copy_(b)
+
+        for i in range(int(steps)):
             opt.zero_grad()
-            loss = self()
+            try:
+                loss = self()
+                if not bool(torch.isfinite(loss.detach())):
+                    raise ValueError(f"the objective is {float(loss.detach())}")
+            except ValueError as exc:
+                if before is None:  # the state was bad before any step of this call
+                    raise
+                restore()
+                raise ValueError(f"minimize: after step {i - 1} (lr={lr!r}): {exc}; the parameters are restored to "
+                                 "their values before that step") from exc
             loss.backward()
+            before = [p.detach().clone() for p in params]
             opt.step()
+            bad = [name for name, p in self.model.named_parameters() if p.requires_grad
+                   and not bool(torch.isfinite(p.detach()).all())]
+            if bad:
+                restore()
+                raise ValueError(
+                    f"minimize: step {i} made {', '.join(bad)} NaN or Inf (lr={lr!r} too large?); the parameters "
+                    "are restored to their values before that step"
+                )
             values.append(float(loss.detach()))
         return values
 

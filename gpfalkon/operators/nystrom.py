@@ -7,10 +7,12 @@ from typing import NamedTuple
 
 import torch
 from gpytorch.kernels import Kernel
+from linear_operator import settings as lo_settings
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .. import settings
 from .._validation import check_dtype, check_inputs, check_penalty
 from ..backend.autograd import backward_params, blockwise_kernel_grad, kernel_params, kernel_product, scatter_grads
 from ..backend.engine import KernelEngine, kernel_block
@@ -20,7 +22,12 @@ from ..options import FalkonOptions, option_property
 from ..solvers import CGInfo, Preconditioner, PreconditionerBuilder, Solver, falkon_solve
 from .preconditioner import FalkonPreconditioner
 
-__all__ = ["HGrads", "NystromKRROperator"]
+__all__ = ["FLOAT32_TOL", "HGrads", "NystromKRROperator"]
+
+#: the default CG tolerance for data in a dtype narrower than float64, when no tolerance is given
+#: (per call, in the options, or by a setting below it): the floor float32 kernel products reach
+#: on common data (``benchmarks/results/float32-tol.md``); a given tolerance is always used as is
+FLOAT32_TOL = 1e-5
 
 
 class HGrads(NamedTuple):
@@ -309,6 +316,14 @@ class NystromKRROperator(LinearOperator):
         if x0 is not None and x0.shape != rhs.shape:
             raise ValueError(f"x0 must have the shape of rhs {tuple(rhs.shape)}, got {tuple(x0.shape)}")
         tol_, max_iter_ = self._stopping_rule(tol, max_iter)
+        default_tol = tol is None and self.options.tol is None and not settings.cg_tolerance.overridden() \
+            and float(lo_settings.cg_tolerance.value()) >= 1
+        if default_tol and self.x.dtype.itemsize < 8 and 0 < tol_ < FLOAT32_TOL:
+            # the default tolerance (no tol given here or in the options) for float32 data: float32
+            # kernel products cannot bring the residual much below this floor
+            tol_ = FLOAT32_TOL
+        # the dtype reaches the built-in solver for its advice; a user's solver keeps the Solver signature
+        extra = {"data_dtype": self.x.dtype} if self.solver is falkon_solve else {}
         with torch.no_grad():
             while True:
                 try:
@@ -322,6 +337,7 @@ class NystromKRROperator(LinearOperator):
                         callback=callback if callback is not None else self.callback,
                         verbose=self.verbose if verbose is None else verbose,
                         warn=warn,
+                        **extra,
                     )
                     break
                 except FalkonConvergenceError as exc:

@@ -30,6 +30,7 @@ def falkon_solve(
     verbose: bool = False,
     warn: bool = True,
     stagnation_window: int | None = 50,
+    data_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, CGInfo]:
     """Solve ``H alpha = rhs`` by CG on ``W beta = B^T rhs``, ``W = B^T H B``, ``alpha = B beta``.
 
@@ -58,10 +59,12 @@ def falkon_solve(
         callback=None if callback is None else (lambda i, bt, rel: callback(i, precond.apply_b(bt), rel)),
         verbose=verbose,
         stagnation_window=stagnation_window,
+        data_dtype=data_dtype,
     )
-    if warn and tol > 0 and not info.converged:
+    if warn and tol > 0 and not info.converged and info.iterations >= max_iter and not info.extra.get("stagnated"):
+        # only when the cap stopped it (a stagnated solve has warned with its own cause)
         warnings.warn(
-            f"FALKON CG stopped after {info.iterations} iterations with relative residual "
+            f"FALKON CG reached max_iter={max_iter} with relative residual "
             f"{float(info.final_residual.max()):.3g} > tol={tol:g}; raise max_iter or loosen tol "
             "(tol=0 runs exactly max_iter iterations without this warning)",
             CGNotConvergedWarning,

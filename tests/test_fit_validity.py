@@ -1,0 +1,222 @@
+"""Fit validity by content (issue 15, item 2): the digest of the training data and of the
+hyperparameter groups, in-place edits, and state loads that say what differs."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from gpfalkon import FalkonConvergenceError, FalkonGP, FalkonOptions, NotFittedError
+from gpfalkon.models.fit_state import content_digest, data_fingerprint
+
+from conftest import make_data, make_kernel
+
+
+def _model(x, y, **kw):
+    kw.setdefault("kernel", make_kernel("rbf", x.shape[1], dtype=x.dtype))
+    return FalkonGP(x, y, num_centers=20, penalty=1e-3, tol=1e-10, max_iter=200, **kw)
+
+
+@pytest.fixture
+def fitted():
+    x, y = make_data(120, 3)
+    xt = x[:5] + 0.01
+    return _model(x, y).fit(), xt
+
+
+# ------------------------------------------------------------------ the digest
+def test_digest_sees_every_word_and_the_order():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 4, generator=g, dtype=torch.float64)
+    base = content_digest([x])
+    assert content_digest([x.clone()]) == base  # by content, not identity
+    # one ulp of one float64 entry (either 32-bit half of the word can change)
+    for i, j in ((0, 0), (123, 2), (299, 3)):
+        z = x.clone()
+        z[i, j] = torch.nextafter(z[i, j], torch.tensor(float("inf"), dtype=torch.float64))
+        assert content_digest([z]) != base, (i, j)
+    # reorderings keep every sum and norm but not the digest
+    assert content_digest([x.flip(0)]) != base
+    swapped = x.clone()
+    swapped[[3, 7]] = swapped[[7, 3]]
+    assert content_digest([swapped]) != base
+    # structured edits a position-linear weighting would miss: +d, -d, -d, +d at i, i+s, i+t, i+s+t
+    y = torch.tensor([0.0, 1.0, 1.0, 0.0])
+    assert content_digest([y]) != content_digest([torch.tensor([1.0, 0.0, 0.0, 1.0])])
+    z = torch.zeros(64, dtype=torch.float32)
+    w = z.clone()
+    w[[5, 9, 20, 24]] = torch.tensor([1.0, -1.0, -1.0, 1.0])
+    assert content_digest([z]) != content_digest([w])
+    # shape and dtype are part of it
+    assert content_digest([x.reshape(600, 2)]) != base
+    assert content_digest([x.float()]) != content_digest([x.float().double()])
+    # non-contiguous views hash their values
+    assert content_digest([x.T.contiguous().T]) == base
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_data_digest_is_additive_over_shards(dtype):
+    """The digest of a data set split in two shards (rows 0..k-1 and k..n-1), completed by a sum
+    over the shards as the distributed backend's collective does, is that of all rows."""
+    x, y = make_data(101, 3, dtype=dtype)
+    full_summary, full_digest = data_fingerprint(x, y)
+    k = 37
+    held = {}
+
+    def keep(t):
+        held["b"] = t.clone()
+        return t
+
+    data_fingerprint(x[k:], y[k:], reduce=keep, row_offset=lambda: k)
+    summary, digest = data_fingerprint(x[:k], y[:k], reduce=lambda t: t + held["b"], row_offset=lambda: 0)
+    assert torch.equal(digest, full_digest)
+    torch.testing.assert_close(summary, full_summary, rtol=1e-12, atol=1e-12)
+    # a shard that claims the wrong offset does not reproduce it
+    _, wrong = data_fingerprint(x[:k], y[:k], reduce=lambda t: t + held["b"], row_offset=lambda: 1)
+    assert not torch.equal(wrong, full_digest)
+
+
+# ------------------------------------------------------------------ in-place edits
+def test_in_place_reordering_of_targets_makes_the_fit_stale(fitted):
+    m, xt = fitted
+    m.eval()
+    with torch.no_grad():
+        m(xt)
+    y = m.train_targets
+    y.copy_(y.flip(0))  # same sum and norm
+    with pytest.raises(NotFittedError, match="changed since"):
+        m(xt)
+
+
+def test_swapping_two_training_rows_makes_the_fit_stale(fitted):
+    m, xt = fitted
+    m.eval()
+    x = m.train_inputs[0]
+    x[[0, 1]] = x[[1, 0]]
+    with pytest.raises(NotFittedError, match="changed since"):
+        m(xt)
+
+
+def test_an_identical_copy_of_the_data_keeps_the_fit(fitted):
+    m, xt = fitted
+    m.eval()
+    with torch.no_grad():
+        before = m(xt).mean
+    m.set_train_data(m.train_inputs[0].clone(), m.train_targets.clone())
+    assert bool(m.fitted)
+    with torch.no_grad():
+        torch.testing.assert_close(m(xt).mean, before)
+
+
+# ------------------------------------------------------------------ state loads
+def _load(model, state, **kw):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.load_state_dict(state, **kw)
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def test_matching_state_loads_fitted_and_predicts_the_same(fitted):
+    m, xt = fitted
+    x, y = m.train_inputs[0], m.train_targets
+    fresh = _model(x.clone(), y.clone())
+    assert _load(fresh, m.state_dict()) == []
+    assert bool(fresh.fitted)
+    fresh.eval()
+    m.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(xt).mean, m(xt).mean)
+
+
+def test_state_fitted_on_permuted_targets_loads_unfitted_naming_train_y(fitted):
+    m, _ = fitted
+    x, y = m.train_inputs[0], m.train_targets
+    other = _model(x.clone(), y.flip(0).clone())
+    msgs = _load(other, m.state_dict())
+    assert not bool(other.fitted)
+    assert len(msgs) == 1 and "train_y" in msgs[0] and "train_x" not in msgs[0], msgs
+
+
+def test_partial_state_without_kernel_keys_loads_unfitted_naming_the_kernel(fitted):
+    m, _ = fitted
+    x, y = m.train_inputs[0], m.train_targets
+    other = _model(x.clone(), y.clone())
+    other.kernel.lengthscale = 3.0 * m.kernel.lengthscale.detach()
+    state = {k: v for k, v in m.state_dict().items() if not k.startswith("kernel.")}
+    msgs = _load(other, state, strict=False)
+    assert not bool(other.fitted)
+    assert len(msgs) == 1 and "kernel hyperparameters" in msgs[0], msgs
+
+
+def test_state_with_nan_alpha_never_loads_fitted(fitted):
+    m, _ = fitted
+    state = copy.deepcopy(m.state_dict())
+    state["alpha"][0] = float("nan")
+    other = _model(m.train_inputs[0].clone(), m.train_targets.clone())
+    msgs = _load(other, state)
+    assert not bool(other.fitted)
+    assert len(msgs) == 1 and "NaN" in msgs[0], msgs
+
+
+def test_float64_state_into_a_float32_model_names_the_dtype(fitted):
+    m, _ = fitted
+    x, y = m.train_inputs[0], m.train_targets
+    other = _model(x.float(), y.float())
+    msgs = _load(other, m.state_dict())
+    assert not bool(other.fitted)
+    assert len(msgs) == 1 and "dtype" in msgs[0] and "train_y" not in msgs[0], msgs
+    # the route the message gives keeps the fit: load in float64, then move
+    same = _model(x.clone(), y.clone())
+    assert _load(same, m.state_dict()) == []
+    same = same.float()
+    assert bool(same.fitted) and not same._hyper_changed()
+
+
+def test_state_saved_before_digests_loads_by_sums_and_norms(fitted):
+    m, xt = fitted
+    state = {k: v for k, v in m.state_dict().items() if k != "fit_digest"}
+    other = _model(m.train_inputs[0].clone(), m.train_targets.clone())
+    assert _load(other, state) == []
+    assert bool(other.fitted)
+    other.eval()
+    with torch.no_grad():
+        other(xt)  # not stale: the digests were recorded at the load
+    other.train_targets.copy_(other.train_targets.flip(0))
+    with pytest.raises(NotFittedError):
+        other(xt)
+
+
+def test_a_fit_that_produces_nan_alpha_raises_and_stays_unfitted():
+    x, y = make_data(60, 2)
+
+    def nan_solver(h_matmul, precond, rhs, x0=None, **kw):
+        from gpfalkon.solvers import falkon_solve
+
+        sol, info = falkon_solve(h_matmul, precond, rhs, x0, **kw)
+        return sol * float("nan"), info
+
+    m = _model(x, y, options=FalkonOptions(solver=nan_solver))
+    with pytest.raises(FalkonConvergenceError, match="alpha contains NaN"):
+        m.fit()
+    assert not bool(m.fitted)
+
+
+def test_a_model_pickled_before_digests_saves_a_state_that_loads_fitted(fitted):
+    """An unpickled model from before ``fit_digest`` (its buffer and flag removed here) revalidates by
+    sums and norms, and its state dict then carries the digests, so it loads fitted elsewhere."""
+    m, xt = fitted
+    state = dict(copy.deepcopy(m).__dict__)
+    del state["_buffers"]["fit_digest"]
+    del state["_legacy_state"]
+    old = FalkonGP.__new__(FalkonGP)
+    old.__setstate__(state)
+    old.eval()
+    with torch.no_grad():
+        old(xt)  # valid by sums and norms
+    sd = old.state_dict()
+    assert bool((sd["fit_digest"] != 0).any())
+    fresh = _model(m.train_inputs[0].clone(), m.train_targets.clone())
+    assert _load(fresh, sd) == []
+    assert bool(fresh.fitted)

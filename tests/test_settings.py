@@ -1,0 +1,124 @@
+"""Settings are per thread / context (issue 15, item 3); the automatic memory budget (item 5);
+no code path toggles GPyTorch's process-wide flags."""
+from __future__ import annotations
+
+import threading
+
+import gpytorch
+import pytest
+import torch
+
+import gpfalkon
+from gpfalkon import FalkonClassifier, FalkonGP, auto_fit, settings
+from gpfalkon.backend import blocks
+
+from conftest import make_data, make_kernel
+
+
+def _model():
+    x, y = make_data(200, 3)
+    return FalkonGP(x, y, kernel=make_kernel("rbf", 3), num_centers=40, penalty=1e-7, tol=0.0)
+
+
+def test_settings_in_two_threads_do_not_leak():
+    """Thread A fits under max_cg_iterations(2), thread B under (7), both inside their `with`
+    blocks at the same time (a barrier holds them there): each fit runs its own cap."""
+    barrier = threading.Barrier(2, timeout=60)
+    out: dict[str, object] = {}
+
+    def run(name: str, cap: int) -> None:
+        try:
+            m = _model()
+            with settings.max_cg_iterations(cap), settings.cg_tolerance(0.0):
+                barrier.wait()
+                m.fit()
+                barrier.wait()
+                out[name] = (m.fit_info.iterations, settings.max_cg_iterations.value())
+        except BaseException as exc:  # reported to the main thread
+            out[name] = exc
+
+    threads = [threading.Thread(target=run, args=("a", 2)), threading.Thread(target=run, args=("b", 7))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert out == {"a": (2, 2), "b": (7, 7)}, out
+    # the main thread never saw either value
+    assert settings.max_cg_iterations.value() == 100
+
+
+def test_settings_nest_restore_and_validate():
+    assert settings.block_rows.value() is None
+    with settings.block_rows(64):
+        with settings.block_rows(8):
+            assert settings.block_rows.value() == 8
+        assert settings.block_rows.value() == 64
+    assert settings.block_rows.value() is None
+    for cls, bad in ((settings.block_rows, 0), (settings.memory_budget, -5), (settings.max_cg_iterations, 2.5),
+                     (settings.cg_tolerance, float("nan")), (settings.max_cg_iterations, True)):
+        with pytest.raises(ValueError, match=cls.__name__):
+            cls(bad)
+    old = settings.max_cg_iterations.value()
+    try:
+        settings.max_cg_iterations.set_default(11)
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(settings.max_cg_iterations.value()))
+        t.start()
+        t.join()
+        assert seen == [11]  # a process-wide default reaches new threads
+    finally:
+        settings.max_cg_iterations.set_default(old)
+
+
+def test_automatic_memory_budget(monkeypatch):
+    monkeypatch.setattr(blocks, "available_memory", lambda device=None: 10 * 2**30)
+    assert blocks.memory_budget_for() == 5 * 2**30
+    monkeypatch.setattr(blocks, "available_memory", lambda device=None: 100 * 2**30)
+    assert blocks.memory_budget_for() == blocks.AUTO_BUDGET_CAP
+    monkeypatch.setattr(blocks, "available_memory", lambda device=None: 2**20)
+    assert blocks.memory_budget_for() == blocks.AUTO_BUDGET_FLOOR
+    monkeypatch.setattr(blocks, "available_memory", lambda device=None: None)
+    assert blocks.memory_budget_for() == blocks.AUTO_BUDGET_FALLBACK
+    with settings.memory_budget(12345):  # a setting or an argument wins
+        assert blocks.memory_budget_for() == 12345
+    assert blocks.memory_budget_for(777) == 777
+
+
+def test_available_memory_reads_this_host():
+    free = blocks.available_memory()
+    # Linux (CI): /proc/meminfo; elsewhere None and the fallback
+    assert free is None or 0 < free < 2**50
+    b = blocks.default_memory_budget()
+    assert blocks.AUTO_BUDGET_FLOOR <= b <= blocks.AUTO_BUDGET_CAP
+
+
+def test_no_code_path_toggles_gpytorch_skip_posterior_variances(monkeypatch):
+    """FalkonGP.posterior_mean, FalkonClassifier.decision_function, tuning's and auto_fit's
+    validation errors compute means without entering GPyTorch's process-wide flag."""
+
+    entered: list[str] = []
+
+    def forbidden(self, *a, **k):  # recorded: auto_fit catches exceptions of its stages
+        entered.append("skip_posterior_variances")
+        raise AssertionError("skip_posterior_variances entered")
+
+    monkeypatch.setattr(gpytorch.settings.skip_posterior_variances, "__enter__", forbidden)
+    x, y = make_data(150, 2)
+    m = FalkonGP(x, y, kernel=make_kernel("rbf", 2), num_centers=20, penalty=1e-4).fit()
+    m.eval()
+    mean = m.posterior_mean(x[:7])
+    with torch.no_grad():
+        ref = m(x[:7]).mean  # the lazily-evaluated covariance is not touched by .mean
+    torch.testing.assert_close(mean, ref)
+    assert m.posterior_mean(x[:0]).shape == (0,)
+    labels = (y > y.median()).long()
+    clf = FalkonClassifier(x, labels, make_kernel("rbf", 2), num_centers=20, penalty=1e-4).fit()
+    assert clf.decision_function(x[:5]).shape == (5,)
+    from gpfalkon.tuning import _rmse
+
+    assert _rmse(m, x[:10], y[:10]) >= 0
+    fitted = auto_fit(x, y, budget=1e4, hyper_rows=60, hyper_centers=10, select_rows=100, min_centers=20,
+                      max_centers=40, max_steps=4, eval_every=2, dtype=torch.float64)
+    assert not [n for n in fitted.auto_report.notes if "fail" in n or "Error" in n], fitted.auto_report.notes
+    assert entered == []
+    assert gpfalkon.settings.max_cg_iterations.value() == 100
