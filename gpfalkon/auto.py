@@ -52,6 +52,8 @@ from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from torch import Tensor
 
 from ._validation import check_inputs, check_targets
+from .backend import KernelEngine
+from .backend.blocks import memory_budget_for
 from .errors import CGNotConvergedWarning
 from .models import FalkonGP
 from .objectives import GCV, LOOCV, CompReg, NystromCompReg, SGPRBound, StochasticNystromCompReg
@@ -565,6 +567,25 @@ def auto_fit(
                                  curve=[]))
 
         learn_deadline = clock.t0 + learn_share * budget
+        n_final = n_tr + (xv.shape[0] if (val_x is None and refit_on_all) else 0)
+        # on data whose K_nM exceeds the memory budget even at the first number of centers, the final fit
+        # recomputes K_nM at each CG iteration: learning ends early enough to leave 1.5x its predicted time
+        m_first = min(n_tr, max(min_centers, hyper_centers), max_centers)
+        if n_final * m_first * torch.finfo(dtype).bits // 8 > memory_budget_for(None, device=dev):
+            rows0 = min(n_tr, select_rows)
+            eng0 = KernelEngine(k0, xt_z[:rows0], xt_z[torch.randperm(n_tr, generator=gen, device=dev)[:m_first]],
+                                store=False)
+            t_pass = time.perf_counter()
+            with torch.no_grad():
+                eng0.kmn_k(torch.ones(m_first, 1, dtype=torch.float64, device=dev))
+            t_pass = time.perf_counter() - t_pass
+            eng0.release()
+            final_floor = (max_iter + 2) * t_pass * n_final / rows0
+            if clock.t0 + budget - 1.5 * final_floor < learn_deadline:
+                learn_deadline = max(time.perf_counter(), clock.t0 + budget - 1.5 * final_floor)
+                report.notes.append(f"learning share cut to {learn_deadline - clock.t0:.0f} s: the final fit on "
+                                    f"{n_final:,} rows is predicted at >= {final_floor:.0f} s (K_nM recomputed at "
+                                    "every iteration)")
         runners = [
             _ObjectiveRun(name, h_model(copy.deepcopy(k0), noise0, centers0.clone(), learn_centers), optimizer, lr,
                           eval_every, best_state["error"])
@@ -704,12 +725,31 @@ def auto_fit(
             times = [r["seconds"] for r in report.search if r["M"] == m]
             return max(times) if times else 0.0
 
-        n_final = n_tr + (xv.shape[0] if (val_x is None and refit_on_all) else 0)
+        pass_cache: dict[int, float] = {}
+
+        def onthefly_pass_seconds(m: int) -> float:
+            """One ``K_Mn (K_nM u)`` pass over the selection rows with ``K_nM`` recomputed block by block
+            (measured once per ``m``)."""
+            if m not in pass_cache:
+                eng = KernelEngine(base_kernel, xs, c_pool[:m], store=False)
+                u = torch.ones(m, 1, dtype=torch.float64, device=dev)
+                t = time.perf_counter()
+                with torch.no_grad():
+                    eng.kmn_k(u)
+                pass_cache[m] = time.perf_counter() - t
+                eng.release()
+            return pass_cache[m]
 
         def final_cost(m: int) -> float:
             # FALKON's cost is linear in the rows for the passes and independent of them for the
-            # M^3 factorisations: scaling the whole measured time by the rows ratio is an upper bound
-            return last_fit_seconds(m) * max(1.0, n_final / n_s)
+            # M^3 factorisations: scaling the measured selection fit by the rows ratio bounds it while
+            # K_nM of the final rows fits the memory budget (stored, as it was in the selection fits);
+            # beyond it every CG iteration recomputes K_nM: max_iter + 2 measured on-the-fly passes
+            ratio = max(1.0, n_final / n_s)
+            cost = last_fit_seconds(m) * ratio
+            if n_final * m * torch.finfo(dtype).bits // 8 > memory_budget_for(None, device=dev):
+                cost = max(cost, (max_iter + 2) * onthefly_pass_seconds(m) * ratio + last_fit_seconds(m))
+            return cost
 
         m = min(n_s, max(min_centers, int(learned_c.shape[0]) if learn_centers else m_h), max_centers)
         point = dict(noise=float(best_state["noise"]), multiplier=1.0)

@@ -60,9 +60,9 @@ class _setting:
         self._tokens.append(type(self)._var.set(self._value))
         return self
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> None:
+        # one instance may be nested in itself; it must not be shared across threads
         type(self)._var.reset(self._tokens.pop())
-        return False
 
 
 def _positive_int(name: str, value: Any, allow_none: bool) -> int | None:

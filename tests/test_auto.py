@@ -329,3 +329,18 @@ def test_auto_fit_bad_data():
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="train_x"):
         auto_fit(bad, y)
+
+
+def test_auto_fit_leaves_time_for_a_final_fit_that_recomputes_its_kernel():
+    """With K_nM over the memory budget the final fit recomputes it at every CG iteration; its
+    predicted time (max_iter + 2 measured on-the-fly passes, huge here) cuts the learning share."""
+    from gpfalkon import settings
+
+    x, y, _ = _data(1500)
+    with settings.memory_budget(2**12):
+        m = auto_fit(x, y, budget=20.0, max_iter=10**6, tol=1e-3, hyper_rows=300, hyper_centers=40,
+                     min_centers=100, max_centers=200, dtype=torch.float64)
+    rep = m.auto_report
+    assert any(n.startswith("learning share cut to") for n in rep.notes), rep.notes
+    assert rep.stages["learn"] < 5.0, rep.stages  # the cut is to "now": one round at most
+    assert bool(m.fitted)

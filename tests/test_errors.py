@@ -274,3 +274,12 @@ def test_searches_warn_when_evaluations_fail():
     with pytest.warns(RuntimeWarning, match="3 of 6 evaluations"):
         res = BoTorchSearch(space, half_nan, budget=6, n_initial=2, num_restarts=2, raw_samples=16).run()
     assert math.isfinite(res.best_value)
+
+
+def test_ard_kernel_of_another_dimension_is_named(data):
+    x, y = data
+    with pytest.raises(ValueError, match=r"kernel has ard_num_dims=5 but train_x has 2 features"):
+        FalkonGP(x, y, kernel=gpytorch.kernels.RBFKernel(ard_num_dims=5).double(), num_centers=5)
+    with pytest.raises(ValueError, match=r"kernel\.base_kernel has ard_num_dims=3"):
+        FalkonGP(x, y, kernel=gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=3)).double(),
+                 num_centers=5)

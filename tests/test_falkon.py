@@ -114,7 +114,7 @@ def test_linear_operator_solve_and_settings():
         with linear_operator.settings.cg_tolerance(1e-2):
             op.solve(b)
         assert op.last_info.tol == 1e-2 and op.last_info.converged
-        with settings.max_cg_iterations(2), pytest.warns(CGNotConvergedWarning, match="stopped after 2"):
+        with settings.max_cg_iterations(2), pytest.warns(CGNotConvergedWarning, match="reached max_iter=2"):
             op.solve(b)
         # matmul and diagonal
         torch.testing.assert_close(op @ b, H @ b)

@@ -110,6 +110,16 @@ def test_an_identical_copy_of_the_data_keeps_the_fit(fitted):
         torch.testing.assert_close(m(xt).mean, before)
 
 
+def test_set_train_data_keeps_the_fit_only_for_rounding_level_changes(fitted):
+    m, xt = fitted
+    y = m.train_targets
+    ulp = torch.nextafter(y, torch.full_like(y, float("inf")))  # every target one ulp up
+    m.set_train_data(targets=ulp)
+    assert bool(m.fitted) and not m._hyper_changed()
+    m.set_train_data(targets=ulp * (1 + 1e-9))  # far above rounding
+    assert not bool(m.fitted)
+
+
 # ------------------------------------------------------------------ state loads
 def _load(model, state, **kw):
     with warnings.catch_warnings(record=True) as caught:

@@ -9,7 +9,7 @@ names an argument or the cause; never a raw torch / numpy / linalg exception, ne
 
 Profiles: ``ci`` (default: a fixed seed, ``derandomize=True``, a few dozen examples per test,
 well under 2 minutes) and ``large`` (``GPFALKON_HYPOTHESIS_PROFILE=large``: 500 random examples
-per test; ``benchmarks/results/hypothesis.md`` records a run).
+per test, or ``GPFALKON_HYPOTHESIS_EXAMPLES``; ``benchmarks/results/hypothesis.md`` records a run).
 """
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ from test_objectives import naive
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                print_blob=True)
 hsettings.register_profile("ci", max_examples=30, derandomize=True, **_COMMON)
-hsettings.register_profile("large", max_examples=500, derandomize=False, **_COMMON)
+hsettings.register_profile("large", max_examples=int(os.environ.get("GPFALKON_HYPOTHESIS_EXAMPLES", "500")),
+                           derandomize=False, **_COMMON)
 PROFILE = hsettings.get_profile(os.environ.get("GPFALKON_HYPOTHESIS_PROFILE", "ci"))
 
 #: the error types a call may raise
@@ -71,7 +72,7 @@ def regression(draw, allow_bad: bool = True) -> dict:
     g = torch.Generator().manual_seed(seed)
     x = torch.rand(n, d, generator=g, dtype=torch.float64) * scale
     if n > 1 and draw(st.booleans()):  # duplicated rows
-        x[n // 2 :] = x[: n - n // 2]
+        x[n // 2 :] = x[: n - n // 2].clone()
     f = torch.sin(3 * x.sum(-1) / scale)
     y = f if t is None else torch.stack([f * (j + 1) for j in range(t)], -1)
     y = y + 0.05 * torch.randn(y.shape, generator=g, dtype=torch.float64)

@@ -28,6 +28,7 @@ Profiles (their defaults are the measured ones of ``benchmarks/engine.py``):
 """
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -154,9 +155,10 @@ def memory_budget_for(memory_budget: int | None = None, device: torch.device | s
     budget = settings.memory_budget.value() if memory_budget is None else memory_budget
     if budget is None:
         return default_memory_budget(device)
-    if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or int(budget) != budget or int(budget) < 1:
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not math.isfinite(float(budget)) \
+            or float(budget) != math.floor(float(budget)) or float(budget) < 1:
         raise ValueError(f"memory_budget must be an integer >= 1 (bytes), got {budget!r}")
-    return int(budget)
+    return int(float(budget))
 
 
 def row_blocks(n: int, rows: int, start: int = 0) -> Iterator[tuple[int, int]]:
