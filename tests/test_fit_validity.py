@@ -111,7 +111,7 @@ def test_an_identical_copy_of_the_data_keeps_the_fit(fitted):
 
 
 def test_set_train_data_keeps_the_fit_only_for_rounding_level_changes(fitted):
-    m, xt = fitted
+    m, _ = fitted
     y = m.train_targets
     ulp = torch.nextafter(y, torch.full_like(y, float("inf")))  # every target one ulp up
     m.set_train_data(targets=ulp)

@@ -62,6 +62,7 @@ def conjugate_gradient(
     stagnation_window: int | None = 50,
     desc: str = "FALKON CG",
     data_dtype: torch.dtype | None = None,
+    quiet_below: float = 0.0,
 ) -> tuple[Tensor, CGInfo]:
     """Solve ``W x = b`` column by column, ``b`` of shape ``(M, k)``.
 
@@ -80,6 +81,9 @@ def conjugate_gradient(
             iterate is useless (relative residual >= 0.5).
         data_dtype: the dtype of the data behind ``matvec`` (default ``b``'s), for advice only:
             warnings suggest float64 only when the operator's products are computed in less.
+        quiet_below: a stagnation whose best relative residual is at most this ends without a
+            warning (``info.extra["stagnated"]`` records it): the floor of a low-precision operator
+            when no tolerance was asked for.
 
     Raises:
         FalkonConvergenceError: non-finite values, ``p^T W p <= 0`` (the operator is
@@ -212,12 +216,14 @@ def conjugate_gradient(
                 f"CG stagnated: the best relative residual {float(rel_best.max()):.3g} has not dropped by 0.1% "
                 f"in {stagnation_window} iterations (tolerance {tol:g}); " + advice
             )
-        warnings.warn(
-            f"CG stagnated after {it} iterations (best relative residual {float(rel_best.max()):.3g}, tolerance "
-            f"{tol:g}, no 0.1% progress in {stagnation_window} iterations); returning the best iterate: " + advice,
-            CGNotConvergedWarning,
-            stacklevel=3,
-        )
+        if float(rel_best.max()) > quiet_below:
+            warnings.warn(
+                f"CG stagnated after {it} iterations (best relative residual {float(rel_best.max()):.3g}, "
+                f"tolerance {tol:g}, no 0.1% progress in {stagnation_window} iterations); returning the best "
+                "iterate: " + advice,
+                CGNotConvergedWarning,
+                stacklevel=3,
+            )
     diverged = (rel > 2 * rel_best) & (rel > tol) if not stagnated else (rel > rel_best) & (rel > tol)
     if bool(diverged.any()):
         x[:, diverged] = x_best[:, diverged]

@@ -31,6 +31,7 @@ def falkon_solve(
     warn: bool = True,
     stagnation_window: int | None = 50,
     data_dtype: torch.dtype | None = None,
+    quiet_below: float = 0.0,
 ) -> tuple[Tensor, CGInfo]:
     """Solve ``H alpha = rhs`` by CG on ``W beta = B^T rhs``, ``W = B^T H B``, ``alpha = B beta``.
 
@@ -60,8 +61,10 @@ def falkon_solve(
         verbose=verbose,
         stagnation_window=stagnation_window,
         data_dtype=data_dtype,
+        quiet_below=quiet_below,
     )
-    if warn and tol > 0 and not info.converged and info.iterations >= max_iter and not info.extra.get("stagnated"):
+    if (warn and tol > 0 and not info.converged and info.iterations >= max_iter and not info.extra.get("stagnated")
+            and float(info.final_residual.max()) > quiet_below):
         # only when the cap stopped it (a stagnated solve has warned with its own cause)
         warnings.warn(
             f"FALKON CG reached max_iter={max_iter} with relative residual "
