@@ -175,7 +175,7 @@ def test_float32_default_tolerance_stops_quietly_at_the_float32_floor():
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", CGNotConvergedWarning)
-        m32, r32 = fit(torch.float32)
+        _, r32 = fit(torch.float32)
     _, r64 = fit(torch.float64, tol=1e-10, max_iter=500)
     assert abs(r32 - r64) <= 0.01 * r64, (r32, r64)
     with pytest.warns(CGNotConvergedWarning):

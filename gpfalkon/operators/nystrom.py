@@ -30,8 +30,9 @@ __all__ = ["FLOAT32_QUIET", "FLOAT32_TOL", "HGrads", "NystromKRROperator"]
 #: (``benchmarks/results/auto-notes.md``); a given tolerance is always used as is
 FLOAT32_TOL = 1e-4
 #: a float32 default-tolerance solve that stalls, or reaches max_iter, at a relative residual up to
-#: this ends without a warning (``fit_info.extra["stagnated"]``): on protein the test RMSE matched float64's to 4 digits at
-#: floors up to 2.9e-3 and to 0.04 % at 3.3e-2, and was 2.8 % worse at 3.7e-2 (``benchmarks/results/float32-tol.md``)
+#: this ends without a warning (``fit_info.extra["stagnated"]``): on protein the test RMSE matched
+#: float64's to 4 digits at floors up to 2.9e-3 and to 0.04 % at 3.3e-2, and was 2.8 % worse at 3.7e-2
+#: (``benchmarks/results/float32-tol.md``)
 FLOAT32_QUIET = 3e-2
 
 
