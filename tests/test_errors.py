@@ -283,3 +283,14 @@ def test_ard_kernel_of_another_dimension_is_named(data):
     with pytest.raises(ValueError, match=r"kernel\.base_kernel has ard_num_dims=3"):
         FalkonGP(x, y, kernel=gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=3)).double(),
                  num_centers=5)
+
+
+def test_cross_validation_objectives_need_two_rows():
+    from gpfalkon.objectives import GCV, LOOCV
+
+    x = torch.tensor([[0.5]], dtype=torch.float64)
+    m = FalkonGP(x, torch.tensor([0.2], dtype=torch.float64), kernel=make_kernel("rbf", 1), num_centers=1,
+                 penalty=1.0)
+    for cls in (GCV, LOOCV):
+        with pytest.raises(ValueError, match=f"{cls.__name__} needs at least 2 training rows"):
+            cls(m)()

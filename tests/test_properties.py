@@ -20,7 +20,7 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given
+from hypothesis import HealthCheck, event, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
@@ -55,6 +55,7 @@ CAVEATS = (CGNotConvergedWarning, JitterWarning)
 
 
 def _assert_named(exc: BaseException) -> None:
+    event(f"raised {type(exc).__name__}")
     assert isinstance(exc, ALLOWED), f"raw {type(exc).__module__}.{type(exc).__name__}: {exc}"
     msg = str(exc)
     assert any(w in msg for w in NAMES), f"{type(exc).__name__} names neither an argument nor a cause: {msg}"
@@ -83,10 +84,12 @@ def regression(draw, allow_bad: bool = True) -> dict:
         y.view(-1)[0] = float("inf")
     elif bad == "nan_y":
         y.view(-1)[-1] = float("nan")
-    m = draw(st.integers(0, n + 2)) if allow_bad else draw(st.integers(1, n))
+    # invalid sizes and penalties in about one draw in five, so that most examples reach a result
+    good_m = st.integers(1, n)
+    m = draw(st.one_of(good_m, good_m, good_m, st.sampled_from([0, n + 1, n + 2])) if allow_bad else good_m)
     good_penalty = st.floats(-8.0, 1.0).map(lambda e: 10.0**e)
-    penalty = draw(st.one_of(good_penalty, st.sampled_from([0.0, -1e-3, float("nan"), float("inf")])) if allow_bad
-                   else good_penalty)
+    bad_penalty = st.sampled_from([0.0, -1e-3, float("nan"), float("inf")])
+    penalty = draw(st.one_of(good_penalty, good_penalty, good_penalty, bad_penalty) if allow_bad else good_penalty)
     kernel = draw(st.sampled_from(["rbf", "scale_matern52", "rbf+linear"]))
     ls = scale * draw(st.sampled_from([0.2, 1.0, 3.0]))
     return dict(x=x.to(dtype), y=y.to(dtype), m=m, penalty=penalty, kernel=kernel, ls=ls, dtype=dtype)
@@ -144,12 +147,17 @@ def test_falkongp_fit_and_predict(p):
     assert bool(torch.isfinite(mean).all()) and bool(torch.isfinite(var).all()), "NaN / Inf prediction"
     assert bool((var >= 0).all())
     if any(issubclass(w.category, CAVEATS) for w in caught):
+        event("finite, with a convergence / jitter warning")
         return  # a warned-about inaccuracy: finite is the property
     ref, cond = _dense_prediction(m, xt)
     tol = _tolerance(p["dtype"], cond)
     if tol >= 1:
+        event("finite; too ill-conditioned to compare")
         return  # too ill-conditioned for any comparison in this dtype
-    err = float((mean.double() - ref).norm() / max(float(ref.norm()), 1e-12 * float(p["y"].double().norm())))
+    event(f"compared with the dense reference ({p['dtype']})")
+    assert mean.numel() == ref.numel(), (tuple(mean.shape), tuple(ref.shape))
+    diff = mean.double().reshape(-1) - ref.reshape(-1)  # one output given as (n, 1) predicts (q,)
+    err = float(diff.norm() / max(float(ref.norm()), 1e-12 * float(p["y"].double().norm())))
     assert err <= tol, f"relative error {err:.3g} > {tol:.3g} (cond(H) = {cond:.3g})"
 
 
@@ -208,15 +216,26 @@ def test_objectives_match_the_dense_formula(p, name):
         return
     assert bool(torch.isfinite(value)), f"{name} = {float(value)}"
     if any(issubclass(w.category, CAVEATS) for w in caught) or m.n < 3:
+        event("finite (not compared)")
         return
     c = m.centers.detach()
     kmm = dense_kernel(m.kernel, c, c).detach()
     ev = torch.linalg.eigvalsh(kmm)
     if float(ev[0]) <= 1e-8 * float(ev[-1]):
         return  # the reference's pinv(K_MM) and the objective's jittered Cholesky differ: no comparison
+    # the smoother S = K~ (K~ + v I)^{-1} is as ill-conditioned as ||K~|| / v
+    x = m.train_inputs[0]
+    knm = dense_kernel(m.kernel, x, c).detach()
+    kt_max = float(torch.linalg.eigvalsh(knm @ torch.linalg.pinv(kmm) @ knm.T)[-1])
+    cond = max(1.0, kt_max / (max(m.n - 1, 1) * float(m.penalty.detach())))
+    rel = max(1e-5, 1e2 * float(torch.finfo(torch.float64).eps) * cond)
+    if rel >= 1e-1:
+        event("finite; too ill-conditioned to compare")
+        return
+    event("compared with the dense formula")
     with torch.no_grad():
         ref = naive(name, m)
-    assert math.isclose(float(value), float(ref), rel_tol=1e-5, abs_tol=1e-8), (float(value), float(ref))
+    assert math.isclose(float(value), float(ref), rel_tol=rel, abs_tol=1e-8), (float(value), float(ref), cond)
 
 
 @PROFILE

@@ -61,6 +61,9 @@ class GCV(NystromObjective):
     def objective(self) -> Tensor:
         x, y = self._data()
         n = self.model.n
+        if n < 2:  # v = (n - 1) lambda vanishes: the criterion is undefined
+            raise ValueError(f"{type(self).__name__} needs at least 2 training rows (train_x has {n}): its noise "
+                             "is (n - 1) * penalty")
         v = (n - 1) * self.model.penalty
         agg = self.aggregates(x, y, self.cholesky_kmm())
         t = self.smoother_terms(agg, self.cholesky_b(agg, v), v)
@@ -79,6 +82,9 @@ class LOOCV(NystromObjective):
     def objective(self) -> Tensor:
         x, y = self._data()
         n = self.model.n
+        if n < 2:  # v = (n - 1) lambda vanishes: the criterion is undefined
+            raise ValueError(f"{type(self).__name__} needs at least 2 training rows (train_x has {n}): its noise "
+                             "is (n - 1) * penalty")
         v = (n - 1) * self.model.penalty
         L = self.cholesky_kmm()
         agg = self.aggregates(x, y, L)
