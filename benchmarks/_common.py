@@ -149,3 +149,17 @@ def write_result(path: pathlib.Path, title: str, env: Sequence[str], body: str) 
     text = f"# {title}\n\n" + "\n".join(env) + "\n\n" + body.rstrip() + "\n"
     path.write_text(text)
     return path
+
+
+def protein_split0(rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """protein (embedded ``data/protein.npz``), split 0, the first ``rows`` training rows (all when
+    ``None``), standardised with the training rows' statistics: ``(x, y, x_test, y_test)`` float64."""
+    import numpy as np
+
+    with np.load(REPO / "data" / "protein.npz") as z:
+        X, Y, mask = z["X"], z["y"], z["test_mask"][:, 0]
+    x, y = torch.as_tensor(X[~mask])[:rows], torch.as_tensor(Y[~mask])[:rows]
+    xt, yt = torch.as_tensor(X[mask]), torch.as_tensor(Y[mask])
+    mu, sd = x.mean(0), x.std(0)
+    ym, ys = y.mean(), y.std()
+    return (x - mu) / sd, (y - ym) / ys, (xt - mu) / sd, (yt - ym) / ys

@@ -16,14 +16,13 @@ import pathlib
 import sys
 
 import gpytorch
-import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from gpfalkon import FalkonGP, median_lengthscale
 
 from _baselines import SGPR
-from _common import REPO, environment_lines, log, markdown_table, write_result
+from _common import REPO, environment_lines, log, markdown_table, protein_split0, write_result
 
 
 def make_kernel(ls: float, dtype):
@@ -64,14 +63,7 @@ def main() -> None:
     ap.add_argument("--out", type=pathlib.Path, default=REPO / "benchmarks" / "results" / "float32.md")
     args = ap.parse_args()
     env = environment_lines()
-    with np.load(REPO / "data" / "protein.npz") as z:
-        X, Y, mask = z["X"], z["y"], z["test_mask"][:, 0]
-    x, y = torch.as_tensor(X[~mask]), torch.as_tensor(Y[~mask])
-    xt, yt = torch.as_tensor(X[mask]), torch.as_tensor(Y[mask])
-    mu, sd = x.mean(0), x.std(0)
-    x, xt = (x - mu) / sd, (xt - mu) / sd
-    ym, ys = y.mean(), y.std()
-    y, yt = (y - ym) / ys, (yt - ym) / ys
+    x, y, xt, yt = protein_split0()
     g = torch.Generator().manual_seed(0)
     centers = x[torch.randperm(len(x), generator=g)[: args.centers]]
     ls = float(median_lengthscale(x)) / 2

@@ -17,13 +17,12 @@ import sys
 import warnings
 
 import gpytorch
-import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from gpfalkon import FalkonGP, median_lengthscale
 
-from _common import REPO, environment_lines, log, markdown_table, write_result
+from _common import REPO, environment_lines, log, markdown_table, protein_split0, write_result
 
 
 def first_below(res: torch.Tensor, level: float) -> str:
@@ -55,14 +54,7 @@ def main() -> None:
     ap.add_argument("--out", type=pathlib.Path, default=REPO / "benchmarks" / "results" / "float32-tol.md")
     args = ap.parse_args()
     env = environment_lines()
-    with np.load(REPO / "data" / "protein.npz") as z:
-        X, Y, mask = z["X"], z["y"], z["test_mask"][:, 0]
-    x, y = torch.as_tensor(X[~mask])[: args.rows], torch.as_tensor(Y[~mask])[: args.rows]
-    xt, yt = torch.as_tensor(X[mask]), torch.as_tensor(Y[mask])
-    mu, sd = x.mean(0), x.std(0)
-    x, xt = (x - mu) / sd, (xt - mu) / sd
-    ym, ys = y.mean(), y.std()
-    y, yt = (y - ym) / ys, (yt - ym) / ys
+    x, y, xt, yt = protein_split0(args.rows)
     g = torch.Generator().manual_seed(0)
     centers = x[torch.randperm(len(x), generator=g)[: args.centers]]
     ls0 = float(median_lengthscale(x))

@@ -857,13 +857,18 @@ class FalkonGP(gpytorch.models.GP):
         if not bool(torch.isfinite(x).all()):
             raise ValueError("x contains NaN or Inf values")
 
-    def __call__(self, x: Tensor, **kwargs) -> MultivariateNormal:
+    def _test_inputs(self, x: Tensor) -> Tensor:
+        """``x`` checked (a tensor, ``d`` features, finite) and given a feature axis when 1-D."""
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor of shape (..., q, d), got {type(x).__name__} "
                             "(convert with torch.as_tensor(x, dtype=...))")
         if x.dim() == 1:
             x = x.unsqueeze(-1)
         self._check_test_inputs(x)
+        return x
+
+    def __call__(self, x: Tensor, **kwargs) -> MultivariateNormal:
+        x = self._test_inputs(x)
         if self.training:
             if gpytorch.settings.debug.on() and bool(self.fitted) and not self._is_training_input(x):
                 # ExactGP raises here ("You must train on the training inputs!"); the prior at other
@@ -901,12 +906,7 @@ class FalkonGP(gpytorch.models.GP):
         (``(..., q)`` for one output, ``(..., q, t)`` for ``t``): no variance factors, and no
         process-wide GPyTorch flag (``skip_posterior_variances``) toggled to get it, so it is safe
         next to other threads' predictions. Cost ``O(q M d)``."""
-        if not isinstance(x, Tensor):
-            raise TypeError(f"x must be a torch.Tensor of shape (..., q, d), got {type(x).__name__} "
-                            "(convert with torch.as_tensor(x, dtype=...))")
-        if x.dim() == 1:
-            x = x.unsqueeze(-1)
-        self._check_test_inputs(x)
+        x = self._test_inputs(x)
         self._check_fitted()
         with torch.no_grad():
             mean = self._mean_at(x)
