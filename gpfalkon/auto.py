@@ -571,7 +571,8 @@ def auto_fit(
         # on data whose K_nM exceeds the memory budget even at the first number of centers, the final fit
         # recomputes K_nM at each CG iteration: learning ends early enough to leave 1.5x its predicted time
         m_first = min(n_tr, max(min_centers, hyper_centers), max_centers)
-        if n_final * m_first * torch.finfo(dtype).bits // 8 > memory_budget_for(None, device=dev):
+        budget_bytes = memory_budget_for(None, device=dev)  # read once: every fit of this call sees it
+        if n_final * m_first * torch.finfo(dtype).bits // 8 > budget_bytes:
             rows0 = min(n_tr, select_rows)
             eng0 = KernelEngine(k0, xt_z[:rows0], xt_z[torch.randperm(n_tr, generator=gen, device=dev)[:m_first]],
                                 store=False)
@@ -747,7 +748,7 @@ def auto_fit(
             # beyond it every CG iteration recomputes K_nM: max_iter + 2 measured on-the-fly passes
             ratio = max(1.0, n_final / n_s)
             cost = last_fit_seconds(m) * ratio
-            if n_final * m * torch.finfo(dtype).bits // 8 > memory_budget_for(None, device=dev):
+            if n_final * m * torch.finfo(dtype).bits // 8 > budget_bytes:
                 cost = max(cost, (max_iter + 2) * onthefly_pass_seconds(m) * ratio + last_fit_seconds(m))
             return cost
 

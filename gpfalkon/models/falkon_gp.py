@@ -731,13 +731,14 @@ class FalkonGP(gpytorch.models.GP):
         if not bool(torch.isfinite(module.alpha).all()):
             differs.append("alpha contains NaN or Inf")
         elif legacy:
-            module._fit_tracker.adopt(module._fit_dependencies())
-            differs = module._fit_tracker.data_changed(module._fit_data(), (module.data_fingerprint, None),
-                                                       reduce=module._row_sum)
-            if not differs:  # the data match by sums and norms: record their digests from now on
-                _, digest = module._fit_tracker.mark(module._fit_dependencies(), module._fit_data(),
-                                                     reduce=module._row_sum, row_offset=module._row_offset)
+            # one data pass: the sums and norms are checked against the saved ones, and the digests recorded
+            summary, digest = module._fit_tracker.mark(module._fit_dependencies(), module._fit_data(),
+                                                       reduce=module._row_sum, row_offset=module._row_offset)
+            saved = module.data_fingerprint.to(torch.float64)
+            if torch.allclose(summary.to(saved.device), saved, rtol=1e-12, atol=0.0):
                 module.fit_digest = module._digest_now(digest)
+            else:
+                differs.append("train_x or train_y (sums and norms)")
         else:
             saved = module.fit_digest.to(torch.int64).cpu()
             x_dtype = module.train_inputs[0].dtype
