@@ -181,6 +181,23 @@ def _fit_quiet(model: FalkonGP) -> tuple[FalkonGP, bool]:
     return model, not any(issubclass(w.category, CGNotConvergedWarning) for w in caught)
 
 
+def _scoring_fit(model: FalkonGP, extra: Tensor | None) -> FalkonGP:
+    """FALKON fit on ``model``'s rows with its kernel and noise and the centers ``[model.centers; extra]``.
+
+    The objectives of stage 1 see few centers (their cost per step is ``O(rows M^2)``); a validation
+    score with the same few centers is dominated by the Nystrom error and cannot tell better
+    hyperparameters apart. More centers cost one FALKON fit, ``O(rows M' t + M'^3)``, per score.
+    ``extra = None`` (or empty) fits ``model`` itself.
+    """
+    if extra is None or extra.shape[0] == 0:
+        return _fit_quiet(model)[0]
+    with torch.no_grad():
+        centers = torch.cat([model.centers.detach(), extra.to(model.centers.dtype)], 0)
+        scorer = FalkonGP(model.train_inputs[0], model.train_targets, kernel=model.kernel, centers=centers,
+                          penalty=model.penalty.detach(), max_iter=model.max_iter, tol=model.tol)
+    return _fit_quiet(scorer)[0]
+
+
 def _check_budget(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -197,10 +214,11 @@ class _ObjectiveRun:
     """One objective of stage 1: its model (on the subsample), optimiser and validation record."""
 
     def __init__(self, name: str, model: FalkonGP, optimizer: str, lr: float, eval_every: int,
-                 start_error: float) -> None:
+                 start_error: float, score_pool: Tensor | None = None) -> None:
         rows = model.n
         self.name = name
         self.model = model
+        self.score_pool = score_pool
         self.obj = OBJECTIVES[name](model)
         params = [p for p in model.parameters() if p.requires_grad]
         if optimizer == "lbfgs":
@@ -217,7 +235,9 @@ class _ObjectiveRun:
         self.active = True
         self.failed: str | None = None
         self.best: dict[str, Any] | None = None
-        self.rec: dict[str, Any] = dict(objective=name, rows=rows, centers=int(model.centers.shape[0]), steps=0,
+        self.rec: dict[str, Any] = dict(objective=name, rows=rows, centers=int(model.centers.shape[0]),
+                                        score_centers=int(model.centers.shape[0])
+                                        + (0 if score_pool is None else int(score_pool.shape[0])), steps=0,
                                         best_step=0, best_error=start_error,
                                         curve=[(0, 0.0, start_error)], stopped="")
 
@@ -269,10 +289,10 @@ class _ObjectiveRun:
         self.rec["step_seconds"] += time.perf_counter() - t
 
     def evaluate(self, xv: Tensor, yv: Tensor, patience: int, max_steps: int) -> None:
-        """Validation error of a FALKON fit at the current hyperparameters; early stopping."""
+        """Validation error of a FALKON fit at the current hyperparameters (with the objective's centers
+        plus ``score_pool``'s rows as extra centers, see :func:`_scoring_fit`); early stopping."""
         try:
-            _fit_quiet(self.model)
-            err = _val_mse(self.model, xv, yv)
+            err = _val_mse(_scoring_fit(self.model, self.score_pool), xv, yv)
         except Exception as exc:
             self.failed = f"fit at step {self.step}: {type(exc).__name__}: {exc}"
             self.stop(self.failed)
@@ -314,6 +334,7 @@ def auto_fit(
     max_hyper_rows: int | None = None,
     hyper_entries: int = 2**25,
     hyper_centers_growth: float = 0.0,
+    score_centers: int | None = None,
     select_rows: int = 50_000,
     min_centers: int = 1_000,
     max_centers: int = 50_000,
@@ -373,6 +394,12 @@ def auto_fit(
             matrix (``2**25``: 128 MiB in float32 per copy, a few copies live in autograd); the
             rows stop doubling when the current centers would exceed it, and the centers stop
             growing at ``hyper_entries // rows``.
+        score_centers: centers of the FALKON fit that scores stage 1's hyperparameters on the
+            validation rows: the objective's centers plus random subsample rows up to this many
+            (within the subsample's rows and ``hyper_entries``). ``None``: ``max(hyper_centers,
+            min_centers)``, the size stage 2 starts from, so stage 1 picks the hyperparameters that
+            are best where they are used; ``hyper_centers`` (or less) scores with the objective's own
+            centers (the behaviour before this option).
         select_rows: rows of the stage-2 selection fits.
         min_centers, max_centers: the first and the largest number of centers of stage 2.
         optimizer: ``"lbfgs"`` (``torch.optim.LBFGS`` with a strong-Wolfe line search, ``eval_every``
@@ -454,6 +481,8 @@ def auto_fit(
             or not 0.0 <= hyper_centers_growth <= 1.0:
         raise ValueError(f"hyper_centers_growth must be a number in [0, 1], got {hyper_centers_growth!r}")
     select_rows = _check_count("select_rows", select_rows, 2)
+    if score_centers is not None:
+        score_centers = _check_count("score_centers", score_centers)
     min_centers = _check_count("min_centers", min_centers)
     max_centers = _check_count("max_centers", max_centers)
     max_steps = _check_count("max_steps", max_steps, 0)
@@ -534,8 +563,17 @@ def auto_fit(
         h_idx = h_perm[:n_h]
         xh, yh = xt_z[h_idx], yt_z[h_idx]
         m_h = min(n_h, hyper_centers)
-        c_idx = torch.randperm(n_h, generator=gen, device=dev)[:m_h]
+        c_perm = torch.randperm(n_h, generator=gen, device=dev)
+        c_idx = c_perm[:m_h]
         centers0 = xh[c_idx].clone()
+        # extra centers of the stage-1 scoring fits: subsample rows that are not stage-1 centers (every
+        # nested subsample contains them; centers added on larger subsamples come from the new rows)
+        score_pool = xh[c_perm[m_h:]]
+        score_target = max(hyper_centers, min_centers) if score_centers is None else score_centers
+
+        def score_extra(rows: int, m_obj: int) -> Tensor | None:
+            k = min(score_target, rows, hyper_entries // rows) - m_obj
+            return score_pool[:k] if k > 0 else None
         k0 = new_kernel()
         if isinstance(kernel, str):
             from .heuristics import median_lengthscale
@@ -558,7 +596,7 @@ def auto_fit(
 
         # the starting point's score
         try:
-            m0, _ = _fit_quiet(h_model(copy.deepcopy(k0), noise0, centers0, False))
+            m0 = _scoring_fit(h_model(copy.deepcopy(k0), noise0, centers0, False), score_extra(n_h, m_h))
             best_state["error"] = _val_mse(m0, xv_z, yv_z)
             del m0
         except Exception as exc:
@@ -589,7 +627,7 @@ def auto_fit(
                                     "every iteration)")
         runners = [
             _ObjectiveRun(name, h_model(copy.deepcopy(k0), noise0, centers0.clone(), learn_centers), optimizer, lr,
-                          eval_every, best_state["error"])
+                          eval_every, best_state["error"], score_extra(n_h, m_h))
             for name in objectives
         ]
         rounds = 0
@@ -648,7 +686,7 @@ def auto_fit(
                 runners.append(_ObjectiveRun(
                     old.name, h_model(copy.deepcopy(start["kernel"]), float(start["noise"]), centers_next,
                                       learn_centers, rows=rows_h),
-                    optimizer, lr, eval_every, best_state["error"]))
+                    optimizer, lr, eval_every, best_state["error"], score_extra(rows_h, centers_next.shape[0])))
         for r in runners:
             r.rec["steps"] = r.step
             if r.failed:
