@@ -1,10 +1,19 @@
 """Outer-loop search over discrete and continuous FALKON hyperparameters.
 
 ``BoTorchSearch`` (Bayesian optimisation with BoTorch), ``RandomSearch`` and
-``GridSearch`` share one interface: a search space, an objective to *minimise*, a
-budget of evaluations and a seed; ``run(*data)`` returns the best configuration and
-the full history (values and wall times), saved as JSON after every evaluation when
-``history_path`` is given and resumed from it.
+``GridSearch`` share one interface: a search space and a seed, then either
+
+- **ask / tell**: ``suggest(q)`` returns ``q`` configurations to evaluate anywhere (another
+  process, a cluster), ``observe(config, value, cost)`` records each result; or
+- **a loop**: ``run(*data)`` calls ``objective(config, *data)`` (to *minimise*) until ``budget``
+  evaluations are done, timing each.
+
+Either way the state (history, pending suggestions, the random generator) is saved as JSON at
+``history_path`` and resumed from it: a resumed search continues its random stream and never
+repeats a configuration. Random draws are unbiased for every dimension type (integers and choices
+are drawn directly, never by rounding a continuous draw). An objective may return an
+:class:`Evaluation` naming the configuration it actually ran (``falkon_validation_error`` caps
+``num_centers`` at the number of rows and says so); the history records what ran.
 
 Encoding (how BoTorch sees the space): ``Integer`` is a discrete dimension whose
 allowed values are the integers (their logs when ``log=True``); ``Float`` and
@@ -12,14 +21,20 @@ allowed values are the integers (their logs when ``log=True``); ``Float`` and
 categorical dimension (index of the choice). The surrogate is BoTorch's
 ``MixedSingleTaskGP`` (a Hamming-distance kernel on the categorical dimensions),
 with ``Normalize`` on the other dimensions only, and the acquisition
-(``LogExpectedImprovement``, optionally divided by the predicted cost) is optimised by
+(``LogExpectedImprovement``, or ``qLogExpectedImprovement`` for batches and pending points,
+optionally per unit of predicted cost) is optimised by
 ``optimize_acqf_mixed_alternating``: local search over the discrete and categorical
 dimensions alternating with L-BFGS on the continuous ones, so no candidate is
 produced by rounding a relaxed one.
+
+Written here because BoTorch has the pieces (models, acquisitions, the mixed optimiser) but no
+search loop with a persisted ask/tell state over a typed space; Ax has one, but is not a
+dependency of this project.
 """
 from __future__ import annotations
 
 import abc
+import base64
 import itertools
 import json
 import math
@@ -37,6 +52,7 @@ from torch import Tensor
 __all__ = [
     "BoTorchSearch",
     "Categorical",
+    "Evaluation",
     "Float",
     "GridSearch",
     "Integer",
@@ -54,7 +70,11 @@ __all__ = [
 # ---------------------------------------------------------------- dimensions
 @dataclass(frozen=True)
 class Integer:
-    """Integers in ``[low, high]``; ``log=True`` searches (and samples) on the log scale."""
+    """Integers in ``[low, high]``; ``log=True`` searches (and samples) on the log scale.
+
+    Random draws: uniform over the integers; with ``log=True``, ``v = floor(exp(u))`` for
+    ``u ~ U[log low, log(high + 1))``, so ``P(v) = log((v + 1) / v) / log((high + 1) / low)``
+    (every integer gets the log-width of ``[v, v + 1)``; the ends are not halved)."""
 
     low: int
     high: int
@@ -78,6 +98,19 @@ class Integer:
     def encoded_values(self) -> list[float]:
         return [self.encode(v) for v in range(self.low, self.high + 1)]
 
+    def draw(self, n: int, generator: torch.Generator) -> list[int]:
+        if not self.log:
+            return [int(v) for v in torch.randint(self.low, self.high + 1, (n,), generator=generator)]
+        lo, hi = math.log(self.low), math.log(self.high + 1)
+        u = torch.rand(n, generator=generator, dtype=torch.float64)
+        return [min(max(int(math.floor(math.exp(lo + float(t) * (hi - lo)))), self.low), self.high) for t in u]
+
+    def contains(self, value: Any) -> bool:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool) and self.low <= value <= self.high
+
+    def size(self) -> int:
+        return self.high - self.low + 1
+
 
 @dataclass(frozen=True)
 class Float:
@@ -97,6 +130,20 @@ class Float:
     def decode(self, z: float) -> float:
         return float(min(max(z, self.low), self.high))
 
+    def draw(self, n: int, generator: torch.Generator) -> list[float]:
+        u = torch.rand(n, generator=generator, dtype=torch.float64)
+        return [self.decode(self.low + float(t) * (self.high - self.low)) for t in u]
+
+    def contains(self, value: Any) -> bool:
+        return _is_real(value) and self.low <= value <= self.high
+
+    def size(self) -> float:
+        return math.inf
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
 
 def _check_real(kind: str, low: Any, high: Any) -> None:
     for name, v in (("low", low), ("high", high)):
@@ -106,7 +153,7 @@ def _check_real(kind: str, low: Any, high: Any) -> None:
 
 @dataclass(frozen=True)
 class LogFloat:
-    """Positive reals in ``[low, high]``, searched in log10 space."""
+    """Positive reals in ``[low, high]``, searched (and drawn uniformly) in log10 space."""
 
     low: float
     high: float
@@ -122,10 +169,21 @@ class LogFloat:
     def decode(self, z: float) -> float:
         return float(min(max(10.0**z, self.low), self.high))
 
+    def draw(self, n: int, generator: torch.Generator) -> list[float]:
+        lo, hi = math.log10(self.low), math.log10(self.high)
+        u = torch.rand(n, generator=generator, dtype=torch.float64)
+        return [self.decode(lo + float(t) * (hi - lo)) for t in u]
+
+    def contains(self, value: Any) -> bool:
+        return _is_real(value) and self.low <= value <= self.high
+
+    def size(self) -> float:
+        return math.inf
+
 
 @dataclass(frozen=True)
 class Categorical:
-    """One of ``choices`` (no order assumed)."""
+    """One of ``choices`` (no order assumed; random draws are uniform over the choices)."""
 
     choices: tuple
 
@@ -149,6 +207,18 @@ class Categorical:
     def decode(self, z: float) -> Any:
         return self.choices[min(max(round(z), 0), len(self.choices) - 1)]
 
+    def draw(self, n: int, generator: torch.Generator) -> list[Any]:
+        return [self.choices[int(i)] for i in torch.randint(0, len(self.choices), (n,), generator=generator)]
+
+    def contains(self, value: Any) -> bool:
+        try:
+            return value in self.choices
+        except TypeError:  # unhashable comparisons never raise for tuples, but be safe
+            return False
+
+    def size(self) -> int:
+        return len(self.choices)
+
 
 Dimension = Integer | Float | LogFloat | Categorical
 
@@ -171,11 +241,55 @@ class SearchSpace:
     def __len__(self) -> int:
         return len(self.names)
 
+    def size(self) -> float:
+        """The number of distinct configurations (``inf`` with a ``Float`` / ``LogFloat`` dimension)."""
+        return math.prod(d.size() for d in self.dims.values())
+
     def encode(self, config: Mapping[str, Any]) -> Tensor:
         return torch.tensor([self.dims[k].encode(config[k]) for k in self.names], dtype=torch.float64)
 
     def decode(self, z: Tensor) -> dict[str, Any]:
         return {k: self.dims[k].decode(float(z[i])) for i, k in enumerate(self.names)}
+
+    def normalize(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """``config`` with JSON's changes undone: lists back to the tuple choices they were, integral
+        floats of ``Integer`` dimensions back to ints."""
+        out = dict(config)
+        for k, d in self.dims.items():
+            v = out.get(k)
+            if isinstance(d, Categorical) and isinstance(v, list) and tuple(v) in d.choices:
+                out[k] = tuple(v)
+            elif isinstance(d, Integer) and isinstance(v, float) and v.is_integer():
+                out[k] = int(v)
+        return out
+
+    def key(self, config: Mapping[str, Any]) -> tuple:
+        """A hashable identity of a configuration (its values in the space's order)."""
+        c = self.normalize(config)
+        return tuple(c.get(k) for k in self.names)
+
+    def check(self, config: Any, arg: str = "config", *, in_bounds: bool = True) -> dict[str, Any]:
+        """``config`` normalised, or ``ValueError`` naming ``arg`` and what is wrong: keys other than the
+        space's names, or a value outside its dimension (numeric values may leave the bounds when
+        ``in_bounds=False``: a configuration *run* may differ from the one asked, e.g. capped)."""
+        if not isinstance(config, Mapping):
+            raise TypeError(f"{arg} must be a mapping name -> value, got {type(config).__name__}")
+        c = self.normalize(config)
+        missing = [k for k in self.names if k not in c]
+        extra = [k for k in c if k not in self.dims]
+        if missing or extra:
+            raise ValueError(f"{arg}: keys must be the search space's {self.names}"
+                             + (f"; missing {missing}" if missing else "") + (f"; unknown {extra}" if extra else ""))
+        for k, d in self.dims.items():
+            v = c[k]
+            ok = d.contains(v)
+            if not ok and not in_bounds and not isinstance(d, Categorical) and _is_real(v):
+                # outside the bounds, but a value the dimension can encode
+                log_scale = isinstance(d, LogFloat) or (isinstance(d, Integer) and d.log)
+                ok = (not isinstance(d, Integer) or float(v).is_integer()) and (not log_scale or v > 0)
+            if not ok:
+                raise ValueError(f"{arg}[{k!r}]={v!r} is outside the search space's {d}")
+        return c
 
     def bounds(self) -> Tensor:
         lo, hi = [], []
@@ -196,11 +310,10 @@ class SearchSpace:
         return {i: d.encoded_values() for i, d in enumerate(self.dims.values()) if isinstance(d, Integer)}
 
     def sample(self, n: int, generator: torch.Generator) -> list[dict[str, Any]]:
-        """``n`` configurations uniform in the encoded space (log-uniform for log scales)."""
-        b = self.bounds()
-        u = torch.rand(n, len(self), generator=generator, dtype=torch.float64)
-        z = b[0] + u * (b[1] - b[0])
-        return [self.decode(row) for row in z]
+        """``n`` random configurations, each dimension drawn independently and without bias: uniform
+        over integers and choices, log-uniform on log scales (see each dimension's ``draw``)."""
+        cols = {k: d.draw(n, generator) for k, d in self.dims.items()}
+        return [{k: cols[k][i] for k in self.names} for i in range(n)]
 
     def grid(self, budget: int) -> list[dict[str, Any]]:
         """A full-factorial grid with at most ``budget`` points: every categorical value,
@@ -238,15 +351,42 @@ class SearchSpace:
 # ------------------------------------------------------------------ results
 @dataclass
 class Trial:
+    """One evaluation: ``config`` is what ran (``requested`` the suggestion when the objective ran
+    something else, e.g. capped ``num_centers``); ``seconds`` its cost (measured wall time in
+    :meth:`_Search.run`, what :meth:`_Search.observe` was given otherwise; NaN if unknown);
+    ``source`` who proposed it: ``"random"``, ``"grid"``, ``"botorch"``, ``"user"`` (observed without a
+    suggestion) or ``"random (...)"`` for a random fallback, with the reason."""
+
     config: dict[str, Any]
     value: float
     seconds: float
     source: str = ""
+    requested: dict[str, Any] | None = None
 
 
-def _load_history(path: pathlib.Path) -> list[Trial]:
-    """The trials saved at ``path``; a file that is not a saved search history raises ``ValueError``
-    naming ``history_path`` (it is never overwritten silently)."""
+class Evaluation(float):
+    """What an objective may return instead of a plain float: the value (it *is* that float, so direct
+    callers can compare and format it) and ``config``, the configuration actually run (recorded in the
+    history, so ``best_config`` is what produced ``best_value``)."""
+
+    config: dict[str, Any] | None
+
+    def __new__(cls, value: float, config: Mapping[str, Any] | None = None) -> Evaluation:
+        obj = super().__new__(cls, value)
+        obj.config = None if config is None else dict(config)
+        return obj
+
+    def __repr__(self) -> str:
+        return f"Evaluation({float(self)!r}, config={self.config!r})"
+
+
+_FORMAT = "gpfalkon.tuning/2"
+
+
+def _load_state(path: pathlib.Path) -> dict[str, Any]:
+    """The search state saved at ``path``; a file that is not a saved search raises ``ValueError``
+    naming ``history_path`` (it is never overwritten silently). Files from before ``_FORMAT`` hold
+    only ``history``."""
     try:
         data = json.loads(path.read_text())
         trials = [Trial(**t) for t in data["history"]]
@@ -254,12 +394,16 @@ def _load_history(path: pathlib.Path) -> list[Trial]:
             if not isinstance(t.config, dict):
                 raise TypeError("a trial's config is not a mapping")
             t.value, t.seconds = float(t.value), float(t.seconds)
+        pending = [(dict(p["config"]), str(p["source"])) for p in data.get("pending", [])]
+        rng = data.get("rng_state")
+        if rng is not None and not isinstance(rng, str):
+            raise TypeError("rng_state is not a string")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(
             f"history_path {str(path)!r} is not a search history saved by gpfalkon.tuning "
             f"({type(exc).__name__}: {exc}); move it away or pass another history_path"
         ) from exc
-    return trials
+    return dict(history=trials, pending=pending, rng_state=rng)
 
 
 @dataclass
@@ -276,50 +420,156 @@ class SearchResult:
             out.append(best)
         return out
 
+    def best_at_time(self) -> list[tuple[float, float]]:
+        """``(cumulative seconds, best value)`` after each evaluation (NaN costs count as 0)."""
+        t, out = 0.0, []
+        for s, b in zip(self.history, self.best_so_far(), strict=True):
+            t += s.seconds if math.isfinite(s.seconds) else 0.0
+            out.append((t, b))
+        return out
 
-Objective = Callable[..., float]
+
+Objective = Callable[..., "float | Evaluation"]
 
 
 class _Search(abc.ABC):
-    """Common loop: propose, evaluate (timed), record, save; resume from ``history_path``."""
+    """Propose (``suggest``), evaluate anywhere, record (``observe``); ``run`` does all three in a loop.
+
+    State (history, pending suggestions, the random generator's state) is saved as JSON at
+    ``history_path`` after every ``suggest`` and ``observe`` and resumed from it, so a resumed search
+    continues its random stream and never repeats a configuration it has evaluated or suggested.
+    """
 
     source = "search"
 
     def __init__(
         self,
         space: SearchSpace | Mapping[str, Dimension],
-        objective: Objective,
-        budget: int,
+        objective: Objective | None = None,
+        budget: int | None = None,
         seed: int = 0,
         *,
         history_path: str | pathlib.Path | None = None,
         verbose: bool = False,
     ) -> None:
         self.space = space if isinstance(space, SearchSpace) else SearchSpace(space)
-        if not callable(objective):
-            raise TypeError("objective must be callable: objective(config, *data) -> float")
-        if not isinstance(budget, int) or budget < 1:
+        if objective is not None and not callable(objective):
+            raise TypeError("objective must be callable: objective(config, *data) -> float (or None for "
+                            "suggest / observe only)")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ValueError(f"budget must be a positive int, got {budget!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
         self.objective = objective
         self.budget = budget
-        self.generator = torch.Generator().manual_seed(int(seed))
+        self.seed = seed
+        self.generator = torch.Generator().manual_seed(seed)
         self.history_path = None if history_path is None else pathlib.Path(history_path)
         self.verbose = verbose
         self.history: list[Trial] = []
+        self.pending: list[tuple[dict[str, Any], str]] = []  # suggested, not yet observed
         if self.history_path is not None and self.history_path.exists():
-            self.history = _load_history(self.history_path)
+            state = _load_state(self.history_path)
+            try:
+                for t in state["history"]:
+                    t.config = self.space.check(t.config, "a saved trial's config", in_bounds=False)
+                    if t.requested is not None:
+                        t.requested = self.space.check(t.requested, "a saved trial's requested config")
+                pending = [(self.space.check(c, "a saved pending config"), s) for c, s in state["pending"]]
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"history_path {str(self.history_path)!r} holds a search over another space: "
+                                 f"{exc}") from exc
+            self.history, self.pending = state["history"], pending
+            if state["rng_state"] is not None:
+                raw = base64.b64decode(state["rng_state"])
+                self.generator.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+            else:  # a file from before the generator was saved: another stream (repeats are refused anyway)
+                self.generator.manual_seed(seed * 1_000_003 + len(self.history) + 1)
 
-    @abc.abstractmethod
-    def _propose(self) -> dict[str, Any]:
-        """The next configuration to evaluate."""
+    # ------------------------------------------------------------ bookkeeping
+    def _taken(self) -> set[tuple]:
+        keys = {self.space.key(t.config) for t in self.history}
+        keys |= {self.space.key(t.requested) for t in self.history if t.requested is not None}
+        keys |= {self.space.key(c) for c, _ in self.pending}
+        return keys
+
+    def _random_unseen(self, taken: set[tuple], tries: int = 1000) -> dict[str, Any] | None:
+        """A random configuration not in ``taken`` (``None`` when the space is exhausted)."""
+        if self.space.size() <= len(taken):
+            return None
+        for _ in range(tries):
+            c = self.space.sample(1, self.generator)[0]
+            if self.space.key(c) not in taken:
+                return c
+        return None
 
     def _save(self) -> None:
-        if self.history_path is not None:
-            self.history_path.parent.mkdir(parents=True, exist_ok=True)
-            self.history_path.write_text(json.dumps({"history": [asdict(t) for t in self.history]}, default=str))
+        if self.history_path is None:
+            return
+        state = {
+            "format": _FORMAT,
+            "search": type(self).__name__,
+            "history": [asdict(t) for t in self.history],
+            "pending": [{"config": c, "source": s} for c, s in self.pending],
+            "rng_state": base64.b64encode(self.generator.get_state().numpy().tobytes()).decode("ascii"),
+        }
+        self.history_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.history_path.with_name(self.history_path.name + ".tmp")
+        tmp.write_text(json.dumps(state, default=str))
+        tmp.replace(self.history_path)  # atomic: a crash mid-write never leaves a truncated history
 
+    @abc.abstractmethod
+    def _propose(self, q: int, taken: set[tuple]) -> list[tuple[dict[str, Any], str]]:
+        """Up to ``q`` new ``(config, source)`` pairs, none in ``taken``."""
+
+    # ------------------------------------------------------------ ask / tell
+    def suggest(self, q: int = 1) -> list[dict[str, Any]]:
+        """``q`` configurations to evaluate next (fewer when the space is exhausted), none evaluated or
+        pending before. They stay pending (and are saved) until :meth:`observe` is called with them."""
+        if isinstance(q, bool) or not isinstance(q, int) or q < 1:
+            raise ValueError(f"q must be a positive int, got {q!r}")
+        new = self._propose(q, self._taken())
+        self.pending.extend(new)
+        self._save()
+        return [dict(c) for c, _ in new]
+
+    def observe(self, config: Mapping[str, Any], value: float | Evaluation, cost: float | None = None) -> Trial:
+        """Record that ``config`` (a suggestion, or any configuration of the space: source ``"user"``)
+        gave ``value`` at ``cost`` seconds (or any positive cost unit; ``None``: unknown). ``value`` may be
+        an :class:`Evaluation` naming the configuration actually run. Non-finite values are recorded as
+        ``inf`` (a failed evaluation)."""
+        cfg = self.space.check(config, "config")
+        ran = value.config if isinstance(value, Evaluation) else None
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"value must be a real number (the objective to minimise), got {value!r}")
+        if cost is not None and (not _is_real(cost) or cost < 0):
+            raise ValueError(f"cost must be a finite number >= 0 (seconds) or None, got {cost!r}")
+        key = self.space.key(cfg)
+        idx = next((i for i, (c, _) in enumerate(self.pending) if self.space.key(c) == key), None)
+        source = self.pending.pop(idx)[1] if idx is not None else "user"
+        run_cfg = cfg if ran is None else self.space.check(ran, "the objective's Evaluation.config", in_bounds=False)
+        value = float(value)
+        trial = Trial(config=run_cfg, value=value if math.isfinite(value) else math.inf,
+                      seconds=math.nan if cost is None else float(cost), source=source,
+                      requested=cfg if self.space.key(run_cfg) != key else None)
+        self.history.append(trial)
+        self._save()
+        return trial
+
+    def result(self) -> SearchResult:
+        """The best trial so far and the history (``ValueError`` before any observation)."""
+        if not self.history:
+            raise ValueError("no configuration has been observed yet")
+        best = min(self.history, key=lambda t: t.value)
+        return SearchResult(best_config=dict(best.config), best_value=best.value, history=list(self.history))
+
+    # ------------------------------------------------------------ the loop
     def run(self, *data: Any) -> SearchResult:
-        """Evaluate until ``budget`` evaluations (counting resumed ones) are done."""
+        """Evaluate ``objective(config, *data)`` until ``budget`` evaluations (counting resumed ones) are
+        done: first the pending suggestions of a resumed search, then new ones, one at a time."""
+        if self.objective is None or self.budget is None:
+            raise ValueError("run() needs the objective and budget arguments; without them use suggest() / "
+                             "observe()")
         todo = self.budget - len(self.history)
         bar = None
         if self.verbose and todo > 0:
@@ -327,15 +577,21 @@ class _Search(abc.ABC):
 
             bar = tqdm(total=todo, desc=type(self).__name__)
         try:
-            for _ in range(max(todo, 0)):
-                config = self._propose()
+            while len(self.history) < self.budget:
+                if self.pending:
+                    config = dict(self.pending[0][0])
+                else:
+                    batch = self.suggest(1)
+                    if not batch:
+                        warnings.warn(f"{type(self).__name__}: every one of the space's {self.space.size():g} "
+                                      f"configurations has been evaluated; stopping at {len(self.history)}",
+                                      RuntimeWarning, stacklevel=2)
+                        break
+                    config = batch[0]
                 t0 = time.perf_counter()
-                value = float(self.objective(config, *data))
+                value = self.objective(config, *data)
                 secs = time.perf_counter() - t0
-                if not math.isfinite(value):
-                    value = math.inf
-                self.history.append(Trial(config=config, value=value, seconds=secs, source=self.source))
-                self._save()
+                self.observe(config, value, cost=secs)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(best=f"{min(t.value for t in self.history):.4g}")
@@ -351,44 +607,63 @@ class _Search(abc.ABC):
                 RuntimeWarning,
                 stacklevel=2,
             )
-        best = min(self.history, key=lambda t: t.value)
-        return SearchResult(best_config=best.config, best_value=best.value, history=list(self.history))
+        return self.result()
 
 
 class RandomSearch(_Search):
-    """Configurations drawn uniformly in the encoded space (log-uniform on log scales)."""
+    """Configurations drawn at random (see :meth:`SearchSpace.sample`), never one already evaluated or
+    pending."""
 
     source = "random"
 
-    def _propose(self) -> dict[str, Any]:
-        return self.space.sample(1, self.generator)[0]
+    def _propose(self, q: int, taken: set[tuple]) -> list[tuple[dict[str, Any], str]]:
+        out: list[tuple[dict[str, Any], str]] = []
+        for _ in range(q):
+            c = self._random_unseen(taken)
+            if c is None:
+                break
+            taken.add(self.space.key(c))
+            out.append((c, "random"))
+        return out
 
 
 class GridSearch(_Search):
-    """A full-factorial grid of at most ``budget`` points, evaluated in order."""
+    """A full-factorial grid of at most ``budget`` points (:meth:`SearchSpace.grid`), in order, skipping
+    points already evaluated or pending."""
 
     source = "grid"
 
-    def __init__(self, space, objective, budget, seed: int = 0, **kwargs) -> None:
+    def __init__(self, space, objective=None, budget: int | None = None, seed: int = 0, **kwargs) -> None:
+        if budget is None:
+            raise ValueError("GridSearch needs budget: the grid has at most budget points")
         super().__init__(space, objective, budget, seed, **kwargs)
         self._grid = self.space.grid(budget)
         self.budget = min(budget, len(self._grid))
 
-    def _propose(self) -> dict[str, Any]:
-        return self._grid[len(self.history)]
+    def _propose(self, q: int, taken: set[tuple]) -> list[tuple[dict[str, Any], str]]:
+        out: list[tuple[dict[str, Any], str]] = []
+        for c in self._grid:
+            if len(out) == q:
+                break
+            if self.space.key(c) not in taken:
+                taken.add(self.space.key(c))
+                out.append((dict(c), "grid"))
+        return out
 
 
 class BoTorchSearch(_Search):
     """Bayesian optimisation of the objective over a mixed space with BoTorch.
 
-    ``n_initial`` random configurations (default ``max(5, 2 * dims)``), then one
-    candidate per evaluation maximising ``LogExpectedImprovement`` of a
-    ``MixedSingleTaskGP`` fitted to ``-objective`` (optionally ``log``-transformed,
-    ``log_objective=True`` for positive errors) by ``optimize_acqf_mixed_alternating``.
-    ``cost_aware=True`` fits a second GP to ``log(seconds)`` and maximises
-    ``LogEI - log(predicted seconds)`` (improvement per second, as evaluations get
-    slower with ``num_centers``). A candidate equal to an evaluated configuration is
-    replaced by a random one.
+    ``n_initial`` random configurations (default ``max(5, 2 * dims)``), then candidates maximising
+    ``LogExpectedImprovement`` of a ``MixedSingleTaskGP`` fitted to ``-objective`` (optionally
+    ``log``-transformed, ``log_objective=True`` for positive errors) by
+    ``optimize_acqf_mixed_alternating``. ``suggest(q)`` with ``q > 1``, or with suggestions still
+    pending, uses ``qLogExpectedImprovement`` with the pending points as ``X_pending`` (BoTorch's
+    sequential greedy batch), so parallel workers get distinct, jointly useful points.
+    ``cost_aware=True`` fits a second GP to ``log(cost)`` and maximises ``log EI - log(predicted
+    batch cost)`` (improvement per second). A candidate equal to an evaluated or pending
+    configuration is replaced by a random unseen one (source ``"random (repeated candidate)"``).
+    ``timings`` accumulates the seconds spent fitting the surrogate(s) and optimising the acquisition.
     """
 
     source = "botorch"
@@ -396,8 +671,8 @@ class BoTorchSearch(_Search):
     def __init__(
         self,
         space,
-        objective,
-        budget,
+        objective=None,
+        budget: int | None = None,
         seed: int = 0,
         *,
         n_initial: int | None = None,
@@ -405,6 +680,7 @@ class BoTorchSearch(_Search):
         log_objective: bool = True,
         num_restarts: int = 4,
         raw_samples: int = 128,
+        acqf_options: Mapping[str, Any] | None = None,
         **kwargs,
     ) -> None:
         super().__init__(space, objective, budget, seed, **kwargs)
@@ -415,6 +691,8 @@ class BoTorchSearch(_Search):
         self.log_objective = bool(log_objective)
         self.num_restarts = int(num_restarts)
         self.raw_samples = int(raw_samples)
+        self.acqf_options = dict(acqf_options or {})
+        self.timings: dict[str, float] = {"fit_gp": 0.0, "optimize_acqf": 0.0}
 
     def _fit_gp(self, X: Tensor, Y: Tensor):
         from botorch.fit import fit_gpytorch_mll
@@ -433,59 +711,109 @@ class BoTorchSearch(_Search):
         fit_gpytorch_mll(ExactMarginalLogLikelihood(model.likelihood, model))
         return model
 
-    def _propose(self) -> dict[str, Any]:
-        if len(self.history) < self.n_initial:
-            return self.space.sample(1, self.generator)[0]
-        from botorch.acquisition import LogExpectedImprovement
+    def _propose(self, q: int, taken: set[tuple]) -> list[tuple[dict[str, Any], str]]:
+        out: list[tuple[dict[str, Any], str]] = []
+        seen = len(self.history) + len(self.pending)
+        while len(out) < q and seen + len(out) < self.n_initial:
+            c = self._random_unseen(taken)
+            if c is None:
+                return out
+            taken.add(self.space.key(c))
+            out.append((c, "random"))
+        rest = q - len(out)
+        if rest == 0:
+            return out
+        ok = [t for t in self.history if math.isfinite(t.value)]
+        if len(ok) < 2:  # nothing (or one point) to fit a GP to: non-finite values were recorded as inf
+            for _ in range(rest):
+                c = self._random_unseen(taken)
+                if c is None:
+                    break
+                taken.add(self.space.key(c))
+                out.append((c, "random (fewer than 2 finite values to fit a GP)"))
+            return out
+        pending = [c for c, _ in self.pending] + [c for c, _ in out]
+        for c in self._candidates(ok, pending, rest):
+            source = "botorch"
+            if self.space.key(c) in taken:
+                c2 = self._random_unseen(taken)
+                if c2 is None:
+                    continue
+                c, source = c2, "random (repeated candidate)"
+            taken.add(self.space.key(c))
+            out.append((c, source))
+        return out
+
+    def _candidates(self, ok: list[Trial], pending: list[dict[str, Any]], q: int) -> list[dict[str, Any]]:
+        from botorch.acquisition import LogExpectedImprovement, qLogExpectedImprovement
         from botorch.acquisition.acquisition import AcquisitionFunction
         from botorch.optim.optimize_mixed import optimize_acqf_mixed_alternating
 
-        ok = [t for t in self.history if math.isfinite(t.value)]
-        if len(ok) < 2:  # nothing (or one point) to fit a GP to: non-finite values were recorded as inf
-            return self.space.sample(1, self.generator)[0]
+        t0 = time.perf_counter()
         X = torch.stack([self.space.encode(t.config) for t in ok])
         vals = torch.tensor([t.value for t in ok], dtype=torch.float64)
         if self.log_objective and bool((vals > 0).all()):
             vals = vals.log()
         Y = (-vals).unsqueeze(-1)
-        model = self._fit_gp(X, Y)
-        acqf: AcquisitionFunction = LogExpectedImprovement(model, best_f=Y.max())
-        if self.cost_aware:
-            cost_model = self._fit_gp(X, torch.tensor([[math.log(max(t.seconds, 1e-6))] for t in ok],
-                                                      dtype=torch.float64))
-            # duck-typed: the optimiser only calls it on X and reads .model
-            acqf = cast(AcquisitionFunction, _LogEIPerCost(acqf, cost_model))
-        # BoTorch's optimiser draws its raw samples from the global RNG: seed it from
-        # this search's generator inside fork_rng, leaving the caller's RNG untouched
+        # BoTorch's fitting restarts and its optimiser's raw samples draw from the global RNG: seed
+        # it from this search's generator inside fork_rng, leaving the caller's RNG untouched
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
         with torch.random.fork_rng():
             torch.manual_seed(seed)
+            model = self._fit_gp(X, Y)
+            X_pending = torch.stack([self.space.encode(c) for c in pending]) if pending else None
+            acqf: AcquisitionFunction
+            if X_pending is None and q == 1:
+                acqf = LogExpectedImprovement(model, best_f=Y.max())
+            else:
+                acqf = qLogExpectedImprovement(model, best_f=Y.max(), X_pending=X_pending)
+            if self.cost_aware:
+                costed = [t for t in ok if math.isfinite(t.seconds)]
+                if len(costed) >= 2:
+                    cost_model = self._fit_gp(
+                        torch.stack([self.space.encode(t.config) for t in costed]),
+                        torch.tensor([[math.log(max(t.seconds, 1e-6))] for t in costed], dtype=torch.float64),
+                    )
+                    # duck-typed: the optimiser only calls it on X and reads .model / .X_pending
+                    acqf = cast(AcquisitionFunction, _LogEIPerCost(acqf, cost_model))
+            self.timings["fit_gp"] += time.perf_counter() - t0
+            t1 = time.perf_counter()
             cand, _ = optimize_acqf_mixed_alternating(
                 acqf,
                 bounds=self.space.bounds(),
                 discrete_dims=self.space.discrete_dims() or None,
                 cat_dims=self.space.cat_dims() or None,
+                q=q,
                 num_restarts=self.num_restarts,
                 raw_samples=self.raw_samples,
+                options=self.acqf_options or None,
             )
-        config = self.space.decode(cand.reshape(-1))
-        if any(config == t.config for t in self.history):
-            config = self.space.sample(1, self.generator)[0]
-        return config
+            self.timings["optimize_acqf"] += time.perf_counter() - t1
+        return [self.space.decode(row) for row in cand.reshape(-1, len(self.space))]
 
 
 class _LogEIPerCost(torch.nn.Module):
-    """``log EI(x) - E[log seconds](x)``: expected improvement per unit of evaluation time."""
+    """``log EI(X) - log(sum_j exp(E[log cost](x_j)))``: expected improvement per unit of the batch's
+    predicted total cost (one point: per second of that point). Duck-typed for BoTorch's optimiser,
+    which calls it on ``X`` and reads ``model`` and ``X_pending`` / ``set_X_pending`` (delegated to the
+    wrapped acquisition, so the sequential batch conditions on the points already chosen)."""
 
-    def __init__(self, log_ei, cost_model) -> None:
+    def __init__(self, log_ei: Any, cost_model: Any) -> None:
         super().__init__()
         self.log_ei = log_ei
         self.cost_model = cost_model
         self.model = log_ei.model  # for BoTorch utilities that inspect acqf.model
 
+    @property
+    def X_pending(self) -> Tensor | None:
+        return getattr(self.log_ei, "X_pending", None)
+
+    def set_X_pending(self, X_pending: Tensor | None = None) -> None:
+        self.log_ei.set_X_pending(X_pending)
+
     def forward(self, X: Tensor) -> Tensor:
-        cost = self.cost_model.posterior(X).mean.squeeze(-1).squeeze(-1)
-        return self.log_ei(X) - cost
+        log_cost = self.cost_model.posterior(X).mean.squeeze(-1)  # (b, q)
+        return self.log_ei(X) - torch.logsumexp(log_cost, dim=-1)
 
 
 # ------------------------------------------------------------- objectives
@@ -519,9 +847,18 @@ def _config_model(config: Mapping[str, Any], train_x: Tensor, train_y: Tensor, m
         raise ValueError(f"center_selection={selection!r}: must be 'uniform' or 'leverage'")
     ls = float(median_lengthscale(train_x)) * float(config.get("lengthscale_factor", 1.0))
     kernel = make_kernel(config.get("kernel", "rbf"), ls).to(train_x)
-    m = min(int(config.get("num_centers", 1000)), train_x.shape[0])
+    m = min(int(config.get("num_centers", 1000)), train_x.shape[0])  # the caller records the cap
     return FalkonGP(train_x, train_y, kernel=kernel, num_centers=m, penalty=float(config.get("penalty", 1e-6)),
                     max_iter=max_iter, tol=0.0, seed=seed, center_selection=selection, **kw)
+
+
+def _result(config: Mapping[str, Any], model: Any, value: float) -> float | Evaluation:
+    """``value``, or an :class:`Evaluation` with ``config`` as run when the model's number of centers
+    differs from ``config["num_centers"]`` (capped at the number of rows)."""
+    m = int(model.centers.shape[0])
+    if "num_centers" in config and int(config["num_centers"]) != m:
+        return Evaluation(value, dict(config, num_centers=m))
+    return value
 
 
 def _rmse(model: Any, val_x: Tensor, val_y: Tensor) -> float:
@@ -533,12 +870,14 @@ def _rmse(model: Any, val_x: Tensor, val_y: Tensor) -> float:
 def falkon_validation_error(max_iter: int = 20, seed: int = 0) -> Objective:
     """Objective ``(config, train_x, train_y, val_x, val_y) -> validation RMSE`` of a
     FalkonGP fitted with the configuration's ``num_centers``, ``kernel``, ``penalty``,
-    ``center_selection`` and ``lengthscale_factor`` (x the median heuristic)."""
+    ``center_selection`` and ``lengthscale_factor`` (x the median heuristic). ``num_centers``
+    above the number of rows runs with all rows as centers and returns an :class:`Evaluation`
+    saying so (the search records the configuration that ran)."""
 
-    def objective(config, train_x, train_y, val_x, val_y) -> float:
+    def objective(config, train_x, train_y, val_x, val_y) -> float | Evaluation:
         model = _config_model(config, train_x, train_y, max_iter, seed)
         model.fit()
-        return _rmse(model, val_x, val_y)
+        return _result(config, model, _rmse(model, val_x, val_y))
 
     return objective
 
@@ -552,10 +891,10 @@ def gradient_tuned_error(objective: str = "NystromCompReg", steps: int = 30, lr:
 
     cls = getattr(O, objective)
 
-    def run(config, train_x, train_y, val_x, val_y) -> float:
+    def run(config, train_x, train_y, val_x, val_y) -> float | Evaluation:
         model = _config_model(config, train_x, train_y, max_iter, seed, learn_centers=True)
         cls(model).minimize(steps, lr=lr)
         model.fit()
-        return _rmse(model, val_x, val_y)
+        return _result(config, model, _rmse(model, val_x, val_y))
 
     return run

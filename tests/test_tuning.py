@@ -9,6 +9,8 @@ import torch
 from gpfalkon.tuning import (
     BoTorchSearch,
     Categorical,
+    Evaluation,
+    Float,
     GridSearch,
     Integer,
     LogFloat,
@@ -109,24 +111,6 @@ def test_falkon_objectives_run():
     assert 0 < val < float(yv.std())
 
 
-def test_cost_aware_search_prefers_cheap_configurations():
-    """Cost grows with num_centers; the optimum is flat in num_centers, so per-second
-    improvement should steer the search to cheap configurations."""
-    import time
-
-    def f(c):
-        time.sleep(c["num_centers"] / 20000.0)  # 0.5 ms - 50 ms
-        return (math.log10(c["penalty"]) + 5) ** 2 / 4 + 0.1
-
-    space = {"num_centers": Integer(10, 1000, log=True), "penalty": LogFloat(1e-9, 1e-2)}
-    res = BoTorchSearch(space, f, budget=14, seed=0, cost_aware=True, n_initial=6).run()
-    bo_part = [t for t in res.history[6:]]
-    assert len(bo_part) == 8 and all(t.source == "botorch" for t in res.history)
-    median_m = sorted(t.config["num_centers"] for t in bo_part)[len(bo_part) // 2]
-    assert median_m < 300, [t.config["num_centers"] for t in bo_part]
-    assert res.best_value < 0.6
-
-
 def test_search_leaves_the_global_rng_alone():
     torch.manual_seed(123)
     expected = torch.rand(3)
@@ -145,3 +129,181 @@ def test_a_foreign_or_corrupt_history_path_is_refused_by_name(tmp_path):
         with pytest.raises(ValueError, match=r"history_path .*" + name + r".* is not a search history"):
             RandomSearch(SPACE, synthetic, budget=2, seed=0, history_path=path)
         assert path.read_text() == text
+
+
+# ---------------------------------------------------------------- issue 16: a correct search
+FAST = dict(num_restarts=2, raw_samples=32)
+
+
+def _chi2_p(counts: list[int], probs: list[float]) -> float:
+    from scipy.stats import chisquare
+
+    n = sum(counts)
+    return float(chisquare(counts, [p * n for p in probs]).pvalue)
+
+
+def test_random_draws_are_unbiased_for_every_dimension_type():
+    """Reproducer: Categorical(["a", "b", "c"]) gave the end values half the probability (30,000 draws:
+    b 14,904, a 7,560, c 7,536). Chi-square tests against the documented distributions."""
+    gen = torch.Generator().manual_seed(0)
+    n = 30_000
+    cat = Categorical(["a", "b", "c"]).draw(n, gen)
+    counts = [cat.count(v) for v in "abc"]
+    assert _chi2_p(counts, [1 / 3] * 3) > 1e-3, counts
+    ints = Integer(2, 6).draw(n, gen)
+    assert _chi2_p([ints.count(v) for v in range(2, 7)], [0.2] * 5) > 1e-3
+    logi = Integer(1, 8, log=True).draw(n, gen)
+    probs = [math.log((v + 1) / v) / math.log(9) for v in range(1, 9)]
+    assert _chi2_p([logi.count(v) for v in range(1, 9)], probs) > 1e-3
+    # continuous: deciles of the (log-)scale are equally likely
+    fl = torch.tensor(Float(-1.0, 3.0).draw(n, gen))
+    lf = torch.tensor(LogFloat(1e-6, 1e-2).draw(n, gen)).log10()
+    for z, lo, hi in ((fl, -1.0, 3.0), (lf, -6.0, -2.0)):
+        bins = torch.histc(z, bins=10, min=lo, max=hi).long().tolist()
+        assert sum(bins) == n and _chi2_p(bins, [0.1] * 10) > 1e-3, bins
+    # through the space, each dimension independently
+    space = SearchSpace({"k": Categorical(["x", "y"]), "m": Integer(0, 1)})
+    pairs = [(c["k"], c["m"]) for c in space.sample(8000, gen)]
+    assert _chi2_p([pairs.count(p) for p in [("x", 0), ("x", 1), ("y", 0), ("y", 1)]], [0.25] * 4) > 1e-3
+
+
+def test_resume_continues_the_random_stream(tmp_path):
+    """Reproducer: RandomSearch budget 3 then 6 on the same file replayed trials 1-3 as 4-6. Now the
+    resumed search equals an uninterrupted one."""
+    path = tmp_path / "h.json"
+    RandomSearch(SPACE, synthetic, budget=3, seed=1, history_path=path).run()
+    resumed = RandomSearch(SPACE, synthetic, budget=6, seed=1, history_path=path).run()
+    straight = RandomSearch(SPACE, synthetic, budget=6, seed=1).run()
+    configs = [t.config for t in resumed.history]
+    assert configs == [t.config for t in straight.history]
+    assert len({SearchSpace(SPACE).key(c) for c in configs}) == 6
+
+
+def test_botorch_resume_repeats_nothing_and_labels_sources(tmp_path):
+    """Reproducer: a resumed BoTorchSearch re-evaluated its first random configurations, and every trial
+    was labelled "botorch" (the old test could not fail: source was a class constant)."""
+    path = tmp_path / "bo.json"
+    seen: list[dict] = []
+
+    def f(c):
+        seen.append(dict(c))
+        return synthetic(c)
+
+    BoTorchSearch(SPACE, f, budget=5, seed=0, n_initial=4, history_path=path, **FAST).run()
+    res = BoTorchSearch(SPACE, f, budget=8, seed=0, n_initial=4, history_path=path, **FAST).run()
+    space = SearchSpace(SPACE)
+    assert len(seen) == 8 and len({space.key(c) for c in seen}) == 8
+    assert [t.source for t in res.history[:4]] == ["random"] * 4
+    assert all(t.source == "botorch" or t.source.startswith("random (") for t in res.history[4:])
+    assert sum(t.source == "botorch" for t in res.history[4:]) >= 3
+
+
+def test_a_history_without_generator_state_resumes_without_repeats(tmp_path):
+    import json
+
+    path = tmp_path / "old.json"
+    first = RandomSearch(SPACE, synthetic, budget=3, seed=2).run()
+    path.write_text(json.dumps({"history": [{"config": t.config, "value": t.value, "seconds": t.seconds,
+                                             "source": "random"} for t in first.history]}))
+    res = RandomSearch(SPACE, synthetic, budget=6, seed=2, history_path=path).run()
+    assert len({SearchSpace(SPACE).key(t.config) for t in res.history}) == 6
+
+
+def test_num_centers_above_n_is_recorded_as_run():
+    """Reproducer: num_centers above n was capped silently while best_config reported the uncapped value."""
+    x, y = make_data(60, 2)
+    xv, yv = make_data(50, 2, seed=3)
+    space = {"num_centers": Integer(100, 400), "penalty": LogFloat(1e-6, 1e-3)}
+    res = RandomSearch(space, falkon_validation_error(max_iter=10), budget=3, seed=0).run(x, y, xv, yv)
+    for t in res.history:
+        assert t.config["num_centers"] == 60
+        assert t.requested is not None and 100 <= t.requested["num_centers"] <= 400
+    assert res.best_config["num_centers"] == 60
+    # a configuration within n is recorded as asked
+    val = falkon_validation_error(max_iter=10)({"num_centers": 30, "penalty": 1e-4}, x, y, xv, yv)
+    assert isinstance(val, float)
+
+
+def test_ask_tell_batches_are_distinct_and_pending_survives_a_restart(tmp_path):
+    path = tmp_path / "ask.json"
+    search = BoTorchSearch(SPACE, seed=0, n_initial=5, history_path=path, **FAST)
+    first = search.suggest(5)
+    assert len(first) == 5 and len(search.pending) == 5
+    for c in first:
+        search.observe(c, synthetic(c), cost=1.0)
+    batch = search.suggest(3)
+    space = SearchSpace(SPACE)
+    keys = {space.key(c) for c in batch} | {space.key(c) for c in first}
+    assert len(batch) == 3 and len(keys) == 8
+    assert all(s == "botorch" for _, s in search.pending)
+    # a restart (another process) sees the pending suggestions and does not suggest them again
+    again = BoTorchSearch(SPACE, synthetic, budget=9, seed=0, n_initial=5, history_path=path, **FAST)
+    assert [space.key(c) for c, _ in again.pending] == [space.key(c) for c in batch]
+    res = again.run()  # evaluates the 3 pending ones first, then one new
+    assert [space.key(t.config) for t in res.history[5:8]] == [space.key(c) for c in batch]
+    assert len({space.key(t.config) for t in res.history}) == 9 and not again.pending
+    assert all(t.source == "botorch" for t in res.history[5:8])
+    # a configuration observed without a suggestion is the user's
+    t = again.observe({"num_centers": 300, "kernel": "matern32", "penalty": 1e-5}, 0.0, cost=2.0)
+    assert t.source == "user" and again.result().best_value == 0.0
+
+
+def test_observe_names_bad_arguments():
+    search = RandomSearch(SPACE, seed=0)
+    good = {"num_centers": 30, "kernel": "rbf", "penalty": 1e-4}
+    with pytest.raises(ValueError, match=r"config\['num_centers'\]=5000 is outside"):
+        search.observe(dict(good, num_centers=5000), 1.0)
+    with pytest.raises(ValueError, match=r"config\['kernel'\]='cubic' is outside"):
+        search.observe(dict(good, kernel="cubic"), 1.0)
+    with pytest.raises(ValueError, match=r"missing \['penalty'\]"):
+        search.observe({"num_centers": 30, "kernel": "rbf"}, 1.0)
+    with pytest.raises(ValueError, match=r"unknown \['lr'\]"):
+        search.observe(dict(good, lr=0.1), 1.0)
+    with pytest.raises(ValueError, match="cost must be"):
+        search.observe(good, 1.0, cost=-1.0)
+    with pytest.raises(TypeError, match="value must be a real number"):
+        search.observe(good, "0.3")
+    with pytest.raises(ValueError, match="q must be a positive int"):
+        search.suggest(0)
+    with pytest.raises(ValueError, match="run\\(\\) needs the objective"):
+        search.run()
+    with pytest.raises(ValueError, match="no configuration has been observed"):
+        search.result()
+    assert search.observe(good, float("nan")).value == math.inf
+    # an Evaluation may name what ran, outside the bounds but in the space's types
+    t = search.observe(dict(good, num_centers=31), Evaluation(0.5, dict(good, num_centers=5000)))
+    assert t.config["num_centers"] == 5000 and t.requested == dict(good, num_centers=31)
+
+
+def test_a_finite_space_is_exhausted_without_repeats(tmp_path):
+    space = {"k": Categorical(["a", "b"]), "m": Integer(1, 2)}
+    with pytest.warns(RuntimeWarning, match="every one of the space's 4 configurations"):
+        res = RandomSearch(space, lambda c: 1.0, budget=6, seed=0).run()
+    assert len(res.history) == 4 and len({(t.config["k"], t.config["m"]) for t in res.history}) == 4
+    grid = GridSearch(space, lambda c: 1.0, budget=4, history_path=tmp_path / "g.json")
+    grid.run()
+    resumed = GridSearch(space, lambda c: 1.0, budget=4, history_path=tmp_path / "g.json")
+    assert resumed.suggest(1) == []
+
+
+def test_cost_aware_search_prefers_cheap_configurations():
+    """The objective is flat in x; the cost (known, given to observe: no sleeping) grows 50-fold along x.
+    Per-cost improvement steers the model-based suggestions to cheap x; plain LogEI does not."""
+    space = {"x": Float(0.0, 1.0), "y": Float(0.0, 1.0)}
+
+    def value(c):
+        return (c["y"] - 0.3) ** 2
+
+    def cost(c):
+        return math.exp(4.0 * c["x"])
+
+    picks = {}
+    for aware in (True, False):
+        s = BoTorchSearch(space, seed=0, n_initial=6, cost_aware=aware, log_objective=False, **FAST)
+        for _ in range(14):
+            (c,) = s.suggest(1)
+            s.observe(c, value(c), cost=cost(c))
+        picks[aware] = [t.config["x"] for t in s.history[6:] if t.source == "botorch"]
+    assert len(picks[True]) >= 6
+    mean = {k: sum(v) / len(v) for k, v in picks.items()}
+    assert mean[True] < 0.25 and mean[True] < mean[False] - 0.1, mean
