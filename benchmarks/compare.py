@@ -108,7 +108,7 @@ DATA = pathlib.Path(os.environ.get("GPFALKON_DATA", REPO.parent / "shared" / "da
 RESULTS = REPO / "benchmarks" / "results"
 DATASETS = ["abalone", "powerplant", "magic", "cadata", "kin40k", "a9a", "protein", "flights"]
 METHODS = ["falkon", "falkon-learned", "sgpr", "svgp", "exact", "nystroem", "rff", "fastfood"]
-ALL_METHODS = [*METHODS, "falkon-auto"]
+ALL_METHODS = [*METHODS, "falkon-auto", "falkon-auto-half"]
 # issue 18's protocol: auto_fit's defaults were chosen on DEV_DATASETS only (n < 10,000); it is
 # reported on REPORT_DATASETS (every regression set with n >= 10,000, and flights)
 DEV_DATASETS = ["cpusmall", "pumadyn32nm", "parkinsons", "powerplant"]
@@ -668,7 +668,7 @@ def run_svgp(data: dict, budget: float) -> list[dict]:
     return _baseline_rows("GPyTorch SVGP", f"{epochs} epochs", why, curve, build, model, batches, data, n)
 
 
-def run_auto(data: dict, budget: float) -> list[dict]:
+def run_auto(data: dict, budget: float, label: str = "gpfalkon auto_fit") -> list[dict]:
     """``gpfalkon.auto_fit`` with its defaults and the same budget as every other method, on the
     raw (unstandardised) targets: the pipeline standardises by itself."""
     import gpytorch
@@ -689,7 +689,7 @@ def run_auto(data: dict, budget: float) -> list[dict]:
     c = rep.chosen
     info = (f"objective {c['objective']} (step {c['step']}), M {c['num_centers']}, noise {c['noise']:.3g}, "
             f"multiplier {c['multiplier']:.3g}; " + ", ".join(f"{k} {v:.1f} s" for k, v in rep.stages.items()))
-    return [dict(method="gpfalkon auto_fit", M=c["num_centers"], n_used=len(xtr), fit_s=fit_s,
+    return [dict(method=label, M=c["num_centers"], n_used=len(xtr), fit_s=fit_s,
                  predict_s=time.perf_counter() - t1, scores=scores, info=info,
                  auto=dict(chosen={k: v for k, v in c.items() if k != "levels"}, levels=c["levels"],
                            stages=rep.stages, notes=rep.notes,
@@ -845,6 +845,8 @@ RUNNERS = {
     "falkon": run_falkon,
     "falkon-learned": run_falkon_learned,
     "falkon-auto": run_auto,
+    # a second point of auto_fit's error-vs-time curve: the same call with half the budget
+    "falkon-auto-half": lambda data, budget: run_auto(data, budget / 2, "gpfalkon auto_fit (budget / 2)"),
     "sgpr": run_sgpr,
     "svgp": run_svgp,
     "exact": run_exact,
@@ -923,12 +925,16 @@ def report(results: list[dict], env: list[str], out_md: pathlib.Path, out_png: p
                          None if binary else r.get("rmse"), None if binary else r.get("error"),
                          r.get("error") if binary else None, r.get("auc"), r.get("info", "")])
         ok = [r for r in rs if "error" in r and r["error"] == r["error"]]
-        auto = next((r for r in ok if r["key"] == "falkon-auto"), None)
+        autos = [r for r in ok if r["key"].startswith("falkon-auto")]
         gps = [r for r in ok if r["key"] in ("sgpr", "svgp")]
-        if auto is not None and gps:
+        if autos and gps:
             # the baselines as a user gets them: the error of the trained model (converged or at the budget)
             target = min(gps, key=lambda r: r["error"])
             te = target["error"]
+            # auto_fit's curve has a point per budget run: the fastest run no worse than the target,
+            # or else the most accurate run
+            good = [r for r in autos if r["error"] <= te]
+            auto = min(good, key=lambda r: r["fit_s"]) if good else min(autos, key=lambda r: r["error"])
             hit = [p[0] for p in target.get("curve", []) if p[1] <= te]
             ts = min(hit) if hit else target["fit_s"]  # when its curve first reached that error
             # oracle: the lowest point of either curve (early stopping on the test set; no user can do it)
@@ -941,7 +947,8 @@ def report(results: list[dict], env: list[str], out_md: pathlib.Path, out_png: p
                 reach.append(f"{name} {min(h):.0f} s" if h else f"{name} never")
             verdict = "yes" if auto["error"] <= te and auto["fit_s"] < ts else (
                 "no (error)" if auto["error"] > te else "no (time)")
-            auto_rows.append([ds, target["method"].replace("GPyTorch ", ""), te, ts, auto["error"], auto["fit_s"],
+            auto_rows.append([ds, target["method"].replace("GPyTorch ", ""), te, ts,
+                              auto["method"].replace("gpfalkon auto_fit", "auto_fit"), auto["error"], auto["fit_s"],
                               auto["error"] / te, auto["fit_s"] / ts,
                               f"{orc['method'].replace('GPyTorch ', '')} {oe:.4g} at {ot:.0f} s "
                               f"({auto['error'] / oe:.3f})",
@@ -990,15 +997,17 @@ def report(results: list[dict], env: list[str], out_md: pathlib.Path, out_png: p
             "Best baseline: the lower test error of SGPR and SVGP as trained (to convergence or to the "
             "budget; float64 prediction), and the training time at which its error-vs-time curve first "
             "reached that error (evaluation time not counted). auto_fit: its test error and its whole wall "
-            "time (learning, selection and final fit). Ratios < 1 favour auto_fit. 'Oracle' is the lowest "
+            "time (learning, selection and final fit); where it also ran with half the budget "
+            "(`falkon-auto-half`, a second point of its error-vs-time curve), the faster run whose error is "
+            "no worse than the best baseline's, or else the more accurate run. Ratios < 1 favour auto_fit. 'Oracle' is the lowest "
             "point on either baseline curve (its error ratio in brackets): early stopping on the test set, "
             "which no user can do, shown for completeness. 'Baselines reach auto's error': when each "
             "baseline's curve first got to auto_fit's test error.",
             "",
-            markdown_table(["dataset", "best baseline", "its error", "reached at s", "auto_fit error",
+            markdown_table(["dataset", "best baseline", "its error", "reached at s", "auto_fit run", "auto_fit error",
                             "auto_fit s", "error ratio", "time ratio", "oracle (ratio)",
                             "baselines reach auto's error", "lower error in less time?"], auto_rows,
-                           align="llrrrrrrlll"),
+                           align="llrrlrrrrlll"),
             "",
         ] if auto_rows else []),
         "Datasets: " + "; ".join(_describe(ds, results) for ds in datasets) + ".",
