@@ -4,6 +4,18 @@ Fastfood via gpfalkon's FastfoodKernel) + ridge, on real datasets, in one run.
 
     .venv/bin/python benchmarks/compare.py                      # the full run (~60 min on 2 cores)
     .venv/bin/python benchmarks/compare.py --datasets abalone --budget 20   # a quick look
+    .venv/bin/python benchmarks/compare.py --data my.csv --target price --budget 60 \
+        --methods falkon falkon-auto sgpr svgp --out /tmp/mine/compare.md      # your data
+
+``--data`` takes a ``.npz`` (arrays ``X``, ``y``), ``.csv`` or ``.parquet`` file (read with
+pyarrow; ``--target`` names the target column, ``--features`` the feature columns, default all
+others); ``--test`` a test file in the same format, else ``--test-fraction`` (0.2) of the rows
+are held out (seed 0); ``--task`` regression / binary (default: binary when the target has two
+values). FALKON, the learned FalkonGP, auto_fit and the GPyTorch baselines run within ``--budget``,
+hyperparameter selection included (Nystroem, RFF and Fastfood reuse FALKON's lengthscale, as
+below). Only
+``--out`` and its ``.jsonl`` / ``.png`` siblings are written (the workers' scratch files live in a
+hidden folder next to them, removed at the end); without matplotlib there is no plot.
 
 Every (dataset, method) runs in its own subprocess (fresh memory accounting, a hard
 timeout) and appends one JSON line per result to ``benchmarks/results/compare.jsonl``;
@@ -36,7 +48,8 @@ How each method is configured (its own documentation's recipe, same everywhere):
   lambda re-selected by the same hold-out as FALKON (its fit time includes the learning).
 * gpfalkon auto_fit (``--methods falkon-auto``): ``gpfalkon.auto_fit(x, y, budget=--budget)``
   with its defaults, on the raw targets (it standardises by itself); its whole wall time
-  (learning, selection, final fit) is its fit time. The environment variable
+  (learning, selection, final fit) is its fit time. ``falkon-auto-half`` is the same call with
+  half the budget: a second point of auto_fit's error-vs-time curve. The environment variable
   ``GPFALKON_AUTO_KWARGS`` (a JSON object, default ``{}``) passes further arguments, for A/B runs
   of the defaults on the development sets.
 * GPyTorch SGPR (GPyTorch's "SGPR regression" example): ConstantMean,
@@ -92,6 +105,7 @@ import math
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -106,6 +120,11 @@ from _common import REPO, environment_lines, log, markdown_table, write_result
 
 DATA = pathlib.Path(os.environ.get("GPFALKON_DATA", REPO.parent / "shared" / "data"))
 RESULTS = REPO / "benchmarks" / "results"
+# where the workers' outputs and the shared hold-out cache live during a run: a hidden folder next to
+# --out (removed at the end), so nothing is written outside --out's folder
+WORK: dict[str, pathlib.Path] = {"dir": RESULTS}
+# a user's data file (--data): how to read it, passed on to the workers
+USER_DATA: dict[str, dict] = {}
 DATASETS = ["abalone", "powerplant", "magic", "cadata", "kin40k", "a9a", "protein", "flights"]
 METHODS = ["falkon", "falkon-learned", "sgpr", "svgp", "exact", "nystroem", "rff", "fastfood"]
 ALL_METHODS = [*METHODS, "falkon-auto", "falkon-auto-half"]
@@ -123,44 +142,134 @@ HOPT_ROWS = 20_000  # rows the hyperparameters are learned on (100k on flights)
 
 
 # ----------------------------------------------------------------------------- data
+def _read_table(path: pathlib.Path, target: str | None, features: list[str] | None):
+    """``(X, y, feature names)`` from a ``.npz`` (arrays ``X`` and ``y``), ``.csv`` or ``.parquet``
+    file (pyarrow; ``target`` names the target column, ``features`` the feature columns, default
+    every other column). Errors name the file and the column."""
+    suffix = path.suffix.lower()
+    if suffix == ".npz" and (features is not None or target is not None):
+        raise SystemExit(f"{path}: --target / --features name columns of a .csv / .parquet; a .npz gives arrays "
+                         "'X' and 'y'")
+    if not path.exists():
+        raise SystemExit(f"--data / --test: {path} does not exist")
+    if suffix == ".npz":
+        with np.load(path, allow_pickle=False) as z:
+            missing = [k for k in ("X", "y") if k not in z]
+            if missing:
+                raise SystemExit(f"{path}: a .npz needs arrays 'X' (n x d) and 'y' (n); missing {missing} "
+                                 f"(it has {sorted(z.files)})")
+            X, y = np.asarray(z["X"], dtype=np.float64), np.asarray(z["y"], dtype=np.float64).reshape(-1)
+        if X.ndim != 2 or len(X) != len(y):
+            raise SystemExit(f"{path}: X must be n x d and y have n rows, got {X.shape} and {y.shape}")
+        names = [f"x{j}" for j in range(X.shape[1])]
+    elif suffix in (".csv", ".parquet"):
+        import pyarrow.csv
+        import pyarrow.parquet
+
+        table = pyarrow.csv.read_csv(path) if suffix == ".csv" else pyarrow.parquet.read_table(path)
+        cols = table.column_names
+        if target is None:
+            raise SystemExit(f"{path}: pass --target, the target column (columns: {cols})")
+        if target not in cols:
+            raise SystemExit(f"--target {target!r} is not a column of {path} (columns: {cols})")
+        names = [c for c in cols if c != target] if features is None else list(features)
+        if target in names:
+            raise SystemExit(f"--features includes the target column {target!r}")
+        unknown = [c for c in names if c not in cols]
+        if unknown:
+            raise SystemExit(f"--features: {unknown} are not columns of {path} (columns: {cols})")
+
+        def column(c: str) -> np.ndarray:
+            try:
+                a = table.column(c).to_numpy(zero_copy_only=False).astype(np.float64)
+            except (ValueError, TypeError) as exc:
+                raise SystemExit(f"{path}: column {c!r} is not numeric ({table.schema.field(c).type}); "
+                                 "encode it or leave it out with --features") from exc
+            return a
+
+        X = np.stack([column(c) for c in names], 1) if names else np.zeros((table.num_rows, 0))
+        y = column(target)
+    else:
+        raise SystemExit(f"{path}: unsupported format {suffix!r}; use .npz, .csv or .parquet")
+    if X.shape[1] == 0:
+        raise SystemExit(f"{path}: no feature columns")
+    bad = ~np.isfinite(X).all(0)
+    if bad.any():
+        raise SystemExit(f"{path}: feature column(s) {[n for n, b in zip(names, bad, strict=True) if b]} hold "
+                         "missing, NaN or infinite values; impute or drop them")
+    if not np.isfinite(y).all():
+        raise SystemExit(f"{path}: the target holds missing, NaN or infinite values")
+    return X, y, names
+
+
+def _user_arrays(spec: dict):
+    """Train / test arrays of a user's data (``--data``, optional ``--test`` or ``--test-fraction``)."""
+    path = pathlib.Path(spec["path"])
+    X, y, names = _read_table(path, spec.get("target"), spec.get("features"))
+    if spec.get("test"):
+        Xte, yte, _ = _read_table(pathlib.Path(spec["test"]), spec.get("target"), names
+                                         if path.suffix.lower() != ".npz" else None)
+        if Xte.shape[1] != X.shape[1]:
+            raise SystemExit(f"--test has {Xte.shape[1]} features but --data has {X.shape[1]}")
+        return X, y, Xte, yte, f"given test file {pathlib.Path(spec['test']).name}"
+    frac = float(spec.get("test_fraction", 0.2))
+    perm = np.random.default_rng(0).permutation(len(y))
+    n_te = max(1, round(frac * len(y)))
+    if len(y) - n_te < 10:
+        raise SystemExit(f"--data: {len(y)} rows leave {len(y) - n_te} for training at --test-fraction {frac}")
+    te, tr = perm[:n_te], perm[n_te:]
+    return X[tr], y[tr], X[te], y[te], f"random {1 - frac:.0%}/{frac:.0%} (seed 0)"
+
+
 def load_dataset(name: str) -> dict:
-    """Standardised float32 train/test tensors and how they were made."""
+    """Standardised float32 train/test tensors and how they were made (a built-in dataset from
+    ``GPFALKON_DATA``, or the user's ``--data`` file registered under ``name``)."""
     import torch
 
-    with np.load(DATA / f"{name}.npz") as z:
-        X, y = z["X"].astype(np.float64), z["y"].astype(np.float64)
-        if "X_test" in z:
-            Xtr, ytr, Xte, yte = X, y, z["X_test"].astype(np.float64), z["y_test"].astype(np.float64)
-            split = "fixed source test set"
-        elif "test_mask" in z:
-            m = z["test_mask"][:, 0]
-            Xtr, ytr, Xte, yte = X[~m], y[~m], X[m], y[m]
-            split = "treforevans split 0"
-        elif "train_idx" in z:
-            tr, te = z["train_idx"][0], z["test_idx"][0]
-            Xtr, ytr, Xte, yte = X[tr], y[tr], X[te], y[te]
-            split = "yaringal split 0"
-        else:
-            perm = np.random.default_rng(0).permutation(len(y))
-            ntr = (2 * len(y)) // 3 if name == "flights" else int(0.8 * len(y))
-            tr, te = perm[:ntr], perm[ntr:]
-            Xtr, ytr, Xte, yte = X[tr], y[tr], X[te], y[te]
-            split = "random 2/3-1/3 (seed 0)" if name == "flights" else "random 80/20 (seed 0)"
+    task = "binary" if name in BINARY else "regression"
+    if name in USER_DATA:
+        spec = USER_DATA[name]
+        Xtr, ytr, Xte, yte, split = _user_arrays(spec)
+        task = spec.get("task", "auto")
+        if task == "auto":
+            task = "binary" if len(np.unique(ytr)) == 2 else "regression"
+    else:
+        with np.load(DATA / f"{name}.npz") as z:
+            X, y = z["X"].astype(np.float64), z["y"].astype(np.float64)
+            if "X_test" in z:
+                Xtr, ytr, Xte, yte = X, y, z["X_test"].astype(np.float64), z["y_test"].astype(np.float64)
+                split = "fixed source test set"
+            elif "test_mask" in z:
+                m = z["test_mask"][:, 0]
+                Xtr, ytr, Xte, yte = X[~m], y[~m], X[m], y[m]
+                split = "treforevans split 0"
+            elif "train_idx" in z:
+                tr, te = z["train_idx"][0], z["test_idx"][0]
+                Xtr, ytr, Xte, yte = X[tr], y[tr], X[te], y[te]
+                split = "yaringal split 0"
+            else:
+                perm = np.random.default_rng(0).permutation(len(y))
+                ntr = (2 * len(y)) // 3 if name == "flights" else int(0.8 * len(y))
+                tr, te = perm[:ntr], perm[ntr:]
+                Xtr, ytr, Xte, yte = X[tr], y[tr], X[te], y[te]
+                split = "random 2/3-1/3 (seed 0)" if name == "flights" else "random 80/20 (seed 0)"
     mu, sd = Xtr.mean(0), Xtr.std(0)
     sd[sd == 0] = 1.0
     Xtr, Xte = (Xtr - mu) / sd, (Xte - mu) / sd
-    task = "binary" if name in BINARY else "regression"
     if task == "binary":
         classes = np.unique(ytr)
-        assert len(classes) == 2, classes
+        if len(classes) != 2:
+            raise SystemExit(f"{name}: a binary task needs two target values, got {len(classes)}")
         ytr, yte = np.where(ytr == classes[1], 1.0, -1.0), np.where(yte == classes[1], 1.0, -1.0)
         ym, ys = 0.0, 1.0
     else:
         ym, ys = ytr.mean(), ytr.std()
+        ys = ys if ys > 0 else 1.0
         ytr, yte = (ytr - ym) / ys, (yte - ym) / ys
     f32 = lambda a: torch.as_tensor(a, dtype=torch.float32).contiguous()
+    y_test_std = float(yte.std() * ys)
     return dict(name=name, task=task, split=split, xtr=f32(Xtr), ytr=f32(ytr), xte=f32(Xte), yte=f32(yte),
-                y_mean=float(ym), y_scale=float(ys), y_test_std=float(yte.std() * ys))
+                y_mean=float(ym), y_scale=float(ys), y_test_std=y_test_std if y_test_std > 0 else 1.0)
 
 
 def metrics(data: dict, scores) -> dict:
@@ -169,9 +278,13 @@ def metrics(data: dict, scores) -> dict:
     if not np.all(np.isfinite(s)):
         return dict(error=float("nan"))
     if data["task"] == "binary":
-        from sklearn.metrics import roc_auc_score
-
         err = float(np.mean(np.sign(s) != yte))
+        try:
+            from sklearn.metrics import roc_auc_score
+        except ImportError:  # the benchmarks extra: no AUC without it
+            return dict(error=err)
+        if len(np.unique(yte)) < 2:  # AUC is undefined with one class in the test set
+            return dict(error=err)
         return dict(error=err, auc=float(roc_auc_score(yte > 0, s)))
     rmse = float(np.sqrt(np.mean((s - yte) ** 2))) * data["y_scale"]
     return dict(rmse=rmse, error=rmse / data["y_test_std"])
@@ -241,9 +354,11 @@ def _cg_note(caught) -> str:
     return f"; CG warning: {bad[0][:80]}" if bad else ""
 
 
-def select_noise(data: dict, kernel_factory: Callable, m: int, return_error: bool = False):
+def select_noise(data: dict, kernel_factory: Callable, m: int, return_error: bool = False,
+                 deadline: float = math.inf):
     """Noise ``n lambda`` from :data:`NOISE_GRID` by hold-out: FALKON fits (20 iterations,
-    <= 2000 centers) on 80% of at most 100k training rows, squared error on the rest."""
+    <= 2000 centers) on 80% of at most 100k training rows, squared error on the rest. No new fit
+    starts after ``deadline`` (``time.perf_counter()`` seconds; the first always runs)."""
     import gpytorch
     import torch
 
@@ -254,6 +369,8 @@ def select_noise(data: dict, kernel_factory: Callable, m: int, return_error: boo
     xa, ya, xv, yv = xs[nv:], ys[nv:], xs[:nv], ys[:nv]
     best = None
     for noise in NOISE_GRID:
+        if best is not None and time.perf_counter() >= deadline:
+            break
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CGNotConvergedWarning)
             mod = FalkonGP(xa, ya, kernel=kernel_factory(), num_centers=min(m, 2000, len(xa)),
@@ -269,30 +386,36 @@ def select_noise(data: dict, kernel_factory: Callable, m: int, return_error: boo
 LS_MULTIPLIERS = (0.25, 0.5, 1.0)
 
 
-def heuristic_hypers(data: dict) -> dict:
+def heuristic_hypers(data: dict, deadline: float = math.inf) -> dict:
     """The lengthscale shared by the kernel-approximation methods (FALKON, Nystroem, RFF,
     Fastfood): median heuristic x a multiplier in :data:`LS_MULTIPLIERS`, chosen with the
     noise by hold-out FALKON fits (:func:`select_noise`). Computed (and timed) by the FALKON
-    worker, cached per dataset for the others, which get it for free."""
+    worker, cached per dataset for the others, which get it for free. No new fit starts after
+    ``deadline`` (the grid is cut short: ``out["complete"]`` says whether it was)."""
     import gpytorch
 
-    cache = RESULTS / f".compare-hyper-{data['name']}.json"
+    cache = WORK["dir"] / f".compare-hyper-{data['name']}.json"
     if cache.exists():
         return json.loads(cache.read_text())
     t0 = time.perf_counter()
     ls0 = median_ls(data["xtr"])
     best = None
+    complete = True
     for mult in LS_MULTIPLIERS:
+        if best is not None and time.perf_counter() >= deadline:
+            complete = False
+            break
+
         def kern(ls=ls0 * mult):
             k = gpytorch.kernels.RBFKernel()
             k.lengthscale = ls
             return k
 
-        noise, err = select_noise(data, kern, M_LARGE, return_error=True)
+        noise, err = select_noise(data, kern, M_LARGE, return_error=True, deadline=deadline)
         if best is None or err < best[0]:
             best = (err, mult, noise)
     out = dict(lengthscale=ls0 * best[1], multiplier=best[1], noise=best[2], median=ls0,
-               seconds=time.perf_counter() - t0)
+               seconds=time.perf_counter() - t0, complete=complete)
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(out))
     return out
@@ -306,9 +429,10 @@ def run_falkon(data: dict, budget: float) -> list[dict]:
     xtr, ytr = data["xtr"], data["ytr"]
     n = len(xtr)
     m = min(M_LARGE, n)
-    cached = (RESULTS / f".compare-hyper-{data['name']}.json").exists()
+    cached = (WORK["dir"] / f".compare-hyper-{data['name']}.json").exists()
     t0 = time.perf_counter()
-    hyp = heuristic_hypers(data)
+    # the hold-out selection is part of FALKON's budget: no new selection fit after half of it
+    hyp = heuristic_hypers(data, deadline=t0 + 0.5 * budget)
     ls, noise = hyp["lengthscale"], hyp["noise"]
 
     def kern():
@@ -328,7 +452,8 @@ def run_falkon(data: dict, budget: float) -> list[dict]:
     pred_s = time.perf_counter() - t1
     return [dict(method="FALKON", M=m, n_used=n, fit_s=fit_s, predict_s=pred_s, scores=scores,
                  info=f"lengthscale {ls:.3g} = {hyp['multiplier']:g} x median, noise {noise:g} (hold-out, "
-                      f"{hyp['seconds']:.0f} s)" + _cg_note(caught))]
+                      f"{hyp['seconds']:.0f} s" + ("" if hyp.get("complete", True) else ", cut by the budget")
+                      + ")" + _cg_note(caught))]
 
 
 def run_falkon_learned(data: dict, budget: float) -> list[dict]:
@@ -372,7 +497,7 @@ def run_falkon_learned(data: dict, budget: float) -> list[dict]:
             kw, nz = dict(centers=centers), noise
         else:  # the learned kernel, many random centers, the noise re-selected by hold-out for this M
             kw = dict(num_centers=mm, seed=0)
-            nz = select_noise(data, lambda: copy.deepcopy(kernel), mm)
+            nz = select_noise(data, lambda: copy.deepcopy(kernel), mm, deadline=t0 + 0.85 * budget)
         fit = FalkonGP(xtr, ytr, kernel=kernel, penalty=nz / n, max_iter=20, tol=0, **kw)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", CGNotConvergedWarning)
@@ -689,7 +814,7 @@ def run_auto(data: dict, budget: float, label: str = "gpfalkon auto_fit") -> lis
     c = rep.chosen
     info = (f"objective {c['objective']} (step {c['step']}), M {c['num_centers']}, noise {c['noise']:.3g}, "
             f"multiplier {c['multiplier']:.3g}; " + ", ".join(f"{k} {v:.1f} s" for k, v in rep.stages.items()))
-    return [dict(method=label, M=c["num_centers"], n_used=len(xtr), fit_s=fit_s,
+    return [dict(method=label, budget=budget, M=c["num_centers"], n_used=len(xtr), fit_s=fit_s,
                  predict_s=time.perf_counter() - t1, scores=scores, info=info,
                  auto=dict(chosen={k: v for k, v in c.items() if k != "levels"}, levels=c["levels"],
                            stages=rep.stages, notes=rep.notes,
@@ -745,7 +870,8 @@ def run_nystroem(data: dict, budget: float) -> list[dict]:
     n_all = len(data["xtr"])
     m, n = nystroem_size(n_all, budget)
     xtr, ytr = subsample(data, n)
-    ls = heuristic_hypers(data)["lengthscale"]  # shared, not timed here
+    # FALKON's lengthscale, shared and not charged here (computed within half a budget if absent)
+    ls = heuristic_hypers(data, deadline=time.perf_counter() + 0.5 * budget)["lengthscale"]
     t0 = time.perf_counter()
     pipe = make_pipeline(
         Nystroem(kernel="rbf", gamma=1.0 / (2 * ls**2), n_components=m, random_state=0),
@@ -825,7 +951,7 @@ def run_rff(data: dict, budget: float) -> list[dict]:
     ns = _num_samples(len(data["xtr"]))
     torch.manual_seed(0)
     k = gpytorch.kernels.RFFKernel(num_samples=ns, num_dims=d)
-    k.lengthscale = heuristic_hypers(data)["lengthscale"]
+    k.lengthscale = heuristic_hypers(data, deadline=time.perf_counter() + 0.5 * budget)["lengthscale"]
     return _ridge_random_features(data, k, "RFF + ridge", ns)
 
 
@@ -837,7 +963,7 @@ def run_fastfood(data: dict, budget: float) -> list[dict]:
     d = data["xtr"].shape[1]
     ns = _num_samples(len(data["xtr"]))
     k = FastfoodKernel(num_samples=ns, num_dims=d, generator=torch.Generator().manual_seed(0))
-    k.lengthscale = heuristic_hypers(data)["lengthscale"]
+    k.lengthscale = heuristic_hypers(data, deadline=time.perf_counter() + 0.5 * budget)["lengthscale"]
     return _ridge_random_features(data, k, "Fastfood + ridge", ns)
 
 
@@ -862,9 +988,13 @@ def worker(dataset: str, method: str, budget: float, out: pathlib.Path) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     # import everything before measuring memory: module imports are not the method's memory
     import gpytorch  # noqa: F401
-    import sklearn.kernel_approximation
-    import sklearn.linear_model
-    import sklearn.metrics  # noqa: F401
+
+    try:  # the scikit-learn methods and the AUC of binary tasks (the benchmarks extra)
+        import sklearn.kernel_approximation
+        import sklearn.linear_model
+        import sklearn.metrics  # noqa: F401
+    except ImportError:
+        pass
 
     import gpfalkon
     import gpfalkon.objectives  # noqa: F401
@@ -876,7 +1006,8 @@ def worker(dataset: str, method: str, budget: float, out: pathlib.Path) -> None:
     lines = []
     for r in rows:
         r.update(dataset=dataset, key=method, task=data["task"], n_train=len(data["xtr"]), n_test=len(data["xte"]),
-                 d=int(data["xtr"].shape[1]), split=data["split"], peak_mib=mem.peak_mib, budget=budget)
+                 d=int(data["xtr"].shape[1]), split=data["split"], peak_mib=mem.peak_mib)
+        r.setdefault("budget", budget)  # a run may have had its own (falkon-auto-half)
         if "scores" in r:
             s = r.pop("scores")
             r.update(metrics(data, s.numpy() if hasattr(s, "numpy") else s))
@@ -910,7 +1041,7 @@ def report(results: list[dict], env: list[str], out_md: pathlib.Path, out_png: p
     headers = ["dataset", "method", "M / features", "train rows used", "fit s", "predict s", "peak MiB",
                "RMSE", "NRMSE", "class. error", "AUC", "notes"]
     rows = []
-    datasets = [d for d in ALL_DATASETS if any(r["dataset"] == d for r in results)]
+    datasets = list(dict.fromkeys(r["dataset"] for r in results))  # in the order they ran
     summary = []
     auto_rows = []
     for ds in datasets:
@@ -999,7 +1130,9 @@ def report(results: list[dict], env: list[str], out_md: pathlib.Path, out_png: p
             "reached that error (evaluation time not counted). auto_fit: its test error and its whole wall "
             "time (learning, selection and final fit); where it also ran with half the budget "
             "(`falkon-auto-half`, a second point of its error-vs-time curve), the faster run whose error is "
-            "no worse than the best baseline's, or else the more accurate run. Ratios < 1 favour auto_fit. 'Oracle' is the lowest "
+            "no worse than the best baseline's, or else the more accurate run (picked by test error, as "
+            "the baseline's 'reached at' time is read off its test-error curve). Ratios < 1 favour "
+            "auto_fit. 'Oracle' is the lowest "
             "point on either baseline curve (its error ratio in brackets): early stopping on the test set, "
             "which no user can do, shown for completeness. 'Baselines reach auto's error': when each "
             "baseline's curve first got to auto_fit's test error.",
@@ -1021,7 +1154,11 @@ def report(results: list[dict], env: list[str], out_md: pathlib.Path, out_png: p
 
 
 def plot(results: list[dict], datasets: list[str], out_png: pathlib.Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the table is the result; the plot is optional
+        log("matplotlib is not installed: no plot (pip install matplotlib, or the benchmarks extra)")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -1080,7 +1217,19 @@ def plot(results: list[dict], datasets: list[str], out_png: pathlib.Path) -> Non
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--datasets", nargs="+", default=DATASETS, choices=ALL_DATASETS)
+    ap.add_argument("--datasets", nargs="+", default=None, choices=ALL_DATASETS,
+                    help=f"built-in datasets (default without --data: {' '.join(DATASETS)})")
+    ap.add_argument("--data", type=pathlib.Path, default=None,
+                    help="your own data: a .npz (arrays X and y), .csv or .parquet file (with --target)")
+    ap.add_argument("--target", default=None, help="--data's target column (.csv / .parquet)")
+    ap.add_argument("--features", nargs="+", default=None, help="--data's feature columns (default: all others)")
+    ap.add_argument("--test", type=pathlib.Path, default=None, help="a test file in --data's format")
+    ap.add_argument("--test-fraction", type=float, default=0.2,
+                    help="without --test: the fraction of --data's rows held out for testing (seed 0)")
+    ap.add_argument("--task", choices=["auto", "regression", "binary"], default="auto",
+                    help="--data's task (auto: binary when the target has two values)")
+    ap.add_argument("--user-data", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--workdir", type=pathlib.Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--methods", nargs="+", default=METHODS, choices=ALL_METHODS)
     ap.add_argument("--budget", type=float, default=60.0, help="seconds per method (datasets other than flights)")
     ap.add_argument("--flights-budget", type=float, default=240.0, help="seconds per method on flights")
@@ -1089,13 +1238,36 @@ def main() -> None:
                     help="keep results already in the .jsonl and skip them (failed rows are run again)")
     ap.add_argument("--worker", nargs=3, metavar=("DATASET", "METHOD", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.user_data:
+        spec = json.loads(args.user_data)
+        USER_DATA[spec["name"]] = spec
+    if args.workdir is not None:
+        WORK["dir"] = args.workdir
     if args.worker:
         ds, method, out = args.worker
         budget = args.flights_budget if ds == "flights" else args.budget
         worker(ds, method, budget, pathlib.Path(out))
         return
+    if not 0.0 < args.test_fraction < 1.0:
+        ap.error(f"--test-fraction must be in (0, 1), got {args.test_fraction}")
+    datasets = list(args.datasets or ([] if args.data else DATASETS))
+    user_arg: list[str] = []
+    if args.data is not None:
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", args.data.stem)
+        if name in ALL_DATASETS:
+            name = f"{name}-user"
+        spec = dict(name=name, path=str(args.data.resolve()), target=args.target, features=args.features,
+                    test=None if args.test is None else str(args.test.resolve()), test_fraction=args.test_fraction,
+                    task=args.task)
+        USER_DATA[name] = spec
+        load_dataset(name)  # read it once here: a bad file or column fails now, naming it
+        datasets.append(name)
+        user_arg = ["--user-data", json.dumps(spec)]
     env = environment_lines()
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    work = args.out.parent / f".{args.out.stem}.work"
+    work.mkdir(exist_ok=True)
+    WORK["dir"] = work
     jsonl = args.out.with_suffix(".jsonl")
     png = args.out.with_suffix(".png")
     results = load_results(jsonl) if args.resume else []
@@ -1105,46 +1277,50 @@ def main() -> None:
     if not args.resume:
         if jsonl.exists():
             jsonl.unlink()
-        for f in RESULTS.glob(".compare-hyper-*.json"):
+        for f in work.glob(".compare-hyper-*.json"):
             f.unlink()
-    done = {(r["dataset"], r["key"]) for r in results}
-    t_start = time.perf_counter()
-    for ds in args.datasets:
-        for method in args.methods:
-            if (ds, method) in done:
-                continue
-            budget = args.flights_budget if ds == "flights" else args.budget
-            tmp = RESULTS / f".compare-{ds}-{method}.json"
-            cmd = [sys.executable, __file__, "--worker", ds, method, str(tmp),
-                   "--budget", str(args.budget), "--flights-budget", str(args.flights_budget)]
-            t0 = time.perf_counter()
-            try:
-                proc = subprocess.run(cmd, timeout=3 * budget + 600, capture_output=True, text=True)
-                if proc.returncode != 0 or not tmp.exists():
-                    tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
-                    new = [dict(dataset=ds, key=method, method=method, failed=f"failed: {tail[0][:120]}")]
-                    log(proc.stderr[-3000:])
-                else:
-                    new = load_results(tmp)
-            except subprocess.TimeoutExpired:
-                new = [dict(dataset=ds, key=method, method=method, failed=f"timeout after {3 * budget + 600:.0f} s")]
-            if tmp.exists():
-                tmp.unlink()
-            wall = time.perf_counter() - t0
-            for r in new:
-                r.setdefault("task", "binary" if ds in BINARY else "regression")
-                r["wall_s"] = wall
-                log(f"{ds:>10s} {r['method']:<28s} " + (
-                    f"fit {r['fit_s']:7.1f} s  predict {r['predict_s']:6.2f} s  error {r['error']:.4f}  "
-                    f"peak {r['peak_mib']:.0f} MiB  {r.get('info', '')}" if "fit_s" in r else
-                    r.get("skipped", r.get("failed", ""))) + f"  [{time.perf_counter() - t0:.0f} s wall]")
-            with jsonl.open("a") as f:
+    try:
+        done = {(r["dataset"], r["key"]) for r in results}
+        t_start = time.perf_counter()
+        for ds in datasets:
+            for method in args.methods:
+                if (ds, method) in done:
+                    continue
+                budget = args.flights_budget if ds == "flights" else args.budget
+                tmp = work / f".compare-{ds}-{method}.json"
+                cmd = [sys.executable, __file__, "--worker", ds, method, str(tmp), "--workdir", str(work),
+                       "--budget", str(args.budget), "--flights-budget", str(args.flights_budget), *user_arg]
+                t0 = time.perf_counter()
+                try:
+                    proc = subprocess.run(cmd, timeout=3 * budget + 600, capture_output=True, text=True)
+                    if proc.returncode != 0 or not tmp.exists():
+                        tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
+                        new = [dict(dataset=ds, key=method, method=method, failed=f"failed: {tail[0][:120]}")]
+                        log(proc.stderr[-3000:])
+                    else:
+                        new = load_results(tmp)
+                except subprocess.TimeoutExpired:
+                    new = [dict(dataset=ds, key=method, method=method,
+                                failed=f"timeout after {3 * budget + 600:.0f} s")]
+                if tmp.exists():
+                    tmp.unlink()
+                wall = time.perf_counter() - t0
                 for r in new:
-                    f.write(json.dumps(r) + "\n")
-            results.extend(new)
+                    r.setdefault("task", "binary" if ds in BINARY else "regression")
+                    r["wall_s"] = wall
+                    log(f"{ds:>10s} {r['method']:<28s} " + (
+                        f"fit {r['fit_s']:7.1f} s  predict {r['predict_s']:6.2f} s  error {r['error']:.4f}  "
+                        f"peak {r['peak_mib']:.0f} MiB  {r.get('info', '')}" if "fit_s" in r else
+                        r.get("skipped", r.get("failed", ""))) + f"  [{time.perf_counter() - t0:.0f} s wall]")
+                with jsonl.open("a") as f:
+                    for r in new:
+                        f.write(json.dumps(r) + "\n")
+                results.extend(new)
+            report(results, env, args.out, png, time.perf_counter() - t_start)
         report(results, env, args.out, png, time.perf_counter() - t_start)
-    report(results, env, args.out, png, time.perf_counter() - t_start)
-    log(f"written {args.out} and {png}")
+    finally:  # the scratch folder goes, whatever happened
+        shutil.rmtree(work, ignore_errors=True)
+    log(f"written {args.out}" + (f" and {png}" if png.exists() else ""))
 
 
 if __name__ == "__main__":

@@ -396,7 +396,8 @@ def auto_fit(
             growing at ``hyper_entries // rows``.
         score_centers: centers of the FALKON fit that scores stage 1's hyperparameters on the
             validation rows: the objective's centers plus random subsample rows up to this many
-            (within the subsample's rows and ``hyper_entries``). ``None``: ``max(hyper_centers,
+            (at most ``hyper_rows``; the same number as the rows grow, so scores stay comparable; a
+            FALKON fit, within FALKON's memory budget). ``None``: ``max(hyper_centers,
             min_centers)``, the size stage 2 starts from, so stage 1 picks the hyperparameters that
             are best where they are used; ``hyper_centers`` (or less) scores with the objective's own
             centers (the behaviour before this option).
@@ -571,9 +572,12 @@ def auto_fit(
         score_pool = xh[c_perm[m_h:]]
         score_target = max(hyper_centers, min_centers) if score_centers is None else score_centers
 
-        def score_extra(rows: int, m_obj: int) -> Tensor | None:
-            k = min(score_target, rows, hyper_entries // rows) - m_obj
+        def score_extra(m_obj: int) -> Tensor | None:
+            # the same number of scoring centers on every subsample (scores stay comparable as the rows
+            # grow); the scoring fit is a FALKON fit, held to FALKON's memory budget, not hyper_entries
+            k = min(score_target, n_h) - m_obj
             return score_pool[:k] if k > 0 else None
+
         k0 = new_kernel()
         if isinstance(kernel, str):
             from .heuristics import median_lengthscale
@@ -596,7 +600,7 @@ def auto_fit(
 
         # the starting point's score
         try:
-            m0 = _scoring_fit(h_model(copy.deepcopy(k0), noise0, centers0, False), score_extra(n_h, m_h))
+            m0 = _scoring_fit(h_model(copy.deepcopy(k0), noise0, centers0, False), score_extra(m_h))
             best_state["error"] = _val_mse(m0, xv_z, yv_z)
             del m0
         except Exception as exc:
@@ -627,7 +631,7 @@ def auto_fit(
                                     "every iteration)")
         runners = [
             _ObjectiveRun(name, h_model(copy.deepcopy(k0), noise0, centers0.clone(), learn_centers), optimizer, lr,
-                          eval_every, best_state["error"], score_extra(n_h, m_h))
+                          eval_every, best_state["error"], score_extra(m_h))
             for name in objectives
         ]
         rounds = 0
@@ -686,7 +690,7 @@ def auto_fit(
                 runners.append(_ObjectiveRun(
                     old.name, h_model(copy.deepcopy(start["kernel"]), float(start["noise"]), centers_next,
                                       learn_centers, rows=rows_h),
-                    optimizer, lr, eval_every, best_state["error"], score_extra(rows_h, centers_next.shape[0])))
+                    optimizer, lr, eval_every, best_state["error"], score_extra(centers_next.shape[0])))
         for r in runners:
             r.rec["steps"] = r.step
             if r.failed:

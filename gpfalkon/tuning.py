@@ -103,10 +103,12 @@ class Integer:
             return [int(v) for v in torch.randint(self.low, self.high + 1, (n,), generator=generator)]
         lo, hi = math.log(self.low), math.log(self.high + 1)
         u = torch.rand(n, generator=generator, dtype=torch.float64)
-        return [min(max(int(math.floor(math.exp(lo + float(t) * (hi - lo)))), self.low), self.high) for t in u]
+        return [min(max(math.floor(math.exp(lo + float(t) * (hi - lo))), self.low), self.high) for t in u]
 
     def contains(self, value: Any) -> bool:
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool) and self.low <= value <= self.high
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            return False
+        return self.low <= int(value) <= self.high
 
     def size(self) -> int:
         return self.high - self.low + 1
@@ -143,6 +145,29 @@ class Float:
 
 def _is_real(v: Any) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _as_value(value: Any) -> float:
+    """An objective's value as a float: real numbers, 0-d tensors and arrays, one-element sequences
+    of them are accepted; anything else is a ``TypeError`` naming ``value``."""
+    if isinstance(value, (bool, str, bytes)):
+        raise TypeError(f"value must be a real number (the objective to minimise), got {value!r}")
+    try:
+        if isinstance(value, Tensor):
+            return float(value.detach().reshape(()))
+        return float(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TypeError(f"value must be a real number (the objective to minimise), got {value!r}") from exc
+
+
+def _plain(v: Any) -> Any:
+    """numpy / torch scalars as the Python scalars JSON round-trips (``np.int64(3)`` -> ``3``)."""
+    if isinstance(v, (bool, str, bytes, tuple)) or v is None:
+        return v
+    item = getattr(v, "item", None)
+    if callable(item) and getattr(v, "ndim", 0) == 0:
+        return item()
+    return v
 
 
 def _check_real(kind: str, low: Any, high: Any) -> None:
@@ -188,7 +213,7 @@ class Categorical:
     choices: tuple
 
     def __init__(self, choices: Sequence[Any]) -> None:
-        choices = tuple(choices)
+        choices = tuple(_plain(c) for c in choices)  # numpy scalars as Python ones: saved histories are JSON
         if len(choices) == 0:
             raise ValueError("Categorical: choices is empty")
         try:
@@ -254,7 +279,7 @@ class SearchSpace:
     def normalize(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """``config`` with JSON's changes undone: lists back to the tuple choices they were, integral
         floats of ``Integer`` dimensions back to ints."""
-        out = dict(config)
+        out = {k: _plain(v) for k, v in config.items()}
         for k, d in self.dims.items():
             v = out.get(k)
             if isinstance(d, Categorical) and isinstance(v, list) and tuple(v) in d.choices:
@@ -381,6 +406,7 @@ class Evaluation(float):
 
 
 _FORMAT = "gpfalkon.tuning/2"
+_ENUMERATE = 100_000  # finite spaces up to this size are enumerated when random draws keep repeating
 
 
 def _load_state(path: pathlib.Path) -> dict[str, Any]:
@@ -458,14 +484,15 @@ class _Search(abc.ABC):
                             "suggest / observe only)")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ValueError(f"budget must be a positive int, got {budget!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise TypeError(f"seed must be an int, got {seed!r}")
-        self.objective = objective
-        self.budget = budget
-        self.seed = seed
-        self.generator = torch.Generator().manual_seed(seed)
-        self.history_path = None if history_path is None else pathlib.Path(history_path)
-        self.verbose = verbose
+        seed = int(seed)
+        self.objective: Objective | None = objective
+        self.budget: int | None = budget
+        self.seed: int = seed
+        self.generator: torch.Generator = torch.Generator().manual_seed(seed)
+        self.history_path: pathlib.Path | None = None if history_path is None else pathlib.Path(history_path)
+        self.verbose: bool = bool(verbose)
         self.history: list[Trial] = []
         self.pending: list[tuple[dict[str, Any], str]] = []  # suggested, not yet observed
         if self.history_path is not None and self.history_path.exists():
@@ -494,14 +521,28 @@ class _Search(abc.ABC):
         return keys
 
     def _random_unseen(self, taken: set[tuple], tries: int = 1000) -> dict[str, Any] | None:
-        """A random configuration not in ``taken`` (``None`` when the space is exhausted)."""
-        if self.space.size() <= len(taken):
-            return None
+        """A random configuration not in ``taken`` (``None`` when the space is exhausted): rejection
+        sampling from :meth:`SearchSpace.sample`; a finite space of at most ``_ENUMERATE`` configurations
+        where that fails is enumerated and an unseen one drawn uniformly."""
         for _ in range(tries):
             c = self.space.sample(1, self.generator)[0]
             if self.space.key(c) not in taken:
                 return c
-        return None
+        if self.space.size() > _ENUMERATE:
+            return None
+        axes: list[Sequence[Any]] = []
+        for d in self.space.dims.values():
+            if isinstance(d, Categorical):
+                axes.append(d.choices)
+            elif isinstance(d, Integer):
+                axes.append(range(d.low, d.high + 1))
+            else:  # a continuous dimension: the space is infinite, not enumerated (checked above)
+                return None
+        unseen = [combo for combo in itertools.product(*axes) if tuple(combo) not in taken]
+        if not unseen:
+            return None
+        pick = int(torch.randint(len(unseen), (1,), generator=self.generator))
+        return dict(zip(self.space.names, unseen[pick], strict=True))
 
     def _save(self) -> None:
         if self.history_path is None:
@@ -540,15 +581,13 @@ class _Search(abc.ABC):
         ``inf`` (a failed evaluation)."""
         cfg = self.space.check(config, "config")
         ran = value.config if isinstance(value, Evaluation) else None
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"value must be a real number (the objective to minimise), got {value!r}")
+        value = _as_value(value)
         if cost is not None and (not _is_real(cost) or cost < 0):
             raise ValueError(f"cost must be a finite number >= 0 (seconds) or None, got {cost!r}")
+        run_cfg = cfg if ran is None else self.space.check(ran, "the objective's Evaluation.config", in_bounds=False)
         key = self.space.key(cfg)
         idx = next((i for i, (c, _) in enumerate(self.pending) if self.space.key(c) == key), None)
         source = self.pending.pop(idx)[1] if idx is not None else "user"
-        run_cfg = cfg if ran is None else self.space.check(ran, "the objective's Evaluation.config", in_bounds=False)
-        value = float(value)
         trial = Trial(config=run_cfg, value=value if math.isfinite(value) else math.inf,
                       seconds=math.nan if cost is None else float(cost), source=source,
                       requested=cfg if self.space.key(run_cfg) != key else None)
@@ -564,12 +603,16 @@ class _Search(abc.ABC):
         return SearchResult(best_config=dict(best.config), best_value=best.value, history=list(self.history))
 
     # ------------------------------------------------------------ the loop
-    def run(self, *data: Any) -> SearchResult:
+    def run(self, *data: Any, time_budget: float | None = None) -> SearchResult:
         """Evaluate ``objective(config, *data)`` until ``budget`` evaluations (counting resumed ones) are
-        done: first the pending suggestions of a resumed search, then new ones, one at a time."""
+        done, or no new evaluation starts after ``time_budget`` seconds of this call (suggestion time
+        included): first the pending suggestions of a resumed search, then new ones, one at a time."""
         if self.objective is None or self.budget is None:
             raise ValueError("run() needs the objective and budget arguments; without them use suggest() / "
                              "observe()")
+        if time_budget is not None and (not _is_real(time_budget) or time_budget <= 0):
+            raise ValueError(f"time_budget must be a positive number of seconds or None, got {time_budget!r}")
+        t_start = time.perf_counter()
         todo = self.budget - len(self.history)
         bar = None
         if self.verbose and todo > 0:
@@ -578,13 +621,19 @@ class _Search(abc.ABC):
             bar = tqdm(total=todo, desc=type(self).__name__)
         try:
             while len(self.history) < self.budget:
+                if time_budget is not None and time.perf_counter() - t_start >= time_budget:
+                    break
                 if self.pending:
                     config = dict(self.pending[0][0])
                 else:
                     batch = self.suggest(1)
                     if not batch:
-                        warnings.warn(f"{type(self).__name__}: every one of the space's {self.space.size():g} "
-                                      f"configurations has been evaluated; stopping at {len(self.history)}",
+                        size = self.space.size()
+                        what = (f"every one of the space's {size:g} configurations has been evaluated"
+                                if math.isfinite(size) and size <= _ENUMERATE and not isinstance(self, GridSearch)
+                                else "no configuration left to propose (the grid is done, or 1000 random draws all "
+                                     "repeated evaluated ones)")
+                        warnings.warn(f"{type(self).__name__}: {what}; stopping at {len(self.history)}",
                                       RuntimeWarning, stacklevel=2)
                         break
                     config = batch[0]
@@ -663,7 +712,8 @@ class BoTorchSearch(_Search):
     ``cost_aware=True`` fits a second GP to ``log(cost)`` and maximises ``log EI - log(predicted
     batch cost)`` (improvement per second). A candidate equal to an evaluated or pending
     configuration is replaced by a random unseen one (source ``"random (repeated candidate)"``).
-    ``timings`` accumulates the seconds spent fitting the surrogate(s) and optimising the acquisition.
+    ``timings`` accumulates the seconds spent fitting the surrogate(s) and optimising the acquisition;
+    ``warm_start`` (default) starts each surrogate fit from the previous one's hyperparameters.
     """
 
     source = "botorch"
@@ -681,6 +731,7 @@ class BoTorchSearch(_Search):
         num_restarts: int = 4,
         raw_samples: int = 128,
         acqf_options: Mapping[str, Any] | None = None,
+        warm_start: bool = True,
         **kwargs,
     ) -> None:
         super().__init__(space, objective, budget, seed, **kwargs)
@@ -692,9 +743,14 @@ class BoTorchSearch(_Search):
         self.num_restarts = int(num_restarts)
         self.raw_samples = int(raw_samples)
         self.acqf_options = dict(acqf_options or {})
+        self.warm_start = bool(warm_start)
+        self._gp_states: dict[str, dict[str, Tensor]] = {}
         self.timings: dict[str, float] = {"fit_gp": 0.0, "optimize_acqf": 0.0}
 
-    def _fit_gp(self, X: Tensor, Y: Tensor):
+    def _fit_gp(self, X: Tensor, Y: Tensor, role: str = "value"):
+        """A (mixed) GP on ``(X, Y)``, its hyperparameters fitted by ``fit_gpytorch_mll`` from the last fit's
+        for the same ``role`` when ``warm_start`` (one new point moves the optimum a little: far fewer
+        L-BFGS iterations than from the defaults). The outcome / input transforms are the new data's."""
         from botorch.fit import fit_gpytorch_mll
         from botorch.models import MixedSingleTaskGP, SingleTaskGP
         from botorch.models.transforms.input import Normalize
@@ -708,7 +764,15 @@ class BoTorchSearch(_Search):
             model = MixedSingleTaskGP(X, Y, cat_dims=cat, input_transform=tf)
         else:
             model = SingleTaskGP(X, Y, input_transform=tf)
+        prev = self._gp_states.get(role) if self.warm_start else None
+        if prev is not None:
+            try:
+                model.load_state_dict(prev, strict=False)
+            except RuntimeError:  # another structure (cannot happen for one space): fit from the defaults
+                pass
         fit_gpytorch_mll(ExactMarginalLogLikelihood(model.likelihood, model))
+        self._gp_states[role] = {k: v.detach().clone() for k, v in model.state_dict().items()
+                                 if not k.startswith(("outcome_transform", "input_transform"))}
         return model
 
     def _propose(self, q: int, taken: set[tuple]) -> list[tuple[dict[str, Any], str]]:
@@ -773,6 +837,7 @@ class BoTorchSearch(_Search):
                     cost_model = self._fit_gp(
                         torch.stack([self.space.encode(t.config) for t in costed]),
                         torch.tensor([[math.log(max(t.seconds, 1e-6))] for t in costed], dtype=torch.float64),
+                        role="cost",
                     )
                     # duck-typed: the optimiser only calls it on X and reads .model / .X_pending
                     acqf = cast(AcquisitionFunction, _LogEIPerCost(acqf, cost_model))
@@ -786,7 +851,7 @@ class BoTorchSearch(_Search):
                 q=q,
                 num_restarts=self.num_restarts,
                 raw_samples=self.raw_samples,
-                options=self.acqf_options or None,
+                options=dict(self.acqf_options) or None,  # BoTorch fills in defaults in place
             )
             self.timings["optimize_acqf"] += time.perf_counter() - t1
         return [self.space.decode(row) for row in cand.reshape(-1, len(self.space))]
@@ -852,12 +917,12 @@ def _config_model(config: Mapping[str, Any], train_x: Tensor, train_y: Tensor, m
                     max_iter=max_iter, tol=0.0, seed=seed, center_selection=selection, **kw)
 
 
-def _result(config: Mapping[str, Any], model: Any, value: float) -> float | Evaluation:
-    """``value``, or an :class:`Evaluation` with ``config`` as run when the model's number of centers
-    differs from ``config["num_centers"]`` (capped at the number of rows)."""
-    m = int(model.centers.shape[0])
-    if "num_centers" in config and int(config["num_centers"]) != m:
-        return Evaluation(value, dict(config, num_centers=m))
+def _result(config: Mapping[str, Any], n: int, value: float) -> float | Evaluation:
+    """``value``, or an :class:`Evaluation` with ``num_centers`` capped at the ``n`` training rows when
+    ``config`` asked for more (what ran; leverage-score selection may keep fewer *distinct* centers
+    than it draws, but asking again for the same number draws the same way)."""
+    if "num_centers" in config and int(config["num_centers"]) > n:
+        return Evaluation(value, dict(config, num_centers=n))
     return value
 
 
@@ -877,7 +942,7 @@ def falkon_validation_error(max_iter: int = 20, seed: int = 0) -> Objective:
     def objective(config, train_x, train_y, val_x, val_y) -> float | Evaluation:
         model = _config_model(config, train_x, train_y, max_iter, seed)
         model.fit()
-        return _result(config, model, _rmse(model, val_x, val_y))
+        return _result(config, train_x.shape[0], _rmse(model, val_x, val_y))
 
     return objective
 
@@ -895,6 +960,6 @@ def gradient_tuned_error(objective: str = "NystromCompReg", steps: int = 30, lr:
         model = _config_model(config, train_x, train_y, max_iter, seed, learn_centers=True)
         cls(model).minimize(steps, lr=lr)
         model.fit()
-        return _result(config, model, _rmse(model, val_x, val_y))
+        return _result(config, train_x.shape[0], _rmse(model, val_x, val_y))
 
     return run

@@ -9,7 +9,7 @@ Layers, lowest first (a module may import from its own layer or below, never abo
     operators    operators/, centers
     models       models/
     objectives   objectives/
-    integrations integrations/, botorch, tuning, auto
+    integrations integrations/, botorch, tuning, auto, plot
 
 The package's ``__init__`` (the public namespace) is exempt.
 """
@@ -34,7 +34,7 @@ LAYERS = [
     {"operators", "centers"},
     {"models"},
     {"objectives"},
-    {"integrations", "botorch", "tuning", "auto"},
+    {"integrations", "botorch", "tuning", "auto", "plot"},
 ]
 
 

@@ -28,6 +28,7 @@ SCALE_DOWN: dict[str, str] = {
     "leverage_centers(train_x, 2000,": "leverage_centers(train_x, 120,",
     "budget=120": "budget=8",
     "budget=30": "budget=4",
+    "suggest(q=4)": "suggest(q=2)",
     "Integer(100, 20000, log=True)": "Integer(20, 200, log=True)",
     "range(100)": "range(3)",
     "num_trace_vectors=20": "num_trace_vectors=4",
@@ -93,3 +94,40 @@ def test_every_readme_python_block_runs(tmp_path: pathlib.Path, monkeypatch: pyt
     # the snippets computed what they say
     assert namespace["pred"].mean.shape == namespace["test_x"].shape[:1]
     assert (tmp_path / "model.pt").exists()
+
+
+GETTING_STARTED = README.parent / "docs" / "getting-started.md"
+DOCS_SCALE_DOWN: dict[str, str] = {
+    "num_centers=2000": "num_centers=120",
+    "num_centers=1000": "num_centers=80",
+    "num_centers=500": "num_centers=60",
+    "budget=120": "budget=8",
+    "range(100)": "range(3)",
+    "Integer(100, 20000, log=True)": "Integer(20, 200, log=True)",
+    "suggest(q=4)": "suggest(q=2)",
+}
+
+
+def test_every_getting_started_block_runs(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The documentation site's getting-started page, like the README: every python block, in order."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    text = GETTING_STARTED.read_text()
+    missing = [k for k in DOCS_SCALE_DOWN if k not in text]
+    assert not missing, f"docs/getting-started.md no longer contains {missing}: update DOCS_SCALE_DOWN"
+    for old, new in DOCS_SCALE_DOWN.items():
+        text = text.replace(old, new)
+    monkeypatch.chdir(tmp_path)  # the search saves search.json
+    namespace: dict[str, object] = user_data()
+    namespace["evaluate"] = lambda config: float(config["penalty"]) ** 0.1  # a user's objective
+    namespace["seconds"] = 1.5
+    blocks = python_blocks(text)
+    assert len(blocks) >= 5
+    for i, block in enumerate(blocks):
+        try:
+            exec(compile(block, f"getting-started.md python block {i}", "exec"), namespace)
+        except Exception as exc:
+            raise AssertionError(f"getting-started python block {i} failed: {type(exc).__name__}: {exc}\n{block}") \
+                from exc
+    assert len(namespace["search"].history) == 2 and (tmp_path / "search.json").exists()

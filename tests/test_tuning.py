@@ -307,3 +307,32 @@ def test_cost_aware_search_prefers_cheap_configurations():
     assert len(picks[True]) >= 6
     mean = {k: sum(v) / len(v) for k, v in picks.items()}
     assert mean[True] < 0.25 and mean[True] < mean[False] - 0.1, mean
+
+
+
+def test_values_records_and_saved_state_survive_real_world_types(tmp_path):
+    """Review findings: tensor values are accepted; a bad Evaluation.config leaves the suggestion pending;
+    numpy scalars in choices and configs round-trip through the saved JSON; a leverage-score fit with
+    num_centers <= n is recorded as asked."""
+    import numpy as np
+
+    space = {"m": Integer(1, 50), "k": Categorical(np.array([3, 5, 7])), "p": LogFloat(1e-3, 1.0)}
+    path = tmp_path / "s.json"
+    search = RandomSearch(space, seed=0, history_path=path)
+    (c,) = search.suggest(1)
+    search.observe(c, torch.tensor(0.25))
+    assert search.history[-1].value == 0.25
+    (c,) = search.suggest(1)
+    with pytest.raises(ValueError, match=r"Evaluation\.config"):
+        search.observe(c, Evaluation(0.1, dict(c, k=4)))
+    assert [cfg for cfg, _ in search.pending] == [c]  # still pending, not lost
+    search.observe(dict(c, m=np.int64(c["m"])), np.float64(0.5))
+    resumed = RandomSearch(space, seed=0, history_path=path)
+    assert [t.config for t in resumed.history] == [t.config for t in search.history]
+    assert all(type(t.config["k"]) is int for t in resumed.history)
+
+    x, y = make_data(80, 2)
+    xv, yv = make_data(30, 2, seed=3)
+    val = falkon_validation_error(max_iter=10)({"num_centers": 70, "center_selection": "leverage",
+                                                "penalty": 1e-3}, x, y, xv, yv)
+    assert type(val) is float

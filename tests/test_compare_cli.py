@@ -1,0 +1,116 @@
+"""benchmarks/compare.py as a user runs it on their own data (issue 16): input formats, the budget,
+where files go."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from conftest import make_data
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+def test_compare_runs_on_a_users_csv_within_its_budget_and_writes_only_under_out(tmp_path):
+    """benchmarks/compare.py --data (issue 16): a user's .csv, named target column, every method within the
+    budget, nothing written outside --out's folder; a wrong column is named."""
+    root = ROOT
+    x, y = make_data(400, 3)
+    csv = tmp_path / "mine.csv"
+    lines = ["a,b,c,price"] + [",".join(f"{v:.6f}" for v in (*row.tolist(), t))
+                               for row, t in zip(x, y.tolist(), strict=True)]
+    csv.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out" / "cmp.md"
+    results = root / "benchmarks" / "results"
+    before = set(results.glob(".compare-*"))  # where the old code wrote its scratch files
+    env = dict(os.environ, PYTHONPATH=str(root))
+    cmd = [sys.executable, str(root / "benchmarks" / "compare.py"), "--data", str(csv), "--target", "price",
+           "--methods", "falkon", "sgpr", "--budget", "6", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
+    assert {r["key"] for r in rows} == {"falkon", "sgpr"}
+    for r in rows:
+        assert "error" in r and 0 < r["error"] < 1.0, r
+        assert r["fit_s"] < 6 * 2 + 5, r  # hyperparameter selection included
+        assert r["n_train"] == 320 and r["dataset"] == "mine"
+    assert sorted(p.name for p in out.parent.iterdir()) in (["cmp.jsonl", "cmp.md"], ["cmp.jsonl", "cmp.md", "cmp.png"])
+    assert set(results.glob(".compare-*")) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.csv", "out"]
+    bad = subprocess.run([*cmd[:5], "cost", *cmd[6:]], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode != 0 and "--target 'cost' is not a column" in bad.stderr
+
+
+def _compare_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import compare
+
+    return compare
+
+
+def test_hold_out_selection_stops_at_its_deadline(monkeypatch, tmp_path):
+    """FALKON's hold-out selection in compare.py starts no new fit after its deadline (it ran 106 s under
+    --budget 15): with a deadline in the past, one fit per grid, the first grid values."""
+    import gpytorch
+    import torch
+
+    compare = _compare_module(monkeypatch)
+    monkeypatch.setitem(compare.WORK, "dir", tmp_path)
+    x, y = make_data(300, 2, dtype=torch.float32)
+    data = dict(name="tiny", xtr=x, ytr=y)
+    fits = []
+    real = compare.select_noise
+
+    def counting(*args, **kwargs):
+        fits.append(kwargs.get("deadline"))
+        return real(*args, **kwargs)
+
+    import gpfalkon
+
+    n_fits = []
+    real_fit = gpfalkon.FalkonGP.fit
+
+    def counting_fit(self, *args, **kwargs):
+        n_fits.append(1)
+        return real_fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(gpfalkon.FalkonGP, "fit", counting_fit)
+    real(data, lambda: gpytorch.kernels.RBFKernel(), 50, deadline=0.0)
+    assert len(n_fits) == 1  # the first grid point only
+    real(data, lambda: gpytorch.kernels.RBFKernel(), 50)
+    assert len(n_fits) == 1 + len(compare.NOISE_GRID)
+    monkeypatch.setattr(compare, "select_noise", counting)
+    hyp = compare.heuristic_hypers(data, deadline=0.0)
+    assert len(fits) == 1 and hyp["complete"] is False and hyp["multiplier"] == compare.LS_MULTIPLIERS[0]
+    assert (tmp_path / ".compare-hyper-tiny.json").exists()
+
+
+@pytest.mark.parametrize("suffix", [".npz", ".parquet"])
+def test_user_data_formats_read_the_same_arrays(monkeypatch, tmp_path, suffix):
+    import numpy as np
+
+    compare = _compare_module(monkeypatch)
+    x, y = make_data(50, 3)
+    X, Y = x.numpy(), y.numpy()
+    path = tmp_path / f"d{suffix}"
+    if suffix == ".npz":
+        np.savez(path, X=X, y=Y)
+        target = None
+    else:
+        import pyarrow
+        import pyarrow.parquet
+
+        pyarrow.parquet.write_table(pyarrow.table({"u": X[:, 0], "v": X[:, 1], "w": X[:, 2], "t": Y}), path)
+        target = "t"
+    Xr, Yr, names = compare._read_table(path, target, None)
+    np.testing.assert_array_equal(Xr, X)
+    np.testing.assert_array_equal(Yr, Y)
+    if suffix == ".parquet":
+        assert names == ["u", "v", "w"]
+        Xs, _, _ = compare._read_table(path, "t", ["w", "u"])
+        np.testing.assert_array_equal(Xs, X[:, [2, 0]])
+        with pytest.raises(SystemExit, match=r"--features: \['z'\] are not columns"):
+            compare._read_table(path, "t", ["z"])
