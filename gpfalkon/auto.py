@@ -352,6 +352,7 @@ def auto_fit(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     verbose: bool = False,
+    level_callback: Callable[[dict[str, Any], Callable[[], FalkonGP]], None] | None = None,
 ) -> FalkonGP:
     r"""Fit a :class:`~gpfalkon.FalkonGP` with hyperparameters, penalty and centers chosen automatically.
 
@@ -418,6 +419,11 @@ def auto_fit(
             and predictions stay float64 inside FALKON).
         seed: seeds subsampling, splits and centers.
         verbose: a tqdm bar (seconds of the budget) naming the stage.
+        level_callback: called after each number of centers of stage 2 with the level (``M``,
+            ``noise``, ``multiplier``, validation ``error``, ``elapsed`` seconds of the call) and a
+            function that builds and fits the model the call would return if it stopped there (for
+            time-to-error curves: ``benchmarks/compare.py`` scores it on test data). Its time is not
+            counted against ``budget``.
 
     Returns:
         A fitted ``FalkonGP`` on ``train_x`` (plus held-out rows) in ``dtype``, with
@@ -794,6 +800,48 @@ def auto_fit(
                 cost = max(cost, (max_iter + 2) * onthefly_pass_seconds(m) * ratio + last_fit_seconds(m))
             return cost
 
+        if val_x is None and refit_on_all:
+            x_fin, y_fin = torch.cat([xt, xv], 0), torch.cat([yt, yv], 0)
+        else:
+            x_fin, y_fin = xt, yt
+        x_fin_t = x_fin.to(dtype)
+        y_fin_t = y_fin.to(dtype)
+
+        def build_final(level: dict[str, Any]) -> tuple[FalkonGP, bool]:
+            """The model of a selection level on the final rows, in raw units, fitted; (model, converged)."""
+            m_fin = min(level["M"], x_fin.shape[0])
+            fin_kernel = copy.deepcopy(base_kernel)
+            _scale_lengthscales(fin_kernel, level["multiplier"])
+            # back to raw units: x = mu + sd * z, so an ARD lengthscale l on z is l * sd on x; y = y_mu + y_sd * z
+            if isinstance(kernel, str):
+                with torch.no_grad():
+                    fin_kernel.base_kernel.lengthscale = fin_kernel.base_kernel.lengthscale * x_sd.to(dtype)
+            if isinstance(fin_kernel, ScaleKernel):
+                with torch.no_grad():
+                    fin_kernel.outputscale = fin_kernel.outputscale * float(y_sd) ** 2
+            else:
+                wrapped = ScaleKernel(fin_kernel).to(dtype=dtype, device=dev)
+                with torch.no_grad():
+                    wrapped.outputscale = torch.tensor(float(y_sd) ** 2, dtype=dtype, device=dev)
+                fin_kernel = wrapped
+            centers_raw = (c_pool[:m_fin].to(torch.float64) * x_sd + x_mu).to(dtype)
+            noise_raw = level["noise"] * float(y_sd) ** 2
+            model = FalkonGP(x_fin_t, y_fin_t, kernel=fin_kernel, centers=centers_raw,
+                             penalty=noise_raw / x_fin.shape[0], mean_constant=float(y_mu), max_iter=max_iter, tol=tol)
+            return _fit_quiet(model)
+
+        callback_seconds = [0.0]
+
+        def level_done(level: dict[str, Any]) -> None:
+            """Record when a selection level ended; hand it to ``level_callback`` (its time is not counted)."""
+            level["elapsed"] = clock.elapsed()
+            if level_callback is not None and math.isfinite(level["error"]):
+                t_cb = time.perf_counter()
+                level_callback(dict(level), lambda: build_final(level)[0])
+                spent = time.perf_counter() - t_cb
+                clock.t0 += spent  # the budget excludes the caller's evaluation
+                callback_seconds[0] += spent
+
         m = min(n_s, max(min_centers, int(learned_c.shape[0]) if learn_centers else m_h), max_centers)
         point = dict(noise=float(best_state["noise"]), multiplier=1.0)
         point["error"] = score(m, point["noise"], point["multiplier"])
@@ -804,6 +852,7 @@ def auto_fit(
             stage_deadline = clock.t0 + budget - 1.2 * final_cost(m)
             line_search(m, point, which, factor, lo, hi, stage_deadline)
         levels: list[dict[str, Any]] = [dict(M=m, **point)]
+        level_done(levels[-1])
         while True:
             m_next = min(2 * m, n_s, max_centers)
             if m_next <= m:
@@ -832,6 +881,7 @@ def auto_fit(
             line_search(m, point, "noise", 2.0, 1e-8, 1e2, clock.t0 + budget - 1.2 * final_cost(m))
             line_search(m, point, "multiplier", 1.25, 1e-3, 1e3, clock.t0 + budget - 1.2 * final_cost(m))
             levels.append(dict(M=m, **point))
+            level_done(levels[-1])
             if not math.isfinite(point["error"]):
                 report.notes.append(f"centers stopped at M={m}: the fits failed")
                 break
@@ -842,41 +892,17 @@ def auto_fit(
                 )
                 break
         best_level = min(levels, key=lambda r: (r["error"], r["M"]))
-        report.stages["select"] = time.perf_counter() - t_stage
+        report.stages["select"] = time.perf_counter() - t_stage - callback_seconds[0]
 
         # ------------------------------------------------------------ stage 3: refit
         t_stage = time.perf_counter()
         clock.tick("final fit", M=best_level["M"])
-        if val_x is None and refit_on_all:
-            x_fin, y_fin = torch.cat([xt, xv], 0), torch.cat([yt, yv], 0)
-        else:
-            x_fin, y_fin = xt, yt
-        x_fin_t = x_fin.to(dtype)
-        y_fin_t = y_fin.to(dtype)
-        m_fin = min(best_level["M"], x_fin.shape[0])
-        fin_kernel = copy.deepcopy(base_kernel)
-        _scale_lengthscales(fin_kernel, best_level["multiplier"])
-        # back to raw units: x = mu + sd * z, so an ARD lengthscale l on z is l * sd on x; y = y_mu + y_sd * z
-        if isinstance(kernel, str):
-            with torch.no_grad():
-                fin_kernel.base_kernel.lengthscale = fin_kernel.base_kernel.lengthscale * x_sd.to(dtype)
-        if isinstance(fin_kernel, ScaleKernel):
-            with torch.no_grad():
-                fin_kernel.outputscale = fin_kernel.outputscale * float(y_sd) ** 2
-        else:
-            wrapped = ScaleKernel(fin_kernel).to(dtype=dtype, device=dev)
-            with torch.no_grad():
-                wrapped.outputscale = torch.tensor(float(y_sd) ** 2, dtype=dtype, device=dev)
-            fin_kernel = wrapped
-        centers_z = c_pool[:m_fin].to(torch.float64)
-        centers_raw = (centers_z * x_sd + x_mu).to(dtype)
-        noise_raw = best_level["noise"] * float(y_sd) ** 2
-        final = FalkonGP(x_fin_t, y_fin_t, kernel=fin_kernel, centers=centers_raw, penalty=noise_raw / x_fin.shape[0],
-                         mean_constant=float(y_mu), max_iter=max_iter, tol=tol)
-        final, converged = _fit_quiet(final)
+        final, converged = build_final(best_level)
         report.stages["final fit"] = time.perf_counter() - t_stage
         if not converged:
             report.notes.append(f"final CG stopped at max_iter={max_iter} before tol={tol:g}")
+        m_fin = int(final.centers.shape[0])
+        noise_raw = best_level["noise"] * float(y_sd) ** 2
 
         best_obj = next((r for r in report.learn if r["objective"] == best_state["objective"]
                          and r.get("rows") == best_state["rows"]), {})

@@ -344,3 +344,39 @@ def test_auto_fit_leaves_time_for_a_final_fit_that_recomputes_its_kernel():
     assert any(n.startswith("learning share cut to") for n in rep.notes), rep.notes
     assert rep.stages["learn"] < 5.0, rep.stages  # the cut is to "now": one round at most
     assert bool(m.fitted)
+
+
+def test_auto_fit_scores_stage_one_with_score_centers():
+    """Stage 1's validation fits use the objective's centers plus subsample rows up to score_centers
+    (default max(hyper_centers, min_centers)); score_centers=hyper_centers scores with the objective's own.
+    The initial score equals a FALKON fit with those centers (checked through the recorded record)."""
+    x, y, _ = _data(500)
+    rep = auto_fit(x, y, **SMALL).auto_report
+    runs = [r for r in rep.learn if r["objective"] != "initial"]
+    assert runs and all(r["score_centers"] == 60 for r in runs)  # max(40, 60), within the 300 rows
+    own = auto_fit(x, y, score_centers=40, **SMALL).auto_report
+    assert all(r["score_centers"] == r["centers"] == 40 for r in own.learn if r["objective"] != "initial")
+    with pytest.raises(ValueError, match="score_centers must be an int >= 1"):
+        auto_fit(x, y, score_centers=0, **SMALL)
+
+
+def test_auto_fit_level_callback_builds_each_levels_final_model():
+    """level_callback gets every selection level once, with its elapsed time, and a builder of the model
+    the call would return had it stopped there; for the chosen level that is the returned model."""
+    x, y, _ = _data(500)
+    xt, _, _ = _data(50, seed=1)
+    seen: list[tuple[dict, torch.Tensor]] = []
+
+    def on_level(level, build):
+        m = build()
+        m.eval()
+        seen.append((level, m.posterior_mean(xt)))
+
+    model = auto_fit(x, y, level_callback=on_level, **SMALL)
+    levels = model.auto_report.chosen["levels"]
+    assert [lv["M"] for lv, _ in seen] == [lv["M"] for lv in levels]
+    elapsed = [lv["elapsed"] for lv, _ in seen]
+    assert elapsed == sorted(elapsed) and all(e > 0 for e in elapsed)
+    best = min(range(len(levels)), key=lambda i: (levels[i]["error"], levels[i]["M"]))
+    model.eval()
+    torch.testing.assert_close(seen[best][1], model.posterior_mean(xt), rtol=1e-9, atol=1e-9)

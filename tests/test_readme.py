@@ -131,3 +131,19 @@ def test_every_getting_started_block_runs(tmp_path: pathlib.Path, monkeypatch: p
             raise AssertionError(f"getting-started python block {i} failed: {type(exc).__name__}: {exc}\n{block}") \
                 from exc
     assert len(namespace["search"].history) == 2 and (tmp_path / "search.json").exists()
+
+
+def test_quickstart_example_runs() -> None:
+    """examples/quickstart.py (the README's main job), small sizes: fixed hyperparameters and auto_fit."""
+    import subprocess
+    import sys
+
+    root = README.parent
+    for args in (["--centers", "200", "--iterations", "30"], ["--auto", "6"]):
+        out = subprocess.run([sys.executable, str(root / "examples" / "quickstart.py"), *args], capture_output=True,
+                             text=True, timeout=300, cwd=root)
+        assert out.returncode == 0, out.stderr[-3000:]
+        m = re.search(r"test RMSE ([0-9.]+) \(predicting the training mean: ([0-9.]+)\), NLPD ([-0-9.]+)", out.stdout)
+        assert m, out.stdout
+        rmse, base = float(m.group(1)), float(m.group(2))
+        assert rmse < 0.9 * base, out.stdout  # well below predicting the mean
