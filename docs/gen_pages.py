@@ -1,7 +1,8 @@
 """Build-time pages of the documentation site (run by mkdocs-gen-files, ``mkdocs.yml``).
 
 - ``tutorials/<example>.md`` for every script in ``examples/``: its docstring as the text and its
-  source; ``examples/plotting.py`` is also *run* (a few seconds) and its figures embedded.
+  source; the examples that draw (``plotting.py``, and ``botorch_loop.py`` with ``--plot`` at reduced
+  sizes, stated on the page) are also *run* and their figures embedded (about 15 s in all).
 - ``benchmarks/<result>.md``: every result page of ``benchmarks/results/`` with its plot, and an
   index of them.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 import tempfile
 
 import mkdocs_gen_files
@@ -22,10 +25,18 @@ def _docstring(path: pathlib.Path) -> str:
     return ast.get_docstring(ast.parse(path.read_text())) or ""
 
 
-def _tutorial(path: pathlib.Path, figures: list[str]) -> str:
+# examples run with --plot during the build, at these (reduced) sizes
+PLOTTED_RUNS: dict[str, list[str]] = {
+    "botorch_loop": ["--iterations", "6", "--init", "12", "--restarts", "2", "--raw-samples", "32"],
+}
+
+
+def _tutorial(path: pathlib.Path, figures: list[str], note: str = "") -> str:
     doc = _docstring(path)
     title, _, rest = doc.partition("\n")
     lines = [f"# {title.strip() or path.stem}", "", rest.strip(), ""]
+    if note:
+        lines += [note, ""]
     for fig in figures:
         lines += [f"![{fig}]({fig})", ""]
     lines += [f"Source: `examples/{path.name}`", "", "```python", path.read_text().rstrip(), "```", ""]
@@ -48,8 +59,20 @@ def tutorials() -> None:
                     with mkdocs_gen_files.open(f"tutorials/{png.name}", "wb") as f:
                         f.write(png.read_bytes())
                     figures.append(png.name)
+        note = ""
+        if path.stem in PLOTTED_RUNS:
+            args = PLOTTED_RUNS[path.stem]
+            with tempfile.TemporaryDirectory() as tmp:
+                png = pathlib.Path(tmp) / f"{path.stem}.png"
+                subprocess.run([sys.executable, str(path), *args, "--plot", str(png)], check=True,
+                               capture_output=True, text=True, cwd=ROOT)
+                with mkdocs_gen_files.open(f"tutorials/{png.name}", "wb") as f:
+                    f.write(png.read_bytes())
+                figures.append(png.name)
+            note = ("The figure below was drawn when this site was built: "
+                    f"`python examples/{path.name} {' '.join(args)}`.")
         with mkdocs_gen_files.open(f"tutorials/{path.stem}.md", "w") as f:
-            f.write(_tutorial(path, figures))
+            f.write(_tutorial(path, figures, note))
 
 
 def benchmarks() -> None:
