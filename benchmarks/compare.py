@@ -11,9 +11,9 @@ Fastfood via gpfalkon's FastfoodKernel) + ridge, on real datasets, in one run.
 pyarrow; ``--target`` names the target column, ``--features`` the feature columns, default all
 others); ``--test`` a test file in the same format, else ``--test-fraction`` (0.2) of the rows
 are held out (seed 0); ``--task`` regression / binary (default: binary when the target has two
-values). FALKON, the learned FalkonGP, auto_fit and the GPyTorch baselines run within ``--budget``,
-hyperparameter selection included (Nystroem, RFF and Fastfood reuse FALKON's lengthscale, as
-below). Only
+values). Every method runs within ``--budget``, its hyperparameter selection included and timed
+(Nystroem, RFF and Fastfood are charged the selection of the lengthscale they share with FALKON).
+Only
 ``--out`` and its ``.jsonl`` / ``.png`` siblings are written (the workers' scratch files live in a
 hidden folder next to them, removed at the end); without matplotlib there is no plot.
 
@@ -39,7 +39,8 @@ How each method is configured (its own documentation's recipe, same everywhere):
   lambda from a 4-value grid (noise n*lambda in {1e-3, 1e-2, 0.1, 1}) by hold-out (FALKON
   fits with M <= 2000 on 80% of at most 100k training rows, error on the other 20%); the
   selection is included in FALKON's fit time. Nystroem, RFF and Fastfood use the same
-  lengthscale without paying for it (their own penalty selection is timed).
+  lengthscale and are charged its selection time too (since this version: earlier result files
+  gave it to them free), on top of their own timed penalty selection.
 * FalkonGP learned (M=500): ARD RBF lengthscales, lambda and the 500 centers learned by
   ``StochasticNystromCompReg`` (Adam lr 0.05, <= 100 steps, 20 trace vectors, its default
   CG per step: relative residual 1e-4, at most 50 iterations; on at most 20k training rows,
@@ -77,7 +78,8 @@ How each method is configured (its own documentation's recipe, same everywhere):
   approximation guide; rows subsampled so the n x M float64 feature matrix fits 2 GiB.
   Its fit cannot be interrupted, so M (<= 5000) is the largest whose fit time, predicted
   from a cost model measured on this machine, is within 3/4 of the budget.
-* RFF / Fastfood + ridge: 2 x 2048 features (2 x 1024 on flights) at FALKON's
+* RFF / Fastfood + ridge: 2 x 2048 features (2 x 1024 on flights; halved while the ridge solve's
+  eigendecomposition is predicted to exceed a quarter of the budget) at FALKON's
   lengthscale, Z^T Z accumulated over row blocks (all rows), ridge penalty chosen on a 20%
   hold-out from one eigendecomposition.
 
@@ -512,6 +514,9 @@ def run_falkon_learned(data: dict, budget: float) -> list[dict]:
                          info=f"{steps} Adam steps on {nh:,} rows ({learn_s:.0f} s), learned noise {noise:.3g}"
                          + ("" if nz == noise else f"; noise {nz:g} (hold-out)") + _cg_note(caught)))
         del fit
+    # the M=5000 row's time-to-error curve: its first stage (the learned M=500 model) then itself
+    errs = [metrics(data, r["scores"].numpy())["error"] for r in rows]
+    rows[1]["curve"] = [(rows[0]["fit_s"], errs[0]), (rows[1]["fit_s"], errs[1])]
     return rows
 
 
@@ -879,17 +884,23 @@ def nystroem_size(n_all: int, budget: float, feature_bytes: int = 2 * 2**30):
     return best
 
 
+def shared_lengthscale(data: dict, budget: float) -> tuple[float, float]:
+    """FALKON's lengthscale (:func:`heuristic_hypers`: computed by the FALKON worker and cached, or here
+    within half the budget) and the seconds its selection took, which the method using it is charged."""
+    hyp = heuristic_hypers(data, deadline=time.perf_counter() + 0.5 * budget)
+    return hyp["lengthscale"], hyp["seconds"]
+
+
 def run_nystroem(data: dict, budget: float) -> list[dict]:
     from sklearn.kernel_approximation import Nystroem
     from sklearn.linear_model import RidgeCV
     from sklearn.pipeline import make_pipeline
 
     n_all = len(data["xtr"])
-    m, n = nystroem_size(n_all, budget)
+    ls, sel_s = shared_lengthscale(data, budget)
+    m, n = nystroem_size(n_all, max(budget - sel_s, 1e-3))
     xtr, ytr = subsample(data, n)
-    # FALKON's lengthscale, shared and not charged here (computed within half a budget if absent)
-    ls = heuristic_hypers(data, deadline=time.perf_counter() + 0.5 * budget)["lengthscale"]
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() - sel_s  # the lengthscale selection is part of the fit time
     pipe = make_pipeline(
         Nystroem(kernel="rbf", gamma=1.0 / (2 * ls**2), n_components=m, random_state=0),
         RidgeCV(alphas=np.logspace(-6, 2, 9)),
@@ -902,11 +913,13 @@ def run_nystroem(data: dict, budget: float) -> list[dict]:
     pred_s = time.perf_counter() - t1
     alpha = pipe[-1].alpha_
     return [dict(method="sklearn Nystroem+RidgeCV", M=m, n_used=n, fit_s=fit_s, predict_s=pred_s, scores=scores,
-                 info=f"alpha {alpha:g} (LOO)" + ("" if n == n_all else f"; {n:,} of {n_all:,} rows (2 GiB features)"))]
+                 info=f"alpha {alpha:g} (LOO); FALKON's lengthscale selection ({sel_s:.0f} s) included"
+                 + ("" if n == n_all else f"; {n:,} of {n_all:,} rows (2 GiB features)"))]
 
 
-def _ridge_random_features(data: dict, kernel, label: str, num_samples: int) -> list[dict]:
-    """Ridge regression on the kernel's random features ``z(x) = [cos, sin] / sqrt(D)``, blockwise."""
+def _ridge_random_features(data: dict, kernel, label: str, num_samples: int, sel_s: float = 0.0) -> list[dict]:
+    """Ridge regression on the kernel's random features ``z(x) = [cos, sin] / sqrt(D)``, blockwise;
+    ``sel_s``, the seconds of the lengthscale's selection, is added to the fit time."""
     import torch
 
     xtr, ytr = data["xtr"], data["ytr"]
@@ -947,17 +960,29 @@ def _ridge_random_features(data: dict, kernel, label: str, num_samples: int) -> 
     lam = best[1]
     Gall, ball = G["a"] + G["v"], b["a"] + b["v"]
     w = torch.linalg.solve(Gall + n * lam * torch.eye(f, dtype=torch.float64), ball)
-    fit_s = time.perf_counter() - t0
+    fit_s = time.perf_counter() - t0 + sel_s
     t1 = time.perf_counter()
     w32 = w.float()
     scores = predict_chunks(lambda x: feats(x) @ w32, data["xte"])
     pred_s = time.perf_counter() - t1
     return [dict(method=label, M=f, n_used=n, fit_s=fit_s, predict_s=pred_s, scores=scores,
-                 info=f"lambda {lam:g} (hold-out)")]
+                 info=f"lambda {lam:g} (hold-out); FALKON's lengthscale selection ({sel_s:.0f} s) included")]
 
 
-def _num_samples(n: int) -> int:
-    return 2048 if n <= FULL_BATCH_MAX_N else 1024
+def _num_samples(n: int, budget: float) -> int:
+    """Random-feature pairs D: 2048 (1024 above 100k rows), halved while the ``2D x 2D`` eigendecomposition
+    of the ridge solve, predicted from one measured at 2D = 512 (cubic cost), would take more than a
+    quarter of the budget (at least 64): small budgets then still hold."""
+    import torch
+
+    ns = 2048 if n <= FULL_BATCH_MAX_N else 1024
+    a = torch.randn(512, 512, dtype=torch.float64)
+    t = time.perf_counter()
+    torch.linalg.eigh(a @ a.T)
+    t512 = time.perf_counter() - t
+    while ns > 64 and t512 * (2 * ns / 512) ** 3 > budget / 4:
+        ns //= 2
+    return ns
 
 
 def run_rff(data: dict, budget: float) -> list[dict]:
@@ -965,11 +990,11 @@ def run_rff(data: dict, budget: float) -> list[dict]:
     import torch
 
     d = data["xtr"].shape[1]
-    ns = _num_samples(len(data["xtr"]))
+    ns = _num_samples(len(data["xtr"]), budget)
     torch.manual_seed(0)
     k = gpytorch.kernels.RFFKernel(num_samples=ns, num_dims=d)
-    k.lengthscale = heuristic_hypers(data, deadline=time.perf_counter() + 0.5 * budget)["lengthscale"]
-    return _ridge_random_features(data, k, "RFF + ridge", ns)
+    k.lengthscale, sel_s = shared_lengthscale(data, budget)
+    return _ridge_random_features(data, k, "RFF + ridge", ns, sel_s)
 
 
 def run_fastfood(data: dict, budget: float) -> list[dict]:
@@ -978,10 +1003,10 @@ def run_fastfood(data: dict, budget: float) -> list[dict]:
     from gpfalkon.kernels import FastfoodKernel
 
     d = data["xtr"].shape[1]
-    ns = _num_samples(len(data["xtr"]))
+    ns = _num_samples(len(data["xtr"]), budget)
     k = FastfoodKernel(num_samples=ns, num_dims=d, generator=torch.Generator().manual_seed(0))
-    k.lengthscale = heuristic_hypers(data, deadline=time.perf_counter() + 0.5 * budget)["lengthscale"]
-    return _ridge_random_features(data, k, "Fastfood + ridge", ns)
+    k.lengthscale, sel_s = shared_lengthscale(data, budget)
+    return _ridge_random_features(data, k, "Fastfood + ridge", ns, sel_s)
 
 
 RUNNERS = {

@@ -28,11 +28,14 @@ def test_compare_runs_on_a_users_csv_within_its_budget_and_writes_only_under_out
     before = set(results.glob(".compare-*"))  # where the old code wrote its scratch files
     env = dict(os.environ, PYTHONPATH=str(root))
     cmd = [sys.executable, str(root / "benchmarks" / "compare.py"), "--data", str(csv), "--target", "price",
-           "--methods", "falkon", "sgpr", "--budget", "6", "--out", str(out)]
+           "--methods", "falkon", "falkon-learned", "sgpr", "rff", "--budget", "6", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
-    assert {r["key"] for r in rows} == {"falkon", "sgpr"}
+    assert {r["key"] for r in rows} == {"falkon", "falkon-learned", "sgpr", "rff"}
+    learned = [r for r in rows if r["key"] == "falkon-learned"]
+    assert [p[0] for p in learned[1]["curve"]] == [learned[0]["fit_s"], learned[1]["fit_s"]]
+    assert learned[1]["curve"][1][1] == pytest.approx(learned[1]["error"])
     for r in rows:
         assert "error" in r and 0 < r["error"] < 1.0, r
         assert r["fit_s"] < 6 * 2 + 5, r  # hyperparameter selection included
