@@ -544,6 +544,18 @@ class _Search(abc.ABC):
         pick = int(torch.randint(len(unseen), (1,), generator=self.generator))
         return dict(zip(self.space.names, unseen[pick], strict=True))
 
+    def _random_batch(self, n: int, taken: set[tuple], source: str) -> list[tuple[dict[str, Any], str]]:
+        """Up to ``n`` random unseen configurations labelled ``source`` (fewer when the space runs out);
+        each is added to ``taken``."""
+        out: list[tuple[dict[str, Any], str]] = []
+        for _ in range(n):
+            c = self._random_unseen(taken)
+            if c is None:
+                break
+            taken.add(self.space.key(c))
+            out.append((c, source))
+        return out
+
     def _save(self) -> None:
         if self.history_path is None:
             return
@@ -666,14 +678,7 @@ class RandomSearch(_Search):
     source = "random"
 
     def _propose(self, q: int, taken: set[tuple]) -> list[tuple[dict[str, Any], str]]:
-        out: list[tuple[dict[str, Any], str]] = []
-        for _ in range(q):
-            c = self._random_unseen(taken)
-            if c is None:
-                break
-            taken.add(self.space.key(c))
-            out.append((c, "random"))
-        return out
+        return self._random_batch(q, taken, "random")
 
 
 class GridSearch(_Search):
@@ -765,37 +770,22 @@ class BoTorchSearch(_Search):
         else:
             model = SingleTaskGP(X, Y, input_transform=tf)
         prev = self._gp_states.get(role) if self.warm_start else None
-        if prev is not None:
-            try:
-                model.load_state_dict(prev, strict=False)
-            except RuntimeError:  # another structure (cannot happen for one space): fit from the defaults
-                pass
+        if prev is not None:  # same space, same model structure: the parameters load as they are
+            model.load_state_dict(prev, strict=False)
         fit_gpytorch_mll(ExactMarginalLogLikelihood(model.likelihood, model))
         self._gp_states[role] = {k: v.detach().clone() for k, v in model.state_dict().items()
                                  if not k.startswith(("outcome_transform", "input_transform"))}
         return model
 
     def _propose(self, q: int, taken: set[tuple]) -> list[tuple[dict[str, Any], str]]:
-        out: list[tuple[dict[str, Any], str]] = []
-        seen = len(self.history) + len(self.pending)
-        while len(out) < q and seen + len(out) < self.n_initial:
-            c = self._random_unseen(taken)
-            if c is None:
-                return out
-            taken.add(self.space.key(c))
-            out.append((c, "random"))
-        rest = q - len(out)
-        if rest == 0:
+        n_random = min(q, max(0, self.n_initial - len(self.history) - len(self.pending)))
+        out = self._random_batch(n_random, taken, "random")
+        rest = q - n_random
+        if rest == 0 or len(out) < n_random:  # done, or the space ran out
             return out
         ok = [t for t in self.history if math.isfinite(t.value)]
         if len(ok) < 2:  # nothing (or one point) to fit a GP to: non-finite values were recorded as inf
-            for _ in range(rest):
-                c = self._random_unseen(taken)
-                if c is None:
-                    break
-                taken.add(self.space.key(c))
-                out.append((c, "random (fewer than 2 finite values to fit a GP)"))
-            return out
+            return out + self._random_batch(rest, taken, "random (fewer than 2 finite values to fit a GP)")
         pending = [c for c, _ in self.pending] + [c for c, _ in out]
         for c in self._candidates(ok, pending, rest):
             source = "botorch"
