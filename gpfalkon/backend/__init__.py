@@ -28,6 +28,7 @@ from .blocks import (
     memory_budget_for,
     resolve_block_rows,
     row_blocks,
+    stored_batch,
 )
 from .distributed import DistributedBackend, ShardedEngine, init_distributed, shard_range
 from .engine import KernelEngine, StationarySpec, kernel_block, stationary_spec
@@ -76,6 +77,7 @@ __all__ = [
     "shard_range",
     "shard_rows",
     "stationary_spec",
+    "stored_batch",
     "whitened_aggregates",
     "whitened_sq_norms",
 ]

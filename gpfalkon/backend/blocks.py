@@ -23,8 +23,9 @@ Profiles (their defaults are the measured ones of ``benchmarks/engine.py``):
   about 8 MiB of float64, three live blocks (kernel block, solved block, slack).
 * :data:`AGGREGATE` - the objectives' differentiable aggregates: 2048 rows, four live
   blocks (the kernel block, its solve and their autograd copies).
-* :data:`STORED` - reading a stored ``K_nM`` twice per block: about 2 MiB (so the second
-  read hits cache), at least 16 rows.
+* :data:`STORED` - reading a stored ``K_nM`` for thin products: sub-blocks of about
+  512 KiB (each read twice, the second time from the core's own cache), at least 8 rows;
+  a chunk is :func:`stored_batch` sub-blocks handled by one batched product.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ __all__ = [
     "memory_budget_for",
     "resolve_block_rows",
     "row_blocks",
+    "stored_batch",
 ]
 
 
@@ -66,7 +68,7 @@ PRODUCT = BlockProfile(live_blocks=2, target_bytes=2 * 2**20, min_rows=32)
 GRADIENT = BlockProfile(live_blocks=8, default_rows=2048)
 FACTOR = BlockProfile(live_blocks=3, target_bytes=8 * 2**20, min_rows=64, itemsize=8)
 AGGREGATE = BlockProfile(live_blocks=4, default_rows=2048)
-STORED = BlockProfile(live_blocks=1, target_bytes=2 * 2**20, min_rows=16)
+STORED = BlockProfile(live_blocks=1, target_bytes=512 * 2**10, min_rows=8)
 
 
 def resolve_block_rows(block_rows: int | None = None) -> int | None:
@@ -159,6 +161,19 @@ def memory_budget_for(memory_budget: int | None = None, device: torch.device | s
             or float(budget) != math.floor(float(budget)) or float(budget) < 1:
         raise ValueError(f"memory_budget must be an integer >= 1 (bytes), got {budget!r}")
     return int(float(budget))
+
+
+def stored_batch(threads: int | None = None, minimum: int = 8) -> int:
+    """Sub-blocks per batched thin product: the smallest multiple of ``threads`` (default
+    ``torch.get_num_threads()``) that is at least ``minimum``.
+
+    A batched product ``bmm`` over ``T`` sub-blocks hands whole sub-blocks to the threads
+    with the same static split in both of its calls, so each thread's second read of its
+    sub-block hits its own cache; ``T >= 8`` amortises the per-call overhead
+    (``benchmarks/engine.py`` measures it).
+    """
+    t = max(1, int(torch.get_num_threads() if threads is None else threads))
+    return t * max(1, -(-int(minimum) // t))
 
 
 def row_blocks(n: int, rows: int, start: int = 0) -> Iterator[tuple[int, int]]:

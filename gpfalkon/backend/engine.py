@@ -32,6 +32,7 @@ copies them; a stored ``K_nM`` freezes them): build a new one after they change
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import overload
@@ -40,7 +41,15 @@ import torch
 from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from torch import Tensor
 
-from .blocks import PRODUCT, STORED, block_rows_for, memory_budget_for, resolve_block_rows, row_blocks
+from .blocks import (
+    PRODUCT,
+    STORED,
+    block_rows_for,
+    memory_budget_for,
+    resolve_block_rows,
+    row_blocks,
+    stored_batch,
+)
 from .sources import RowSource
 
 __all__ = ["KernelEngine", "StationarySpec", "kernel_block", "stationary_spec"]
@@ -55,6 +64,7 @@ class StationarySpec:
     outputscale: Tensor | None  # scalar or None
 
 
+_COLUMN_FORM_MAX_K = 1  # right-hand sides up to which the column form is used (measured)
 _MATERN_KIND = {0.5: "matern12", 1.5: "matern32", 2.5: "matern52"}
 
 
@@ -83,29 +93,34 @@ def stationary_spec(kernel: Kernel) -> StationarySpec | None:
 
 # Profile phi(t) of each fast kernel, k = s * CONST * phi(FACTOR * ||x - c||^2 / ell^2):
 # FACTOR is folded into the augmented coordinates and CONST into the output scale,
-# so neither costs an elementwise pass over the block.
-_FACTOR = {"rbf": -0.5, "matern12": 1.0, "matern32": 3.0, "matern52": 5.0}
+# so neither costs an elementwise pass over the block. FACTOR also carries the change
+# of base exp(t) = 2^(t log2 e) (log2(e)^2 under the square root of the Matern
+# profiles): torch's exp2 ran 3-4x faster than its exp on CPU (benchmarks/engine.py).
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_FACTOR = {"rbf": -0.5 * _LOG2E, "matern12": _LOG2E**2, "matern32": 3.0 * _LOG2E**2, "matern52": 5.0 * _LOG2E**2}
 _CONST = {"rbf": 1.0, "matern12": 1.0, "matern32": 1.0, "matern52": 1.0 / 3.0}
 
 
 def _apply_profile_(kind: str, buf: Tensor, tmp: Tensor | None, zero_below: float = 0.0) -> Tensor:
     """In place: ``buf`` holds ``FACTOR[kind] * ||x - c||^2 / ell^2``; returns ``phi(buf)``.
 
-    rbf: ``exp(t)`` (t <= 0); Matern with ``z = sqrt(t)``: 1/2 ``exp(-z)``,
-    3/2 ``(1 + z) exp(-z)``, 5/2 ``((z + 1.5)^2 + 0.75) exp(-z)`` (``= 3 (1 + z + z^2/3) exp(-z)``,
-    the 1/3 being in ``_CONST``). Values at or below ``zero_below`` (the rounding
-    floor of the norm expansion) become exactly 0 before the square root, which
-    would otherwise turn that floor into an error of ``sqrt(eps)`` in ``k(x, x)``
-    for the non-smooth Matern-1/2 kernel.
+    rbf: ``2^t = exp(t ln 2)`` (t <= 0); Matern with ``z' = sqrt(t) = z log2 e``: 1/2 ``2^-z'
+    = exp(-z)``, 3/2 ``(1 + z) exp(-z)``, 5/2 ``((z + 1.5)^2 + 0.75) exp(-z)``
+    (``= 3 (1 + z + z^2/3) exp(-z)``, the 1/3 being in ``_CONST``). Values at or below
+    ``zero_below`` (the rounding floor of the norm expansion) become exactly 0 before the
+    square root, which would otherwise turn that floor into an error of ``sqrt(eps)`` in
+    ``k(x, x)`` for the non-smooth Matern-1/2 kernel.
     """
     if kind == "rbf":
-        return buf.clamp_(max=0.0).exp_()
+        return buf.clamp_(max=0.0).exp2_()
     torch.threshold_(buf, zero_below, 0.0)  # the same builtin as torch.nn.functional.threshold_
     buf.sqrt_()
     if kind == "matern12":
-        return buf.neg_().exp_()
+        return buf.neg_().exp2_()
     assert tmp is not None  # the Matern-3/2 and 5/2 profiles are always given a buffer
-    torch.neg(buf, out=tmp).exp_()
+    torch.neg(buf, out=tmp).exp2_()
+    buf.mul_(_LN2)  # z' -> z
     if kind == "matern32":
         return buf.add_(1.0).mul_(tmp)
     return buf.add_(1.5).square_().add_(0.75).mul_(tmp)
@@ -172,14 +187,24 @@ class KernelEngine:
         self.block_rows = block_rows_for(
             self.n, self.m, itemsize, PRODUCT, memory_budget=budget, block_rows=self.block_rows_setting
         )
-        # A stored K_nM is read twice per block (K_b u, then (.)^T K_b): blocks of about
-        # 2 MiB let the second read hit cache (benchmarks/engine.py measures it), whatever block_rows says.
-        assert STORED.target_bytes is not None  # the STORED profile sizes by bytes
-        cache_rows = max(STORED.min_rows, STORED.target_bytes // row_bytes)
-        self.stored_block_rows = min(
-            self.block_rows,
-            block_rows_for(self.n, self.m, itemsize, STORED, memory_budget=budget, block_rows=cache_rows),
-        )
+        # Thin products read a stored K_nM in chunks of `stored_batch` sub-blocks of about
+        # 512 KiB, one batched product per chunk: each thread reads its sub-block twice,
+        # the second time from its own cache (benchmarks/engine.py measures it). On a GPU
+        # the whole matrix is one chunk (bandwidth is ample; launches are not).
+        if self.device.type == "cuda":
+            self.stored_batch = 1
+            self.stored_block_rows = max(self.n, 1)
+        else:
+            self.stored_batch = stored_batch()
+            assert STORED.target_bytes is not None  # the STORED profile sizes by bytes
+            sub_rows = block_rows_for(
+                self.n, self.m, itemsize, STORED, memory_budget=budget,
+                block_rows=max(STORED.min_rows, STORED.target_bytes // row_bytes),
+            )
+            chunk = self.stored_batch * sub_rows
+            if self.block_rows_setting is not None:  # an explicit block height caps the chunks too
+                chunk = min(chunk, self.block_rows_setting)
+            self.stored_block_rows = max(1, min(self.n, chunk))
         self.memory_budget = budget
 
         self.spec = stationary_spec(kernel)
@@ -233,7 +258,7 @@ class KernelEngine:
         torch.matmul(xa, self._ca_t, out=out)
         zero_below = 0.0
         if self.spec.kind == "matern12":
-            zero_below = 8.0 * self._eps * (float(x_sq.max()) + self._c_sq_max)
+            zero_below = 8.0 * self._eps * (float(x_sq.max()) + self._c_sq_max) * _FACTOR["matern12"]
         tmp = None
         if self.spec.kind in ("matern32", "matern52"):
             if self._tmp is None or self._tmp.shape[0] < rows:
@@ -332,17 +357,56 @@ class KernelEngine:
         acc = torch.zeros(k, self.m, dtype=self.acc_dtype, device=self.device)
         with torch.no_grad():
             for start, stop, blk in self.iter_blocks():
-                if u_t is not None:
-                    w = u_t @ blk.t()  # (k, rows)
-                    if v_t is not None:
-                        w.add_(v_t[:, start:stop])
-                else:
-                    assert v_t is not None  # u is None here, so v is not
-                    w = v_t[:, start:stop]
-                acc += (w @ blk).to(self.acc_dtype)
+                self._thin_block_(acc, blk, u_t, None if v_t is None else v_t[:, start:stop])
         if s != 1.0:
             acc.mul_(s)
         return acc.t()
+
+    def _thin_block_(self, acc: Tensor, blk: Tensor, u_t: Tensor | None, v_t: Tensor | None) -> None:
+        """``acc += (u^T K_b^T + v_b^T) K_b`` for one block (``u_t``: ``(k, M)``, ``v_t``: ``(k, rows)``).
+
+        A block whose rows split evenly into ``T`` sub-blocks (``T`` = ``stored_batch``, or the
+        thread count) is viewed as ``(T, rows / T, M)`` and handled by two batched products
+        (``bmm``): each thread then owns whole sub-blocks in both products and reads its
+        sub-block the second time from its own cache, instead of the two products of a 2-D
+        block splitting it along different axes. One right-hand side uses the column form
+        ``K_b u`` of the first product, several the row form ``u^T K_b^T`` (both measured in
+        ``benchmarks/engine.py``). Partial sums of the ``T`` sub-blocks are added in the
+        data dtype, then accumulated in float64.
+        """
+        rows = blk.shape[0]
+        t = 1
+        if blk.is_contiguous():
+            for cand in (self.stored_batch, torch.get_num_threads()):
+                if cand > 1 and rows % cand == 0:
+                    t = cand
+                    break
+        if t == 1:
+            if u_t is not None:
+                w = u_t @ blk.t()  # (k, rows)
+                if v_t is not None:
+                    w.add_(v_t)
+            else:
+                assert v_t is not None  # kmn_k checks that u or v is given
+                w = v_t
+            acc += (w @ blk).to(self.acc_dtype)
+            return
+        k = acc.shape[0]
+        b3 = blk.view(t, rows // t, self.m)
+        if u_t is not None:
+            if k <= _COLUMN_FORM_MAX_K:
+                # an explicit column (stride M between its columns): with the stride 1 that
+                # torch gives a (1, M) row by default, MKL's batched product ran 4x slower
+                col = u_t.as_strided((t, self.m, k), (0, 1, self.m))
+                w3 = torch.bmm(b3, col).transpose(1, 2)  # (t, k, r)
+            else:
+                w3 = torch.bmm(u_t.expand(t, k, self.m), b3.transpose(1, 2))  # (t, k, r)
+            if v_t is not None:
+                w3 = w3 + v_t.reshape(k, t, rows // t).transpose(0, 1)
+        else:
+            assert v_t is not None
+            w3 = v_t.reshape(k, t, rows // t).transpose(0, 1)
+        acc += torch.bmm(w3, b3).sum(0).to(self.acc_dtype)
 
     def k_matmul(self, u: Tensor) -> Tensor:
         """``K_nM u`` for ``u`` ``(M, k)``; returns ``(n, k)`` in the data dtype."""
