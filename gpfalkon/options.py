@@ -29,6 +29,8 @@ from .backend.blocks import memory_budget_for, resolve_block_rows
 __all__ = ["FalkonOptions", "ResolvedOptions", "option_property"]
 
 _DTYPES = (torch.float32, torch.float64)
+#: the values of :attr:`FalkonOptions.solve_method`
+SOLVE_METHODS = ("auto", "cg", "direct")
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,12 @@ class FalkonOptions:
             memory_budget=..., block_rows=..., store=...)`` (default
             :class:`~gpfalkon.backend.KernelEngine`, the in-memory one); the result must
             offer :class:`~gpfalkon.backend.KernelEngine`'s passes.
+        solve_method: how :meth:`~gpfalkon.FalkonGP.fit` solves ``H alpha = K_Mn y``:
+            ``"cg"`` (FALKON's preconditioned CG), ``"direct"`` (one pass forming the whitened
+            ``M x M`` system, then a Cholesky solve: :mod:`gpfalkon.solvers.direct`) or
+            ``"auto"`` (default): the direct solve where its modelled cost
+            (:func:`~gpfalkon.solvers.choose_method`) is lower, on CPU, with the built-in
+            solver and no per-iteration callback or warm start; CG otherwise.
     """
 
     memory_budget: int | None = None
@@ -69,6 +77,7 @@ class FalkonOptions:
     solver: Callable[..., Any] | None = None
     preconditioner: Callable[..., Any] | None = None
     backend: Callable[..., Any] | None = None
+    solve_method: str = "auto"
 
     def __post_init__(self) -> None:
         for name, minimum in (("memory_budget", 1), ("block_rows", 1), ("max_iter", 0)):
@@ -82,6 +91,8 @@ class FalkonOptions:
         object.__setattr__(self, "verbose", _check_bool("verbose", self.verbose))
         if self.precond_dtype is not None and self.precond_dtype not in _DTYPES:
             raise ValueError(f"precond_dtype must be torch.float32, torch.float64 or None, got {self.precond_dtype}")
+        if self.solve_method not in SOLVE_METHODS:
+            raise ValueError(f"solve_method must be one of {SOLVE_METHODS}, got {self.solve_method!r}")
         for name in ("solver", "preconditioner", "backend"):
             value = getattr(self, name)
             if value is not None and not callable(value):

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from gpfalkon import CGNotConvergedWarning, FalkonConvergenceError, FalkonGP, conjugate_gradient, median_lengthscale
+from gpfalkon import (
+    CGNotConvergedWarning,
+    FalkonConvergenceError,
+    FalkonGP,
+    FalkonOptions,
+    conjugate_gradient,
+    median_lengthscale,
+)
 from gpfalkon.operators.nystrom import NystromKRROperator
 
 from conftest import make_data, make_kernel
@@ -125,7 +132,8 @@ def test_float32_default_tolerance_is_the_float32_floor():
 
     def fit(dtype, **kw):
         x, y = make_data(200, 3, dtype=dtype)
-        return FalkonGP(x, y, kernel=make_kernel("rbf", 3, dtype=dtype), num_centers=40, penalty=1e-4, **kw).fit()
+        return FalkonGP(x, y, kernel=make_kernel("rbf", 3, dtype=dtype), num_centers=40, penalty=1e-4,
+                        options=FalkonOptions(solve_method="cg"), **kw).fit()
 
     assert fit(torch.float32).fit_info.tol == FLOAT32_TOL
     assert fit(torch.float64).fit_info.tol == settings.cg_tolerance.value() < FLOAT32_TOL

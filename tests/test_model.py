@@ -9,7 +9,7 @@ import torch
 from gpytorch.utils.warnings import GPInputWarning
 from linear_operator.operators import ZeroLinearOperator
 
-from gpfalkon import FalkonGP, NotFittedError
+from gpfalkon import FalkonGP, FalkonOptions, NotFittedError
 
 from conftest import dense_kernel, make_data, make_kernel
 
@@ -238,7 +238,7 @@ def test_user_centers_and_reproducible_sampling():
 
 
 def test_fit_options_warm_start_variance_and_verbose(capsys):
-    model, _x, _y, _k = _fitted("rbf")
+    model, _x, _y, _k = _fitted("rbf", options=FalkonOptions(solve_method="cg"))  # CG's warm start
     iters = model.fit_info.iterations
     model.fit(warm_start=True, compute_variance=True)
     assert model.fit_info.iterations < iters / 2

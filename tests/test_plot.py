@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from gpfalkon import CGNotConvergedWarning, FalkonGP
+from gpfalkon import CGNotConvergedWarning, FalkonGP, FalkonOptions
 from gpfalkon.objectives import GCV
 
 from conftest import make_data
@@ -28,7 +28,8 @@ def _close():
 def test_cg_convergence_draws_the_residual_history():
     x, y = make_data(200, 2)
     with pytest.warns(CGNotConvergedWarning):  # 15 iterations do not reach 1e-10: the whole history is drawn
-        model = FalkonGP(x, y, num_centers=30, penalty=1e-4, max_iter=15, tol=1e-10).fit()
+        model = FalkonGP(x, y, num_centers=30, penalty=1e-4, max_iter=15, tol=1e-10,
+                         options=FalkonOptions(solve_method="cg")).fit()
     ax = plot.plot_cg_convergence(model)
     (line,) = [ln for ln in ax.get_lines() if ln.get_label() != f"tol {1e-10:g}"]
     res = model.fit_info.residuals.reshape(-1).tolist()

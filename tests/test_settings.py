@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import gpfalkon
-from gpfalkon import FalkonClassifier, FalkonGP, auto_fit, settings
+from gpfalkon import FalkonClassifier, FalkonGP, FalkonOptions, auto_fit, settings
 from gpfalkon.backend import blocks
 
 from conftest import make_data, make_kernel
@@ -17,7 +17,8 @@ from conftest import make_data, make_kernel
 
 def _model():
     x, y = make_data(200, 3)
-    return FalkonGP(x, y, kernel=make_kernel("rbf", 3), num_centers=40, penalty=1e-7, tol=0.0)
+    return FalkonGP(x, y, kernel=make_kernel("rbf", 3), num_centers=40, penalty=1e-7, tol=0.0,
+                    options=FalkonOptions(solve_method="cg"))  # the settings under test are CG's
 
 
 def test_settings_in_two_threads_do_not_leak():

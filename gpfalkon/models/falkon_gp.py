@@ -562,7 +562,7 @@ class FalkonGP(gpytorch.models.GP):
             x0 = None
             if warm_start and bool(self.fitted):
                 x0 = self.alpha.reshape(op.m, -1).to(torch.float64)
-            alpha, info = op.falkon_solve(rhs, x0, tol=tol, max_iter=max_iter, callback=callback, verbose=verbose)
+            alpha, info = op.solve_system(rhs, x0, tol=tol, max_iter=max_iter, callback=callback, verbose=verbose)
             self.alpha = alpha.reshape(self.alpha.shape).to(torch.float64)
             self.fit_info = info
             self._mark_fitted()

@@ -19,7 +19,8 @@ from ..backend.engine import KernelEngine, kernel_block
 from ..backend.passes import is_sharded, total_rows
 from ..errors import FalkonConvergenceError, JitterWarning
 from ..options import FalkonOptions, option_property
-from ..solvers import CGInfo, Preconditioner, PreconditionerBuilder, Solver, falkon_solve
+from ..solvers import CGInfo, Preconditioner, PreconditionerBuilder, Solver, choose_method, falkon_solve
+from ..solvers.direct import direct_solve_whitened, whitened_factor
 from .preconditioner import FalkonPreconditioner
 
 __all__ = ["FLOAT32_QUIET", "FLOAT32_TOL", "HGrads", "NystromKRROperator"]
@@ -183,6 +184,7 @@ class NystromKRROperator(LinearOperator):
     tol = option_property("tol")
     verbose = option_property("verbose")
     precond_dtype = option_property("precond_dtype")
+    solve_method = option_property("solve_method")
 
     @property
     def n(self) -> int:
@@ -355,6 +357,55 @@ class NystromKRROperator(LinearOperator):
                         raise
         self.last_info = info
         return sol, info
+
+    def chosen_method(self, *, tol: float | None = None, max_iter: int | None = None, iterative: bool = False) -> str:
+        """``"cg"`` or ``"direct"``: :attr:`FalkonOptions.solve_method`, with ``"auto"`` resolved by
+        :func:`~gpfalkon.solvers.choose_method` (CPU, built-in solver, ``iterative=False`` only:
+        a per-iteration callback or a warm start asks for CG)."""
+        method = self.options.solve_method
+        if method != "auto":
+            return method
+        if iterative or self.solver is not falkon_solve or self.x.device.type != "cpu":
+            return "cg"
+        tol_, max_iter_ = self._stopping_rule(tol, max_iter)
+        engine = self.engine  # knows whether K_nM is stored
+        stored = bool(getattr(engine, "stored", False))
+        return choose_method(
+            self.n, self.m, self.x.shape[1], itemsize=self.x.dtype.itemsize, stored=stored, tol=tol_, max_iter=max_iter_
+        )
+
+    def direct_solve(self, rhs: Tensor) -> tuple[Tensor, CGInfo]:
+        """The direct Nyström solve of ``H alpha = rhs`` (``rhs`` ``(M, k)``), no autograd:
+        one data pass forming ``L^{-1} K_Mn K_nM L^{-T}`` (``L L^T = K_MM + j I``), then a
+        Cholesky solve (:mod:`gpfalkon.solvers.direct`; ``O(n M^2 + M^3)`` float64 flops,
+        ``O(M^2)`` memory). Returns ``(alpha, info)`` with ``info.extra["method"] == "direct"``.
+        """
+        if rhs.dim() != 2 or rhs.shape[0] != self.m:
+            raise ValueError(f"rhs must have shape ({self.m}, k), got {tuple(rhs.shape)}")
+        with torch.no_grad():
+            factor, _ = whitened_factor(self.kmm)
+            gram = self.engine.whitened_gram(factor)
+            alpha, info = direct_solve_whitened(gram, factor, rhs.detach(), self.n * float(self.penalty.detach()))
+        self.last_info = info
+        return alpha, info
+
+    def solve_system(
+        self,
+        rhs: Tensor,
+        x0: Tensor | None = None,
+        *,
+        tol: float | None = None,
+        max_iter: int | None = None,
+        callback: Callable[[int, Tensor, Tensor], None] | None = None,
+        verbose: bool | None = None,
+        warn: bool = True,
+    ) -> tuple[Tensor, CGInfo]:
+        """``H alpha = rhs`` by the method :meth:`chosen_method` picks: :meth:`direct_solve` or
+        :meth:`falkon_solve` (same arguments and return value)."""
+        iterative = x0 is not None or callback is not None or self.callback is not None
+        if self.chosen_method(tol=tol, max_iter=max_iter, iterative=iterative) == "direct":
+            return self.direct_solve(rhs)
+        return self.falkon_solve(rhs, x0, tol=tol, max_iter=max_iter, callback=callback, verbose=verbose, warn=warn)
 
     def _boost_jitter(self, reason: str) -> bool:
         """After a CG breakdown: rebuild the preconditioner with 100x its jitter.

@@ -1,0 +1,106 @@
+"""The direct Nyström solve and the automatic choice between it and FALKON's CG."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpfalkon import FalkonGP, FalkonOptions
+from gpfalkon.solvers import SolveCosts, choose_method, direct_solve_whitened
+from gpfalkon.solvers.direct import whitened_factor
+
+from conftest import dense_nystrom, make_data, make_kernel
+
+
+@pytest.mark.parametrize("kernel_name", ["rbf", "scale_matern52", "rbf+linear"])
+@pytest.mark.parametrize("store", [True, False])
+def test_direct_solve_matches_dense_solve(kernel_name, store):
+    x, y = make_data(300, 3, t=2)
+    centers = x[:25] + 0.01
+    kern = make_kernel(kernel_name, 3)
+    lam = 1e-5
+    h, knm, kmm = dense_nystrom(kern, x, centers, lam)
+    want = torch.linalg.solve(h, knm.T @ y)
+    model = FalkonGP(x, y, kernel=kern, centers=centers, penalty=lam, store_kernel=store,
+                     options=FalkonOptions(solve_method="direct")).fit()
+    assert model.fit_info.iterations == 0 and model.fit_info.extra["method"] == "direct"
+    assert float(model.fit_info.final_residual.max()) < 1e-10
+    # the jitter j of L L^T = K_MM + j I is at the float64 rounding level of K_MM
+    torch.testing.assert_close(h @ model.alpha, knm.T @ y, rtol=1e-7, atol=1e-7 * float((knm.T @ y).abs().max()))
+    torch.testing.assert_close(model.alpha, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_direct_and_cg_give_the_same_model_in_float32():
+    x, y = make_data(400, 4, dtype=torch.float32)
+    kw = dict(kernel=make_kernel("rbf", 4, dtype=torch.float32), num_centers=30, penalty=1e-4, seed=0)
+    cg = FalkonGP(x, y, options=FalkonOptions(solve_method="cg", tol=1e-10, max_iter=500), **kw).fit()
+    direct = FalkonGP(x, y, options=FalkonOptions(solve_method="direct"), **kw).fit()
+    assert cg.fit_info.iterations > 0 and direct.fit_info.iterations == 0
+    xt = make_data(50, 4, dtype=torch.float32, seed=7)[0]
+    cg.eval()
+    direct.eval()
+    torch.testing.assert_close(direct.posterior_mean(xt), cg.posterior_mean(xt), rtol=1e-4, atol=1e-4)
+
+
+def test_direct_solve_whitened_is_the_whitened_system():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(8, 8, generator=g, dtype=torch.float64)
+    kmm = a @ a.T + 8 * torch.eye(8, dtype=torch.float64)
+    knm = torch.randn(50, 8, generator=g, dtype=torch.float64)
+    rhs = torch.randn(8, 3, generator=g, dtype=torch.float64)
+    factor, jitter = whitened_factor(kmm)
+    gram = torch.linalg.solve_triangular(factor, knm.T, upper=False)
+    gram = gram @ gram.T
+    alpha, info = direct_solve_whitened(gram, factor, rhs, 50 * 0.1)
+    h = knm.T @ knm + 5.0 * (kmm + jitter * torch.eye(8, dtype=torch.float64))
+    torch.testing.assert_close(alpha, torch.linalg.solve(h, rhs), rtol=1e-10, atol=1e-10)
+    assert info.residuals.shape == (1, 3) and info.converged
+    with pytest.raises(ValueError, match="n_lambda"):
+        direct_solve_whitened(gram, factor, rhs, 0.0)
+
+
+def test_choose_method_follows_the_cost_model():
+    # a stored K_nM makes a CG iteration a memory read: CG at any realistic M
+    for m in (200, 1000, 5000):
+        assert choose_method(200_000, m, 20, itemsize=4, stored=True, tol=1e-6, max_iter=100) == "cg"
+    # recomputed kernel values: the direct solve below a threshold in M, CG above it
+    picks = [choose_method(1_000_000, m, 20, itemsize=4, stored=False, tol=1e-6, max_iter=100)
+             for m in (50, 200, 2000, 20_000)]
+    assert picks[0] == "direct" and picks[-1] == "cg"
+    assert picks == sorted(picks, key=lambda p: p == "cg")  # one switch, direct -> cg
+    # few iterations asked for: CG; the margin and the rates are honoured
+    assert choose_method(1_000_000, 50, 20, itemsize=4, stored=False, tol=0.0, max_iter=1) == "cg"
+    costs = SolveCosts()
+    n, m, d = 1_000_000, 300, 20
+    cg = costs.cg(n, m, d, 4, False, costs.iteration_guess)
+    direct = costs.direct(n, m, d, 4, False)
+    want = "direct" if direct * costs.margin < cg else "cg"
+    assert choose_method(n, m, d, itemsize=4, stored=False, tol=1e-6, max_iter=100, costs=costs) == want
+
+
+def test_auto_picks_by_the_model_and_keeps_cg_for_iterative_requests():
+    x, y = make_data(2000, 3)
+    kern = make_kernel("rbf", 3)
+    small = FalkonGP(x, y, kernel=kern, num_centers=20, penalty=1e-5, store_kernel=False, seed=0)
+    op = small.nystrom_operator()
+    assert op.chosen_method() == "direct"
+    assert op.chosen_method(iterative=True) == "cg"
+    assert small.fit().fit_info.extra.get("method") == "direct"
+    seen = []
+    small.fit(callback=lambda i, a, r: seen.append(i))
+    assert seen and small.fit_info.iterations > 0  # a per-iteration callback gets CG
+    small.fit(warm_start=True)
+    assert "method" not in small.fit_info.extra  # a warm start is CG's
+    assert small.nystrom_operator(solve_method="cg").chosen_method() == "cg"
+
+    def my_solver(h_matmul, precond, rhs, x0=None, **kw):
+        from gpfalkon.solvers import falkon_solve
+        return falkon_solve(h_matmul, precond, rhs, x0, **kw)
+
+    assert small.nystrom_operator(solver=my_solver).chosen_method() == "cg"  # a user's solver is used
+    big = FalkonGP(x, y, kernel=kern, num_centers=1000, penalty=1e-5, store_kernel=True, seed=0)
+    assert big.nystrom_operator().chosen_method() == "cg"
+
+
+def test_solve_method_is_validated():
+    with pytest.raises(ValueError, match="solve_method"):
+        FalkonOptions(solve_method="cholesky")
