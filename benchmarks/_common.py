@@ -135,6 +135,14 @@ def matmul_gflops(dtype: torch.dtype, size: int = 4096, repeats: int = 3) -> flo
     return 2.0 * size**3 / med / 1e9
 
 
+def read_bandwidth(nbytes: int = 2**30, repeats: int = 3) -> float:
+    """Memory read rate (GB/s): ``torch.sum`` over a float32 tensor of ``nbytes`` (far larger
+    than any cache), median of ``repeats`` after one warm-up; all of torch's threads."""
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    med, _ = median_time(buf.sum, repeats=repeats, warmup=1)
+    return nbytes / med / 1e9
+
+
 def log(msg: str) -> None:
     print(msg, flush=True)
 

@@ -5,7 +5,8 @@ For each kernel / d / dtype / k (number of right-hand sides) it times
 
 * on the fly (``store=False``): blocks of ``block_rows x M`` recomputed per product;
 * stored (``store=True``): ``K_nM`` built once (its construction time is reported
-  separately in the "setup s" column) and read twice per product;
+  separately in the "setup s" column) and read once from memory per product (each
+  ~512 KiB sub-block twice, the second time from the reading core's cache);
 * naive: the falkon-reference-style loop, a fresh ``n_b x M`` block per block from
   ``kernel(x_b, C).to_dense()`` through GPyTorch, then ``K_b^T (K_b U)``. (GPyTorch
   1.15's ``RBFKernel``/``MaternKernel`` compute squared distances with one matmul
@@ -17,8 +18,9 @@ Seconds are the median of ``--repeats`` (default 3) calls after one warm-up call
 GFLOP/s counts ``2 n M d`` (distances; on the fly and naive only) plus ``4 n M k``
 (the two thin products); exp/sqrt are not counted. "x matmul" is that throughput
 divided by the ``torch.matmul`` throughput (4096 x 4096, same dtype, median of 3)
-measured in the same run. GB/s (stored only) is ``2 n M itemsize / seconds``:
-the stored matrix is read twice per product. "rel. diff" is
+measured in the same run. GB/s (stored only) is ``n M itemsize / seconds`` (the stored
+matrix's bytes over the product's time) and "x bandwidth" that rate over the memory read
+rate measured in the same run (``torch.sum`` over a 1 GiB tensor). "rel. diff" is
 ``max|out - out_naive| / max|out_naive|`` (a sanity check, not a timing).
 
 On a machine shared with other work, pass ``--threads 1``: with torch's default of
@@ -63,6 +65,7 @@ from _common import (
     markdown_table,
     matmul_gflops,
     median_time,
+    read_bandwidth,
     write_result,
 )
 
@@ -118,7 +121,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=None, help="rows of X (default 200,000; 20,000 with --quick)")
     ap.add_argument("--m", type=int, default=2000, help="number of centers M (default 2,000)")
-    ap.add_argument("--d", type=int, nargs="+", default=None, help="input dimensions (default 8 20 90; --quick: 8 20)")
+    ap.add_argument("--d", type=int, nargs="+", default=None,
+                    help="input dimensions (default 8 20 32 90; --quick: 8 20)")
     ap.add_argument("--k", type=int, nargs="+", default=[1, 10], help="right-hand sides (default 1 10)")
     ap.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=list(DTYPES), help="default both")
     ap.add_argument("--matern-d", type=int, nargs="*", default=[20],
@@ -131,7 +135,7 @@ def main() -> None:
     ap.add_argument("--stored-block-rows", type=int, nargs="+", default=None,
                     help="rows per block when reading the stored K_nM (overrides the engine's "
                     "stored_block_rows attribute after construction; several values give one row each; "
-                    "default: the engine's own choice, about 2 MiB per block)")
+                    "default: the engine's own choice, stored_batch sub-blocks of about 512 KiB)")
     ap.add_argument("--naive-block-rows", type=int, default=None,
                     help="rows per block of the naive and cdist baselines (default: the first --block-rows value)")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats after one warm-up (median reported)")
@@ -149,12 +153,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     n = args.n if args.n is not None else (20_000 if args.quick else 200_000)
     m = args.m
-    ds = args.d if args.d is not None else ([8, 20] if args.quick else [8, 20, 90])
+    ds = args.d if args.d is not None else ([8, 20] if args.quick else [8, 20, 32, 90])
     out_path = args.out or REPO / "benchmarks" / "results" / ("engine-quick.md" if args.quick else "engine.md")
     env = environment_lines()
     budget = (
         int(args.memory_budget_gib * 2**30) if args.memory_budget_gib is not None
-        else int(gpfalkon.settings.memory_budget.value())
+        else gpfalkon.backend.memory_budget_for(None)
     )
     block_rows_list = args.block_rows or [gpfalkon.settings.block_rows.value()]  # None: the engine's ~2 MiB blocks
     block_rows = block_rows_list[0]
@@ -170,9 +174,11 @@ def main() -> None:
     for name in args.dtype:
         peak[name] = matmul_gflops(DTYPES[name])
         log(f"torch.matmul 4096^2 {name}: {peak[name]:.1f} GFLOP/s")
+    bandwidth = read_bandwidth()
+    log(f"memory read rate (torch.sum over 1 GiB): {bandwidth:.1f} GB/s")
 
     headers = ["kernel", "d", "dtype", "k", "mode", "block rows", "seconds", "GFLOP/s", "x matmul", "GB/s",
-               "speed-up vs naive", "setup s", "rel. diff"]
+               "x bandwidth", "speed-up vs naive", "setup s", "rel. diff"]
     rows = []
     notes = []
     configs = [(kind, d) for d in ds for kind in (["rbf"] + (["matern52"] if d in args.matern_d else []))]
@@ -247,7 +253,7 @@ def main() -> None:
                                 u = us[k]
                                 secs, _ = median_time(lambda eng=eng, u=u: eng.kmn_k(u), args.repeats)
                                 record("stored", eng.stored_block_rows, k, secs, 4.0 * n * m * k, eng.kmn_k(u),
-                                       setup=setup, gbs=2.0 * kbytes / secs / 1e9)
+                                       setup=setup, gbs=kbytes / secs / 1e9)
                         eng.release()
                         del eng
                         gc.collect()
@@ -259,13 +265,14 @@ def main() -> None:
                     diff = rel_diff(r["out"], ref_out[k]) if (mode != "naive" and k in ref_out) else None
                     rows.append([
                         "RBF" if kind == "rbf" else "Matern 5/2", d, name, k, mode, r["rows"], r["secs"],
-                        r["gflops"], r["gflops"] / peak[name], r["gbs"], speed, r["setup"], diff,
+                        r["gflops"], r["gflops"] / peak[name], r["gbs"],
+                        None if r["gbs"] is None else r["gbs"] / bandwidth, speed, r["setup"], diff,
                     ])
                 del x, c, res, ref_out, record  # record's default argument holds res
                 gc.collect()
     elapsed = time.perf_counter() - t_start
 
-    table = markdown_table(headers, rows, align="lrlrl" + "r" * 8)
+    table = markdown_table(headers, rows, align="lrlrl" + "r" * 9)
     peak_line = ", ".join(f"{k}: {v:.1f} GFLOP/s" for k, v in peak.items())
     body = "\n".join([
         f"n = {n:,}, M = {m:,}, X ~ N(0, I_d), centers = {m:,} random rows of X, lengthscale sqrt(d). "
@@ -277,10 +284,12 @@ def main() -> None:
         "`torch.cdist` + out-of-place kernel profile. "
         f"Memory budget {budget / 2**30:.2f} GiB. U float64 (cast to the data dtype by the engine).",
         "",
-        f"torch.matmul (4096 x 4096, median of 3) in this run: {peak_line}.",
+        f"torch.matmul (4096 x 4096, median of 3) in this run: {peak_line}. Memory read rate (torch.sum over a "
+        f"1 GiB float32 tensor, median of 3) in this run: {bandwidth:.1f} GB/s.",
         "",
         f"Seconds: median of {args.repeats} after one warm-up. GFLOP/s counts 2nMd (on the fly and naive) + 4nMk; "
-        "'x matmul' = GFLOP/s / matmul GFLOP/s; GB/s (stored) = 2 n M itemsize / seconds; "
+        "'x matmul' = GFLOP/s / matmul GFLOP/s; GB/s (stored) = n M itemsize / seconds (K_nM read once from "
+        "memory); 'x bandwidth' = GB/s / the measured read rate; "
         "'setup s' = one-off construction of the stored K_nM (not in 'seconds'); "
         "'rel. diff' = max|out - out_naive| / max|out_naive|.",
         "",

@@ -1,6 +1,6 @@
 """Benchmark of FALKON fits (FalkonGP.fit) against the dense direct Nyström solve.
 
-Three parts, each a markdown table:
+Four parts, each a markdown table:
 
 1. Synthetic sweep: n in {1e4, 1e5, 1e6} (d = 10; M = 1,000 for 1e4, 2,000 otherwise),
    x ~ N(0, I_d), y = f(x) + 0.1 eps with the smooth f(x) = sin(z1) + 0.5 cos(z2) z3,
@@ -24,6 +24,13 @@ Three parts, each a markdown table:
    lambda = 1e-6, RBF (or Matern 5/2) kernel with median-heuristic lengthscale, exactly
    20 CG iterations; float32 and float64. At this size K_nM (2M x 5,000) exceeds the
    memory budget, so it runs on the fly.
+
+4. CG or direct (``--only choice``): n in {5e4, 2e5} (``--choice-sizes``), M in {100, 300,
+   1000, 2000} (``--choice-m``), d = 10, float64 and float32, K_nM stored and on the fly: the
+   library's FALKON CG (``solve_method="cg"``, to ``--tol``) against its direct solve
+   (``solve_method="direct"``: the whitened ``M x M`` system from one pass, then Cholesky),
+   and which of the two ``solve_method="auto"`` (the default) picks, with its time over the
+   faster one's. Parts 1-3 pin ``solve_method="cg"``: they measure FALKON's CG.
 
 Fit time = ``FalkonGP(...)`` construction (center selection) + ``.fit()``: wall clock
 (``time.perf_counter``) and process CPU time (``time.process_time``, all threads).
@@ -100,7 +107,7 @@ def make_kernel(kind: str, lengthscale: float, dtype: torch.dtype) -> gpytorch.k
 def kn_mode(n: int, m: int, dtype: torch.dtype) -> str:
     """What the engine will do with the default store=None (same rule as KernelEngine)."""
     itemsize = torch.finfo(dtype).bits // 8
-    stored = n * m * itemsize <= int(gpfalkon.settings.memory_budget.value())
+    stored = n * m * itemsize <= gpfalkon.backend.memory_budget_for(None)
     return "stored" if stored else "on the fly"
 
 
@@ -109,12 +116,14 @@ def rmse(pred: torch.Tensor, target: torch.Tensor) -> float:
 
 
 # ----------------------------------------------------------------------------- methods
-def fit_falkon(xtr, ytr, centers, kernel, lam, max_iter, tol):
-    """Construct + fit a FalkonGP; returns (model, wall, cpu, caught warnings)."""
+def fit_falkon(xtr, ytr, centers, kernel, lam, max_iter, tol, solve_method="cg", store=None):
+    """Construct + fit a FalkonGP (FALKON's CG unless ``solve_method`` says otherwise); returns
+    (model, wall, cpu, caught warnings)."""
+    opts = gpfalkon.FalkonOptions(solve_method=solve_method, max_iter=max_iter, tol=tol, store_kernel=store)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         wall, cpu, model = timed(
-            lambda: FalkonGP(xtr, ytr, kernel=kernel, centers=centers, penalty=lam, max_iter=max_iter, tol=tol).fit()
+            lambda: FalkonGP(xtr, ytr, kernel=kernel, centers=centers, penalty=lam, options=opts).fit()
         )
     return model, wall, cpu, [f"{w.category.__name__}: {w.message}" for w in caught]
 
@@ -261,6 +270,51 @@ def run_sweep(args, notes: list[str]) -> str | None:
     )
 
 
+def run_choice(args, notes: list[str]) -> str:
+    """CG against the library's direct solve over a grid, and what ``solve_method="auto"`` picks."""
+    d = 10
+    sizes = [int(s) for s in (args.choice_sizes or ([20_000, 100_000] if args.quick else [50_000, 200_000]))]
+    ms = [int(m) for m in args.choice_m]
+    headers = ["n", "M", "dtype", "K_nM", "CG wall s", "CG iterations", "direct wall s", "direct / CG",
+               "auto picks", "auto wall / best", "CG test RMSE", "direct test RMSE"]
+    rows = []
+    for n in sizes:
+        xtr, ytr, xte, yte, _ = synthetic(n, args.n_test, d, args.seed)
+        ls = float(median_lengthscale(xtr))
+        for m in ms:
+            idx = uniform_centers(xtr, m, torch.Generator().manual_seed(args.seed)).indices
+            for name in args.dtypes:
+                dtype = DTYPES[name]
+                xd, yd, cd = xtr.to(dtype), ytr.to(dtype), xtr[idx].to(dtype)
+                for store in (True, False):
+                    res = {}
+                    for method in ("cg", "direct", "auto"):
+                        gc.collect()
+                        model, wall, _, warns = fit_falkon(xd, yd, cd, make_kernel("rbf", ls, dtype), args.lam,
+                                                           args.max_iter, args.tol, solve_method=method, store=store)
+                        info = model.fit_info
+                        picked = info.extra.get("method", "cg")
+                        pred = predict_model(model, xte.to(dtype), args.predict_chunk)
+                        res[method] = (wall, info.iterations, picked, rmse(pred, yte))
+                        notes.extend(f"choice n={n:,} M={m} {name} {method}: {w}" for w in warns)
+                        del model
+                    (cw, ci, _, cr), (dw, _, _, dr), (aw, _, ap, _) = res["cg"], res["direct"], res["auto"]
+                    rows.append([n, m, name, "stored" if store else "on the fly", cw, ci, dw, dw / cw, ap,
+                                 aw / min(cw, dw), cr, dr])
+                    log(f"[choice] n={n:,} M={m} {name} {'stored' if store else 'fly'}: CG {cw:.2f} s ({ci} it), "
+                        f"direct {dw:.2f} s, auto -> {ap} {aw:.2f} s; RMSE {cr:.4f} / {dr:.4f}")
+        del xtr, ytr, xte, yte
+        gc.collect()
+    return (
+        f"## CG or direct: what solve_method='auto' picks (d = {d}, lambda = {args.lam:g}, RBF, median-heuristic "
+        f"lengthscale, CG to tol={args.tol:g} / max_iter={args.max_iter})\n\n"
+        "Each fit: FalkonGP construction (centers given) + fit() with solve_method 'cg', 'direct', 'auto', one "
+        "run each (no repeats: read ratios near 1 as ties). 'auto wall / best' = the auto fit's wall time over the "
+        "faster of the CG and direct fits (1 = it picked the faster, up to timing noise).\n\n"
+        + markdown_table(headers, rows, align="rrll" + "r" * 4 + "l" + "r" * 3)
+    )
+
+
 def run_reference(args, notes: list[str]) -> str:
     n = args.reference_n if args.reference_n else (100_000 if args.quick else 200_000)
     d, m = 20, 2000
@@ -385,7 +439,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="n <= 1e5, reference row at n = 1e5, no flights")
     ap.add_argument("--skip-flights", action="store_true", help="do not run the flights part")
-    ap.add_argument("--only", nargs="+", choices=["sweep", "reference", "flights"], default=None,
+    ap.add_argument("--only", nargs="+", choices=["sweep", "reference", "flights", "choice"], default=None,
                     help="run only these parts (default: all)")
     ap.add_argument("--sizes", nargs="+", type=float, default=None, help="sweep n values (default 1e4 1e5 1e6)")
     ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES), help="default float64 float32")
@@ -400,6 +454,10 @@ def main() -> None:
     ap.add_argument("--no-direct", action="store_true", help="skip all direct solves")
     ap.add_argument("--reference-n", type=int, default=None,
                     help="n of the reference row (default 200,000; 1e5 with --quick)")
+    ap.add_argument("--choice-sizes", nargs="+", type=float, default=None,
+                    help="n values of the CG-vs-direct part (default 5e4 2e5; 2e4 1e5 with --quick)")
+    ap.add_argument("--choice-m", nargs="+", type=int, default=[100, 300, 1000, 2000],
+                    help="M values of the CG-vs-direct part (default 100 300 1000 2000)")
     ap.add_argument("--flights-m", type=int, default=5000, help="flights centers (default 5,000)")
     ap.add_argument("--flights-lam", type=float, default=1e-6, help="flights lambda (default 1e-6)")
     ap.add_argument("--flights-kernel", choices=["rbf", "matern52"], default="rbf")
@@ -419,7 +477,7 @@ def main() -> None:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    parts = args.only or ["sweep", "reference", "flights"]
+    parts = args.only or ["sweep", "reference", "flights", "choice"]
     if (args.quick or args.skip_flights) and "flights" in parts:
         parts = [p for p in parts if p != "flights"]
     out_path = args.out or REPO / "benchmarks" / "results" / ("fit-quick.md" if args.quick else "fit.md")
@@ -428,7 +486,7 @@ def main() -> None:
         log(line)
     budget = (
         int(args.memory_budget_gib * 2**30) if args.memory_budget_gib is not None
-        else int(gpfalkon.settings.memory_budget.value())
+        else gpfalkon.backend.memory_budget_for(None)
     )
     log(f"parts: {parts}; memory budget {budget / 2**30:.2f} GiB; block_rows {gpfalkon.settings.block_rows.value()}")
     notes: list[str] = []
@@ -443,6 +501,8 @@ def main() -> None:
             s = run_flights(args, notes)
             if s:
                 sections.append(s)
+        if "choice" in parts:
+            sections.append(run_choice(args, notes))
     elapsed = time.perf_counter() - t0
     header = (
         f"Memory budget (gpfalkon.settings.memory_budget): {budget / 2**30:.2f} GiB"
