@@ -37,6 +37,12 @@ BENCHES = {
     "engine": (["benchmarks/engine.py", "--quick", "--threads", "1", "--modes", "fly", "stored"],
                ["kernel", "d", "dtype", "k", "mode"], "seconds"),
     "fit-reference": (["benchmarks/fit.py", "--only", "reference"], ["n", "dtype"], "fit wall s"),
+    # full-size engine products with torch's default threads (an explicit budget: trees from before
+    # the automatic memory budget read the setting as a number)
+    "engine-200k": (["benchmarks/engine.py", "--n", "200000", "--d", "20", "90", "--modes", "fly", "stored",
+                     "--memory-budget-gib", "8"], ["kernel", "d", "dtype", "k", "mode"], "seconds"),
+    "fit-reference-8g": (["benchmarks/fit.py", "--only", "reference", "--memory-budget-gib", "8"], ["n", "dtype"],
+                         "fit wall s"),
 }
 
 
