@@ -376,7 +376,8 @@ class KernelEngine:
         """
         rows = blk.shape[0]
         t = 1
-        if blk.is_contiguous():
+        # float64 with several right-hand sides: the batched row form measured 4-13 % slower than 2-D
+        if blk.is_contiguous() and not (blk.dtype == torch.float64 and acc.shape[0] > 1):
             for cand in (self.stored_batch, torch.get_num_threads()):
                 if cand > 1 and rows % cand == 0:
                     t = cand
