@@ -198,6 +198,20 @@ def _inconsistent(rank: int, world: int, out_dir: str, what: str) -> None:
     torch.save({"message": msg}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+def _mixed_storage(rank: int, world: int, sizes: Sequence[int], m: int, budget: int, out_dir: str) -> None:
+    """Shards of unequal size under one memory budget: one rank stores its K_nM, the other
+    does not; ``solve_method="auto"`` must still take one method on every rank."""
+    x, y, _ = data(n=sum(sizes))
+    s, e = shard_bounds(sizes)[rank]
+    model = FalkonGP(x[s:e], y[s:e], make_kernel(), num_centers=m, seed=3, penalty=1e-3,
+                     options=FalkonOptions(backend=DistributedBackend(), memory_budget=budget))
+    op = model.nystrom_operator()
+    stored = op.engine.stored
+    model.fit()
+    torch.save({"alpha": model.alpha, "stored": stored, "method": model.fit_info.extra.get("method", "cg")},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
 def _killed(rank: int, world: int, out_dir: str) -> None:
     import time
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import gpfalkon
-from gpfalkon import DistributedError, FalkonClassifier, FalkonGP
+from gpfalkon import DistributedError, FalkonClassifier, FalkonGP, FalkonOptions
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _distributed_workers as W
@@ -198,6 +198,29 @@ def test_two_node_torchrun_on_loopback_fits_the_single_process_alpha(tmp_path):
     m = re.search(r"max \|alpha - single-process alpha\| = ([0-9.e+-]+) \(max \|alpha\| ([0-9.e+-]+)\)", text)
     assert m is not None, text
     assert float(m.group(1)) <= 1e-9 * float(m.group(2)), text
+
+
+def test_auto_solve_method_is_one_choice_across_ranks(tmp_path):
+    """One rank's shard fits the memory budget (K_nM stored), the other's does not. At this size
+    the cost model picks CG for a stored K_nM and the direct solve for one recomputed on the fly
+    (checked below on one process): every rank must still run the same solve (else their
+    collectives would not match), with the single-process alpha."""
+    from gpfalkon.solvers import choose_method
+
+    sizes, m = (400, 1600), 400
+    budget = 1000 * m * 8  # 400 rows fit, 1,600 do not
+    n = sum(sizes)
+    assert choose_method(n, m, W.D, itemsize=8, stored=True, tol=1e-8, max_iter=1000) == "cg"
+    assert choose_method(n, m, W.D, itemsize=8, stored=False, tol=1e-8, max_iter=1000) == "direct"
+    W.run(2, W._mixed_storage, (list(sizes), m, budget, str(tmp_path)), str(tmp_path))
+    ranks = _load(tmp_path, 2)
+    assert [r["stored"] for r in ranks] == [True, False]
+    assert ranks[0]["method"] == ranks[1]["method"] == "direct"
+    x, y, _ = W.data(n=n)
+    ref = FalkonGP(x, y, W.make_kernel(), num_centers=m, seed=3, penalty=1e-3,
+                   options=FalkonOptions(solve_method="direct")).fit()
+    for r, res in enumerate(ranks):
+        torch.testing.assert_close(res["alpha"], ref.alpha, rtol=1e-6, atol=1e-8, msg=lambda s, r=r: f"rank {r}: {s}")
 
 
 def test_sharded_file_source_equals_single_process(tmp_path):

@@ -370,6 +370,12 @@ class NystromKRROperator(LinearOperator):
         tol_, max_iter_ = self._stopping_rule(tol, max_iter)
         engine = self.engine  # knows whether K_nM is stored
         stored = bool(getattr(engine, "stored", False))
+        reduce = getattr(engine, "reduce_nograd", None)
+        if is_sharded(self.options.backend) and callable(reduce):
+            # every rank must take the same method (each runs its passes' collectives): a pass counts
+            # as stored only where every shard stores its K_nM (one all_reduce of one number)
+            flag = torch.tensor([0.0 if stored else 1.0], dtype=torch.float64, device=self.centers.device)
+            stored = float(reduce(flag)[0]) == 0.0
         return choose_method(
             self.n, self.m, self.x.shape[1], itemsize=self.x.dtype.itemsize, stored=stored, tol=tol_, max_iter=max_iter_
         )
