@@ -46,7 +46,7 @@ def make_figures(out: pathlib.Path, n: int = 2000, steps: int = 40) -> dict[str,
         opt.step()
         rec.record(loss)
 
-    model.fit()
+    model.fit(callback=lambda *_: None)  # a per-iteration callback keeps CG (its history is drawn below)
     model.eval()
     with torch.no_grad():
         pred = model.likelihood(model(xte))

@@ -61,6 +61,9 @@ def plot_cg_convergence(info: Any, ax: Any = None, label: str | None = None) -> 
     res = getattr(info, "residuals", None)
     if not isinstance(res, Tensor):
         raise TypeError(f"info must be a CGInfo (model.fit_info) or a fitted model, got {type(info).__name__}")
+    if getattr(info, "extra", {}).get("method") == "direct":
+        raise ValueError("this fit used the direct solve (solve_method='auto' chose it): there is no CG history; "
+                         "fit with FalkonOptions(solve_method='cg') to plot one")
     res = res.detach().to(torch.float64).cpu()
     res = res.reshape(res.shape[0], -1)
     ax = _axes(ax)

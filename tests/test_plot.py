@@ -40,6 +40,9 @@ def test_cg_convergence_draws_the_residual_history():
         plot.plot_cg_convergence(FalkonGP(x, y, num_centers=10))
     with pytest.raises(TypeError, match="CGInfo"):
         plot.plot_cg_convergence(object())
+    direct = FalkonGP(x, y, num_centers=30, penalty=1e-4, options=FalkonOptions(solve_method="direct")).fit()
+    with pytest.raises(ValueError, match="direct solve"):
+        plot.plot_cg_convergence(direct)
 
 
 def test_trajectory_recorder_follows_the_constrained_hyperparameters():
