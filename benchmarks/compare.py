@@ -49,8 +49,9 @@ How each method is configured (its own documentation's recipe, same everywhere):
   lambda re-selected by the same hold-out as FALKON (its fit time includes the learning).
 * gpfalkon auto_fit (``--methods falkon-auto``): ``gpfalkon.auto_fit(x, y, budget=--budget)``
   with its defaults, on the raw targets (it standardises by itself); its whole wall time
-  (learning, selection, final fit) is its fit time. ``falkon-auto-half`` is the same call with
-  half the budget: a second point of auto_fit's error-vs-time curve. The environment variable
+  (learning, selection, final fit) is its fit time. ``falkon-auto-half`` and
+  ``falkon-auto-quarter`` are the same call with half and a quarter of the budget: further points
+  of auto_fit's error-vs-time curve. The environment variable
   ``GPFALKON_AUTO_KWARGS`` (a JSON object, default ``{}``) passes further arguments, for A/B runs
   of the defaults on the development sets.
 * GPyTorch SGPR (GPyTorch's "SGPR regression" example): ConstantMean,
@@ -129,7 +130,7 @@ WORK: dict[str, pathlib.Path] = {"dir": RESULTS}
 USER_DATA: dict[str, dict] = {}
 DATASETS = ["abalone", "powerplant", "magic", "cadata", "kin40k", "a9a", "protein", "flights"]
 METHODS = ["falkon", "falkon-learned", "sgpr", "svgp", "exact", "nystroem", "rff", "fastfood"]
-ALL_METHODS = [*METHODS, "falkon-auto", "falkon-auto-half"]
+ALL_METHODS = [*METHODS, "falkon-auto", "falkon-auto-half", "falkon-auto-quarter"]
 # issue 18's protocol: auto_fit's defaults were chosen on DEV_DATASETS only (n < 10,000); it is
 # reported on REPORT_DATASETS (every regression set with n >= 10,000, and flights)
 DEV_DATASETS = ["cpusmall", "pumadyn32nm", "parkinsons", "powerplant"]
@@ -1015,6 +1016,8 @@ RUNNERS = {
     "falkon-auto": run_auto,
     # a second point of auto_fit's error-vs-time curve: the same call with half the budget
     "falkon-auto-half": lambda data, budget: run_auto(data, budget / 2, "gpfalkon auto_fit (budget / 2)"),
+    # a third point: a quarter of the budget
+    "falkon-auto-quarter": lambda data, budget: run_auto(data, budget / 4, "gpfalkon auto_fit (budget / 4)"),
     "sgpr": run_sgpr,
     "svgp": run_svgp,
     "exact": run_exact,
@@ -1173,9 +1176,9 @@ def report(results: list[dict], env: list[str], out_md: pathlib.Path, out_png: p
             "Best baseline: the lower test error of SGPR and SVGP as trained (to convergence or to the "
             "budget; float64 prediction), and the training time at which its error-vs-time curve first "
             "reached that error (evaluation time not counted). auto_fit: its test error and its whole wall "
-            "time (learning, selection and final fit); where it also ran with half the budget "
-            "(`falkon-auto-half`, a second point of its error-vs-time curve), the faster run whose error is "
-            "no worse than the best baseline's, or else the more accurate run (picked by test error, as "
+            "time (learning, selection and final fit); where it also ran with half or a quarter of the budget "
+            "(`falkon-auto-half`, `falkon-auto-quarter`: further points of its error-vs-time curve), the "
+            "fastest run whose error is no worse than the best baseline's, or else the most accurate run (picked by test error, as "
             "the baseline's 'reached at' time is read off its test-error curve). 'Stage curve': after each "
             "number of centers, the model auto_fit would have returned had it stopped there, at the time "
             "it would have been ready (that stage's end plus its measured final fit; test scoring not "

@@ -10,7 +10,8 @@
    validation error of a FALKON fit on the subsample; after ``race_rounds`` such rounds only the
    leading objective goes on, and whenever it stalls it continues from its best point on twice
    the rows (nested subsamples; optionally more centers, ``hyper_centers_growth``), within the
-   memory budget ``hyper_entries``; stalled on all the rows it may use, it stops. The best
+   memory budget ``hyper_entries``; stalled on all the rows it may use, or stalled on more rows
+   without beating its best point on fewer, it stops. The best
    (objective, rows, step) over the whole race wins, so the objective *and* the stopping point
    are chosen on validation data.
 2. **Select** on at most ``select_rows`` training rows: a coordinate search over the noise
@@ -384,7 +385,9 @@ def auto_fit(
         max_hyper_rows: when the leading objective stalls (no new best in 3 validation scores, or
             less than 1% gain over 5), it goes on from its best point on twice the rows (nested
             subsamples), up to this many (``None``: all training rows, within ``hyper_entries``
-            and the learning share of the budget). The centers grow with the rows as
+            and the learning share of the budget); a continuation that stalls without beating the
+            best point found on fewer rows ends the learning stage (the rest of its share goes to
+            selection). The centers grow with the rows as
             ``hyper_centers * (rows / hyper_rows) ** hyper_centers_growth`` (nested: new centers
             are drawn from the new rows); ``0.5`` is the ``M = O(sqrt(n))`` of FALKON's
             statistical bound (the objectives see a Nystrom approximation that tightens as they
@@ -679,6 +682,12 @@ def auto_fit(
                     # stalled on as many rows as it may use: more steps here buy little; the rest of the
                     # learning share goes to the selection stage
                     live[0].stop(f"stalled on {rows_h:,} rows, the most it may use")
+                    start = None
+                elif rows_h > n_h and live[0].best is None:
+                    # a continuation on twice the rows found nothing better than the best point on fewer
+                    # rows: the hyperparameters have stopped moving with the rows, and a further doubling
+                    # would cost twice as much per step for the same; the rest of the share goes to selection
+                    live[0].stop(f"stalled on {rows_h:,} rows with no gain over fewer rows")
                     start = None
             if start is not None:
                 # progressive subsampling: the leader has stalled on this many rows; go on from the best point

@@ -380,3 +380,24 @@ def test_auto_fit_level_callback_builds_each_levels_final_model():
     best = min(range(len(levels)), key=lambda i: (levels[i]["error"], levels[i]["M"]))
     model.eval()
     torch.testing.assert_close(seen[best][1], model.posterior_mean(xt), rtol=1e-9, atol=1e-9)
+
+
+def test_auto_fit_learning_stops_when_more_rows_gain_nothing():
+    """A continuation on twice the rows that never beats the best point found on fewer rows ends stage 1
+    (no further doubling); every continuation that was followed by another had beaten that point. On
+    targets that are pure noise, the hyperparameters stop moving with the rows at once, so the rule fires."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(1600, 3, generator=g, dtype=torch.float64)
+    y = torch.randn(1600, generator=g, dtype=torch.float64)
+    kw = dict(SMALL, hyper_rows=100, hyper_centers=20, max_steps=2000, objectives=("gcv",), race_rounds=1)
+    rep = auto_fit(x, y, **kw).auto_report
+    runs = rep.learn[1:]
+    assert runs[-1]["stopped"] == f"stalled on {runs[-1]['rows']:,} rows with no gain over fewer rows", \
+        [(r["rows"], r["best_step"], r["stopped"]) for r in runs]
+    assert runs[-1]["rows"] > 100 and runs[-1]["best_step"] == 0
+    assert runs[-1]["best_error"] == runs[-2]["best_error"]  # its start: the best of the rows before
+    for prev, cur in itertools.pairwise(runs):
+        assert prev["stopped"].startswith(f"stalled; continued on {cur['rows']:,} rows")
+        if prev["rows"] > 100:  # a continuation that was continued had gained
+            assert prev["best_step"] > 0
+    assert 2 * runs[-1]["rows"] <= rep.n_train  # it stopped with rows to spare: the rule, not the cap
