@@ -214,7 +214,7 @@ def _check_count(name: str, value: Any, minimum: int = 1) -> int:
 class _ObjectiveRun:
     """One objective of stage 1: its model (on the subsample), optimiser and validation record."""
 
-    def __init__(self, name: str, model: FalkonGP, optimizer: str, lr: float, eval_every: int,
+    def __init__(self, name: str, model: FalkonGP, lr: float, eval_every: int,
                  start_error: float, score_pool: Tensor | None = None) -> None:
         rows = model.n
         self.name = name
@@ -222,16 +222,10 @@ class _ObjectiveRun:
         self.score_pool = score_pool
         self.obj = OBJECTIVES[name](model)
         params = [p for p in model.parameters() if p.requires_grad]
-        if optimizer == "lbfgs":
-            self.opt: torch.optim.Optimizer = torch.optim.LBFGS(
-                params, lr=1.0, max_iter=eval_every, history_size=20, line_search_fn="strong_wolfe"
-            )
-        else:
-            self.opt = torch.optim.Adam(params, lr=lr)
-        self.lbfgs = optimizer == "lbfgs"
+        self.opt = torch.optim.Adam(params, lr=lr)
         self.eval_every = eval_every
         self.t0 = time.perf_counter()
-        self.step = 0  # objective evaluations (gradient steps for Adam, function evaluations for L-BFGS)
+        self.step = 0  # Adam steps
         self.since_best = 0
         self.active = True
         self.failed: str | None = None
@@ -271,21 +265,17 @@ class _ObjectiveRun:
         t = time.perf_counter()
         before = self.step
         try:
-            if self.lbfgs:
-                # torch types Optimizer.step's closure as returning float; LBFGS's returns the loss tensor
-                self.opt.step(self._closure)  # type: ignore[arg-type]
-            else:
-                for _ in range(min(self.eval_every, max_steps - self.step)):
-                    if time.perf_counter() >= deadline:
-                        break
-                    self._closure()
-                    self.opt.step()
+            for _ in range(min(self.eval_every, max_steps - self.step)):
+                if time.perf_counter() >= deadline:
+                    break
+                self._closure()
+                self.opt.step()
         except Exception as exc:
             self.failed = f"step {self.step}: {type(exc).__name__}: {exc}"
             self.stop(self.failed)
             return
         if self.step == before:
-            self.stop("no step taken (deadline or L-BFGS converged)")
+            self.stop("no step taken (deadline)")
         self.rec.setdefault("step_seconds", 0.0)
         self.rec["step_seconds"] += time.perf_counter() - t
 
@@ -340,7 +330,6 @@ def auto_fit(
     min_centers: int = 1_000,
     max_centers: int = 50_000,
     learn_share: float = 0.5,
-    optimizer: str = "adam",
     lr: float = 0.1,
     max_steps: int = 2000,
     eval_every: int = 10,
@@ -407,11 +396,10 @@ def auto_fit(
             centers (the behaviour before this option).
         select_rows: rows of the stage-2 selection fits.
         min_centers, max_centers: the first and the largest number of centers of stage 2.
-        optimizer: ``"lbfgs"`` (``torch.optim.LBFGS`` with a strong-Wolfe line search, ``eval_every``
-            iterations between validation scores: the stage-1 objectives are deterministic) or
-            ``"adam"`` (learning rate ``lr``).
-        lr, max_steps, eval_every, patience: Adam learning rate, cap on objective evaluations per
-            objective, validation period and early-stopping patience of stage 1.
+        lr, max_steps, eval_every, patience: Adam learning rate, cap on Adam steps per objective,
+            validation period and early-stopping patience of stage 1. (Stage 1 is Adam only: an
+            L-BFGS option was removed after it diverged or reached degenerate optima on three of the
+            four development sets, ``benchmarks/results/auto-notes.md`` round 5.)
         race_rounds: after this many rounds of ``eval_every`` steps of every objective, only the
             one with the best validation error so far goes on (the others' best points stay
             candidates).
@@ -475,8 +463,6 @@ def auto_fit(
         raise ValueError(f"learn_share must be in [0, 1), got {learn_share!r}")
     if not (isinstance(min_gain, (int, float)) and min_gain >= 0.0):
         raise ValueError(f"min_gain must be >= 0, got {min_gain!r}")
-    if optimizer not in ("lbfgs", "adam"):
-        raise ValueError(f"optimizer must be 'lbfgs' or 'adam', got {optimizer!r}")
     if not (isinstance(lr, (int, float)) and lr > 0):
         raise ValueError(f"lr must be > 0, got {lr!r}")
     if not (isinstance(tol, (int, float)) and tol >= 0):
@@ -639,7 +625,7 @@ def auto_fit(
                                     f"{n_final:,} rows is predicted at >= {final_floor:.0f} s (K_nM recomputed at "
                                     "every iteration)")
         runners = [
-            _ObjectiveRun(name, h_model(copy.deepcopy(k0), noise0, centers0.clone(), learn_centers), optimizer, lr,
+            _ObjectiveRun(name, h_model(copy.deepcopy(k0), noise0, centers0.clone(), learn_centers), lr,
                           eval_every, best_state["error"], score_extra(m_h))
             for name in objectives
         ]
@@ -705,7 +691,7 @@ def auto_fit(
                 runners.append(_ObjectiveRun(
                     old.name, h_model(copy.deepcopy(start["kernel"]), float(start["noise"]), centers_next,
                                       learn_centers, rows=rows_h),
-                    optimizer, lr, eval_every, best_state["error"], score_extra(centers_next.shape[0])))
+                    lr, eval_every, best_state["error"], score_extra(centers_next.shape[0])))
         for r in runners:
             r.rec["steps"] = r.step
             if r.failed:

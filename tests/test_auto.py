@@ -295,7 +295,7 @@ def test_auto_fit_respects_a_small_budget():
         (dict(val_fraction=1.5), "val_fraction"),
         (dict(hyper_rows=1), "hyper_rows"),
         (dict(max_steps=-1), "max_steps"),
-        (dict(optimizer="sgd"), "optimizer"),
+        (dict(lr=0.0), "lr"),
         (dict(dtype=torch.float16), "dtype"),
         (dict(min_gain=-1.0), "min_gain"),
         (dict(hyper_entries=0), "hyper_entries"),
