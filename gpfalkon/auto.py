@@ -356,7 +356,9 @@ def auto_fit(
         train_x: ``(n, d)`` inputs, train_y: ``(n,)`` or ``(n, 1)`` targets (one output), raw
             units (standardised internally).
         budget: wall-clock seconds for the whole call (learning, selection and final fit; the
-            last fit's time is extrapolated from measured ones, so the call can run a little over).
+            last fit's time is extrapolated from measured ones, so the call can run over: by up to
+            about 40 % where the final ``K_nM`` exceeds the memory budget and is recomputed at every
+            CG iteration, measured on flights in ``benchmarks/results/auto-notes.md``, round 5).
         val_x, val_y: validation data for every choice; default: ``val_fraction`` of the rows
             (at most ``max_val_rows``) are held out, and put back for the final fit when
             ``refit_on_all``.
