@@ -19,22 +19,19 @@ import pathlib
 import sys
 import time
 
-import gpytorch
-import numpy as np
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from gpfalkon import FalkonGP, auto_fit, leverage_centers
 
-from compare import load_dataset
+from compare import load_dataset, metrics, predict_chunks
 
 
 def _nrmse(model: FalkonGP, data: dict) -> float:
+    """Test NRMSE as compare.py scores every method (``metrics`` on standardised predictions)."""
     model.eval()
-    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
-        p = model.posterior_mean(data["xte"].to(model.train_inputs[0].dtype)).double().numpy()
-    yte = data["yte"].double().numpy()
-    return float(np.sqrt(np.mean((p - yte) ** 2)) * data["y_scale"] / data["y_test_std"])
+    x = data["xte"].to(model.train_inputs[0].dtype)
+    return metrics(data, predict_chunks(model.posterior_mean, x).numpy())["error"]
 
 
 def _refit(base: FalkonGP, centers: torch.Tensor, weights: torch.Tensor | None = None) -> tuple[FalkonGP, float]:
