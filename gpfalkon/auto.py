@@ -55,6 +55,7 @@ from torch import Tensor
 from ._validation import check_inputs, check_targets
 from .backend import KernelEngine
 from .backend.blocks import memory_budget_for
+from .centers import leverage_centers
 from .errors import CGNotConvergedWarning
 from .models import FalkonGP
 from .objectives import GCV, LOOCV, CompReg, NystromCompReg, SGPRBound, StochasticNystromCompReg
@@ -87,7 +88,9 @@ class AutoFitReport:
     Errors are validation mean squared errors on standardised targets (``val_rmse`` in the
     targets' units). ``stages`` holds the seconds spent per stage; ``learn`` one record per
     objective (its validation-error trajectory); ``search`` every selection fit
-    ``(M, noise, multiplier, error, seconds)``; ``chosen`` the final choices.
+    ``(M, noise, multiplier, error, seconds)``; ``chosen`` the final choices; ``leverage`` the
+    leverage-score check of the chosen level (``leverage_check=True``: its validation ``error``
+    against the uniform centers', the distinct centers drawn, its seconds).
     """
 
     budget: float
@@ -100,6 +103,7 @@ class AutoFitReport:
     chosen: dict[str, Any] = field(default_factory=dict)
     stages: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    leverage: dict[str, Any] = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
@@ -171,11 +175,11 @@ def _val_mse(model: FalkonGP, xv: Tensor, yv: Tensor) -> float:
     return float((pred - yv.to(torch.float64)).square().mean())
 
 
-def _fit_quiet(model: FalkonGP) -> tuple[FalkonGP, bool]:
+def _fit_quiet(model: FalkonGP, time_limit: float | None = None) -> tuple[FalkonGP, bool]:
     """Fit, recording (not printing) CG's cap warning; returns (model, converged)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model.fit()
+        model.fit(time_limit=time_limit)
     for w in caught:  # other warnings (jitter escalation, ...) reach the caller as usual
         if not issubclass(w.category, CGNotConvergedWarning):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -336,6 +340,7 @@ def auto_fit(
     patience: int = 10,
     race_rounds: int = 5,
     min_gain: float = 0.005,
+    leverage_check: bool = False,
     max_iter: int = 50,
     tol: float = 1e-4,
     refit_on_all: bool = True,
@@ -355,10 +360,13 @@ def auto_fit(
     Args:
         train_x: ``(n, d)`` inputs, train_y: ``(n,)`` or ``(n, 1)`` targets (one output), raw
             units (standardised internally).
-        budget: wall-clock seconds for the whole call (learning, selection and final fit; the
-            last fit's time is extrapolated from measured ones, so the call can run over: by up to
-            about 40 % where the final ``K_nM`` exceeds the memory budget and is recomputed at every
-            CG iteration, measured on flights in ``benchmarks/results/auto-notes.md``, round 5).
+        budget: wall-clock seconds for the whole call (learning, selection and final fit). The
+            final fit's time is predicted from measured selection fits (and, where the final
+            ``K_nM`` exceeds the memory budget, from a measured on-the-fly pass); a number of centers
+            is chosen only when 1.2 x its prediction fits what is left, and the final CG stops at the
+            budget (``FalkonGP.fit(time_limit=...)``; ``auto_report.notes`` says so). The call can
+            still run over by the final fit's ``K_Mn y`` pass and its last CG iteration, or where
+            the first number of centers alone does not fit (the first level is always returned).
         val_x, val_y: validation data for every choice; default: ``val_fraction`` of the rows
             (at most ``max_val_rows``) are held out, and put back for the final fit when
             ``refit_on_all``.
@@ -406,6 +414,11 @@ def auto_fit(
             one with the best validation error so far goes on (the others' best points stay
             candidates).
         min_gain: relative validation-error gain needed to keep growing the centers.
+        leverage_check: at the chosen level, one more selection fit with as many centers drawn by
+            approximate ridge-leverage scores (BLESS on the selection rows, with the level's kernel and
+            penalty, and the preconditioner weights ``D`` of :func:`~gpfalkon.leverage_centers`); the
+            final fit uses those centers when their validation error is lower (``report.chosen``'s
+            ``centers`` says which). Skipped when the time left would not pay for it and the final fit.
         max_iter, tol: FALKON's CG stopping rule for every fit.
         refit_on_all: fit the final model on training plus held-out rows.
         dtype: dtype of the data passes (float32 by default: half the time; CG, Cholesky factors
@@ -465,6 +478,8 @@ def auto_fit(
         raise ValueError(f"learn_share must be in [0, 1), got {learn_share!r}")
     if not (isinstance(min_gain, (int, float)) and min_gain >= 0.0):
         raise ValueError(f"min_gain must be >= 0, got {min_gain!r}")
+    if not isinstance(leverage_check, bool):
+        raise TypeError(f"leverage_check must be True or False, got {leverage_check!r}")
     if not (isinstance(lr, (int, float)) and lr > 0):
         raise ValueError(f"lr must be > 0, got {lr!r}")
     if not (isinstance(tol, (int, float)) and tol >= 0):
@@ -786,15 +801,17 @@ def auto_fit(
                 eng.release()
             return pass_cache[m]
 
-        def final_cost(m: int) -> float:
+        def final_cost(m: int, select_seconds: float | None = None) -> float:
             # FALKON's cost is linear in the rows for the passes and independent of them for the
-            # M^3 factorisations: scaling the measured selection fit by the rows ratio bounds it while
-            # K_nM of the final rows fits the memory budget (stored, as it was in the selection fits);
-            # beyond it every CG iteration recomputes K_nM: max_iter + 2 measured on-the-fly passes
+            # M^3 factorisations: scaling the selection fit at m (measured, or the estimate
+            # ``select_seconds`` for a size not yet fitted) by the rows ratio bounds it while K_nM of the
+            # final rows fits the memory budget (stored, as it was in the selection fits); beyond it
+            # every CG iteration recomputes K_nM: max_iter + 2 measured on-the-fly passes
+            fit_s = last_fit_seconds(m) if select_seconds is None else select_seconds
             ratio = max(1.0, n_final / n_s)
-            cost = last_fit_seconds(m) * ratio
+            cost = fit_s * ratio
             if n_final * m * torch.finfo(dtype).bits // 8 > budget_bytes:
-                cost = max(cost, (max_iter + 2) * onthefly_pass_seconds(m) * ratio + last_fit_seconds(m))
+                cost = max(cost, (max_iter + 2) * onthefly_pass_seconds(m) * ratio + fit_s)
             return cost
 
         if val_x is None and refit_on_all:
@@ -804,8 +821,11 @@ def auto_fit(
         x_fin_t = x_fin.to(dtype)
         y_fin_t = y_fin.to(dtype)
 
-        def build_final(level: dict[str, Any]) -> tuple[FalkonGP, bool]:
-            """The model of a selection level on the final rows, in raw units, fitted; (model, converged)."""
+        def build_final(level: dict[str, Any], time_limit: float | None = None,
+                        centers: Tensor | None = None, weights: Tensor | None = None) -> tuple[FalkonGP, bool]:
+            """The model of a selection level on the final rows, in raw units, fitted; (model, converged).
+            ``time_limit`` bounds the fit's wall time (CG stops at the clock, see ``FalkonGP.fit``);
+            ``centers`` (standardised units) and their preconditioner ``weights`` replace the level's."""
             m_fin = min(level["M"], x_fin.shape[0])
             fin_kernel = copy.deepcopy(base_kernel)
             _scale_lengthscales(fin_kernel, level["multiplier"])
@@ -821,11 +841,13 @@ def auto_fit(
                 with torch.no_grad():
                     wrapped.outputscale = torch.tensor(float(y_sd) ** 2, dtype=dtype, device=dev)
                 fin_kernel = wrapped
-            centers_raw = (c_pool[:m_fin].to(torch.float64) * x_sd + x_mu).to(dtype)
+            chosen_c = c_pool[:m_fin] if centers is None else centers
+            centers_raw = (chosen_c.to(torch.float64) * x_sd + x_mu).to(dtype)
             noise_raw = level["noise"] * float(y_sd) ** 2
             model = FalkonGP(x_fin_t, y_fin_t, kernel=fin_kernel, centers=centers_raw,
-                             penalty=noise_raw / x_fin.shape[0], mean_constant=float(y_mu), max_iter=max_iter, tol=tol)
-            return _fit_quiet(model)
+                             penalty=noise_raw / x_fin.shape[0], mean_constant=float(y_mu), max_iter=max_iter, tol=tol,
+                             center_weights=weights)
+            return _fit_quiet(model, time_limit=time_limit)
 
         callback_seconds = [0.0]
 
@@ -868,10 +890,23 @@ def auto_fit(
                 p = min(3.0, max(1.0, math.log(max(ratio, 1e-9)) / math.log(m / levels[-2]["M"])))
             unit = 4 * last_fit_seconds(m) + final_cost(m)
             f_fit = (clock.left() / unit) ** (1.0 / p) if unit > 0 else math.inf
-            if f_fit < min(1.25, m_next / m):
+            m_try = min(m_next, int(m * f_fit)) if f_fit >= min(1.25, m_next / m) else m
+            # the candidate's own prediction: its selection fits (the measured fit scaled by f^p) and
+            # 1.2 x its final fit must fit the time left. Where the final rows' K_nM crosses the memory
+            # budget between m and the candidate, the final fit changes regime (K_nM recomputed at each
+            # CG iteration) and the scaling from m says nothing about it: the candidate's on-the-fly
+            # pass is measured (one pass over the selection rows). Smaller candidates down to 1.25 m
+            # are tried before the growth stops.
+            while m_try > m:
+                sel = last_fit_seconds(m) * (m_try / m) ** p
+                if 4 * sel + 1.2 * final_cost(m_try, select_seconds=sel) <= clock.left():
+                    break
+                smallest = math.ceil(1.25 * m)
+                m_try = max(int(m_try / 1.25), smallest) if m_try > smallest else m
+            if m_try <= m:
                 report.notes.append(f"centers stopped at M={m}: M={m_next} would not fit the remaining budget")
                 break
-            m = min(m_next, int(m * f_fit))
+            m = m_try
             point = dict(noise=levels[-1]["noise"], multiplier=levels[-1]["multiplier"])
             point["error"] = score(m, point["noise"], point["multiplier"])
             # the best noise falls and the best lengthscales shorten as the Nystrom approximation improves
@@ -888,15 +923,65 @@ def auto_fit(
                     f"over M={levels[-2]['M']}"
                 )
                 break
-        best_level = min(levels, key=lambda r: (r["error"], r["M"]))
+        # the level whose final fit is predicted to fit the time left (the first level always counts: a
+        # model is returned whatever the budget); of those, the best validation error
+        affordable = [levels[0]] + [r for r in levels[1:] if final_cost(r["M"]) <= clock.left()]
+        best_level = min(affordable, key=lambda r: (r["error"], r["M"]))
+        better = min(levels, key=lambda r: (r["error"], r["M"]))
+        if better is not best_level:
+            report.notes.append(f"level M={better['M']} (validation error {better['error']:.4g}) skipped: its final "
+                                f"fit is predicted at {final_cost(better['M']):.0f} s, {clock.left():.0f} s were left")
+        lev_centers: Tensor | None = None
+        lev_weights: Tensor | None = None
+        centers_kind = "uniform"
+        if leverage_check:
+            m_b = int(best_level["M"])
+            reserve = 1.2 * final_cost(m_b) + 3 * last_fit_seconds(m_b)  # the final fit; scores and a fit
+            if m_b >= n_s:
+                report.notes.append("leverage check skipped: the centers are all selection rows")
+            elif clock.left() < reserve:
+                report.notes.append(f"leverage check skipped: {clock.left():.0f} s left, the final fit and the "
+                                    f"check need about {reserve:.0f} s")
+            else:
+                t_lev = time.perf_counter()
+                try:
+                    k_lev = copy.deepcopy(base_kernel)
+                    _scale_lengthscales(k_lev, best_level["multiplier"])
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        sel = leverage_centers(xs, m_b, k_lev, best_level["noise"] / n_s, generator=gen)
+                        mod, _ = _fit_quiet(FalkonGP(xs, ys, kernel=k_lev, centers=sel.centers,
+                                                     center_weights=sel.weights, penalty=best_level["noise"] / n_s,
+                                                     max_iter=max_iter, tol=tol))
+                        err_lev = _val_mse(mod, xv_z, yv_z)
+                        del mod
+                    if any(not issubclass(w.category, CGNotConvergedWarning) for w in caught):
+                        report.notes.append("leverage check: " + "; ".join(
+                            str(w.message)[:120] for w in caught if not issubclass(w.category, CGNotConvergedWarning)))
+                except Exception as exc:
+                    err_lev = math.inf
+                    report.notes.append(f"leverage check failed: {type(exc).__name__}: {exc}")
+                    sel = None
+                lev_s = time.perf_counter() - t_lev
+                report.leverage = dict(M=m_b, distinct=None if sel is None else int(sel.centers.shape[0]),
+                                       error=err_lev, uniform_error=best_level["error"], seconds=lev_s)
+                clock.tick("leverage check", val_rmse=f"{math.sqrt(err_lev):.4f}" if math.isfinite(err_lev) else "inf")
+                if sel is not None and math.isfinite(err_lev) and err_lev < best_level["error"]:
+                    lev_centers, lev_weights, centers_kind = sel.centers, sel.weights, "leverage"
         report.stages["select"] = time.perf_counter() - t_stage - callback_seconds[0]
 
         # ------------------------------------------------------------ stage 3: refit
         t_stage = time.perf_counter()
         clock.tick("final fit", M=best_level["M"])
-        final, converged = build_final(best_level)
+        final_predicted = final_cost(best_level["M"])
+        # the budget's remainder bounds the final CG (a backstop for a prediction that was low)
+        final, converged = build_final(best_level, time_limit=max(clock.left(), 1e-3), centers=lev_centers,
+                                       weights=lev_weights)
         report.stages["final fit"] = time.perf_counter() - t_stage
-        if not converged:
+        if final.fit_info is not None and final.fit_info.extra.get("time_limit"):
+            report.notes.append(f"final CG stopped by the budget after {final.fit_info.iterations} iterations "
+                                f"(relative residual {float(final.fit_info.final_residual.max()):.3g})")
+        elif not converged:
             report.notes.append(f"final CG stopped at max_iter={max_iter} before tol={tol:g}")
         m_fin = int(final.centers.shape[0])
         noise_raw = best_level["noise"] * float(y_sd) ** 2
@@ -920,6 +1005,8 @@ def auto_fit(
             levels=[dict(r) for r in levels],
             final_rows=x_fin.shape[0],
             final_iterations=final.fit_info.iterations if final.fit_info is not None else None,
+            final_predicted_seconds=final_predicted,
+            centers=centers_kind,
         )
         final.auto_report = report
         return final

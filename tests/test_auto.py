@@ -401,3 +401,82 @@ def test_auto_fit_learning_stops_when_more_rows_gain_nothing():
         if prev["rows"] > 100:  # a continuation that was continued had gained
             assert prev["best_step"] > 0
     assert 2 * runs[-1]["rows"] <= rep.n_train  # it stopped with rows to spare: the rule, not the cap
+
+
+def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int) -> tuple[FalkonGP, float]:
+    """auto_fit on a fake clock that only data passes advance: ``1e-6 s x rows x M`` per pass, a
+    twentieth of that where ``K_nM`` is stored (a memory read instead of kernel evaluations). Returns
+    the model and the fake seconds the call took."""
+    import types
+
+    import gpfalkon.auto as auto_module
+    from gpfalkon import settings
+    from gpfalkon.backend import KernelEngine
+
+    now = [0.0]
+    monkeypatch.setattr(auto_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    real = KernelEngine.kmn_k
+
+    def kmn_k(self, u=None, v=None):
+        now[0] += 1e-6 * self.n * self.m * (0.05 if self.stored else 1.0)
+        return real(self, u, v)
+
+    monkeypatch.setattr(KernelEngine, "kmn_k", kmn_k)
+    real_fit = FalkonGP.fit
+    limits: list = []
+
+    def fit(self, **kw):
+        limits.append((kw.get("time_limit"), now[0]))
+        return real_fit(self, **kw)
+
+    monkeypatch.setattr(FalkonGP, "fit", fit)
+    x, y, _ = _data(2000)
+    kw = dict(SMALL, budget=budget, select_rows=400, min_centers=60, max_centers=120)
+    with settings.memory_budget(memory_budget):
+        model = auto_fit(x, y, **kw)
+    # only the final fit is bounded, by what the budget has left when it starts
+    assert all(lim is None for lim, _ in limits[:-1])
+    assert limits[-1][0] == pytest.approx(max(budget - limits[-1][1], 1e-3))
+    return model, now[0]
+
+
+def test_auto_fit_does_not_grow_centers_past_a_final_fit_it_cannot_afford(monkeypatch):
+    """Where the final rows' K_nM crosses the memory budget between two sizes (here at M = 80 of the 2000
+    final rows, float64), the final fit becomes ~20x dearer per pass than the selection fits predict by
+    scaling; the growth measures the candidate's on-the-fly pass and stops below the boundary when the
+    budget cannot pay for it, and the whole call keeps its budget. With time to spare it does cross."""
+    boundary = 2000 * 80 * 8
+    model, spent = _fake_clock_auto_fit(monkeypatch, budget=5.0, memory_budget=boundary)
+    rep = model.auto_report
+    assert 60 < rep.chosen["num_centers"] <= 80, rep.chosen["levels"]
+    assert spent <= 5.0, (spent, rep.stages, rep.notes)
+    assert rep.chosen["final_predicted_seconds"] > 0
+    assert any("would not fit the remaining budget" in n for n in rep.notes), rep.notes
+    model, spent = _fake_clock_auto_fit(monkeypatch, budget=1e4, memory_budget=boundary)
+    assert model.auto_report.chosen["num_centers"] > 80, model.auto_report.chosen["levels"]
+
+
+def test_auto_fit_leverage_check_keeps_the_better_centers_on_validation():
+    """leverage_check=True scores the chosen level once more with leverage-score centers; the final
+    model carries those centers (and their preconditioner weights) exactly when their validation error
+    was lower, and is then the FALKON fit with them (checked against a dense solve on the final rows)."""
+    x, y, _ = _data(800)
+    model = auto_fit(x, y, leverage_check=True, **SMALL)
+    rep = model.auto_report
+    lev = rep.leverage
+    assert math.isfinite(lev["error"]) and lev["M"] in [lv["M"] for lv in rep.chosen["levels"]]
+    assert 1 <= lev["distinct"] <= lev["M"] and lev["seconds"] > 0
+    chose = "leverage" if lev["error"] < lev["uniform_error"] else "uniform"
+    assert rep.chosen["centers"] == chose
+    if chose == "leverage":
+        assert model.center_weights is not None and model.centers.shape[0] == lev["distinct"]
+    else:
+        assert model.center_weights is None
+    # the returned fit is the Nystrom KRR solution for its centers, whatever they are
+    # (fitted values: CG stops at tol 1e-4, so compare K_nM alpha, not the ill-conditioned alpha)
+    knm = dense_kernel(model.kernel, model.train_inputs[0], model.centers)
+    alpha_ref = _dense_alpha(model, model.train_targets - model.mean_constant.detach())
+    fitted, fitted_ref = knm @ model.alpha.reshape(-1), knm @ alpha_ref.reshape(-1)
+    assert float((fitted - fitted_ref).norm().detach() / fitted_ref.norm().detach()) < 1e-3
+    with pytest.raises(TypeError, match="leverage_check"):
+        auto_fit(x, y, leverage_check="yes", **SMALL)

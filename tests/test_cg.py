@@ -118,3 +118,43 @@ def test_warm_start_worse_than_zero_is_dropped():
     warm, info_warm = conjugate_gradient(lambda u: A @ u, b, x0=bad, tol=0.0, max_iter=5)
     torch.testing.assert_close(warm, cold)
     torch.testing.assert_close(info_warm.residuals[0], torch.ones(2, dtype=torch.float64))
+
+
+def test_time_limit_stops_at_the_clock_and_returns_the_current_iterate(monkeypatch):
+    """A fake clock advanced 1 s per operator call: a 3.5 s limit lets 4 iterations run (the check is
+    after each); the iterate is the one 4 capped iterations give, and extra records the cause."""
+    import types
+
+    import gpfalkon.solvers.cg as cg_module
+
+    now = [0.0]
+    monkeypatch.setattr(cg_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    A = spd(cond=1e8)
+    b = torch.randn(30, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def slow(u):
+        now[0] += 1.0
+        return A @ u
+
+    x, info = conjugate_gradient(slow, b, tol=1e-12, max_iter=100, time_limit=3.5)
+    assert info.iterations == 4 and info.extra["time_limit"] and not info.converged
+    ref, ref_info = conjugate_gradient(lambda u: A @ u, b, tol=0.0, max_iter=4)
+    torch.testing.assert_close(x, ref, rtol=0, atol=0)
+    assert not ref_info.extra["time_limit"]
+    # a limit the solve does not reach changes nothing
+    A2 = spd()
+
+    def slow2(u):
+        now[0] += 1.0
+        return A2 @ u
+
+    x2, info2 = conjugate_gradient(slow2, b, tol=1e-12, max_iter=500, time_limit=1e6)
+    ref2, _ = conjugate_gradient(lambda u: A2 @ u, b, tol=1e-12, max_iter=500)
+    torch.testing.assert_close(x2, ref2, rtol=0, atol=0)
+    assert not info2.extra["time_limit"]
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
+def test_time_limit_must_be_positive(bad):
+    with pytest.raises(ValueError, match="time_limit"):
+        conjugate_gradient(lambda u: u, torch.ones(3, 1, dtype=torch.float64), time_limit=bad)

@@ -368,3 +368,38 @@ def test_num_centers_accepts_numpy_integers():
     x, y = make_data(60, 2)
     model = FalkonGP(x, y, kernel=make_kernel("rbf", 2), num_centers=np.int64(7))
     assert model.centers.shape == (7, 2)
+
+
+def test_fit_time_limit_stops_cg_and_keeps_its_iterate():
+    """fit(time_limit=...) stops CG once the clock passes the limit (a per-iteration callback that
+    sleeps 0.2 s makes that 2-3 iterations against a 0.5 s limit), with a warning; alpha is the
+    iterate of a fit capped at that many iterations. Bad limits and a custom solver are refused."""
+    import time
+
+    from gpfalkon import CGNotConvergedWarning
+
+    x, y = make_data(2000, 3)
+    k = make_kernel("scale_matern52", 3)
+    model = FalkonGP(x, y, kernel=k, num_centers=100, penalty=1e-7, tol=1e-14, max_iter=200, seed=0)
+    with pytest.warns(CGNotConvergedWarning, match="time_limit"):
+        model.fit(time_limit=0.5, callback=lambda i, a, r: time.sleep(0.2))
+    info = model.fit_info
+    assert info.extra["time_limit"] and 1 <= info.iterations < 200 and not info.converged
+    alpha = model.alpha.clone()
+    ref = FalkonGP(x, y, kernel=k, centers=model.centers, penalty=1e-7, tol=0.0, max_iter=info.iterations)
+    ref.fit(callback=lambda i, a, r: None)  # CG (the direct solve is not iterate-for-iterate the same)
+    torch.testing.assert_close(alpha, ref.alpha, rtol=1e-10, atol=1e-12)
+    # a limit the fit does not reach: the plain fit
+    model.fit(time_limit=1e6)
+    assert model.fit_info.converged and not model.fit_info.extra.get("time_limit")
+    for bad in (0, -1.0, float("nan"), "10", True):
+        with pytest.raises(ValueError, match="time_limit"):
+            model.fit(time_limit=bad)
+
+    def my_solver(h_matmul, precond, rhs, x0=None, **kw):
+        from gpfalkon.solvers import falkon_solve
+        return falkon_solve(h_matmul, precond, rhs, x0, **kw)
+
+    custom = FalkonGP(x, y, kernel=k, centers=model.centers, penalty=1e-7, options=FalkonOptions(solver=my_solver))
+    with pytest.raises(ValueError, match="time_limit needs the built-in"):
+        custom.fit(time_limit=10.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any, cast
@@ -528,18 +529,27 @@ class FalkonGP(gpytorch.models.GP):
         tol: float | None = None,
         max_iter: int | None = None,
         verbose: bool | None = None,
+        time_limit: float | None = None,
     ) -> FalkonGP:
         """Solve ``H alpha = K_Mn y`` by FALKON and store ``alpha``; returns ``self``.
 
         ``warm_start`` starts CG from the previous ``alpha`` (one more data pass,
         usually far fewer iterations after a small hyperparameter change).
         ``compute_variance`` also forms the posterior factors now, sharing a stored
-        ``K_nM``. Convergence information lands in ``self.fit_info``.
+        ``K_nM``. ``time_limit`` (seconds, counted from this call) stops CG at the first iteration
+        that ends past it, with a :class:`~gpfalkon.errors.CGNotConvergedWarning` when ``tol`` was not
+        reached (``fit_info.extra["time_limit"]`` records it; rows on one process only; a direct solve,
+        chosen where the cost model finds it cheaper than CG, is one pass and is not interrupted).
+        Convergence information lands in ``self.fit_info``.
         """
+        t_start = time.perf_counter()
         y2 = self.centered_targets()
         with torch.no_grad():
             if callback is not None and not callable(callback):  # before the O(n M) passes, not after
                 raise TypeError(f"callback must be callable (iteration, x, residual), got {type(callback).__name__}")
+            if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, numbers.Real)
+                                           or not time_limit > 0):
+                raise ValueError(f"time_limit must be a number of seconds > 0 or None, got {time_limit!r}")
             # the data may have been edited in place since construction: O(n d), before any pass
             x_tr = self.train_inputs[0]
             bad = torch.tensor([float(not bool(torch.isfinite(self.train_targets).all())),
@@ -562,7 +572,10 @@ class FalkonGP(gpytorch.models.GP):
             x0 = None
             if warm_start and bool(self.fitted):
                 x0 = self.alpha.reshape(op.m, -1).to(torch.float64)
-            alpha, info = op.solve_system(rhs, x0, tol=tol, max_iter=max_iter, callback=callback, verbose=verbose)
+            # the CG's share of the limit: what the K_Mn y pass (and the preconditioner) left of it
+            cg_limit = None if time_limit is None else max(1e-9, time_limit - (time.perf_counter() - t_start))
+            alpha, info = op.solve_system(rhs, x0, tol=tol, max_iter=max_iter, callback=callback, verbose=verbose,
+                                          time_limit=cg_limit)
             self.alpha = alpha.reshape(self.alpha.shape).to(torch.float64)
             self.fit_info = info
             self._mark_fitted()

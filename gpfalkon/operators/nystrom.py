@@ -313,11 +313,14 @@ class NystromKRROperator(LinearOperator):
         callback: Callable[[int, Tensor, Tensor], None] | None = None,
         verbose: bool | None = None,
         warn: bool = True,
+        time_limit: float | None = None,
     ) -> tuple[Tensor, CGInfo]:
         """FALKON solve of ``H alpha = rhs`` (``rhs`` ``(M, k)``), no autograd.
 
         Returns ``(alpha, info)`` with ``alpha`` in float64. See
-        :func:`gpfalkon.solvers.falkon_solve` for the algorithm and costs.
+        :func:`gpfalkon.solvers.falkon_solve` for the algorithm and costs. ``time_limit`` (seconds of
+        CG) needs the built-in solver and rows on one process (ranks stopping at different
+        iterations would leave the others waiting in a collective).
         """
         if rhs.dim() != 2 or rhs.shape[0] != self.m:
             raise ValueError(f"rhs must have shape ({self.m}, k), got {tuple(rhs.shape)}")
@@ -328,6 +331,15 @@ class NystromKRROperator(LinearOperator):
             and float(lo_settings.cg_tolerance.value()) >= 1
         # the dtype reaches the built-in solver for its advice; a user's solver keeps the Solver signature
         extra: dict = {"data_dtype": self.x.dtype} if self.solver is falkon_solve else {}
+        if time_limit is not None:
+            if self.solver is not falkon_solve:
+                raise ValueError("time_limit needs the built-in FALKON solver (options.solver is a custom one)")
+            if is_sharded(self.options.backend):
+                raise ValueError("time_limit is not available with rows sharded over processes: the ranks' "
+                                 "clocks could stop CG at different iterations")
+            if not (time_limit > 0):
+                raise ValueError(f"time_limit must be > 0 seconds or None, got {time_limit}")
+            extra["time_limit"] = float(time_limit)
         if default_tol and self.x.dtype.itemsize < 8 and 0 < tol_ < FLOAT32_TOL:
             # the default tolerance (no tol given here, in the options or by a setting) for float32 data: aim
             # at FLOAT32_TOL, and where float32 kernel products stall above it (smooth kernels, small
@@ -405,13 +417,17 @@ class NystromKRROperator(LinearOperator):
         callback: Callable[[int, Tensor, Tensor], None] | None = None,
         verbose: bool | None = None,
         warn: bool = True,
+        time_limit: float | None = None,
     ) -> tuple[Tensor, CGInfo]:
         """``H alpha = rhs`` by the method :meth:`chosen_method` picks: :meth:`direct_solve` or
-        :meth:`falkon_solve` (same arguments and return value)."""
+        :meth:`falkon_solve` (same arguments and return value). ``time_limit`` bounds CG; the direct
+        solve, picked only where the cost model finds it cheaper than CG, is one pass and is not
+        interrupted."""
         iterative = x0 is not None or callback is not None or self.callback is not None
         if self.chosen_method(tol=tol, max_iter=max_iter, iterative=iterative) == "direct":
             return self.direct_solve(rhs)
-        return self.falkon_solve(rhs, x0, tol=tol, max_iter=max_iter, callback=callback, verbose=verbose, warn=warn)
+        return self.falkon_solve(rhs, x0, tol=tol, max_iter=max_iter, callback=callback, verbose=verbose, warn=warn,
+                                 time_limit=time_limit)
 
     def _boost_jitter(self, reason: str) -> bool:
         """After a CG breakdown: rebuild the preconditioner with 100x its jitter.

@@ -10,6 +10,7 @@ on a well-preconditioned system whatever the scale of ``b``.
 """
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ def conjugate_gradient(
     desc: str = "FALKON CG",
     data_dtype: torch.dtype | None = None,
     quiet_below: float = 0.0,
+    time_limit: float | None = None,
 ) -> tuple[Tensor, CGInfo]:
     """Solve ``W x = b`` column by column, ``b`` of shape ``(M, k)``.
 
@@ -84,6 +86,10 @@ def conjugate_gradient(
         quiet_below: a stagnation whose best relative residual is at most this ends without a
             warning (``info.extra["stagnated"]`` records it): the floor of a low-precision operator
             when no tolerance was asked for.
+        time_limit: wall-clock seconds (``None``: no limit): no iteration starts once this much time
+            has passed since the call began (at least one runs); ``info.extra["time_limit"]`` records
+            that the clock stopped it. The current iterate is returned: CG's error in the ``W``-norm
+            falls at every iteration, so it is the best of the iterates in that norm.
 
     Raises:
         FalkonConvergenceError: non-finite values, ``p^T W p <= 0`` (the operator is
@@ -95,6 +101,9 @@ def conjugate_gradient(
         raise ValueError(f"max_iter must be >= 0, got {max_iter}")
     if not (tol >= 0):
         raise ValueError(f"tol must be >= 0, got {tol}")
+    if time_limit is not None and not (time_limit > 0):  # also rejects NaN
+        raise ValueError(f"time_limit must be > 0 seconds or None, got {time_limit}")
+    t_start = time.perf_counter()
     if not bool(torch.isfinite(b).all()):
         raise FalkonConvergenceError("the right-hand side of the CG system contains NaN or Inf")
     kind = data_dtype or b.dtype
@@ -140,6 +149,7 @@ def conjugate_gradient(
     it = 0
     breakdowns = 0
     stagnated = False
+    timed_out = False
     breakdown_rtol = 1e3 * float(torch.finfo(b.dtype).eps) ** 0.5
     curvature_rtol = float(torch.finfo(b.dtype).eps) ** 0.5
     rq_max = torch.zeros_like(b_norm)
@@ -202,6 +212,10 @@ def conjugate_gradient(
             if stagnation_window is not None and since_best >= stagnation_window:
                 stagnated = True
                 break
+            if (time_limit is not None and it < max_iter and bool(active.any())
+                    and time.perf_counter() - t_start >= time_limit):
+                timed_out = True
+                break
     finally:
         if bar is not None:
             bar.close()
@@ -254,6 +268,7 @@ def conjugate_gradient(
         max_iter=int(max_iter),
         # columns stopped at non-positive curvature once already below 1e3 sqrt(eps)
         # (a singular, consistent system): they count as converged only if <= tol
-        extra={"frozen_at_breakdown": breakdowns, "returned_best": int(diverged.sum()), "stagnated": stagnated},
+        extra={"frozen_at_breakdown": breakdowns, "returned_best": int(diverged.sum()), "stagnated": stagnated,
+               "time_limit": timed_out},
     )
     return x, info

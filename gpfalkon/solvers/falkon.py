@@ -32,6 +32,7 @@ def falkon_solve(
     stagnation_window: int | None = 50,
     data_dtype: torch.dtype | None = None,
     quiet_below: float = 0.0,
+    time_limit: float | None = None,
 ) -> tuple[Tensor, CGInfo]:
     """Solve ``H alpha = rhs`` by CG on ``W beta = B^T rhs``, ``W = B^T H B``, ``alpha = B beta``.
 
@@ -43,7 +44,8 @@ def falkon_solve(
     per iteration for the triangular solves; forming ``rhs = K_Mn y`` is one more pass.
 
     Emits :class:`CGNotConvergedWarning` when ``tol > 0`` was not reached in
-    ``max_iter`` iterations (``tol=0`` asks for exactly ``max_iter`` iterations).
+    ``max_iter`` iterations (``tol=0`` asks for exactly ``max_iter`` iterations) or before
+    ``time_limit`` seconds of CG (see :func:`~gpfalkon.solvers.conjugate_gradient`).
     """
     b = precond.apply_bt(rhs.to(torch.float64))
 
@@ -62,8 +64,16 @@ def falkon_solve(
         stagnation_window=stagnation_window,
         data_dtype=data_dtype,
         quiet_below=quiet_below,
+        time_limit=time_limit,
     )
-    if (warn and tol > 0 and not info.converged and info.iterations >= max_iter and not info.extra.get("stagnated")
+    if warn and tol > 0 and not info.converged and info.extra.get("time_limit"):
+        warnings.warn(
+            f"FALKON CG stopped at time_limit={time_limit:g} s after {info.iterations} iterations with relative "
+            f"residual {float(info.final_residual.max()):.3g} > tol={tol:g}",
+            CGNotConvergedWarning,
+            stacklevel=3,
+        )
+    elif (warn and tol > 0 and not info.converged and info.iterations >= max_iter and not info.extra.get("stagnated")
             and float(info.final_residual.max()) > quiet_below):
         # only when the cap stopped it (a stagnated solve has warned with its own cause)
         warnings.warn(
