@@ -840,7 +840,7 @@ def run_auto(data: dict, budget: float, label: str = "gpfalkon auto_fit") -> lis
     return [dict(method=label, budget=budget, M=c["num_centers"], n_used=len(xtr), fit_s=fit_s,
                  predict_s=time.perf_counter() - t1, scores=scores, info=info, curve=curve,
                  auto=dict(chosen={k: v for k, v in c.items() if k != "levels"}, levels=c["levels"],
-                           stages=rep.stages, notes=rep.notes,
+                           stages=rep.stages, notes=rep.notes, leverage=rep.leverage,
                            learn=[{k: v for k, v in r.items()} for r in rep.learn]))]
 
 

@@ -363,10 +363,13 @@ def auto_fit(
         budget: wall-clock seconds for the whole call (learning, selection and final fit). The
             final fit's time is predicted from measured selection fits (and, where the final
             ``K_nM`` exceeds the memory budget, from a measured on-the-fly pass); a number of centers
-            is chosen only when 1.2 x its prediction fits what is left, and the final CG stops at the
-            budget (``FalkonGP.fit(time_limit=...)``; ``auto_report.notes`` says so). The call can
-            still run over by the final fit's ``K_Mn y`` pass and its last CG iteration, or where
-            the first number of centers alone does not fit (the first level is always returned).
+            is grown to only when 1.2 x its prediction fits what is left, a selection fit is started
+            only when it is predicted to end in time, the final model is the best level whose
+            prediction fits the time left plus a grace of 5 % of the budget, and the final CG stops
+            at that point or at 1.2 x its prediction, whichever is later
+            (``FalkonGP.fit(time_limit=...)``; ``auto_report.notes`` says so). The call can run over by
+            the grace, the final fit's ``K_Mn y`` pass and its last CG iteration, or where the first
+            number of centers alone does not fit (the first level is always returned).
         val_x, val_y: validation data for every choice; default: ``val_fraction`` of the rows
             (at most ``max_val_rows``) are held out, and put back for the final fit when
             ``refit_on_all``.
@@ -768,7 +771,8 @@ def auto_fit(
             for direction in (1.0 / factor, factor):
                 v = point[which]
                 moved = False
-                while time.perf_counter() < deadline:
+                # a fit is started only when the slowest one at this size so far would end by the deadline
+                while time.perf_counter() + last_fit_seconds(m) < deadline:
                     cand = v * direction
                     if not lo <= cand <= hi:
                         break
@@ -889,7 +893,7 @@ def auto_fit(
                 ratio = last_fit_seconds(m) / last_fit_seconds(levels[-2]["M"])
                 p = min(3.0, max(1.0, math.log(max(ratio, 1e-9)) / math.log(m / levels[-2]["M"])))
             unit = 4 * last_fit_seconds(m) + final_cost(m)
-            f_fit = (clock.left() / unit) ** (1.0 / p) if unit > 0 else math.inf
+            f_fit = (max(clock.left(), 0.0) / unit) ** (1.0 / p) if unit > 0 else math.inf
             m_try = min(m_next, int(m * f_fit)) if f_fit >= min(1.25, m_next / m) else m
             # the candidate's own prediction: its selection fits (the measured fit scaled by f^p) and
             # 1.2 x its final fit must fit the time left. Where the final rows' K_nM crosses the memory
@@ -923,9 +927,11 @@ def auto_fit(
                     f"over M={levels[-2]['M']}"
                 )
                 break
-        # the level whose final fit is predicted to fit the time left (the first level always counts: a
-        # model is returned whatever the budget); of those, the best validation error
-        affordable = [levels[0]] + [r for r in levels[1:] if final_cost(r["M"]) <= clock.left()]
+        # the level whose final fit is predicted to fit the time left, with a grace of 5 % of the budget
+        # (the first level always counts: a model is returned whatever the budget); of those, the best
+        # validation error
+        grace = 0.05 * budget
+        affordable = [levels[0]] + [r for r in levels[1:] if final_cost(r["M"]) <= clock.left() + grace]
         best_level = min(affordable, key=lambda r: (r["error"], r["M"]))
         better = min(levels, key=lambda r: (r["error"], r["M"]))
         if better is not best_level:
@@ -949,7 +955,13 @@ def auto_fit(
                     _scale_lengthscales(k_lev, best_level["multiplier"])
                     with warnings.catch_warnings(record=True) as caught:
                         warnings.simplefilter("always")
-                        sel = leverage_centers(xs, m_b, k_lev, best_level["noise"] / n_s, generator=gen)
+                        # BLESS's dictionary capped at the number of centers drawn: its cost, O(n_s J^2),
+                        # is then that of about one selection fit's pass and preconditioner
+                        sel = leverage_centers(xs, m_b, k_lev, best_level["noise"] / n_s, generator=gen,
+                                               max_dictionary_size=max(m_b, 128))
+                        if clock.left() < 1.2 * final_cost(m_b) + 1.5 * last_fit_seconds(m_b):
+                            raise TimeoutError(f"the scores took {time.perf_counter() - t_lev:.1f} s; "
+                                               "no time is left for the fit with their centers")
                         mod, _ = _fit_quiet(FalkonGP(xs, ys, kernel=k_lev, centers=sel.centers,
                                                      center_weights=sel.weights, penalty=best_level["noise"] / n_s,
                                                      max_iter=max_iter, tol=tol))
@@ -957,10 +969,11 @@ def auto_fit(
                         del mod
                     if any(not issubclass(w.category, CGNotConvergedWarning) for w in caught):
                         report.notes.append("leverage check: " + "; ".join(
-                            str(w.message)[:120] for w in caught if not issubclass(w.category, CGNotConvergedWarning)))
+                            str(w.message)[:160] for w in caught if not issubclass(w.category, CGNotConvergedWarning)))
                 except Exception as exc:
                     err_lev = math.inf
-                    report.notes.append(f"leverage check failed: {type(exc).__name__}: {exc}")
+                    report.notes.append(f"leverage check {'skipped' if isinstance(exc, TimeoutError) else 'failed'}: "
+                                        f"{type(exc).__name__}: {exc}")
                     sel = None
                 lev_s = time.perf_counter() - t_lev
                 report.leverage = dict(M=m_b, distinct=None if sel is None else int(sel.centers.shape[0]),
@@ -974,8 +987,10 @@ def auto_fit(
         t_stage = time.perf_counter()
         clock.tick("final fit", M=best_level["M"])
         final_predicted = final_cost(best_level["M"])
-        # the budget's remainder bounds the final CG (a backstop for a prediction that was low)
-        final, converged = build_final(best_level, time_limit=max(clock.left(), 1e-3), centers=lev_centers,
+        # the budget's remainder (and the grace) bounds the final CG: a backstop for a prediction that was
+        # low. Never below 1.2 x the prediction: a final CG cut to a few iterations returns a useless model
+        final, converged = build_final(best_level, time_limit=max(clock.left() + grace, 1.2 * final_predicted),
+                                       centers=lev_centers,
                                        weights=lev_weights)
         report.stages["final fit"] = time.perf_counter() - t_stage
         if final.fit_info is not None and final.fit_info.extra.get("time_limit"):
