@@ -175,6 +175,12 @@ def _val_mse(model: FalkonGP, xv: Tensor, yv: Tensor) -> float:
     return float((pred - yv.to(torch.float64)).square().mean())
 
 
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA kernels run asynchronously), so a timing covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _fit_quiet(model: FalkonGP, time_limit: float | None = None) -> tuple[FalkonGP, bool]:
     """Fit, recording (not printing) CG's cap warning; returns (model, converged)."""
     with warnings.catch_warnings(record=True) as caught:
@@ -636,6 +642,7 @@ def auto_fit(
             t_pass = time.perf_counter()
             with torch.no_grad():
                 eng0.kmn_k(torch.ones(m_first, 1, dtype=torch.float64, device=dev))
+            _sync(dev)
             t_pass = time.perf_counter() - t_pass
             eng0.release()
             final_floor = (max_iter + 2) * t_pass * n_final / rows0
@@ -801,6 +808,7 @@ def auto_fit(
                 t = time.perf_counter()
                 with torch.no_grad():
                     eng.kmn_k(u)
+                _sync(dev)
                 pass_cache[m] = time.perf_counter() - t
                 eng.release()
             return pass_cache[m]
@@ -894,7 +902,7 @@ def auto_fit(
                 p = min(3.0, max(1.0, math.log(max(ratio, 1e-9)) / math.log(m / levels[-2]["M"])))
             unit = 4 * last_fit_seconds(m) + final_cost(m)
             f_fit = (max(clock.left(), 0.0) / unit) ** (1.0 / p) if unit > 0 else math.inf
-            m_try = min(m_next, int(m * f_fit)) if f_fit >= min(1.25, m_next / m) else m
+            m_try = min(m_next, int(m * min(f_fit, m_next))) if f_fit >= min(1.25, m_next / m) else m
             # the candidate's own prediction: its selection fits (the measured fit scaled by f^p) and
             # 1.2 x its final fit must fit the time left. Where the final rows' K_nM crosses the memory
             # budget between m and the candidate, the final fit changes regime (K_nM recomputed at each
@@ -902,8 +910,8 @@ def auto_fit(
             # pass is measured (one pass over the selection rows). Smaller candidates down to 1.25 m
             # are tried before the growth stops.
             while m_try > m:
-                sel = last_fit_seconds(m) * (m_try / m) ** p
-                if 4 * sel + 1.2 * final_cost(m_try, select_seconds=sel) <= clock.left():
+                sel_s = last_fit_seconds(m) * (m_try / m) ** p
+                if 4 * sel_s + 1.2 * final_cost(m_try, select_seconds=sel_s) <= clock.left():
                     break
                 smallest = math.ceil(1.25 * m)
                 m_try = max(int(m_try / 1.25), smallest) if m_try > smallest else m
@@ -955,10 +963,10 @@ def auto_fit(
                     _scale_lengthscales(k_lev, best_level["multiplier"])
                     with warnings.catch_warnings(record=True) as caught:
                         warnings.simplefilter("always")
-                        # BLESS's dictionary capped at the number of centers drawn: its cost, O(n_s J^2),
-                        # is then that of about one selection fit's pass and preconditioner
+                        # BLESS's dictionary capped at the number of centers drawn (and BLESS's default
+                        # 2048): its cost is O(n_s J^2) per level; the fit is skipped if it left no time
                         sel = leverage_centers(xs, m_b, k_lev, best_level["noise"] / n_s, generator=gen,
-                                               max_dictionary_size=max(m_b, 128))
+                                               max_dictionary_size=min(max(m_b, 128), 2048))
                         if clock.left() < 1.2 * final_cost(m_b) + 1.5 * last_fit_seconds(m_b):
                             raise TimeoutError(f"the scores took {time.perf_counter() - t_lev:.1f} s; "
                                                "no time is left for the fit with their centers")
@@ -989,7 +997,7 @@ def auto_fit(
         final_predicted = final_cost(best_level["M"])
         # the budget's remainder (and the grace) bounds the final CG: a backstop for a prediction that was
         # low. Never below 1.2 x the prediction: a final CG cut to a few iterations returns a useless model
-        final, converged = build_final(best_level, time_limit=max(clock.left() + grace, 1.2 * final_predicted),
+        final, converged = build_final(best_level, time_limit=max(clock.left() + grace, 1.2 * final_predicted, 1e-3),
                                        centers=lev_centers,
                                        weights=lev_weights)
         report.stages["final fit"] = time.perf_counter() - t_stage

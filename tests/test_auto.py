@@ -410,11 +410,16 @@ def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int) -> tupl
     import types
 
     import gpfalkon.auto as auto_module
+    import gpfalkon.models.falkon_gp as model_module
+    import gpfalkon.operators.nystrom as operator_module
+    import gpfalkon.solvers.cg as cg_module
     from gpfalkon import settings
     from gpfalkon.backend import KernelEngine
 
     now = [0.0]
-    monkeypatch.setattr(auto_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    fake = types.SimpleNamespace(perf_counter=lambda: now[0])
+    for module in (auto_module, model_module, operator_module, cg_module):  # every clock auto_fit's fits read
+        monkeypatch.setattr(module, "time", fake)
     real = KernelEngine.kmn_k
 
     def kmn_k(self, u=None, v=None):
@@ -461,27 +466,45 @@ def test_auto_fit_does_not_grow_centers_past_a_final_fit_it_cannot_afford(monkey
     assert model.auto_report.chosen["num_centers"] == 60 and model.fitted
 
 
-def test_auto_fit_leverage_check_keeps_the_better_centers_on_validation():
+@pytest.mark.parametrize("winner", ["leverage", "uniform", "scored"])
+def test_auto_fit_leverage_check_keeps_the_better_centers_on_validation(monkeypatch, winner):
     """leverage_check=True scores the chosen level once more with leverage-score centers; the final
     model carries those centers (and their preconditioner weights) exactly when their validation error
-    was lower, and is then the FALKON fit with them (checked against a dense solve on the final rows)."""
+    was lower, and is the Nystrom KRR fit with its centers (checked against a dense solve). The validation
+    score is forced to favour either side ("scored": the real scores decide)."""
+    import gpfalkon.auto as auto_module
+
+    real = auto_module._val_mse
+    forced = {"leverage": 0.0, "uniform": math.inf}
+
+    def val_mse(model, x, y):
+        if winner in forced and model.center_weights is not None:  # only the leverage fit carries weights
+            return forced[winner]
+        return real(model, x, y)
+
+    monkeypatch.setattr(auto_module, "_val_mse", val_mse)
     x, y, _ = _data(800)
     model = auto_fit(x, y, leverage_check=True, **SMALL)
     rep = model.auto_report
     lev = rep.leverage
-    assert math.isfinite(lev["error"]) and lev["M"] in [lv["M"] for lv in rep.chosen["levels"]]
+    assert lev["M"] in [lv["M"] for lv in rep.chosen["levels"]]
     assert 1 <= lev["distinct"] <= lev["M"] and lev["seconds"] > 0
     chose = "leverage" if lev["error"] < lev["uniform_error"] else "uniform"
+    assert winner == "scored" or chose == winner
     assert rep.chosen["centers"] == chose
     if chose == "leverage":
         assert model.center_weights is not None and model.centers.shape[0] == lev["distinct"]
+        # the centers are selection rows (raw units): each is a row of train_x
+        dist = torch.cdist(model.centers.to(torch.float64), x)
+        assert float(dist.min(dim=1).values.max()) < 1e-6 * float(x.abs().max())
     else:
-        assert model.center_weights is None
+        assert model.center_weights is None and model.centers.shape[0] == lev["M"]
     # the returned fit is the Nystrom KRR solution for its centers, whatever they are
     # (fitted values: CG stops at tol 1e-4, so compare K_nM alpha, not the ill-conditioned alpha)
-    knm = dense_kernel(model.kernel, model.train_inputs[0], model.centers)
-    alpha_ref = _dense_alpha(model, model.train_targets - model.mean_constant.detach())
-    fitted, fitted_ref = knm @ model.alpha.reshape(-1), knm @ alpha_ref.reshape(-1)
-    assert float((fitted - fitted_ref).norm().detach() / fitted_ref.norm().detach()) < 1e-3
+    with torch.no_grad():
+        knm = dense_kernel(model.kernel, model.train_inputs[0], model.centers)
+        alpha_ref = _dense_alpha(model, model.train_targets - model.mean_constant)
+        fitted, fitted_ref = knm @ model.alpha.reshape(-1), knm @ alpha_ref.reshape(-1)
+    assert float((fitted - fitted_ref).norm() / fitted_ref.norm()) < 1e-3
     with pytest.raises(TypeError, match="leverage_check"):
         auto_fit(x, y, leverage_check="yes", **SMALL)

@@ -547,9 +547,6 @@ class FalkonGP(gpytorch.models.GP):
         with torch.no_grad():
             if callback is not None and not callable(callback):  # before the O(n M) passes, not after
                 raise TypeError(f"callback must be callable (iteration, x, residual), got {type(callback).__name__}")
-            if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, numbers.Real)
-                                           or not time_limit > 0):
-                raise ValueError(f"time_limit must be a number of seconds > 0 or None, got {time_limit!r}")
             # the data may have been edited in place since construction: O(n d), before any pass
             x_tr = self.train_inputs[0]
             bad = torch.tensor([float(not bool(torch.isfinite(self.train_targets).all())),
@@ -561,6 +558,7 @@ class FalkonGP(gpytorch.models.GP):
                     raise ValueError(f"{name} contains NaN or Inf (was it edited in place after the model was "
                                      "built?)")
             op = self.nystrom_operator()
+            op.check_time_limit(time_limit)  # before the O(n M) pass
             rhs = op.kmn_y(y2)
             if not bool(torch.isfinite(rhs).all()):
                 raise FalkonConvergenceError(

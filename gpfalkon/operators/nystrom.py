@@ -1,6 +1,8 @@
 """The Nyström kernel ridge regression system as a linear operator."""
 from __future__ import annotations
 
+import numbers
+import time
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
@@ -331,15 +333,10 @@ class NystromKRROperator(LinearOperator):
             and float(lo_settings.cg_tolerance.value()) >= 1
         # the dtype reaches the built-in solver for its advice; a user's solver keeps the Solver signature
         extra: dict = {"data_dtype": self.x.dtype} if self.solver is falkon_solve else {}
-        if time_limit is not None:
-            if self.solver is not falkon_solve:
-                raise ValueError("time_limit needs the built-in FALKON solver (options.solver is a custom one)")
-            if is_sharded(self.options.backend):
-                raise ValueError("time_limit is not available with rows sharded over processes: the ranks' "
-                                 "clocks could stop CG at different iterations")
-            if not (time_limit > 0):
-                raise ValueError(f"time_limit must be > 0 seconds or None, got {time_limit}")
-            extra["time_limit"] = float(time_limit)
+        self.check_time_limit(time_limit)
+        # the limit counts from here: the preconditioner's factorisations and any restart after a jitter
+        # boost share it
+        t_end = None if time_limit is None else time.perf_counter() + float(time_limit)
         if default_tol and self.x.dtype.itemsize < 8 and 0 < tol_ < FLOAT32_TOL:
             # the default tolerance (no tol given here, in the options or by a setting) for float32 data: aim
             # at FLOAT32_TOL, and where float32 kernel products stall above it (smooth kernels, small
@@ -351,9 +348,12 @@ class NystromKRROperator(LinearOperator):
         with torch.no_grad():
             while True:
                 try:
+                    precond = self.preconditioner
+                    if t_end is not None:
+                        extra["time_limit"] = max(t_end - time.perf_counter(), 1e-9)
                     sol, info = self.solver(
                         self.h_matmul_nograd,
-                        self.preconditioner,
+                        precond,
                         rhs.detach(),
                         None if x0 is None else x0.detach(),
                         tol=tol_,
@@ -369,6 +369,20 @@ class NystromKRROperator(LinearOperator):
                         raise
         self.last_info = info
         return sol, info
+
+    def check_time_limit(self, time_limit: float | None) -> None:
+        """Raise unless ``time_limit`` is ``None`` or usable here: a number of seconds > 0, the built-in
+        solver (a custom one has no clock) and rows on one process (ranks stopping CG at different
+        iterations would leave the others waiting in a collective)."""
+        if time_limit is None:
+            return
+        if isinstance(time_limit, bool) or not isinstance(time_limit, numbers.Real) or not time_limit > 0:
+            raise ValueError(f"time_limit must be a number of seconds > 0 or None, got {time_limit!r}")
+        if self.solver is not falkon_solve:
+            raise ValueError("time_limit needs the built-in FALKON solver (options.solver is a custom one)")
+        if is_sharded(self.options.backend):
+            raise ValueError("time_limit is not available with rows sharded over processes: the ranks' "
+                             "clocks could stop CG at different iterations")
 
     def chosen_method(self, *, tol: float | None = None, max_iter: int | None = None, iterative: bool = False) -> str:
         """``"cg"`` or ``"direct"``: :attr:`FalkonOptions.solve_method`, with ``"auto"`` resolved by
