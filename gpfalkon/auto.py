@@ -175,10 +175,20 @@ def _val_mse(model: FalkonGP, xv: Tensor, yv: Tensor) -> float:
     return float((pred - yv.to(torch.float64)).square().mean())
 
 
-def _sync(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA kernels run asynchronously), so a timing covers it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _onthefly_pass_seconds(kernel: Kernel, x: Tensor, centers: Tensor) -> float:
+    """Wall seconds of one ``K_Mn (K_nM u)`` pass over ``x`` with ``K_nM`` recomputed block by block
+    (the cost of one CG iteration of a fit whose ``K_nM`` exceeds the memory budget); on CUDA the
+    queued kernels are waited for, so the timing covers them."""
+    eng = KernelEngine(kernel, x, centers, store=False)
+    u = torch.ones(centers.shape[0], 1, dtype=torch.float64, device=x.device)
+    t = time.perf_counter()
+    with torch.no_grad():
+        eng.kmn_k(u)
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+    seconds = time.perf_counter() - t
+    eng.release()
+    return seconds
 
 
 def _fit_quiet(model: FalkonGP, time_limit: float | None = None) -> tuple[FalkonGP, bool]:
@@ -637,14 +647,8 @@ def auto_fit(
         budget_bytes = memory_budget_for(None, device=dev)  # read once: every fit of this call sees it
         if n_final * m_first * torch.finfo(dtype).bits // 8 > budget_bytes:
             rows0 = min(n_tr, select_rows)
-            eng0 = KernelEngine(k0, xt_z[:rows0], xt_z[torch.randperm(n_tr, generator=gen, device=dev)[:m_first]],
-                                store=False)
-            t_pass = time.perf_counter()
-            with torch.no_grad():
-                eng0.kmn_k(torch.ones(m_first, 1, dtype=torch.float64, device=dev))
-            _sync(dev)
-            t_pass = time.perf_counter() - t_pass
-            eng0.release()
+            t_pass = _onthefly_pass_seconds(k0, xt_z[:rows0],
+                                            xt_z[torch.randperm(n_tr, generator=gen, device=dev)[:m_first]])
             final_floor = (max_iter + 2) * t_pass * n_final / rows0
             if clock.t0 + budget - 1.5 * final_floor < learn_deadline:
                 learn_deadline = max(time.perf_counter(), clock.t0 + budget - 1.5 * final_floor)
@@ -803,14 +807,7 @@ def auto_fit(
             """One ``K_Mn (K_nM u)`` pass over the selection rows with ``K_nM`` recomputed block by block
             (measured once per ``m``)."""
             if m not in pass_cache:
-                eng = KernelEngine(base_kernel, xs, c_pool[:m], store=False)
-                u = torch.ones(m, 1, dtype=torch.float64, device=dev)
-                t = time.perf_counter()
-                with torch.no_grad():
-                    eng.kmn_k(u)
-                _sync(dev)
-                pass_cache[m] = time.perf_counter() - t
-                eng.release()
+                pass_cache[m] = _onthefly_pass_seconds(base_kernel, xs, c_pool[:m])
             return pass_cache[m]
 
         def final_cost(m: int, select_seconds: float | None = None) -> float:
