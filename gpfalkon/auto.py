@@ -20,7 +20,9 @@
    of centers is doubled (nested centers) while the validation error improves by more than
    ``min_gain`` and the predicted cost of the next size (from the measured fit times) fits the
    remaining budget (or grown by the largest factor >= 1.25 that fits), re-tuning the noise and
-   the multiplier (both move as the Nyström approximation improves) at each size.
+   the multiplier (both move as the Nyström approximation improves) at each size. The nested
+   centers are uniform rows or ridge-leverage-score draws, whichever validates better at the
+   first size (``center_sampling``).
 3. **Refit** on all rows (training rows plus the held-out rows, unless ``val_x`` was given) with
    the chosen kernel, noise and number of centers.
 
@@ -55,12 +57,15 @@ from torch import Tensor
 from ._validation import check_inputs, check_targets
 from .backend import KernelEngine
 from .backend.blocks import memory_budget_for
-from .centers import leverage_centers
+from .centers import NestedLeverageCenters, dictionary_leverage_scores, leverage_centers, nested_leverage_centers
 from .errors import CGNotConvergedWarning
 from .models import FalkonGP
 from .objectives import GCV, LOOCV, CompReg, NystromCompReg, SGPRBound, StochasticNystromCompReg
 
-__all__ = ["KERNEL_FAMILIES", "OBJECTIVES", "AutoFitReport", "auto_fit"]
+__all__ = ["CENTER_SAMPLING", "KERNEL_FAMILIES", "OBJECTIVES", "AutoFitReport", "auto_fit"]
+
+#: how :func:`auto_fit` draws the nested centers of stages 2-3 (``center_sampling=``)
+CENTER_SAMPLING: tuple[str, ...] = ("auto", "uniform", "leverage")
 
 #: objective name -> class (the names ``objectives=`` accepts)
 OBJECTIVES: dict[str, type] = {
@@ -90,7 +95,9 @@ class AutoFitReport:
     objective (its validation-error trajectory); ``search`` every selection fit
     ``(M, noise, multiplier, error, seconds)``; ``chosen`` the final choices; ``leverage`` the
     leverage-score check of the chosen level (``leverage_check=True``: its validation ``error``
-    against the uniform centers', the distinct centers drawn, its seconds).
+    against the uniform centers', the distinct centers drawn, its seconds); ``sampling`` the choice of
+    the center pool at the first size (``center_sampling``: ``uniform_error``, ``leverage_error``, the
+    estimated ``d_eff``, the ``distinct`` leverage draws, ``seconds``, the pool ``chosen``).
     """
 
     budget: float
@@ -104,6 +111,7 @@ class AutoFitReport:
     stages: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     leverage: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
@@ -356,6 +364,7 @@ def auto_fit(
     patience: int = 10,
     race_rounds: int = 5,
     min_gain: float = 0.005,
+    center_sampling: str = "auto",
     leverage_check: bool = False,
     max_iter: int = 50,
     tol: float = 1e-4,
@@ -433,6 +442,17 @@ def auto_fit(
             one with the best validation error so far goes on (the others' best points stay
             candidates).
         min_gain: relative validation-error gain needed to keep growing the centers.
+        center_sampling: how the nested centers of stages 2-3 are drawn from the selection rows:
+            ``"uniform"`` (a random permutation's prefixes); ``"leverage"`` (prefixes of one stream of
+            ridge-leverage-score draws, :func:`~gpfalkon.nested_leverage_centers`, with the
+            preconditioner weights ``D`` of each size; the scores are estimated at the first size's
+            kernel and penalty from its uniform centers as dictionary,
+            :func:`~gpfalkon.dictionary_leverage_scores`, one pass); ``"auto"``: both are scored at the
+            first size (its noise and multiplier searched with uniform centers) and the one with the
+            lower validation error is used for every larger size and the final fit (one more selection
+            fit and one scoring pass; ``report.sampling``). Leverage scores place more centers where
+            the data are sparse relative to the kernel's resolution; uniform ones follow the density.
+            ``learn_centers=True`` keeps the uniform pool.
         leverage_check: at the chosen level, one more selection fit with as many centers drawn by
             approximate ridge-leverage scores (BLESS on the selection rows, with the level's kernel and
             penalty, and the preconditioner weights ``D`` of :func:`~gpfalkon.leverage_centers`); the
@@ -497,6 +517,8 @@ def auto_fit(
         raise ValueError(f"learn_share must be in [0, 1), got {learn_share!r}")
     if not (isinstance(min_gain, (int, float)) and min_gain >= 0.0):
         raise ValueError(f"min_gain must be >= 0, got {min_gain!r}")
+    if center_sampling not in CENTER_SAMPLING:
+        raise ValueError(f"center_sampling must be one of {CENTER_SAMPLING}, got {center_sampling!r}")
     if not isinstance(leverage_check, bool):
         raise TypeError(f"leverage_check must be True or False, got {leverage_check!r}")
     if not (isinstance(lr, (int, float)) and lr > 0):
@@ -738,21 +760,39 @@ def auto_fit(
         xs, ys = xt_z[s_idx], yt_z[s_idx]
         learned_c = best_state["centers"]
         # nested centers: the learned / stage-1 centers first, then random selection rows
-        extra = xs[torch.randperm(n_s, generator=gen, device=dev)]
+        s_perm = torch.randperm(n_s, generator=gen, device=dev)
+        extra = xs[s_perm]
         c_pool = torch.cat([learned_c.to(dtype), extra], 0) if learn_centers else extra
+        # the pool every size draws its centers from: "uniform" (prefixes of c_pool) or "leverage"
+        # (prefixes of a nested leverage-score stream over the selection rows, with their weights D)
+        pool: dict[str, Any] = dict(kind="uniform", nested=None)
         base_kernel = best_state["kernel"]
-        cache: dict[tuple[int, float, float], float] = {}
+        cache: dict[tuple[int, float, float, str], float] = {}
 
-        def score(m: int, noise: float, mult: float) -> float:
-            key = (m, round(math.log(noise), 6), round(math.log(mult), 6))
+        def centers_at(m: int, kind: str | None = None) -> tuple[Tensor, Tensor | None]:
+            """The ``m`` nested centers of the pool ``kind`` (default: the current one) and their weights."""
+            kind = pool["kind"] if kind is None else kind
+            if kind == "uniform":
+                return c_pool[:m], None
+            nested: NestedLeverageCenters = pool["nested"]
+            sel = nested.select(xs, m)
+            return sel.centers, sel.weights
+
+        def pool_limit() -> int:
+            return n_s if pool["kind"] == "uniform" else min(n_s, pool["nested"].size)
+
+        def score(m: int, noise: float, mult: float, kind: str | None = None) -> float:
+            kind = pool["kind"] if kind is None else kind
+            key = (m, round(math.log(noise), 6), round(math.log(mult), 6), kind)
             if key in cache:
                 return cache[key]
             t = time.perf_counter()
             try:
                 k = copy.deepcopy(base_kernel)
                 _scale_lengthscales(k, mult)
-                mod, conv = _fit_quiet(FalkonGP(xs, ys, kernel=k, centers=c_pool[:m], penalty=noise / n_s,
-                                                max_iter=max_iter, tol=tol))
+                c_m, w_m = centers_at(m, kind)
+                mod, conv = _fit_quiet(FalkonGP(xs, ys, kernel=k, centers=c_m, center_weights=w_m,
+                                                penalty=noise / n_s, max_iter=max_iter, tol=tol))
                 err = _val_mse(mod, xv_z, yv_z)
                 iters = mod.fit_info.iterations if mod.fit_info is not None else None
                 del mod
@@ -764,7 +804,7 @@ def auto_fit(
             sec = time.perf_counter() - t
             cache[key] = err
             report.search.append(dict(M=m, noise=noise, multiplier=mult, error=err, seconds=sec, converged=conv,
-                                      iterations=iters))
+                                      iterations=iters, centers=kind))
             clock.tick(f"select M={m}", val_rmse=f"{math.sqrt(err):.4f}" if math.isfinite(err) else "inf")
             return err
 
@@ -807,7 +847,7 @@ def auto_fit(
             """One ``K_Mn (K_nM u)`` pass over the selection rows with ``K_nM`` recomputed block by block
             (measured once per ``m``)."""
             if m not in pass_cache:
-                pass_cache[m] = _onthefly_pass_seconds(base_kernel, xs, c_pool[:m])
+                pass_cache[m] = _onthefly_pass_seconds(base_kernel, xs, centers_at(m)[0])
             return pass_cache[m]
 
         def final_cost(m: int, select_seconds: float | None = None) -> float:
@@ -850,7 +890,9 @@ def auto_fit(
                 with torch.no_grad():
                     wrapped.outputscale = torch.tensor(float(y_sd) ** 2, dtype=dtype, device=dev)
                 fin_kernel = wrapped
-            chosen_c = c_pool[:m_fin] if centers is None else centers
+            if centers is None:
+                centers, weights = centers_at(m_fin, level.get("centers"))
+            chosen_c = centers
             centers_raw = (chosen_c.to(torch.float64) * x_sd + x_mu).to(dtype)
             noise_raw = level["noise"] * float(y_sd) ** 2
             model = FalkonGP(x_fin_t, y_fin_t, kernel=fin_kernel, centers=centers_raw,
@@ -870,6 +912,45 @@ def auto_fit(
                 clock.t0 += spent  # the budget excludes the caller's evaluation
                 callback_seconds[0] += spent
 
+        def try_leverage(m: int, level: dict[str, Any], deadline: float) -> None:
+            """At the first size: draw a nested pool of leverage-score centers over the selection rows, the
+            scores estimated from the level's own (uniform) centers as dictionary at the level's kernel and
+            penalty (one pass); score ``m`` of them. With ``center_sampling="auto"`` the pool with the lower
+            validation error is the one every larger size (and the final fit) draws from; with
+            ``"leverage"``, the leverage pool."""
+            why = None
+            if learn_centers:
+                why = "learn_centers=True (the learned centers lead the uniform pool)"
+            elif m >= n_s:
+                why = "the centers are all selection rows"
+            elif time.perf_counter() + 1.5 * last_fit_seconds(m) > deadline:
+                why = f"{max(deadline - time.perf_counter(), 0.0):.1f} s left before the final fit's reserve"
+            if why is not None:
+                report.notes.append(f"leverage-score centers not tried: {why}")
+                return
+            t_lev = time.perf_counter()
+            try:
+                k_lev = copy.deepcopy(base_kernel)
+                _scale_lengthscales(k_lev, level["multiplier"])
+                scores = dictionary_leverage_scores(xs, k_lev, level["noise"] / n_s, s_perm[:m], m / n_s)
+                nested = nested_leverage_centers(scores, min(n_s, max_centers), generator=gen)
+            except Exception as exc:
+                report.notes.append(f"leverage-score centers failed: {type(exc).__name__}: {exc}")
+                return
+            if nested.size < m:
+                report.notes.append(f"leverage-score centers not tried: the draws gave {nested.size} distinct rows, "
+                                    f"fewer than M={m}")
+                return
+            pool["nested"] = nested
+            uniform_error = level["error"]
+            err = score(m, level["noise"], level["multiplier"], kind="leverage")
+            if center_sampling == "leverage" or err < uniform_error:
+                pool["kind"] = "leverage"
+                level.update(error=err, centers="leverage")
+            report.sampling = dict(M=m, uniform_error=uniform_error, leverage_error=err, d_eff=float(scores.sum()),
+                                   distinct=nested.size, seconds=time.perf_counter() - t_lev, chosen=pool["kind"])
+            clock.tick(f"leverage M={m}", val_rmse=f"{math.sqrt(err):.4f}" if math.isfinite(err) else "inf")
+
         m = min(n_s, max(min_centers, int(learned_c.shape[0]) if learn_centers else m_h), max_centers)
         point = dict(noise=float(best_state["noise"]), multiplier=1.0)
         point["error"] = score(m, point["noise"], point["multiplier"])
@@ -879,14 +960,16 @@ def auto_fit(
                                       ("noise", 2.0, 1e-8, 1e2)):
             stage_deadline = clock.t0 + budget - 1.2 * final_cost(m)
             line_search(m, point, which, factor, lo, hi, stage_deadline)
-        levels: list[dict[str, Any]] = [dict(M=m, **point)]
+        levels: list[dict[str, Any]] = [dict(M=m, centers="uniform", **point)]
+        if center_sampling != "uniform":
+            try_leverage(m, levels[-1], stage_deadline)
         level_done(levels[-1])
         while True:
-            m_next = min(2 * m, n_s, max_centers)
+            m_next = min(2 * m, pool_limit(), max_centers)
             if m_next <= m:
-                report.notes.append(
-                    f"centers stopped at M={m}: " + ("all selection rows" if m >= n_s else "max_centers")
-                )
+                why = ("all selection rows" if m >= n_s else "max_centers" if m >= max_centers
+                       else f"the {pool_limit()} distinct leverage-score draws")
+                report.notes.append(f"centers stopped at M={m}: {why}")
                 break
             # predicted cost of growing M by a factor f: FALKON's fit time grows as f^p with p between 1
             # (data passes, linear in M) and 3 (the M^3 factorisations); p is measured over the last
@@ -921,7 +1004,7 @@ def auto_fit(
             # the best noise falls and the best lengthscales shorten as the Nystrom approximation improves
             line_search(m, point, "noise", 2.0, 1e-8, 1e2, clock.t0 + budget - 1.2 * final_cost(m))
             line_search(m, point, "multiplier", 1.25, 1e-3, 1e3, clock.t0 + budget - 1.2 * final_cost(m))
-            levels.append(dict(M=m, **point))
+            levels.append(dict(M=m, centers=pool["kind"], **point))
             level_done(levels[-1])
             if not math.isfinite(point["error"]):
                 report.notes.append(f"centers stopped at M={m}: the fits failed")
@@ -944,11 +1027,13 @@ def auto_fit(
                                 f"fit is predicted at {final_cost(better['M']):.0f} s, {clock.left():.0f} s were left")
         lev_centers: Tensor | None = None
         lev_weights: Tensor | None = None
-        centers_kind = "uniform"
+        centers_kind = best_level["centers"]
         if leverage_check:
             m_b = int(best_level["M"])
             reserve = 1.2 * final_cost(m_b) + 3 * last_fit_seconds(m_b)  # the final fit; scores and a fit
-            if m_b >= n_s:
+            if centers_kind == "leverage":
+                report.notes.append("leverage check skipped: the level's centers are leverage-score centers")
+            elif m_b >= n_s:
                 report.notes.append("leverage check skipped: the centers are all selection rows")
             elif clock.left() < reserve:
                 report.notes.append(f"leverage check skipped: {clock.left():.0f} s left, the final fit and the "
@@ -985,7 +1070,7 @@ def auto_fit(
                                        error=err_lev, uniform_error=best_level["error"], seconds=lev_s)
                 clock.tick("leverage check", val_rmse=f"{math.sqrt(err_lev):.4f}" if math.isfinite(err_lev) else "inf")
                 if sel is not None and math.isfinite(err_lev) and err_lev < best_level["error"]:
-                    lev_centers, lev_weights, centers_kind = sel.centers, sel.weights, "leverage"
+                    lev_centers, lev_weights, centers_kind = sel.centers, sel.weights, "leverage (check)"
         report.stages["select"] = time.perf_counter() - t_stage - callback_seconds[0]
 
         # ------------------------------------------------------------ stage 3: refit

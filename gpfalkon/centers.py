@@ -9,6 +9,11 @@
 * :func:`approximate_leverage_scores`: the scores themselves, by BLESS-R
   (Rudi, Calandriello, Carratino, Rosasco, NeurIPS 2018), in ``O(n M_J^2)`` time
   and ``O(n + M_J^2)`` memory, ``M_J = O(d_eff)`` the size of BLESS's dictionary.
+* :func:`dictionary_leverage_scores`: the scores from a given dictionary (e.g. uniformly
+  drawn centers), one pass in ``O(n M_J^2)``.
+* :func:`nested_leverage_centers` / :class:`NestedLeverageCenters`: one stream of leverage
+  draws whose first ``m`` distinct rows are the centers at every size ``m`` (nested, with
+  the weights ``D`` of each size).
 * :func:`effective_dimension`: ``d_eff(lambda) = sum_i l_i(lambda)``.
 
 Ridge leverage scores (docs/math.md §3.3), with ``K = K_nn``:
@@ -55,10 +60,13 @@ __all__ = [
     "CenterSelector",
     "FixedCenters",
     "LeverageCenters",
+    "NestedLeverageCenters",
     "UniformCenters",
     "approximate_leverage_scores",
+    "dictionary_leverage_scores",
     "effective_dimension",
     "leverage_centers",
+    "nested_leverage_centers",
     "uniform_centers",
 ]
 
@@ -522,6 +530,162 @@ def approximate_leverage_scores(
             stacklevel=2,
         )
     return scores
+
+
+def dictionary_leverage_scores(
+    x: Tensor,
+    kernel: Kernel,
+    penalty: float | Tensor,
+    dictionary: Tensor,
+    inclusion: float | Tensor,
+    *,
+    block_rows: int | None = None,
+) -> Tensor:
+    r"""Ridge leverage scores of every row of ``x`` estimated from a given dictionary ``J``:
+
+        l~_i = ( K_ii - K_iJ (K_JJ + n lambda A)^{-1} K_Ji ) / (n lambda),   A = diag(a_j),
+
+    ``a_j`` the probability with which row ``j`` entered ``J`` (``inclusion``). For ``J`` drawn
+    uniformly without replacement, ``a_j = M_J / n``; the estimator is then the Nystrom one of
+    the sketch ``C~ = (n / M_J) sum_{j in J} phi_j phi_j^T`` (:func:`approximate_leverage_scores`
+    builds ``J`` by BLESS instead, over ``log(kappa^2 / lambda)`` levels). With ``J`` all rows and
+    ``a = 1`` it is exact: ``(K (K + n lambda I)^{-1})_ii``. Estimates are clipped to
+    ``[K_ii / (tr K + n lambda), K_ii / (K_ii + n lambda)]``, the interval of every exact score.
+
+    Why: a model fitted with ``M`` uniform centers has its dictionary already; one pass over the
+    rows (``O(n M_J (M_J + d) + M_J^3)`` time, float64, row blocks: ``O(rows M_J + M_J^2)`` memory)
+    gives scores to draw leverage-score centers from, where BLESS's levels would cost several
+    passes.
+
+    Args:
+        x: ``(n, d)`` inputs (one process; no sharded backend).
+        kernel: a GPyTorch kernel (evaluated in float64).
+        penalty: ``lambda > 0``.
+        dictionary: ``(M_J,)`` distinct row indices of ``x``.
+        inclusion: ``a_j`` in ``(0, 1]``, a number or an ``(M_J,)`` tensor.
+        block_rows: rows per kernel block (default: about 8 MiB of float64 values).
+
+    Returns:
+        ``(n,)`` float64 scores.
+    """
+    check_inputs("x", x)
+    check_kernel(kernel)
+    check_penalty(penalty)
+    n = int(x.shape[0])
+    if not isinstance(dictionary, Tensor) or dictionary.dim() != 1 or dictionary.dtype not in (torch.int32,
+                                                                                                torch.int64):
+        raise TypeError("dictionary must be a 1-D integer tensor of row indices")
+    if dictionary.numel() and (int(dictionary.min()) < 0 or int(dictionary.max()) >= n):
+        raise ValueError(f"dictionary: row indices must lie in [0, {n}), got [{int(dictionary.min())}, "
+                         f"{int(dictionary.max())}]")
+    if int(torch.unique(dictionary).numel()) != int(dictionary.numel()):
+        raise ValueError("dictionary: row indices must be distinct")
+    a = torch.as_tensor(inclusion, dtype=torch.float64, device=x.device).detach()
+    if a.dim() == 0:
+        a = a.expand(dictionary.numel())
+    if a.shape != dictionary.shape:
+        raise ValueError(f"inclusion must be a number or have shape {tuple(dictionary.shape)}, got {tuple(a.shape)}")
+    if not bool(torch.isfinite(a).all()) or bool((a <= 0).any()) or bool((a > 1).any()):
+        raise ValueError("inclusion: probabilities must lie in (0, 1]")
+    lam = float(torch.as_tensor(penalty).detach())
+    k64 = _kernel64(kernel)
+    with torch.no_grad():
+        diag = _kernel_diag(k64, x, _rows_per_block(1, n, block_rows, device=x.device))
+        if not bool(torch.isfinite(diag).all()) or bool((diag < 0).any()):
+            raise ValueError("kernel: k(x_i, x_i) must be finite and >= 0 on x (is the kernel positive definite?)")
+        trace = float(diag.sum())
+        return _Dictionary(dictionary.to(x.device).long(), a.clone()).scores(
+            k64, x, None, lam * n, diag, trace, block_rows)
+
+
+@dataclass
+class NestedLeverageCenters:
+    """Nested leverage-score centers: one stream of ``R`` draws with replacement with
+    probabilities ``p`` (:func:`nested_leverage_centers`); the centers of size ``m`` are the
+    first ``m`` distinct rows in order of first draw, and their weights are those of
+    :func:`leverage_centers` for the draws up to the ``m``-th new row, ``r_m`` of them:
+
+        D_jj = sqrt( m count_j(r_m) / (n r_m p_j) ),
+
+    ``count_j(r_m)`` the draws of row ``j`` among the first ``r_m``. So every size is a
+    leverage-score sample of its own (``r_m`` i.i.d. draws, duplicates merged), and a larger size
+    contains a smaller one, as uniform centers drawn from one permutation do.
+
+    Attributes:
+        indices: ``(L,)`` distinct rows in order of first draw (``L <= R``).
+        first_draw: ``(L,)`` position in the stream of each one's first draw (increasing).
+        stream: ``(R,)`` the draws.
+        probabilities: ``(n,)`` sampling probabilities ``p`` (float64).
+    """
+
+    indices: Tensor
+    first_draw: Tensor
+    stream: Tensor
+    probabilities: Tensor
+
+    @property
+    def size(self) -> int:
+        """``L``, the largest size available."""
+        return int(self.indices.numel())
+
+    def select(self, x: Tensor, m: int) -> CenterSelection:
+        """The ``m`` first distinct rows of ``x`` (the rows the probabilities are over) and their
+        weights ``D``; ``O(r_m + m d)``."""
+        n = int(self.probabilities.numel())
+        if x.shape[0] != n:
+            raise ValueError(f"x has {x.shape[0]} rows; the draws are over {n}")
+        if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= self.size:
+            raise ValueError(f"m must be an int in [1, {self.size}], got {m!r}")
+        r = int(self.first_draw[m - 1]) + 1
+        idx = self.indices[:m]
+        rank = torch.full((n,), -1, dtype=torch.long, device=idx.device)
+        rank[idx] = torch.arange(m, device=idx.device)
+        drawn = rank[self.stream[:r]]
+        counts = torch.bincount(drawn, minlength=m)
+        p = self.probabilities[idx]
+        weights = torch.sqrt(m * counts.to(torch.float64) / (n * r * p))
+        return CenterSelection(centers=x[idx].clone(), indices=idx, weights=weights, counts=counts, probabilities=p)
+
+
+def nested_leverage_centers(
+    scores: Tensor,
+    max_centers: int,
+    *,
+    generator: torch.Generator | None = None,
+    max_draws: int | None = None,
+) -> NestedLeverageCenters:
+    """A stream of draws with probabilities ``p_j = scores_j / sum(scores)`` (inverse CDF, as in
+    :func:`leverage_centers`: the first ``R`` draws are that function's draws for ``R`` centers
+    from the same generator state), long enough for ``max_centers`` distinct rows or ``max_draws``
+    draws (default ``16 max_centers``), whichever comes first; see :class:`NestedLeverageCenters`.
+    ``O(R log n)`` time. Where the mass sits on few rows, fewer than ``max_centers`` distinct rows
+    may come out (``.size`` says how many).
+    """
+    check_generator(generator)
+    if not isinstance(scores, Tensor) or scores.dim() != 1:
+        raise TypeError("scores must be a 1-D tensor (one per row)")
+    n = int(scores.numel())
+    check_scores("scores", scores, n)
+    max_centers = check_num_centers(max_centers, n)
+    if max_draws is None:
+        max_draws = 16 * max_centers
+    if isinstance(max_draws, bool) or not isinstance(max_draws, int) or max_draws < max_centers:
+        raise ValueError(f"max_draws must be an int >= max_centers={max_centers}, got {max_draws!r}")
+    with torch.no_grad():
+        s = scores.detach().to(torch.float64)
+        cdf = torch.cumsum(s, 0)
+        total = float(cdf[-1])
+        stream = torch.searchsorted(cdf, _rand(max_draws, generator, s.device) * total, right=True)
+        stream.clamp_(max=n - 1)
+        pos = torch.arange(max_draws, device=s.device)
+        first = torch.full((n,), max_draws, dtype=torch.long, device=s.device)
+        first.scatter_reduce_(0, stream, pos, reduce="amin")
+        seen = torch.nonzero(first < max_draws).squeeze(-1)
+        order = torch.argsort(first[seen])
+        indices = seen[order][:max_centers]
+        first_draw = first[indices]
+        stream = stream[: int(first_draw[-1]) + 1]
+    return NestedLeverageCenters(indices=indices, first_draw=first_draw, stream=stream, probabilities=s / total)
 
 
 def effective_dimension(

@@ -484,14 +484,15 @@ def test_auto_fit_leverage_check_keeps_the_better_centers_on_validation(monkeypa
 
     monkeypatch.setattr(auto_module, "_val_mse", val_mse)
     x, y, _ = _data(800)
-    model = auto_fit(x, y, leverage_check=True, **SMALL)
+    model = auto_fit(x, y, leverage_check=True, center_sampling="uniform", **SMALL)
     rep = model.auto_report
     lev = rep.leverage
+    assert rep.sampling == {}  # the pool stayed uniform without a try
     assert lev["M"] in [lv["M"] for lv in rep.chosen["levels"]]
     assert 1 <= lev["distinct"] <= lev["M"] and lev["seconds"] > 0
     chose = "leverage" if lev["error"] < lev["uniform_error"] else "uniform"
     assert winner == "scored" or chose == winner
-    assert rep.chosen["centers"] == chose
+    assert rep.chosen["centers"] == ("leverage (check)" if chose == "leverage" else "uniform")
     if chose == "leverage":
         assert model.center_weights is not None and model.centers.shape[0] == lev["distinct"]
         # the centers are selection rows (raw units): each is a row of train_x
@@ -508,3 +509,63 @@ def test_auto_fit_leverage_check_keeps_the_better_centers_on_validation(monkeypa
     assert float((fitted - fitted_ref).norm() / fitted_ref.norm()) < 1e-3
     with pytest.raises(TypeError, match="leverage_check"):
         auto_fit(x, y, leverage_check="yes", **SMALL)
+
+
+@pytest.mark.parametrize("mode", ["auto-leverage", "auto-uniform", "auto-scored", "leverage"])
+def test_auto_fit_center_sampling_pool_chosen_on_validation(monkeypatch, mode):
+    """center_sampling: at the first size the leverage-score pool is scored against the uniform one;
+    every later size and the final fit draw from the pool with the lower validation error ("auto",
+    forced either way or scored for real) or from the leverage pool ("leverage"). The final model's
+    centers are the first M draws of that pool, the preconditioner weights come with leverage centers,
+    and its fit is the dense Nystrom KRR solution for those centers."""
+    import gpfalkon.auto as auto_module
+
+    real = auto_module._val_mse
+    forced = {"auto-leverage": 0.0, "auto-uniform": math.inf}
+
+    def val_mse(model, x, y):
+        if mode in forced and model.center_weights is not None:  # only leverage pools carry weights
+            return forced[mode]
+        return real(model, x, y)
+
+    monkeypatch.setattr(auto_module, "_val_mse", val_mse)
+    x, y, _ = _data(800)
+    sampling = "leverage" if mode == "leverage" else "auto"
+    model = auto_fit(x, y, center_sampling=sampling, **SMALL)
+    rep = model.auto_report
+    smp = rep.sampling
+    levels = rep.chosen["levels"]
+    assert smp["M"] == levels[0]["M"] and smp["seconds"] > 0 and smp["distinct"] >= smp["M"]
+    assert 0 < smp["d_eff"] < rep.n_train
+    want = "leverage" if mode in ("auto-leverage", "leverage") else "uniform"
+    if mode == "auto-scored":
+        want = "leverage" if smp["leverage_error"] < smp["uniform_error"] else "uniform"
+    assert smp["chosen"] == want and rep.chosen["centers"] == want
+    assert all(lv["centers"] == want for lv in levels)
+    # the first size was fitted with both pools; every later size only with the chosen one
+    kinds = {(r["M"], r["centers"]) for r in rep.search}
+    assert (levels[0]["M"], "uniform") in kinds and (levels[0]["M"], "leverage") in kinds
+    assert all(k == want for m, k in kinds if m != levels[0]["M"])
+    assert len(levels) >= 2  # the growth ran on the chosen pool
+    m_fin = rep.chosen["num_centers"]
+    if want == "leverage":
+        assert model.center_weights is not None and model.centers.shape[0] == m_fin
+        dist = torch.cdist(model.centers.to(torch.float64), x)
+        assert float(dist.min(dim=1).values.max()) < 1e-6 * float(x.abs().max())
+    else:
+        assert model.center_weights is None
+    with torch.no_grad():
+        knm = dense_kernel(model.kernel, model.train_inputs[0], model.centers)
+        alpha_ref = _dense_alpha(model, model.train_targets - model.mean_constant)
+        fitted, fitted_ref = knm @ model.alpha.reshape(-1), knm @ alpha_ref.reshape(-1)
+    assert float((fitted - fitted_ref).norm() / fitted_ref.norm()) < 1e-3
+
+
+def test_auto_fit_center_sampling_validation_and_skips():
+    x, y, _ = _data(400)
+    with pytest.raises(ValueError, match="center_sampling"):
+        auto_fit(x, y, center_sampling="kmeans", **SMALL)
+    # learned centers lead the uniform pool: no leverage try, said in the notes
+    model = auto_fit(x, y, learn_centers=True, **SMALL)
+    assert model.auto_report.sampling == {} and model.auto_report.chosen["centers"] == "uniform"
+    assert any("leverage-score centers not tried" in n for n in model.auto_report.notes)

@@ -16,8 +16,10 @@ from gpfalkon.centers import (
     CenterSelection,
     LeverageCenters,
     approximate_leverage_scores,
+    dictionary_leverage_scores,
     effective_dimension,
     leverage_centers,
+    nested_leverage_centers,
     uniform_centers,
 )
 
@@ -483,3 +485,94 @@ def test_paper_weighting_option():
     torch.testing.assert_close(a.weights, torch.sqrt(m * a.counts.double() / (300 * 200 * a.probabilities)))
     with pytest.raises(ValueError, match="weighting"):
         leverage_centers(x, 20, k, 1e-3, scores=scores, weighting="other")
+
+
+# ----------------------------------------------------------------- scores from a given dictionary
+def test_dictionary_scores_exact_with_all_rows_and_dense_formula_with_a_subset():
+    x, _ = make_data(300, 3)
+    k = _rbf(0.6)
+    lam = 1e-3
+    exact = _exact_scores(k, x, lam)
+    full = dictionary_leverage_scores(x, k, lam, torch.arange(300), 1.0)
+    assert full.dtype == torch.float64 and torch.allclose(full, exact, rtol=1e-6, atol=1e-9)
+    # a uniform subset J with a_j = |J| / n: the dense estimator (K_ii - K_iJ (K_JJ + n lam A)^-1 K_Ji) / (n lam),
+    # clipped to [K_ii / (tr K + n lam), K_ii / (K_ii + n lam)]
+    j = torch.randperm(300, generator=_gen(1))[:80]
+    est = dictionary_leverage_scores(x.to(torch.float32), k.to(torch.float32), lam, j, 80 / 300)
+    with torch.no_grad():
+        K = dense_kernel(k.to(torch.float64), x, x).to(torch.float64)
+    nl = 300 * lam
+    kij = K[:, j]
+    ref = (K.diagonal() - (kij * torch.linalg.solve(K[j][:, j] + nl * 80 / 300 * torch.eye(80, dtype=torch.float64),
+                                                      kij.T).T).sum(1)) / nl
+    ref = torch.minimum(torch.maximum(ref, K.diagonal() / (K.trace() + nl)), K.diagonal() / (K.diagonal() + nl))
+    assert torch.allclose(est, ref, rtol=1e-4, atol=1e-7)
+    # and it is a constant-factor estimate of the exact scores here (80 rows >> d_eff)
+    ratio = est / exact
+    assert float(((ratio > 1 / 3) & (ratio < 3)).double().mean()) >= 0.95
+    # per-point inclusion probabilities: a tensor
+    per_point = dictionary_leverage_scores(x, k, lam, j, torch.full((80,), 80 / 300, dtype=torch.float64))
+    assert torch.allclose(per_point, dictionary_leverage_scores(x, k, lam, j, 80 / 300))
+
+
+def test_dictionary_scores_validation():
+    x, _ = make_data(50, 2)
+    k = _rbf(0.5)
+    with pytest.raises(TypeError, match="dictionary"):
+        dictionary_leverage_scores(x, k, 1e-3, [0, 1], 0.5)
+    with pytest.raises(ValueError, match="dictionary: row indices must lie in"):
+        dictionary_leverage_scores(x, k, 1e-3, torch.tensor([0, 50]), 0.5)
+    with pytest.raises(ValueError, match="distinct"):
+        dictionary_leverage_scores(x, k, 1e-3, torch.tensor([3, 3]), 0.5)
+    with pytest.raises(ValueError, match="inclusion"):
+        dictionary_leverage_scores(x, k, 1e-3, torch.tensor([3, 4]), 1.5)
+    with pytest.raises(ValueError, match="inclusion"):
+        dictionary_leverage_scores(x, k, 1e-3, torch.tensor([3, 4]), torch.ones(3))
+    with pytest.raises(ValueError, match="penalty"):
+        dictionary_leverage_scores(x, k, -1.0, torch.tensor([3, 4]), 0.5)
+
+
+# ----------------------------------------------------------------- nested leverage-score centers
+def test_nested_leverage_centers_prefixes_are_leverage_samples():
+    """Each size m is the leverage_centers sample of its r_m draws (same generator state: same draws),
+    with the same weights D; sizes are nested prefixes in order of first draw."""
+    x, _ = make_data(400, 3)
+    k = _rbf(0.5)
+    scores = _exact_scores(k, x, 1e-3)
+    nested = nested_leverage_centers(scores, 150, generator=_gen(7))
+    assert nested.size == 150 and bool((nested.first_draw[1:] > nested.first_draw[:-1]).all())
+    assert int(torch.unique(nested.indices).numel()) == 150
+    assert torch.allclose(nested.probabilities.sum(), torch.tensor(1.0, dtype=torch.float64))
+    prev = None
+    for m in (1, 9, 40, 150):
+        sel = nested.select(x, m)
+        r = int(nested.first_draw[m - 1]) + 1
+        ref = leverage_centers(x, r, k, 1e-3, scores=scores, generator=_gen(7))
+        order = torch.argsort(sel.indices)
+        assert torch.equal(sel.indices[order], ref.indices)
+        assert torch.equal(sel.counts[order], ref.counts) and int(sel.counts.sum()) == r
+        assert torch.allclose(sel.weights[order], ref.weights)
+        assert torch.equal(sel.centers, x[sel.indices])
+        if prev is not None:
+            assert torch.equal(sel.indices[: prev.numel()], prev)
+        prev = sel.indices
+
+
+def test_nested_leverage_centers_concentrated_mass_and_validation():
+    x, _ = make_data(100, 2)
+    scores = torch.zeros(100, dtype=torch.float64)
+    scores[[3, 50, 97]] = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    nested = nested_leverage_centers(scores, 10, generator=_gen(0))
+    assert nested.size == 3 and set(nested.indices.tolist()) == {3, 50, 97}
+    with pytest.raises(ValueError, match="m must be an int in \\[1, 3\\]"):
+        nested.select(x, 4)
+    with pytest.raises(ValueError, match="x has 99 rows"):
+        nested.select(x[:99], 2)
+    with pytest.raises(ValueError, match="scores"):
+        nested_leverage_centers(-scores, 2)
+    with pytest.raises(ValueError, match="max_draws"):
+        nested_leverage_centers(scores, 10, max_draws=5)
+    # uniform scores: D_jj = sqrt(m count_j / r_m), 1 where no row was drawn twice
+    sel = nested_leverage_centers(torch.ones(100, dtype=torch.float64), 5, generator=_gen(1)).select(x, 5)
+    r = int(sel.counts.sum())
+    assert torch.allclose(sel.weights, torch.sqrt(5 * sel.counts.double() / r))
