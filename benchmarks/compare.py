@@ -835,12 +835,13 @@ def run_auto(data: dict, budget: float, label: str = "gpfalkon auto_fit") -> lis
     scores = (raw - data["y_mean"]) / data["y_scale"]
     rep = model.auto_report
     c = rep.chosen
-    info = (f"objective {c['objective']} (step {c['step']}), M {c['num_centers']}, noise {c['noise']:.3g}, "
-            f"multiplier {c['multiplier']:.3g}; " + ", ".join(f"{k} {v:.1f} s" for k, v in rep.stages.items()))
+    info = (f"objective {c['objective']} (step {c['step']}), M {c['num_centers']} ({c['centers']}), "
+            f"noise {c['noise']:.3g}, multiplier {c['multiplier']:.3g}; "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in rep.stages.items()))
     return [dict(method=label, budget=budget, M=c["num_centers"], n_used=len(xtr), fit_s=fit_s,
                  predict_s=time.perf_counter() - t1, scores=scores, info=info, curve=curve,
                  auto=dict(chosen={k: v for k, v in c.items() if k != "levels"}, levels=c["levels"],
-                           stages=rep.stages, notes=rep.notes, leverage=rep.leverage,
+                           stages=rep.stages, notes=rep.notes, leverage=rep.leverage, sampling=rep.sampling,
                            learn=[{k: v for k, v in r.items()} for r in rep.learn]))]
 
 
