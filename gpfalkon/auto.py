@@ -123,7 +123,8 @@ class AutoFitReport:
             f"auto_fit: {self.seconds:.1f} s of a {self.budget:g} s budget; n_train {self.n_train:,}, "
             f"validation {self.n_val:,} rows ({self.val_source})",
             f"  objective {c.get('objective')} (step {c.get('step')}), kernel {self.kernel}, "
-            f"M {c.get('num_centers')}, noise {c.get('noise', float('nan')):.4g} (standardised), "
+            f"M {c.get('num_centers')} ({c.get('centers')} centers), "
+            f"noise {c.get('noise', float('nan')):.4g} (standardised), "
             f"lengthscale multiplier {c.get('multiplier', float('nan')):.3g}",
             f"  validation RMSE {c.get('val_rmse', float('nan')):.5g}; stages "
             + ", ".join(f"{k} {v:.1f} s" for k, v in self.stages.items()),
