@@ -64,6 +64,9 @@ from .objectives import GCV, LOOCV, CompReg, NystromCompReg, SGPRBound, Stochast
 
 __all__ = ["CENTER_SAMPLING", "KERNEL_FAMILIES", "OBJECTIVES", "AutoFitReport", "auto_fit"]
 
+#: largest dictionary :func:`auto_fit` estimates leverage scores from (``O(n M_J^2)`` per pass)
+LEVERAGE_DICTIONARY = 2048
+
 #: how :func:`auto_fit` draws the nested centers of stages 2-3 (``center_sampling=``)
 CENTER_SAMPLING: tuple[str, ...] = ("auto", "uniform", "leverage")
 
@@ -453,7 +456,11 @@ def auto_fit(
             lower validation error is used for every larger size and the final fit (one more selection
             fit and one scoring pass; ``report.sampling``). Leverage scores place more centers where
             the data are sparse relative to the kernel's resolution; uniform ones follow the density.
-            ``learn_centers=True`` keeps the uniform pool.
+            ``learn_centers=True`` keeps the uniform pool (``"auto"`` then means ``"uniform"``;
+            ``"leverage"`` is an error). The scores' dictionary is at most the first
+            ``LEVERAGE_DICTIONARY`` of the first size's uniform centers. ``"auto"`` keeps the
+            leverage pool only if its draws give room to grow (at least ``min(2 M, max_centers)``
+            distinct rows) and its validation error is finite and lower.
         leverage_check: at the chosen level, one more selection fit with as many centers drawn by
             approximate ridge-leverage scores (BLESS on the selection rows, with the level's kernel and
             penalty, and the preconditioner weights ``D`` of :func:`~gpfalkon.leverage_centers`); the
@@ -520,6 +527,9 @@ def auto_fit(
         raise ValueError(f"min_gain must be >= 0, got {min_gain!r}")
     if center_sampling not in CENTER_SAMPLING:
         raise ValueError(f"center_sampling must be one of {CENTER_SAMPLING}, got {center_sampling!r}")
+    if center_sampling == "leverage" and learn_centers:
+        raise ValueError("center_sampling='leverage' needs learn_centers=False: learned centers lead the uniform "
+                         "pool and have no leverage-score weights")
     if not isinstance(leverage_check, bool):
         raise TypeError(f"leverage_check must be True or False, got {leverage_check!r}")
     if not (isinstance(lr, (int, float)) and lr > 0):
@@ -933,7 +943,8 @@ def auto_fit(
             try:
                 k_lev = copy.deepcopy(base_kernel)
                 _scale_lengthscales(k_lev, level["multiplier"])
-                scores = dictionary_leverage_scores(xs, k_lev, level["noise"] / n_s, s_perm[:m], m / n_s)
+                m_j = min(m, LEVERAGE_DICTIONARY)
+                scores = dictionary_leverage_scores(xs, k_lev, level["noise"] / n_s, s_perm[:m_j], m_j / n_s)
                 nested = nested_leverage_centers(scores, min(n_s, max_centers), generator=gen)
             except Exception as exc:
                 report.notes.append(f"leverage-score centers failed: {type(exc).__name__}: {exc}")
@@ -942,10 +953,21 @@ def auto_fit(
                 report.notes.append(f"leverage-score centers not tried: the draws gave {nested.size} distinct rows, "
                                     f"fewer than M={m}")
                 return
+            if time.perf_counter() + last_fit_seconds(m) > deadline:
+                report.notes.append(f"leverage-score centers not tried: the scores took "
+                                    f"{time.perf_counter() - t_lev:.1f} s, no time left for their fit")
+                return
             pool["nested"] = nested
             uniform_error = level["error"]
             err = score(m, level["noise"], level["multiplier"], kind="leverage")
-            if center_sampling == "leverage" or err < uniform_error:
+            room = nested.size >= min(2 * m, n_s, max_centers)
+            if center_sampling == "auto" and err < uniform_error and not room:
+                report.notes.append(f"leverage-score centers not kept: their {nested.size} distinct draws leave no "
+                                    f"room to double M={m}")
+            if not math.isfinite(err):  # a failed leverage fit is never adopted, not even under "leverage"
+                report.notes.append(f"leverage-score centers not kept: their fit at M={m} failed (non-finite "
+                                    f"validation error); the uniform pool stays")
+            elif center_sampling == "leverage" or (err < uniform_error and room):
                 pool["kind"] = "leverage"
                 level.update(error=err, centers="leverage")
             report.sampling = dict(M=m, uniform_error=uniform_error, leverage_error=err, d_eff=float(scores.sum()),

@@ -594,6 +594,8 @@ def dictionary_leverage_scores(
         if not bool(torch.isfinite(diag).all()) or bool((diag < 0).any()):
             raise ValueError("kernel: k(x_i, x_i) must be finite and >= 0 on x (is the kernel positive definite?)")
         trace = float(diag.sum())
+        if trace == 0.0:
+            raise ValueError("kernel: k(x_i, x_i) = 0 for every row of x, so all leverage scores are 0")
         return _Dictionary(dictionary.to(x.device).long(), a.clone()).scores(
             k64, x, None, lam * n, diag, trace, block_rows)
 
@@ -630,7 +632,7 @@ class NestedLeverageCenters:
 
     def select(self, x: Tensor, m: int) -> CenterSelection:
         """The ``m`` first distinct rows of ``x`` (the rows the probabilities are over) and their
-        weights ``D``; ``O(r_m + m d)``."""
+        weights ``D``; ``O(n + r_m + m d)`` (the weights index the ``(n,)`` probabilities)."""
         n = int(self.probabilities.numel())
         if x.shape[0] != n:
             raise ValueError(f"x has {x.shape[0]} rows; the draws are over {n}")

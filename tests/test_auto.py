@@ -529,6 +529,14 @@ def test_auto_fit_center_sampling_pool_chosen_on_validation(monkeypatch, mode):
         return real(model, x, y)
 
     monkeypatch.setattr(auto_module, "_val_mse", val_mse)
+    pools = []
+    real_nested = auto_module.nested_leverage_centers
+
+    def nested(*args, **kwargs):
+        pools.append(real_nested(*args, **kwargs))
+        return pools[-1]
+
+    monkeypatch.setattr(auto_module, "nested_leverage_centers", nested)
     x, y, _ = _data(800)
     sampling = "leverage" if mode == "leverage" else "auto"
     model = auto_fit(x, y, center_sampling=sampling, **SMALL)
@@ -548,10 +556,15 @@ def test_auto_fit_center_sampling_pool_chosen_on_validation(monkeypatch, mode):
     assert all(k == want for m, k in kinds if m != levels[0]["M"])
     assert len(levels) >= 2  # the growth ran on the chosen pool
     m_fin = rep.chosen["num_centers"]
+    assert len(pools) == 1  # one stream of draws, drawn once
     if want == "leverage":
         assert model.center_weights is not None and model.centers.shape[0] == m_fin
         dist = torch.cdist(model.centers.to(torch.float64), x)
         assert float(dist.min(dim=1).values.max()) < 1e-6 * float(x.abs().max())
+        # the final fit carries the weights D of the pool's first m_fin draws (the selection rows' D, unchanged)
+        n_s = int(pools[0].probabilities.numel())
+        sel = pools[0].select(torch.zeros(n_s, 1, dtype=torch.float64), m_fin)
+        assert torch.equal(model.center_weights.to(sel.weights.dtype), sel.weights)
     else:
         assert model.center_weights is None
     with torch.no_grad():
@@ -569,3 +582,49 @@ def test_auto_fit_center_sampling_validation_and_skips():
     model = auto_fit(x, y, learn_centers=True, **SMALL)
     assert model.auto_report.sampling == {} and model.auto_report.chosen["centers"] == "uniform"
     assert any("leverage-score centers not tried" in n for n in model.auto_report.notes)
+
+
+@pytest.mark.parametrize("branch", ["scores-fail", "few-draws", "no-room", "fit-fails"])
+def test_auto_fit_leverage_pool_skips_and_failures(monkeypatch, branch):
+    """The leverage try's edge paths: a failed score pass, too few distinct draws for M, draws that leave no
+    room to grow, or a leverage fit that fails (non-finite validation error, also under "leverage") keep
+    the uniform pool, say why in the notes, and still return a fitted model with no weights D."""
+    import gpfalkon.auto as auto_module
+    from gpfalkon.centers import NestedLeverageCenters
+
+    real_nested, real_val = auto_module.nested_leverage_centers, auto_module._val_mse
+    if branch == "scores-fail":
+        def broken(*args, **kwargs):
+            raise RuntimeError("no scores today")
+        monkeypatch.setattr(auto_module, "dictionary_leverage_scores", broken)
+    elif branch in ("few-draws", "no-room"):
+        def truncated(scores, max_centers, **kwargs):
+            full = real_nested(scores, max_centers, **kwargs)
+            keep = 30 if branch == "few-draws" else 70  # first size M = 60, room needs 120
+            stream = full.stream[: int(full.first_draw[keep - 1]) + 1]
+            return NestedLeverageCenters(full.indices[:keep], full.first_draw[:keep], stream, full.probabilities)
+        monkeypatch.setattr(auto_module, "nested_leverage_centers", truncated)
+        # and a leverage fit that would win on validation if it were allowed
+        monkeypatch.setattr(auto_module, "_val_mse",
+                            lambda m, xv, yv: 0.0 if m.center_weights is not None else real_val(m, xv, yv))
+    else:
+        monkeypatch.setattr(auto_module, "_val_mse",
+                            lambda m, xv, yv: math.inf if m.center_weights is not None else real_val(m, xv, yv))
+    x, y, _ = _data(600)
+    sampling = "leverage" if branch == "fit-fails" else "auto"
+    model = auto_fit(x, y, center_sampling=sampling, **SMALL)
+    rep = model.auto_report
+    want = {"scores-fail": "leverage-score centers failed: RuntimeError: no scores today",
+            "few-draws": "the draws gave 30 distinct rows, fewer than M=60",
+            "no-room": "leave no room to double M=60",
+            "fit-fails": "their fit at M=60 failed"}[branch]
+    assert any(want in note for note in rep.notes), rep.notes
+    assert rep.chosen["centers"] == "uniform" and model.center_weights is None
+    assert all(lv["centers"] == "uniform" for lv in rep.chosen["levels"])
+    assert model.fitted and torch.isfinite(model.alpha).all()
+
+
+def test_auto_fit_leverage_with_learned_centers_is_an_error():
+    x, y, _ = _data(300)
+    with pytest.raises(ValueError, match="center_sampling='leverage' needs learn_centers=False"):
+        auto_fit(x, y, center_sampling="leverage", learn_centers=True, **SMALL)

@@ -117,3 +117,23 @@ def test_user_data_formats_read_the_same_arrays(monkeypatch, tmp_path, suffix):
         np.testing.assert_array_equal(Xs, X[:, [2, 0]])
         with pytest.raises(SystemExit, match=r"--features: \['z'\] are not columns"):
             compare._read_table(path, "t", ["z"])
+
+
+def test_time_to_baseline_row(monkeypatch):
+    """Issue 17's table: the best baseline by final error, the time its curve first reached it, and the
+    fastest gpfalkon run no worse; with none as accurate, the error gap instead of a speed-up."""
+    compare = _compare_module(monkeypatch)
+    sgpr = dict(key="sgpr", method="GPyTorch SGPR", error=0.10, fit_s=100.0,
+                curve=[[5.0, 0.3], [50.0, 0.1], [100.0, 0.1]])
+    svgp = dict(key="svgp", method="GPyTorch SVGP", error=0.12, fit_s=100.0, curve=[[10.0, 0.12]])
+    slow = dict(key="falkon-auto", method="gpfalkon auto_fit", error=0.09, fit_s=30.0)
+    fast = dict(key="falkon-auto-8", method="gpfalkon auto_fit (budget / 8)", error=0.0999, fit_s=4.0)
+    worse = dict(key="falkon-auto-32", method="gpfalkon auto_fit (budget / 32)", error=0.11, fit_s=1.0)
+    row = compare.time_to_baseline("toy", [sgpr, svgp, slow, fast, worse])
+    assert row[:4] == ["toy", "SGPR", 0.10, 50.0]
+    assert row[4] == "auto_fit (budget / 8)" and row[6] == 4.0
+    assert row[7] == pytest.approx(12.5) and row[8] == "yes"
+    row = compare.time_to_baseline("toy", [sgpr, svgp, dict(slow, error=0.105), worse])
+    assert row[7] is None and row[8] == "no (error 5.00 % higher)" and row[5] == 0.105
+    assert compare.time_to_baseline("toy", [sgpr, svgp]) is None
+    assert compare.time_to_baseline("toy", [slow]) is None

@@ -784,9 +784,11 @@ class FalkonGP(gpytorch.models.GP):
         digest) or equal to rounding (within 8 ulps: a re-applied outcome or input transform,
         as BoTorch's ``load_state_dict`` does), else the model must be re-fitted.
 
-        Preconditioner weights ``D`` (leverage centers) are rescaled by
-        ``sqrt(n_old / n_new)``: ``D^2`` holds the factor ``1 / n`` of the importance
-        weights ``count_j / (n p_j)``, the probabilities ``p_j`` being kept as they were.
+        Preconditioner weights ``D`` (leverage centers) are kept: the probabilities ``p_j`` they
+        were drawn with are over the rows they were drawn from, and for new rows that are (or
+        extend) a uniform sample of the same distribution the preconditioner's sketch
+        ``(n_new / M) K_MM D^2 K_MM`` matches ``K_Mn K_nM`` with the same ``D`` (docs/math.md §8,
+        "Leverage check"). ``D`` changes CG's speed, never the solution.
         """
         if isinstance(inputs, (tuple, list)):
             if len(inputs) != 1:
@@ -821,8 +823,6 @@ class FalkonGP(gpytorch.models.GP):
         n_new = total_rows(self.options.backend, inputs)
         if n_new == 0:
             raise ValueError("inputs is empty (0 rows) on every rank")
-        if self.center_weights is not None:
-            self.center_weights = self.center_weights * math.sqrt(self.n / n_new)
         n_old = self.n
         old_x, old_y = self.train_inputs[0], self.train_targets
         self._n_total = n_new
