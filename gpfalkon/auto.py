@@ -18,7 +18,7 @@
    ``sigma^2 = n lambda`` and a common lengthscale multiplier, each a log-spaced 1-D grid around
    the learned value that keeps extending while the best point is at its edge; then the number
    of centers is doubled (nested centers) while the validation error improves by more than
-   ``min_gain`` and the predicted cost of the next size (from the measured fit times) fits the
+   ``min_gain`` per doubling and the predicted cost of the next size (from the measured fit times) fits the
    remaining budget (or grown by the largest factor >= 1.25 that fits), re-tuning the noise and
    the multiplier (both move as the Nyström approximation improves) at each size. The nested
    centers are uniform rows or ridge-leverage-score draws, whichever validates better at the
@@ -445,7 +445,9 @@ def auto_fit(
         race_rounds: after this many rounds of ``eval_every`` steps of every objective, only the
             one with the best validation error so far goes on (the others' best points stay
             candidates).
-        min_gain: relative validation-error gain needed to keep growing the centers.
+        min_gain: relative validation-error gain per doubling of the centers needed to keep growing
+            them; a step by a factor ``f`` (less than 2 where the budget allows no doubling) needs
+            ``min_gain * log2(f)``.
         center_sampling: how the nested centers of stages 2-3 are drawn from the selection rows:
             ``"uniform"`` (a random permutation's prefixes); ``"leverage"`` (prefixes of one stream of
             ridge-leverage-score draws, :func:`~gpfalkon.nested_leverage_centers`, with the
@@ -1032,10 +1034,13 @@ def auto_fit(
             if not math.isfinite(point["error"]):
                 report.notes.append(f"centers stopped at M={m}: the fits failed")
                 break
-            if point["error"] > levels[-2]["error"] * (1.0 - min_gain):
+            # min_gain is per doubling: a step by a factor f (smaller where the budget allows no doubling)
+            # must gain min_gain * log2(f), so a short step is not held to a doubling's gain
+            need = min_gain * math.log2(m / levels[-2]["M"])
+            if point["error"] > levels[-2]["error"] * (1.0 - need):
                 report.notes.append(
-                    f"centers stopped at M={m}: validation error gained less than {100 * min_gain:g}% "
-                    f"over M={levels[-2]['M']}"
+                    f"centers stopped at M={m}: validation error gained less than {100 * need:.2g}% over "
+                    f"M={levels[-2]['M']} (min_gain {100 * min_gain:g}% per doubling)"
                 )
                 break
         # the level whose final fit is predicted to fit the time left, with a grace of 5 % of the budget

@@ -657,9 +657,11 @@ def nested_leverage_centers(
     max_draws: int | None = None,
 ) -> NestedLeverageCenters:
     """A stream of draws with probabilities ``p_j = scores_j / sum(scores)`` (inverse CDF, as in
-    :func:`leverage_centers`: the first ``R`` draws are that function's draws for ``R`` centers
-    from the same generator state), long enough for ``max_centers`` distinct rows or ``max_draws``
-    draws (default ``16 max_centers``), whichever comes first; see :class:`NestedLeverageCenters`.
+    :func:`leverage_centers`: with a CPU generator the first ``R`` draws are that function's draws
+    for ``R`` centers from the same generator state; a CUDA generator's first values depend on how
+    many are drawn, so there the two only agree in distribution), long enough for ``max_centers``
+    distinct rows or ``max_draws`` draws (default ``16 max_centers``), whichever comes first; see
+    :class:`NestedLeverageCenters`.
     ``O(R log n)`` time. Where the mass sits on few rows, fewer than ``max_centers`` distinct rows
     may come out (``.size`` says how many).
     """

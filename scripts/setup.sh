@@ -20,3 +20,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install --quiet -e "$spec"
   touch "$stamp"
 fi
+# build (or load from torch's extension cache) the fused stored-K CPU kernel now rather than in the
+# first fit; where it cannot be built, gpfalkon uses its torch path and this prints why
+.venv/bin/python -c "from gpfalkon.backend.fused import fused_available; ok, why = fused_available(); print('gpfalkon fused CPU kernel:', 'ready' if ok else why)"

@@ -628,3 +628,25 @@ def test_auto_fit_leverage_with_learned_centers_is_an_error():
     x, y, _ = _data(300)
     with pytest.raises(ValueError, match="center_sampling='leverage' needs learn_centers=False"):
         auto_fit(x, y, center_sampling="leverage", learn_centers=True, **SMALL)
+
+
+@pytest.mark.parametrize("gain,grows", [(0.08, True), (0.03, False)])
+def test_auto_fit_min_gain_is_per_doubling(monkeypatch, gain, grows):
+    """A budget- or cap-limited step by f = 1.5 needs min_gain * log2(1.5) = 5.85 % (min_gain 10 %):
+    an 8 % gain keeps the level (the growth then ends at max_centers), a 3 % gain stops it with a note
+    that states the scaled threshold. Validation errors are scripted per number of centers."""
+    import gpfalkon.auto as auto_module
+
+    errors = {60: 1.0, 90: 1.0 - gain}
+    monkeypatch.setattr(auto_module, "_val_mse", lambda model, xv, yv: errors.get(int(model.centers.shape[0]), 2.0))
+    x, y, _ = _data(500)
+    kwargs = dict(SMALL, max_centers=90, min_gain=0.1, center_sampling="uniform")
+    model = auto_fit(x, y, **kwargs)
+    rep = model.auto_report
+    ms = [lv["M"] for lv in rep.chosen["levels"]]
+    assert ms == [60, 90]
+    stop = [n for n in rep.notes if n.startswith("centers stopped")]
+    if grows:
+        assert stop == ["centers stopped at M=90: max_centers"] and rep.chosen["num_centers"] == 90
+    else:
+        assert len(stop) == 1 and "gained less than 5.8% over M=60 (min_gain 10% per doubling)" in stop[0]

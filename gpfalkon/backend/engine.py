@@ -50,6 +50,7 @@ from .blocks import (
     row_blocks,
     stored_batch,
 )
+from .fused import fused_kmn_k
 from .sources import RowSource
 
 __all__ = ["KernelEngine", "StationarySpec", "kernel_block", "stationary_spec"]
@@ -356,8 +357,10 @@ class KernelEngine:
         v_t = self._cast(v).t().contiguous() if v is not None else None  # (k, n)
         acc = torch.zeros(k, self.m, dtype=self.acc_dtype, device=self.device)
         with torch.no_grad():
-            for start, stop, blk in self.iter_blocks():
-                self._thin_block_(acc, blk, u_t, None if v_t is None else v_t[:, start:stop])
+            # a stored K_nM on CPU: one call of the fused single-read kernel over all rows, where it runs
+            if not (self.stored and self._k is not None and fused_kmn_k(acc, self._k, u_t, v_t)):
+                for start, stop, blk in self.iter_blocks():
+                    self._thin_block_(acc, blk, u_t, None if v_t is None else v_t[:, start:stop])
         if s != 1.0:
             acc.mul_(s)
         return acc.t()

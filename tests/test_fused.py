@@ -1,0 +1,109 @@
+"""The fused single-read stored-K product (gpfalkon.backend.fused) against dense products."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpfalkon import KernelEngine
+from gpfalkon.backend import fused
+
+from conftest import dense_kernel, make_data, make_kernel
+
+
+def _need_kernel() -> None:
+    ok, why = fused.fused_available()
+    if not ok:
+        pytest.skip(f"fused kernel unavailable: {why}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("k", [1, 3, fused.MAX_K])
+@pytest.mark.parametrize("rows", [1, 7, fused.FLUSH_ROWS + 3, 3 * fused.FLUSH_ROWS + 17])
+def test_fused_matches_dense(dtype, k, rows):
+    """``acc += (u^T K^T + v^T) K`` for every mix of u / v, row counts across the flush boundary, a v
+    that is a column slice (leading dimension larger than its rows), and an accumulator that already
+    holds a value (the kernel adds)."""
+    _need_kernel()
+    g = torch.Generator().manual_seed(rows * 31 + k)
+    m = 29
+    knm = torch.rand(rows, m, generator=g, dtype=torch.float64)
+    u = torch.randn(k, m, generator=g, dtype=torch.float64)
+    v_full = torch.randn(k, rows + 11, generator=g, dtype=torch.float64)
+    v = v_full[:, 5 : 5 + rows]  # stride (rows + 11, 1)
+    start = torch.randn(k, m, generator=g, dtype=torch.float64)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for uu, vv in ((u, v), (u, None), (None, v)):
+        want = start + (0 if uu is None else (uu @ knm.T) @ knm) + (0 if vv is None else vv @ knm)
+        acc = start.clone()
+        ran = fused.fused_kmn_k(acc, knm.to(dtype), None if uu is None else uu.to(dtype),
+                                None if vv is None else vv.to(dtype))
+        assert ran
+        torch.testing.assert_close(acc, want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+def test_fused_declines_what_it_does_not_handle():
+    """Cases outside the kernel leave acc untouched and return False (the engine's own path runs)."""
+    _need_kernel()
+    knm = torch.rand(10, 4, dtype=torch.float64)
+    u = torch.randn(1, 4, dtype=torch.float64)
+    acc = torch.zeros(1, 4, dtype=torch.float64)
+    assert not fused.fused_kmn_k(acc, knm.t().contiguous().t(), u, None)  # not row-major
+    assert not fused.fused_kmn_k(acc, knm.to(torch.float16), u.half(), None)
+    big = torch.zeros(fused.MAX_K + 1, 4, dtype=torch.float64)
+    assert not fused.fused_kmn_k(big, knm, torch.randn(fused.MAX_K + 1, 4, dtype=torch.float64), None)
+    assert not fused.fused_kmn_k(acc.float(), knm, u, None)  # the accumulator must be float64
+    assert torch.equal(acc, torch.zeros(1, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="needs u_t or v_t"):
+        fused.fused_kmn_k(acc, knm, None, None)
+    with pytest.raises(RuntimeError, match="u must have K's dtype"):
+        fused.fused_kmn_k(acc, knm, u.float(), None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_engine_stored_products_with_and_without_the_kernel(dtype, monkeypatch):
+    """A stored K_nM's products (CG's K^T (K u), the right-hand side K^T y) equal the dense ones with
+    the fused kernel, and equal the engine's batched path without it."""
+    _need_kernel()
+    x, _ = make_data(1500, 6)
+    c = x[:70] + 0.01
+    kern = make_kernel("scale_rbf", 6)
+    knm = dense_kernel(kern, x, c)
+    u = torch.randn(70, 2, dtype=torch.float64)
+    v = torch.randn(1500, 2, dtype=torch.float64)
+    e = KernelEngine(kern, x.to(dtype), c.to(dtype), store=True)
+    e.kmn_k(u)  # the first pass computes and stores K_nM
+    assert e._k is not None
+    calls = []
+    real = fused.fused_kmn_k
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    import gpfalkon.backend.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "fused_kmn_k", counting)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    got = {}
+    for enabled in (True, False):
+        fused.set_enabled(enabled)
+        try:
+            got[enabled] = [e.kmn_k(u, v), e.kmn_k(u[:, :1]), e.kmn_k(None, v)]
+        finally:
+            fused.set_enabled(None)
+    assert len(calls) == 6  # every product of the stored matrix went through the fused entry point
+    for out, want in zip(got[True], [knm.T @ (knm @ u + v), knm.T @ (knm @ u[:, :1]), knm.T @ v], strict=False):
+        torch.testing.assert_close(out, want, rtol=tol, atol=tol * float(want.abs().max()))
+    for a, b in zip(got[True], got[False], strict=False):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * float(b.abs().max()))
+
+
+def test_turned_off_by_environment(monkeypatch):
+    monkeypatch.setenv("GPFALKON_FUSED_CPU", "0")
+    ok, why = fused.fused_available()
+    assert not ok and "turned off" in why
+    acc = torch.zeros(1, 3, dtype=torch.float64)
+    assert not fused.fused_kmn_k(acc, torch.ones(4, 3, dtype=torch.float64), torch.ones(1, 3, dtype=torch.float64),
+                                 None)
+    with pytest.raises(TypeError, match="enabled"):
+        fused.set_enabled("yes")  # type: ignore[arg-type]
