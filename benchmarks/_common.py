@@ -43,7 +43,10 @@ def total_ram_gib() -> float:
 
 
 def command_line() -> str:
-    return " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable, os.getcwd()), *sys.argv])
+    """The command that ran, with the ``GPFALKON_*`` environment variables it ran under (they change
+    what the library does, e.g. ``GPFALKON_FUSED_CPU=0``), so that the line re-runs the same thing."""
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("GPFALKON_")]
+    return " ".join([*env, *(shlex.quote(a) for a in [os.path.relpath(sys.executable, os.getcwd()), *sys.argv])])
 
 
 def environment_lines() -> list[str]:

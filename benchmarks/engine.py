@@ -57,6 +57,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import gpfalkon
 from gpfalkon import KernelEngine
+from gpfalkon.backend.fused import fused_available
 
 from _common import (
     REPO,
@@ -273,6 +274,8 @@ def main() -> None:
     elapsed = time.perf_counter() - t_start
 
     table = markdown_table(headers, rows, align="lrlrl" + "r" * 9)
+    fused_ok, fused_why = fused_available()
+    fused_line = "on (stored rows use it for k <= 16)" if fused_ok else f"off: {fused_why}"
     peak_line = ", ".join(f"{k}: {v:.1f} GFLOP/s" for k, v in peak.items())
     body = "\n".join([
         f"n = {n:,}, M = {m:,}, X ~ N(0, I_d), centers = {m:,} random rows of X, lengthscale sqrt(d). "
@@ -282,7 +285,8 @@ def main() -> None:
         f"{naive_rows}-row blocks from `kernel(x_b, C).to_dense()` (GPyTorch {gpytorch.__version__}: squared distances "
         "by one matmul on [x, ||x||^2, 1], not torch.cdist), product `K_b^T (K_b U)`; cdist: same loop with "
         "`torch.cdist` + out-of-place kernel profile. "
-        f"Memory budget {budget / 2**30:.2f} GiB. U float64 (cast to the data dtype by the engine).",
+        f"Memory budget {budget / 2**30:.2f} GiB. U float64 (cast to the data dtype by the engine). "
+        f"Fused single-read stored-K CPU kernel (gpfalkon.backend.fused): {fused_line}.",
         "",
         f"torch.matmul (4096 x 4096, median of 3) in this run: {peak_line}. Memory read rate (torch.sum over a "
         f"1 GiB float32 tensor, median of 3) in this run: {bandwidth:.1f} GB/s.",

@@ -5,14 +5,18 @@ pass whose floor is one read of ``K_nM`` (``n M`` values). Two BLAS calls (``K u
 ``K^T (.)``) read it twice; torch's batched products over cache-sized sub-blocks
 (:meth:`gpfalkon.backend.engine.KernelEngine._thin_block_`) read it once from memory and once from
 cache, but MKL's matrix-vector products stream memory at about half the rate one core can read
-(``benchmarks/results/engine.md``). The kernel here walks the rows once: for row ``i``,
+(``benchmarks/results/engine.md``). The kernel here walks the rows once, four rows ``i..i+3`` at a
+time:
 
-    s_j = K_i . u_j + V_ij          (j < k)
-    acc_j += s_j K_i                (K_i still in L1)
+    s_qj = K_q . u_j + V_qj                 (q = i..i+3, j < k; four independent sums)
+    acc_j += sum_q s_qj K_q                 (the four rows still in L1/L2)
 
-each thread on its own range of rows with its own accumulator (in the data dtype over at most
-``FLUSH_ROWS`` rows, then added to a float64 one), the threads' float64 accumulators summed at the
-end. Cost: ``4 n M k`` flops, one read of ``K`` from memory, ``O(threads k M)`` extra memory.
+so each row comes from memory once and the accumulator is loaded and stored once per four rows.
+Each thread (``at::parallel_for``, OpenMP) takes its own range of rows with its own accumulator (in
+the data dtype over at most ``FLUSH_ROWS`` rows, then added to a float64 one); the threads' float64
+accumulators are summed at the end. Cost: ``4 n M k`` flops, one read of ``K`` from memory,
+``O(threads k M)`` extra memory. Measured against the torch path in
+``benchmarks/results/engine-fused.md`` / ``engine-fused-off.md``.
 
 Why by hand: neither torch, MKL nor linear_operator has a fused ``A^T (A x)`` that reads ``A`` once;
 ``torch.compile`` would need the same compiler and is heavier to build. The C++ source below is
@@ -46,6 +50,52 @@ _SOURCE = r"""
 #include <mutex>
 #include <vector>
 
+// Rows are taken R at a time: one pass over the R rows computes their k dot products with u
+// (R independent accumulators: no serial dependency on one sum), a second pass adds the R rows,
+// weighted, into the accumulator (now in L1/L2), so the accumulator is loaded and stored once per R
+// rows rather than once per row.
+template <typename T, int R>
+static inline void block_rows(const T* K, int64_t i, int64_t M, const T* u, const T* v, int64_t ldv,
+                              int64_t k, T* acc) {
+  const T* r[R];
+  for (int q = 0; q < R; ++q) r[q] = K + (i + q) * M;
+  for (int64_t j = 0; j < k; ++j) {
+    T w[R];
+    for (int q = 0; q < R; ++q) w[q] = T(0);
+    if (u != nullptr) {
+      const T* uj = u + j * M;
+      T s0 = T(0), s1 = T(0), s2 = T(0), s3 = T(0);
+      if constexpr (R == 4) {
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (int64_t c = 0; c < M; ++c) {
+          const T x = uj[c];
+          s0 += r[0][c] * x;
+          s1 += r[1][c] * x;
+          s2 += r[2][c] * x;
+          s3 += r[3][c] * x;
+        }
+        w[0] = s0; w[1] = s1; w[2] = s2; w[3] = s3;
+      } else {
+#pragma omp simd reduction(+ : s0)
+        for (int64_t c = 0; c < M; ++c) s0 += r[0][c] * uj[c];
+        w[0] = s0;
+      }
+    }
+    if (v != nullptr)
+      for (int q = 0; q < R; ++q) w[q] += v[j * ldv + i + q];
+    T* a = acc + j * M;
+    if constexpr (R == 4) {
+      const T w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+#pragma omp simd
+      for (int64_t c = 0; c < M; ++c) a[c] += w0 * r[0][c] + w1 * r[1][c] + w2 * r[2][c] + w3 * r[3][c];
+    } else {
+      const T w0 = w[0];
+#pragma omp simd
+      for (int64_t c = 0; c < M; ++c) a[c] += w0 * r[0][c];
+    }
+  }
+}
+
 template <typename T>
 static void fused_rows(const T* K, int64_t rows, int64_t M, const T* u, const T* v, int64_t ldv,
                        int64_t k, int64_t flush, double* out) {
@@ -53,27 +103,11 @@ static void fused_rows(const T* K, int64_t rows, int64_t M, const T* u, const T*
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> acc(k * M, T(0));
     std::vector<double> acc64(k * M, 0.0);
-    T w[64];
     for (int64_t i0 = begin; i0 < end; i0 += flush) {
       const int64_t i1 = std::min(end, i0 + flush);
-      for (int64_t i = i0; i < i1; ++i) {
-        const T* row = K + i * M;
-        for (int64_t j = 0; j < k; ++j) {
-          T s = T(0);
-          if (u != nullptr) {
-            const T* uj = u + j * M;
-#pragma omp simd reduction(+ : s)
-            for (int64_t c = 0; c < M; ++c) s += row[c] * uj[c];
-          }
-          w[j] = v != nullptr ? s + v[j * ldv + i] : s;
-        }
-        for (int64_t j = 0; j < k; ++j) {
-          T* a = acc.data() + j * M;
-          const T wj = w[j];
-#pragma omp simd
-          for (int64_t c = 0; c < M; ++c) a[c] += wj * row[c];
-        }
-      }
+      int64_t i = i0;
+      for (; i + 4 <= i1; i += 4) block_rows<T, 4>(K, i, M, u, v, ldv, k, acc.data());
+      for (; i < i1; ++i) block_rows<T, 1>(K, i, M, u, v, ldv, k, acc.data());
       for (int64_t c = 0; c < k * M; ++c) {
         acc64[c] += static_cast<double>(acc[c]);
         acc[c] = T(0);
@@ -154,7 +188,8 @@ def _load() -> Any:
                     name=f"gpfalkon_fused_{_cpu_tag()}",
                     cpp_sources=[_SOURCE],
                     functions=["fused_kmn_k"],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
                     verbose=False,
                 )
         except Exception as exc:  # no compiler, no ninja, a failed build: keep the torch path
