@@ -6,7 +6,10 @@ For each kernel / d / dtype / k (number of right-hand sides) it times
 * on the fly (``store=False``): blocks of ``block_rows x M`` recomputed per product;
 * stored (``store=True``): ``K_nM`` built once (its construction time is reported
   separately in the "setup s" column) and read once from memory per product (each
-  ~512 KiB sub-block twice, the second time from the reading core's cache);
+  ~512 KiB sub-block twice, the second time from the reading core's cache; on CPU the fused
+  single-read kernel of ``gpfalkon.backend.fused`` where it builds);
+* partial (``--modes partial``, ``store=None`` under a memory budget that holds a fraction
+  ``--partial-fractions`` of ``K_nM``'s rows): the stored rows read, the others recomputed per product;
 * naive: the falkon-reference-style loop, a fresh ``n_b x M`` block per block from
   ``kernel(x_b, C).to_dense()`` through GPyTorch, then ``K_b^T (K_b U)``. (GPyTorch
   1.15's ``RBFKernel``/``MaternKernel`` compute squared distances with one matmul
@@ -128,8 +131,13 @@ def main() -> None:
     ap.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=list(DTYPES), help="default both")
     ap.add_argument("--matern-d", type=int, nargs="*", default=[20],
                     help="d values that also get a Matern 5/2 row (default 20; empty for none)")
-    ap.add_argument("--modes", nargs="+", choices=["naive", "cdist", "fly", "stored"],
-                    default=["naive", "cdist", "fly", "stored"], help="which implementations to time (default all)")
+    ap.add_argument("--modes", nargs="+", choices=["naive", "cdist", "fly", "stored", "partial"],
+                    default=["naive", "cdist", "fly", "stored"],
+                    help="which implementations to time (default all but partial)")
+    ap.add_argument("--partial-fractions", type=float, nargs="+", default=[0.25, 0.5, 0.75],
+                    help="partial mode: the engine's memory budget is set so that this fraction of K_nM's rows "
+                    "is stored (beside its two on-the-fly buffers), the rest recomputed at each product "
+                    "(default 0.25 0.5 0.75)")
     ap.add_argument("--block-rows", type=int, nargs="+", default=None,
                     help="engine block_rows for on-the-fly rows; several values give one row each "
                     "(default gpfalkon.settings.block_rows)")
@@ -243,9 +251,7 @@ def main() -> None:
                     else:
                         eng = KernelEngine(kern, x, c, store=True, block_rows=block_rows)
                         t0 = time.perf_counter()
-                        blocks = eng.iter_blocks()
-                        next(blocks)  # builds the stored K_nM
-                        blocks.close()
+                        eng.kmn_k(us[args.k[0]])  # the first product builds the stored K_nM
                         setup = time.perf_counter() - t0
                         default_rows = eng.stored_block_rows
                         for srows in stored_rows_list:
@@ -258,9 +264,28 @@ def main() -> None:
                         eng.release()
                         del eng
                         gc.collect()
+                for frac in args.partial_fractions if "partial" in args.modes else []:
+                    if not 0.0 < frac < 1.0:
+                        raise SystemExit(f"--partial-fractions must be in (0, 1), got {frac}")
+                    probe = KernelEngine(kern, x, c, store=False, block_rows=block_rows)
+                    part_budget = int(frac * n) * m * itemsize + 2 * probe.block_rows * m * itemsize
+                    del probe
+                    eng = KernelEngine(kern, x, c, memory_budget=part_budget, block_rows=block_rows)
+                    t0 = time.perf_counter()
+                    eng.kmn_k(us[args.k[0]])  # the first product fills the stored rows
+                    setup = time.perf_counter() - t0
+                    share = eng.stored_rows / n
+                    for k in args.k:
+                        u = us[k]
+                        secs, _ = median_time(lambda eng=eng, u=u: eng.kmn_k(u), args.repeats)
+                        flops = 4.0 * n * m * k + 2.0 * (n - eng.stored_rows) * m * d
+                        record(f"partial {share:.0%}", eng.block_rows, k, secs, flops, eng.kmn_k(u), setup=setup)
+                    eng.release()
+                    del eng
+                    gc.collect()
                 naive_secs = {r["k"]: r["secs"] for r in res if r["mode"] == "naive"}
-                order = {"naive": 0, "cdist": 1, "fly": 2, "stored": 3}
-                for r in sorted(res, key=lambda r: (r["k"], order[r["mode"]])):  # stable: keeps block-size order
+                order = {"naive": 0, "cdist": 1, "fly": 2, "stored": 4}
+                for r in sorted(res, key=lambda r: (r["k"], order.get(r["mode"], 3))):  # stable: keeps block-size order
                     k, mode = r["k"], r["mode"]
                     speed = naive_secs[k] / r["secs"] if (mode != "naive" and k in naive_secs) else None
                     diff = rel_diff(r["out"], ref_out[k]) if (mode != "naive" and k in ref_out) else None
@@ -294,7 +319,10 @@ def main() -> None:
         f"Seconds: median of {args.repeats} after one warm-up. GFLOP/s counts 2nMd (on the fly and naive) + 4nMk; "
         "'x matmul' = GFLOP/s / matmul GFLOP/s; GB/s (stored) = n M itemsize / seconds (K_nM read once from "
         "memory); 'x bandwidth' = GB/s / the measured read rate; "
-        "'setup s' = one-off construction of the stored K_nM (not in 'seconds'); "
+        "'setup s' = one-off construction of the stored K_nM (not in 'seconds'; partial: the first product, "
+        "which fills the stored rows); 'partial P%': store=None under a memory budget holding P% of K_nM's rows "
+        "beside the two on-the-fly buffers, the rest recomputed per product (GFLOP/s counts 2 d M per "
+        "recomputed row); "
         "'rel. diff' = max|out - out_naive| / max|out_naive|.",
         "",
         table,

@@ -55,7 +55,7 @@ from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from torch import Tensor
 
 from ._validation import check_inputs, check_targets
-from .backend import KernelEngine
+from .backend import KernelEngine, stored_rows_for
 from .backend.blocks import memory_budget_for
 from .centers import NestedLeverageCenters, dictionary_leverage_scores, leverage_centers, nested_leverage_centers
 from .errors import CGNotConvergedWarning
@@ -677,19 +677,22 @@ def auto_fit(
         learn_deadline = clock.t0 + learn_share * budget
         n_final = n_tr + (xv.shape[0] if (val_x is None and refit_on_all) else 0)
         # on data whose K_nM exceeds the memory budget even at the first number of centers, the final fit
-        # recomputes K_nM at each CG iteration: learning ends early enough to leave 1.5x its predicted time
+        # recomputes the rows of K_nM it cannot store at each CG iteration: learning ends early enough to
+        # leave 1.5x its predicted time
         m_first = min(n_tr, max(min_centers, hyper_centers), max_centers)
         budget_bytes = memory_budget_for(None, device=dev)  # read once: every fit of this call sees it
-        if n_final * m_first * torch.finfo(dtype).bits // 8 > budget_bytes:
+        itemsize = torch.finfo(dtype).bits // 8
+        head_first = stored_rows_for(n_final, m_first, itemsize, budget_bytes)
+        if head_first < n_final:
             rows0 = min(n_tr, select_rows)
             t_pass = _onthefly_pass_seconds(k0, xt_z[:rows0],
                                             xt_z[torch.randperm(n_tr, generator=gen, device=dev)[:m_first]])
-            final_floor = (max_iter + 2) * t_pass * n_final / rows0
+            final_floor = (max_iter + 2) * t_pass * (n_final - head_first) / rows0
             if clock.t0 + budget - 1.5 * final_floor < learn_deadline:
                 learn_deadline = max(time.perf_counter(), clock.t0 + budget - 1.5 * final_floor)
                 report.notes.append(f"learning share cut to {learn_deadline - clock.t0:.0f} s: the final fit on "
-                                    f"{n_final:,} rows is predicted at >= {final_floor:.0f} s (K_nM recomputed at "
-                                    "every iteration)")
+                                    f"{n_final:,} rows is predicted at >= {final_floor:.0f} s "
+                                    f"({n_final - head_first:,} rows of K_nM recomputed at every iteration)")
         runners = [
             _ObjectiveRun(name, h_model(copy.deepcopy(k0), noise0, centers0.clone(), learn_centers), lr,
                           eval_every, best_state["error"], score_extra(m_h))
@@ -868,12 +871,15 @@ def auto_fit(
             # M^3 factorisations: scaling the selection fit at m (measured, or the estimate
             # ``select_seconds`` for a size not yet fitted) by the rows ratio bounds it while K_nM of the
             # final rows fits the memory budget (stored, as it was in the selection fits); beyond it
-            # every CG iteration recomputes K_nM: max_iter + 2 measured on-the-fly passes
+            # the engine stores the rows that fit and every CG iteration recomputes the others:
+            # max_iter + 2 measured on-the-fly passes over those rows on top
             fit_s = last_fit_seconds(m) if select_seconds is None else select_seconds
             ratio = max(1.0, n_final / n_s)
             cost = fit_s * ratio
-            if n_final * m * torch.finfo(dtype).bits // 8 > budget_bytes:
-                cost = max(cost, (max_iter + 2) * onthefly_pass_seconds(m) * ratio + fit_s)
+            head = stored_rows_for(n_final, m, itemsize, budget_bytes)
+            if head < n_final:
+                recompute = (max_iter + 2) * onthefly_pass_seconds(m) * (n_final - head) / n_s
+                cost = max(cost, fit_s * ratio * head / n_final + recompute + fit_s)
             return cost
 
         if val_x is None and refit_on_all:
@@ -1010,10 +1016,10 @@ def auto_fit(
             m_try = min(m_next, int(m * min(f_fit, m_next))) if f_fit >= min(1.25, m_next / m) else m
             # the candidate's own prediction: its selection fits (the measured fit scaled by f^p) and
             # 1.2 x its final fit must fit the time left. Where the final rows' K_nM crosses the memory
-            # budget between m and the candidate, the final fit changes regime (K_nM recomputed at each
-            # CG iteration) and the scaling from m says nothing about it: the candidate's on-the-fly
-            # pass is measured (one pass over the selection rows). Smaller candidates down to 1.25 m
-            # are tried before the growth stops.
+            # budget between m and the candidate, the final fit changes regime (the rows of K_nM past the
+            # budget recomputed at each CG iteration) and the scaling from m says nothing about it: the
+            # candidate's on-the-fly pass is measured (one pass over the selection rows). Smaller
+            # candidates down to 1.25 m are tried before the growth stops.
             while m_try > m:
                 sel_s = last_fit_seconds(m) * (m_try / m) ** p
                 if 4 * sel_s + 1.2 * final_cost(m_try, select_seconds=sel_s) <= clock.left():

@@ -101,6 +101,50 @@ def test_memory_budget_decides_storage_and_block_size():
         KernelEngine(k, x, c, block_rows=0)
 
 
+@pytest.mark.parametrize("name", ["rbf", "scale_matern52", "periodic"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("fused_on", [True, False])
+def test_partial_store_matches_dense(name, dtype, fused_on, monkeypatch):
+    """Over the memory budget, ``store=None`` keeps the rows that fit beside the two on-the-fly
+    buffers and recomputes the others: every product (first pass filling the store, later passes
+    reading it, with and without the fused kernel) equals the dense one, within the budget."""
+    from gpfalkon.backend import fused, stored_rows_for
+
+    monkeypatch.setitem(fused._state, "enabled", fused_on)
+    n, m, d = 611, 23, 4
+    x, _ = make_data(n, d)
+    c = x[:m] + 0.01
+    k = make_kernel(name, d)
+    knm = dense_kernel(k, x, c)
+    u = torch.randn(m, 3, dtype=torch.float64)
+    v = torch.randn(n, 3, dtype=torch.float64)
+    item = torch.finfo(dtype).bits // 8
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+    budget = (n // 3) * m * item  # a third of K_nM
+    for rows in (16, 37, 64):  # explicit heights: default ~2 MiB buffers would take all of this small budget
+        e = KernelEngine(k, x.to(dtype), c.to(dtype), memory_budget=budget, block_rows=rows)
+        assert not e.stored and 0 < e.stored_rows < n
+        assert e.stored_rows == stored_rows_for(n, m, item, budget, e.block_rows)
+        assert (e.stored_rows + 2 * e.block_rows) * m * item <= budget
+        for _ in range(2):  # the first call fills the store, the second reads it
+            torch.testing.assert_close(e.kmn_k(u, v), knm.T @ (knm @ u + v), **tol)
+            torch.testing.assert_close(e.kmn_k(u[:, :1]), knm.T @ (knm @ u[:, :1]), **tol)
+            torch.testing.assert_close(e.kmn_k(None, v), knm.T @ v, **tol)
+        assert e._k is not None and e._k.shape == (e.stored_rows, m)
+        torch.testing.assert_close(e.k_matmul(u).double(), knm @ u, **tol)
+        torch.testing.assert_close(e.column_sq_norms(), knm.square().sum(0), **tol)
+        torch.testing.assert_close(e.materialize().double(), knm, **tol)
+        L = torch.linalg.cholesky(knm.T @ knm + torch.eye(m, dtype=torch.float64))
+        a = torch.linalg.solve_triangular(L, knm.T, upper=False)
+        torch.testing.assert_close(e.whitened_gram(L), a @ a.T, **tol)
+    # store=False keeps nothing; a budget below one block beside the buffers stores nothing either
+    assert KernelEngine(k, x, c, memory_budget=budget, store=False).stored_rows == 0
+    tiny = KernelEngine(k, x, c, memory_budget=3 * 8 * m * 8, block_rows=8)
+    assert tiny.stored_rows == 8 and not tiny.stored
+    assert KernelEngine(k, x, c, memory_budget=2 * 8 * m * 8 + 8, block_rows=8).stored_rows == 0
+    assert stored_rows_for(n, m, 8, n * m * 8) == n
+
+
 def test_float32_far_from_origin_stays_accurate():
     """Centring on the centers' mean keeps the float32 norm expansion accurate."""
     x64, _ = make_data(500, 20)

@@ -31,7 +31,7 @@ from .blocks import (
     stored_batch,
 )
 from .distributed import DistributedBackend, ShardedEngine, init_distributed, shard_range
-from .engine import KernelEngine, StationarySpec, kernel_block, stationary_spec
+from .engine import KernelEngine, StationarySpec, kernel_block, stationary_spec, stored_rows_for
 from .passes import (
     WhitenedAggregates,
     kernel_diagonal,
@@ -78,6 +78,7 @@ __all__ = [
     "shard_rows",
     "stationary_spec",
     "stored_batch",
+    "stored_rows_for",
     "whitened_aggregates",
     "whitened_sq_norms",
 ]

@@ -10,7 +10,12 @@ a sum over row blocks ``X_b`` of ``K_b^T (K_b U + V_b)``. Cost per call:
 engine never holds more than ``memory_budget`` bytes of kernel values: when the
 whole ``K_nM`` fits it is computed once and reused by every later call (the
 products then cost only the ``4 n M k`` flops, bound by memory bandwidth);
-otherwise each call recomputes ``block_rows x M`` blocks into two reused buffers.
+otherwise the first ``n_s`` rows that fit the budget (beside the two on-the-fly
+buffers) are stored and each call recomputes only the other ``n - n_s`` rows, in
+``block_rows x M`` blocks into two reused buffers. A pass then costs
+``(n - n_s) / n`` of a full recomputation plus a read of ``n_s M`` values, so the
+time per CG iteration grows smoothly with ``M`` past the budget instead of jumping
+from a memory read to a full kernel evaluation.
 
 Kernels
 -------
@@ -53,7 +58,7 @@ from .blocks import (
 from .fused import fused_kmn_k
 from .sources import RowSource
 
-__all__ = ["KernelEngine", "StationarySpec", "kernel_block", "stationary_spec"]
+__all__ = ["KernelEngine", "StationarySpec", "kernel_block", "stationary_spec", "stored_rows_for"]
 
 
 @dataclass
@@ -127,6 +132,21 @@ def _apply_profile_(kind: str, buf: Tensor, tmp: Tensor | None, zero_below: floa
     return buf.add_(1.5).square_().add_(0.75).mul_(tmp)
 
 
+def stored_rows_for(n: int, m: int, itemsize: int, memory_budget: int, block_rows: int | None = None) -> int:
+    """Rows of ``K_nM`` a :class:`KernelEngine` built with ``store=None`` holds in memory: ``n`` when
+    the whole ``n M`` values fit ``memory_budget`` bytes, else the rows that fit beside the
+    on-the-fly pass's two ``block_rows x M`` buffers (``block_rows`` by :func:`block_rows_for` when
+    ``None``), or ``0`` where not one block does. Cost models (``auto_fit``'s) use it to predict a
+    pass: ``(n - rows) / n`` of it recomputes kernel values."""
+    row_bytes = max(int(m), 1) * itemsize
+    if n * row_bytes <= memory_budget:
+        return int(n)
+    if block_rows is None:
+        block_rows = block_rows_for(n, m, itemsize, PRODUCT, memory_budget=memory_budget)
+    head = (memory_budget - PRODUCT.live_blocks * block_rows * row_bytes) // row_bytes
+    return int(min(head, n)) if head >= block_rows else 0
+
+
 def kernel_block(kernel: Kernel, x1: Tensor, x2: Tensor) -> Tensor:
     """Dense ``k(x1, x2)`` through GPyTorch (differentiable; generic path)."""
     out = kernel(x1, x2)
@@ -145,11 +165,18 @@ class KernelEngine:
         memory_budget: bytes allowed for kernel values (default
             :class:`gpfalkon.settings.memory_budget`).
         block_rows: rows per on-the-fly block (default :class:`gpfalkon.settings.block_rows`).
-        store: ``True`` to require storing ``K_nM`` (error if over budget), ``False``
-            to always recompute, ``None`` (default) to store iff it fits.
+        store: ``True`` to require storing the whole ``K_nM`` (error if over budget), ``False``
+            to always recompute, ``None`` (default) to store it whole if it fits, else the first
+            rows that fit (:attr:`stored_rows`; the rest recomputed at each pass).
 
-    Memory: ``n M`` elements when stored, else ``2 block_rows M``; plus ``n d`` for
-    the rescaled inputs of the fast path. Products accumulate in float64.
+    Attributes:
+        stored: whether the whole ``K_nM`` is stored.
+        stored_rows: rows of ``K_nM`` held in memory once the first pass has run (``n`` when
+            ``stored``; ``0`` with ``store=False`` or where not one block fits beside the buffers).
+
+    Memory: ``n M`` elements when stored whole, else at most ``memory_budget`` bytes (the stored
+    rows and ``2 block_rows M`` buffers); plus ``n d`` for the rescaled inputs of the fast path.
+    Products accumulate in float64.
     """
 
     def __init__(
@@ -175,6 +202,7 @@ class KernelEngine:
         itemsize = torch.finfo(self.dtype).bits // 8
         row_bytes = self.m * itemsize
         full_bytes = self.n * row_bytes
+        partial = store is None
         if store is None:
             store = full_bytes <= budget
         elif store and full_bytes > budget:
@@ -188,6 +216,9 @@ class KernelEngine:
         self.block_rows = block_rows_for(
             self.n, self.m, itemsize, PRODUCT, memory_budget=budget, block_rows=self.block_rows_setting
         )
+        self.stored_rows = self.n if self.stored else 0
+        if partial and not self.stored:  # the rows that fit beside the on-the-fly buffers
+            self.stored_rows = stored_rows_for(self.n, self.m, itemsize, budget, self.block_rows)
         # Thin products read a stored K_nM in chunks of `stored_batch` sub-blocks of about
         # 512 KiB, one batched product per chunk: each thread reads its sub-block twice,
         # the second time from its own cache (benchmarks/engine.py measures it). On a GPU
@@ -205,7 +236,7 @@ class KernelEngine:
             chunk = self.stored_batch * sub_rows
             if self.block_rows_setting is not None:  # an explicit block height caps the chunks too
                 chunk = min(chunk, self.block_rows_setting)
-            self.stored_block_rows = max(1, min(self.n, chunk))
+            self.stored_block_rows = max(1, min(max(self.stored_rows, 1), chunk))
         self.memory_budget = budget
 
         self.spec = stationary_spec(kernel)
@@ -268,10 +299,11 @@ class KernelEngine:
         return _apply_profile_(self.spec.kind, out, tmp, zero_below)
 
     def _ensure_stored(self) -> Tensor:
+        """The stored rows ``K0[:stored_rows]``, computed on first use."""
         if self._k is None:
-            k = torch.empty(self.n, self.m, dtype=self.dtype, device=self.device)
+            k = torch.empty(self.stored_rows, self.m, dtype=self.dtype, device=self.device)
             with torch.no_grad():
-                for start, stop in self._blocks():
+                for start, stop in row_blocks(self.stored_rows, self.block_rows):
                     self._compute_block(start, stop, out=k[start:stop])
             self._k = k
         return self._k
@@ -285,28 +317,32 @@ class KernelEngine:
         ``stored_block_rows``, sized for thin products; consumers doing ``O(M^2)``
         work per row want taller blocks). On-the-fly blocks are always ``block_rows``.
         """
+        yield from self._iter_blocks(rows, 0)
+
+    def _iter_blocks(self, rows: int | None, first: int) -> Iterator[tuple[int, int, Tensor]]:
+        """:meth:`iter_blocks` over rows ``[first, n)``: stored rows as views (computed into the store
+        on the first pass, which costs no extra kernel pass), the others recomputed into a buffer.
+        ``first > 0`` only once the store is filled."""
+        head = self.stored_rows
         with torch.no_grad():
-            if self.stored and self._k is None:
-                # the first pass fills the stored matrix block by block and serves its
-                # consumer on the way: storing costs no extra kernel pass
-                k = torch.empty(self.n, self.m, dtype=self.dtype, device=self.device)
-                for start, stop in self._blocks():
-                    yield start, stop, self._compute_block(start, stop, out=k[start:stop])
-                self._k = k
-                return
-            if self.stored:
-                k = self._ensure_stored()
-                for start, stop in self._blocks(self.stored_block_rows if rows is None else rows):
-                    yield start, stop, k[start:stop]
-                return
-            for start, stop in self._blocks():
-                rows = stop - start
+            if head > first:
+                if self._k is None:
+                    assert first == 0, "a pass that skips rows needs the store filled"
+                    k = torch.empty(head, self.m, dtype=self.dtype, device=self.device)
+                    for start, stop in row_blocks(head, self.block_rows):
+                        yield start, stop, self._compute_block(start, stop, out=k[start:stop])
+                    self._k = k
+                else:
+                    for start, stop in row_blocks(head, self.stored_block_rows if rows is None else rows, first):
+                        yield start, stop, self._k[start:stop]
+            for start, stop in row_blocks(self.n, self.block_rows, max(head, first)):
+                n_rows = stop - start
                 if self.spec is None:
                     yield start, stop, self._compute_block(start, stop)
                     continue
                 if self._buf is None:
                     self._buf = torch.empty(self.block_rows, self.m, dtype=self.dtype, device=self.device)
-                yield start, stop, self._compute_block(start, stop, out=self._buf[:rows])
+                yield start, stop, self._compute_block(start, stop, out=self._buf[:n_rows])
 
     def materialize(self) -> Tensor:
         """Return the dense ``K_nM`` (n x M, includes the outputscale). O(n M) memory."""
@@ -357,10 +393,15 @@ class KernelEngine:
         v_t = self._cast(v).t().contiguous() if v is not None else None  # (k, n)
         acc = torch.zeros(k, self.m, dtype=self.acc_dtype, device=self.device)
         with torch.no_grad():
-            # a stored K_nM on CPU: one call of the fused single-read kernel over all rows, where it runs
-            if not (self.stored and self._k is not None and fused_kmn_k(acc, self._k, u_t, v_t)):
-                for start, stop, blk in self.iter_blocks():
-                    self._thin_block_(acc, blk, u_t, None if v_t is None else v_t[:, start:stop])
+            # the stored rows on CPU: one call of the fused single-read kernel over all of them, where it
+            # runs; the rows not stored (and the stored ones where it does not run) block by block
+            done = 0
+            v_head = None if v_t is None else v_t[:, : self.stored_rows]
+            if self._k is not None and fused_kmn_k(acc, self._k, u_t, v_head):
+                done = self.stored_rows
+            # (all rows: through iter_blocks, which a backend subclass may wrap)
+            for start, stop, blk in (self.iter_blocks() if done == 0 else self._iter_blocks(None, done)):
+                self._thin_block_(acc, blk, u_t, None if v_t is None else v_t[:, start:stop])
         if s != 1.0:
             acc.mul_(s)
         return acc.t()
