@@ -107,3 +107,54 @@ def test_turned_off_by_environment(monkeypatch):
                                  None)
     with pytest.raises(TypeError, match="enabled"):
         fused.set_enabled("yes")  # type: ignore[arg-type]
+
+
+def _fresh_state(monkeypatch) -> None:
+    monkeypatch.setattr(fused, "_state", {"module": None, "error": None, "tried": False, "enabled": True})
+
+
+def test_a_built_kernel_is_imported_without_the_compiler(monkeypatch):
+    """Once built, a new process imports the module from the build directory: load_inline (ninja,
+    the compiler, torch's build lock) is not called again."""
+    _need_kernel()
+    import torch.utils.cpp_extension as ext
+
+    def no_build(*a, **k):
+        raise AssertionError("load_inline called for a built kernel")
+
+    _fresh_state(monkeypatch)
+    monkeypatch.setattr(ext, "load_inline", no_build)
+    assert fused.fused_available() == (True, "")
+    acc = torch.zeros(1, 3, dtype=torch.float64)
+    knm = torch.arange(6, dtype=torch.float64).reshape(2, 3)
+    u = torch.ones(1, 3, dtype=torch.float64)
+    assert fused.fused_kmn_k(acc, knm, u, None)
+    torch.testing.assert_close(acc, (u @ knm.T) @ knm)
+
+
+def test_a_build_lock_is_not_waited_on(monkeypatch, tmp_path):
+    """A lock left in the build directory (another process building, or one that died building) makes
+    this process keep the torch path at once, never wait; a lock older than the stale limit is removed
+    and the build goes ahead."""
+    import os
+    import time
+
+    import torch.utils.cpp_extension as ext
+
+    calls = []
+    monkeypatch.setattr(ext, "load_inline", lambda **kw: calls.append(kw) or "module")
+    monkeypatch.setattr(fused, "_build_directory", lambda name: str(tmp_path / name))
+    name = f"gpfalkon_fused_{fused._cpu_tag()}"
+    (tmp_path / name).mkdir()
+    lock = tmp_path / name / "lock"
+    lock.touch()
+    _fresh_state(monkeypatch)
+    t0 = time.perf_counter()
+    ok, why = fused.fused_available()
+    assert not ok and "another process is building it" in why and time.perf_counter() - t0 < 5
+    assert calls == []
+    old = time.time() - fused._STALE_LOCK_SECONDS - 5
+    os.utime(lock, (old, old))
+    _fresh_state(monkeypatch)
+    assert fused.fused_available() == (True, "")
+    assert not lock.exists() and len(calls) == 1 and calls[0]["build_directory"] == str(tmp_path / name)

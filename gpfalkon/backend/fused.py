@@ -21,16 +21,20 @@ accumulators are summed at the end. Cost: ``4 n M k`` flops, one read of ``K`` f
 Why by hand: neither torch, MKL nor linear_operator has a fused ``A^T (A x)`` that reads ``A`` once;
 ``torch.compile`` would need the same compiler and is heavier to build. The C++ source below is
 compiled on first use by :func:`torch.utils.cpp_extension.load_inline` (a C++ compiler and ninja
-are needed; the build is cached per source, torch version and CPU). Where it cannot be built,
+are needed; the build is cached per source, torch version and install, Python and CPU, and a later
+process imports the built module without calling the compiler). Where it cannot be built,
 :func:`fused_available` says why and the engine keeps its batched-product path; the environment
 variable ``GPFALKON_FUSED_CPU=0`` (or :func:`set_enabled`) turns the kernel off.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import platform
+import sys
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -140,13 +144,19 @@ void fused_kmn_k(torch::Tensor acc, torch::Tensor K, torch::Tensor u, torch::Ten
 }
 """
 
+_FLAGS = ("-O3", "-march=native", "-fopenmp")
+#: seconds after which a build lock left in the build directory is taken for a dead build's
+_STALE_LOCK_SECONDS = 600.0
+
 _state: dict[str, Any] = {"module": None, "error": None, "tried": False, "enabled": None}
 _build_lock = threading.Lock()
 
 
 def _cpu_tag() -> str:
-    """A tag of the CPU's instruction sets: the build uses ``-march=native``, so a cache shared by
-    different CPUs must not hand one CPU's binary to another."""
+    """A tag of the build: the source, the torch version and install (its headers; a build against
+    another environment's torch is not reused), Python, and the CPU's instruction sets (the build
+    uses ``-march=native``, so a cache shared by different CPUs must not hand one CPU's binary to
+    another)."""
     flags = ""
     try:
         with open("/proc/cpuinfo") as fh:
@@ -156,7 +166,8 @@ def _cpu_tag() -> str:
                     break
     except OSError:
         pass
-    text = "|".join([_SOURCE, torch.__version__, platform.machine(), flags])
+    text = "|".join([_SOURCE, torch.__version__, os.path.dirname(os.path.realpath(torch.__file__)),
+                     platform.python_version(), platform.machine(), flags, *_FLAGS])
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
@@ -174,22 +185,55 @@ def _enabled() -> bool:
     return os.environ.get("GPFALKON_FUSED_CPU", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _build_directory(name: str) -> str:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return os.path.join(get_default_build_root(), "gpfalkon", name)
+
+
+def _import_built(name: str, path: str) -> Any:
+    """Import the built extension module at ``path`` (no compiler, no build lock)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _load() -> Any:
+    """The kernel's module: imported from the build directory where it was built before (every later
+    process: no compiler call, no lock), else built there by ``load_inline``. A build lock left by
+    another process is not waited on (that process may be building it, or have died while building):
+    this process keeps the torch path; a lock older than ``_STALE_LOCK_SECONDS`` is removed."""
     with _build_lock:
         if _state["tried"]:
             return _state["module"]
         _state["tried"] = True
+        name = f"gpfalkon_fused_{_cpu_tag()}"
         try:
+            directory = _build_directory(name)
+            built = os.path.join(directory, name + (".pyd" if sys.platform == "win32" else ".so"))
+            lock = os.path.join(directory, "lock")
+            if os.path.exists(built) and not os.path.exists(lock):
+                _state["module"] = _import_built(name, built)
+                return _state["module"]
+            if os.path.exists(lock):
+                if time.time() - os.path.getmtime(lock) < _STALE_LOCK_SECONDS:
+                    raise RuntimeError(f"another process is building it (lock file {lock})")
+                os.remove(lock)
+            os.makedirs(directory, exist_ok=True)
             from torch.utils.cpp_extension import load_inline
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 _state["module"] = load_inline(
-                    name=f"gpfalkon_fused_{_cpu_tag()}",
+                    name=name,
                     cpp_sources=[_SOURCE],
                     functions=["fused_kmn_k"],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_cflags=list(_FLAGS),
                     extra_ldflags=["-fopenmp"],
+                    build_directory=directory,
                     verbose=False,
                 )
         except Exception as exc:  # no compiler, no ninja, a failed build: keep the torch path
