@@ -362,6 +362,7 @@ def auto_fit(
     min_centers: int = 1_000,
     max_centers: int = 50_000,
     learn_share: float = 0.5,
+    level_share: float = 0.5,
     lr: float = 0.1,
     max_steps: int = 2000,
     eval_every: int = 10,
@@ -425,6 +426,13 @@ def auto_fit(
             see more data, at 2x the cost per step); the default ``0`` keeps ``hyper_centers``
             (on the development sets, 0.5 was no better within the same budget:
             ``benchmarks/results/auto-notes.md``).
+        level_share: after the race, the leading objective spends at most this fraction of the
+            learning time that was left when it started on a subsample (for the first subsample: when
+            stage 1 started) on that subsample; then it goes on from its best point on twice the rows as
+            if it had stalled (where twice the rows are allowed). A geometric split of the learning
+            share over the nested subsamples, so that a slow, steady gain on few rows cannot use the
+            whole share before the larger subsamples (closer to the full data) are reached;
+            ``1.0``: a subsample is left only when it stalls (the behaviour before this option).
         hyper_entries: memory budget of stage 1, in entries of its ``rows x centers`` kernel
             matrix (``2**25``: 128 MiB in float32 per copy, a few copies live in autograd); the
             rows stop doubling when the current centers would exceed it, and the centers stop
@@ -525,6 +533,8 @@ def auto_fit(
         raise ValueError(f"val_fraction must be a float in (0, 1), got {val_fraction!r}")
     if not (isinstance(learn_share, (int, float)) and 0.0 <= learn_share < 1.0):
         raise ValueError(f"learn_share must be in [0, 1), got {learn_share!r}")
+    if not (isinstance(level_share, (int, float)) and 0.0 < level_share <= 1.0):
+        raise ValueError(f"level_share must be in (0, 1], got {level_share!r}")
     if not (isinstance(min_gain, (int, float)) and min_gain >= 0.0):
         raise ValueError(f"min_gain must be >= 0, got {min_gain!r}")
     if center_sampling not in CENTER_SAMPLING:
@@ -730,9 +740,15 @@ def auto_fit(
                             r.stop(f"dropped after {race_rounds} rounds (leader: {leader.name})")
             live = [r for r in runners if r.active]
             start = None
-            if rounds >= race_rounds and len(live) == 1 and live[0].stalled():
+            now = time.perf_counter()
+            rows_next = min(2 * rows_h, rows_cap)
+            # the geometric split of the learning share: past level_share of the time left when it started
+            # on these rows, the leader moves on to twice the rows (where it may)
+            level_over = (len(live) == 1 and rows_next > rows_h
+                          and rows_next * live[0].model.centers.shape[0] <= hyper_entries
+                          and now - live[0].t0 >= level_share * (learn_deadline - live[0].t0))
+            if rounds >= race_rounds and len(live) == 1 and (live[0].stalled() or level_over):
                 start = best_state if best_state["objective"] == live[0].name else (live[0].best or best_state)
-                rows_next = min(2 * rows_h, rows_cap)
                 if rows_next <= rows_h or rows_next * start["centers"].shape[0] > hyper_entries:
                     # stalled on as many rows as it may use: more steps here buy little; the rest of the
                     # learning share goes to the selection stage
@@ -756,7 +772,8 @@ def auto_fit(
                 draw = torch.randperm(new_rows.shape[0], generator=gen, device=dev)
                 pick = new_rows[draw[: m_next - c_start.shape[0]]]
                 centers_next = torch.cat([c_start.to(dtype), xt_z[pick]], 0)
-                old.stop(f"stalled; continued on {rows_h:,} rows, {centers_next.shape[0]:,} centers")
+                why = "stalled" if old.stalled() else f"level share ({level_share:g}) used"
+                old.stop(f"{why}; continued on {rows_h:,} rows, {centers_next.shape[0]:,} centers")
                 runners.append(_ObjectiveRun(
                     old.name, h_model(copy.deepcopy(start["kernel"]), float(start["noise"]), centers_next,
                                       learn_centers, rows=rows_h),

@@ -228,6 +228,32 @@ def test_auto_fit_learning_grows_rows_and_centers_within_the_memory_budget():
     assert min(2 * last["rows"], rep.n_train) * last["centers"] > 24_000 or last["rows"] == rep.n_train
 
 
+def test_auto_fit_level_share_moves_the_leader_to_more_rows():
+    """With a tiny level_share every round after the race is past the leader's share of the time on its
+    subsample: it goes on from its best point on twice the rows each round, up to all training rows, and
+    is never pushed off the last subsample by the share (only a stall, patience or max_steps end it)."""
+    x, y, _ = _data(1200, noise=0.5)
+    kw = dict(SMALL, hyper_rows=100, hyper_centers=20, max_steps=200, objectives=("gcv", "sgpr"), race_rounds=2,
+              level_share=1e-9)
+    rep = auto_fit(x, y, **kw).auto_report
+    leader = [r for r in rep.learn[1:] if r["objective"] == rep.learn[1]["objective"]]
+    rows = [r["rows"] for r in leader]
+    want = [100]
+    while want[-1] < rep.n_train:
+        want.append(min(2 * want[-1], rep.n_train))
+    # all the way up, unless a continuation found nothing better than the rows before it (that ends stage 1)
+    assert rows == want[: len(rows)] and len(rows) >= 2, [(r["rows"], r["stopped"]) for r in rep.learn]
+    if len(rows) < len(want):
+        assert leader[-1]["stopped"].endswith("with no gain over fewer rows"), leader[-1]["stopped"]
+    for prev, cur in itertools.pairwise(leader):
+        assert prev["stopped"].endswith(f"continued on {cur['rows']:,} rows, {cur['centers']:,} centers")
+        assert prev["stopped"].startswith(("stalled;", "level share (1e-09) used;")), prev["stopped"]
+    assert leader[0]["stopped"].startswith("level share (1e-09) used;") or leader[0]["stopped"].startswith("stalled;")
+    assert "continued" not in leader[-1]["stopped"] and "level share" not in leader[-1]["stopped"]
+    # the continuations before the last ran one round each (eval_every steps) past the race
+    assert all(r["steps"] == kw["eval_every"] for r in leader[1:-1] if r["stopped"].startswith("level share"))
+
+
 def test_auto_fit_grid_extends_past_its_edge():
     """No learning (max_steps=0): noise starts at 0.1 (standardised) on nearly noise-free data, so the
     best noise lies several grid steps below: the 1-D grid must keep extending downwards."""
@@ -298,6 +324,8 @@ def test_auto_fit_respects_a_small_budget():
         (dict(lr=0.0), "lr"),
         (dict(dtype=torch.float16), "dtype"),
         (dict(min_gain=-1.0), "min_gain"),
+        (dict(level_share=0.0), "level_share"),
+        (dict(level_share=1.5), "level_share"),
         (dict(hyper_entries=0), "hyper_entries"),
         (dict(max_hyper_rows=1), "max_hyper_rows"),
         (dict(hyper_centers_growth=1.5), "hyper_centers_growth"),

@@ -170,6 +170,7 @@ def test_two_node_torchrun_on_loopback_fits_the_single_process_alpha(tmp_path):
     that meet through a c10d rendezvous on localhost: the two-"node" alpha equals one process's."""
     import re
     import shutil
+    import signal
     import subprocess
 
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
@@ -178,20 +179,29 @@ def test_two_node_torchrun_on_loopback_fits_the_single_process_alpha(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     port = W.free_port()
     cmd = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "gpfalkon-test",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"gpfalkon-test-{port}", "--max-restarts", "0",
            os.path.join(root, "examples", "distributed_fit.py"), "--centers", "200", "--rows", "3000",
            "--tol", "1e-12", "--iterations", "1000", "--learn", "1", "--check", "--timeout", "60"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=root)
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=root,
+                              start_new_session=True)  # own process group: a kill reaches the workers too
              for _ in range(2)]
-    outs = []
+    outs: list[str] = []
+    timed_out = False
     try:
         for p in nodes:
-            outs.append(p.communicate(timeout=240)[0])
+            try:
+                outs.append(p.communicate(timeout=240)[0])
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
     finally:
         for p in nodes:
             if p.poll() is None:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
+    if timed_out:  # show what each launcher printed, not just "timed out"
+        outs += [p.communicate()[0] for p in nodes[len(outs):]]
+        pytest.fail("torchrun launchers did not finish in 240 s; their output:\n" + "\n----\n".join(outs))
     assert all(p.returncode == 0 for p in nodes), "\n".join(outs)
     text = "\n".join(outs)
     assert "2 ranks, rows per rank [1500, 1500]" in text, text
