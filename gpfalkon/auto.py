@@ -8,7 +8,8 @@
    ``objectives`` (SGPR bound, GCV, C-Reg, Nyström C-Reg, ...: Meanti et al. 2022 find each best
    on some datasets). Every ``eval_every`` steps the current hyperparameters are scored by the
    validation error of a FALKON fit on the subsample; after ``race_rounds`` such rounds only the
-   leading objective goes on, and whenever it stalls it continues from its best point on twice
+   leading objective goes on, and whenever it stalls, or has used ``level_share`` of the learning
+   time left when it started on its rows, it continues from its best point on twice
    the rows (nested subsamples; optionally more centers, ``hyper_centers_growth``), within the
    memory budget ``hyper_entries``; stalled on all the rows it may use, or stalled on more rows
    without beating its best point on fewer, it stops. The best
