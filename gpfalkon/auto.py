@@ -741,14 +741,15 @@ def auto_fit(
                             r.stop(f"dropped after {race_rounds} rounds (leader: {leader.name})")
             live = [r for r in runners if r.active]
             start = None
-            now = time.perf_counter()
             rows_next = min(2 * rows_h, rows_cap)
+            lead = live[0] if rounds >= race_rounds and len(live) == 1 else None
+            stalled = lead is not None and lead.stalled()
             # the geometric split of the learning share: past level_share of the time left when it started
             # on these rows, the leader moves on to twice the rows (where it may)
-            level_over = (len(live) == 1 and rows_next > rows_h
-                          and rows_next * live[0].model.centers.shape[0] <= hyper_entries
-                          and now - live[0].t0 >= level_share * (learn_deadline - live[0].t0))
-            if rounds >= race_rounds and len(live) == 1 and (live[0].stalled() or level_over):
+            level_over = (lead is not None and not stalled and rows_next > rows_h
+                          and rows_next * lead.model.centers.shape[0] <= hyper_entries
+                          and time.perf_counter() - lead.t0 >= level_share * (learn_deadline - lead.t0))
+            if stalled or level_over:
                 start = best_state if best_state["objective"] == live[0].name else (live[0].best or best_state)
                 if rows_next <= rows_h or rows_next * start["centers"].shape[0] > hyper_entries:
                     # stalled on as many rows as it may use: more steps here buy little; the rest of the
@@ -773,7 +774,7 @@ def auto_fit(
                 draw = torch.randperm(new_rows.shape[0], generator=gen, device=dev)
                 pick = new_rows[draw[: m_next - c_start.shape[0]]]
                 centers_next = torch.cat([c_start.to(dtype), xt_z[pick]], 0)
-                why = "stalled" if old.stalled() else f"level share ({level_share:g}) used"
+                why = "stalled" if stalled else f"level share ({level_share:g}) used"
                 old.stop(f"{why}; continued on {rows_h:,} rows, {centers_next.shape[0]:,} centers")
                 runners.append(_ObjectiveRun(
                     old.name, h_model(copy.deepcopy(start["kernel"]), float(start["noise"]), centers_next,
