@@ -169,7 +169,7 @@ def main() -> None:
         int(args.memory_budget_gib * 2**30) if args.memory_budget_gib is not None
         else gpfalkon.backend.memory_budget_for(None)
     )
-    block_rows_list = args.block_rows or [gpfalkon.settings.block_rows.value()]  # None: the engine's ~2 MiB blocks
+    block_rows_list = args.block_rows or [gpfalkon.settings.block_rows.value()]  # None: the engine's ~16 MiB blocks
     block_rows = block_rows_list[0]
     stored_rows_list = args.stored_block_rows or [None]
     naive_rows = args.naive_block_rows if args.naive_block_rows is not None else (block_rows or 2048)
@@ -304,7 +304,7 @@ def main() -> None:
     peak_line = ", ".join(f"{k}: {v:.1f} GFLOP/s" for k, v in peak.items())
     body = "\n".join([
         f"n = {n:,}, M = {m:,}, X ~ N(0, I_d), centers = {m:,} random rows of X, lengthscale sqrt(d). "
-        f"Engine block_rows = {', '.join('auto (~2 MiB blocks)' if b is None else str(b) for b in block_rows_list)}; "
+        f"Engine block_rows = {', '.join('auto (~16 MiB blocks)' if b is None else str(b) for b in block_rows_list)}; "
         "'block rows' is the rows per block actually "
         "used (stored mode: the engine's `stored_block_rows`, i.e. how the stored K_nM is read); naive baseline: "
         f"{naive_rows}-row blocks from `kernel(x_b, C).to_dense()` (GPyTorch {gpytorch.__version__}: squared distances "

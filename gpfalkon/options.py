@@ -42,7 +42,7 @@ class FalkonOptions:
             :class:`gpfalkon.settings.memory_budget`). ``K_nM`` is stored when it fits, else
             the rows of it that fit (the others recomputed at each pass).
         block_rows: rows per kernel block (``None``: the automatic rule of
-            :mod:`gpfalkon.backend.blocks`, about 2 MiB blocks for products).
+            :mod:`gpfalkon.backend.blocks`, about 16 MiB blocks for products).
         store_kernel: ``True`` requires storing ``K_nM`` (error if over budget),
             ``False`` always recomputes it, ``None`` stores it if it fits, else the rows that fit.
         max_iter, tol: CG stopping rule. ``None``: ``linear_operator.settings.max_cg_iterations``

@@ -96,9 +96,11 @@ class memory_budget(_setting):
 class block_rows(_setting):
     """Rows of X per kernel block when ``K_nM`` is computed on the fly.
 
-    Default ``None``: blocks of about 2 MiB (``2 MiB / (M * itemsize)`` rows, at
-    least 32), which keep the in-place kernel passes and the two thin products in
-    cache (``benchmarks/engine.py`` sweeps it). The engine lowers any value whose
+    Default ``None``: blocks of about 16 MiB (``16 MiB / (M * itemsize)`` rows rounded
+    down to a multiple of 8, at least 32): large enough that a block's distance matmul
+    is shared well by torch's threads, small enough for the in-place kernel passes and
+    the two thin products to re-read it from the last-level cache
+    (``benchmarks/results/engine-blocks.md`` measures 2, 8 and 16 MiB). The engine lowers any value whose
     blocks would not fit in the memory budget.
     """
 

@@ -145,7 +145,9 @@ def test_block_rule(n, m, rows):
 
     r = block_rows_for(n, m, 8, PRODUCT, block_rows=rows)
     if rows is None:
-        assert r == min(n, max(32, 2 * 2**20 // (m * 8)))
+        target = 16 * 2**20 // (m * 8)
+        assert r == min(n, max(32, target - target % 8))
+        assert r % 8 == 0 or r == n
     else:
         assert r == min(rows, n)
     # the memory budget caps the blocks: live_blocks x rows x M x itemsize <= budget

@@ -9,14 +9,18 @@ height when neither the caller nor :class:`gpfalkon.settings.block_rows` gives o
 The rule (``itemsize`` bytes per kernel value, ``M`` columns)::
 
     rows = block_rows                                   if given (caller, else the setting)
-         = max(min_rows, target_bytes / (M * itemsize))  if the profile sizes by bytes
+         = max(min_rows, target_bytes / (M * itemsize))  if the profile sizes by bytes,
+           rounded down to a multiple of row_multiple
          = default_rows                                  otherwise
     rows = min(rows, memory_budget / (live_blocks * M * itemsize), n),  at least 1.
 
 Profiles (their defaults are the measured ones of ``benchmarks/engine.py``):
 
-* :data:`PRODUCT` - thin products ``K_b^T (K_b U + V)``: about 2 MiB blocks (cache
-  resident), two live blocks (the block and a scratch buffer).
+* :data:`PRODUCT` - thin products ``K_b^T (K_b U + V)``: about 16 MiB blocks (each block's
+  distance matmul is then large enough for torch's threads to share it without their
+  synchronisation dominating, which 2 MiB blocks were not; the block is re-read from the
+  last-level cache), heights a multiple of 8 (so a block splits evenly over the threads' batched
+  products), two live blocks (the block and a scratch buffer).
 * :data:`GRADIENT` - autograd through a GPyTorch kernel block: 2048 rows (autograd has
   per-block overhead), about eight block-sized temporaries in forward + backward.
 * :data:`FACTOR` - ``O(M^2)`` work per row (triangular solves against ``K_MM``, BLESS):
@@ -62,9 +66,10 @@ class BlockProfile:
     default_rows: int = 2048  # ... or use a fixed default height
     min_rows: int = 1
     itemsize: int | None = None  # bytes per value; None: the caller's dtype
+    row_multiple: int = 1  # byte-sized heights are rounded down to a multiple of this
 
 
-PRODUCT = BlockProfile(live_blocks=2, target_bytes=2 * 2**20, min_rows=32)
+PRODUCT = BlockProfile(live_blocks=2, target_bytes=16 * 2**20, min_rows=32, row_multiple=8)
 GRADIENT = BlockProfile(live_blocks=8, default_rows=2048)
 FACTOR = BlockProfile(live_blocks=3, target_bytes=8 * 2**20, min_rows=64, itemsize=8)
 AGGREGATE = BlockProfile(live_blocks=4, default_rows=2048)
@@ -105,7 +110,8 @@ def block_rows_for(
         rows = block_rows
     elif profile.target_bytes is not None:
         size = profile.itemsize or itemsize
-        rows = max(profile.min_rows, profile.target_bytes // (max(m, 1) * size))
+        rows = profile.target_bytes // (max(m, 1) * size)
+        rows = max(profile.min_rows, rows - rows % profile.row_multiple)
     else:
         rows = profile.default_rows
     budget = memory_budget_for(memory_budget, device=device)

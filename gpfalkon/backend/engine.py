@@ -24,7 +24,7 @@ stationary kernels FALKON users use most — ``RBFKernel``, ``MaternKernel`` wit
 ``nu`` in {0.5, 1.5, 2.5}, either wrapped in a ``ScaleKernel``, with scalar or ARD
 lengthscales — the engine has a fast path: X and C are centred on the mean of the
 centers and divided by the lengthscales once, into augmented coordinates whose
-one matmul per block gives the (scaled) squared distances in a reused ~2 MiB
+one matmul per block gives the (scaled) squared distances in a reused ~16 MiB
 buffer; the kernel profile is then applied in place (1 pass for RBF, 4-6 for
 Matern). Centring keeps the float32 norm expansion accurate however far the data
 sit from the origin. The outputscale ``s`` (times a profile constant) is not
@@ -420,8 +420,9 @@ class KernelEngine:
         """
         rows = blk.shape[0]
         t = 1
-        # float64 with several right-hand sides: the batched row form measured 4-13 % slower than 2-D
-        if blk.is_contiguous() and not (blk.dtype == torch.float64 and acc.shape[0] > 1):
+        # (float64 with several right-hand sides too: with 16 MiB blocks the batched form and the 2-D
+        # products are about even, 0.92-1.40x, benchmarks/results/engine-blocks-batched.md)
+        if blk.is_contiguous():
             for cand in (self.stored_batch, torch.get_num_threads()):
                 if cand > 1 and rows % cand == 0:
                     t = cand
