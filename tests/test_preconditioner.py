@@ -91,3 +91,29 @@ def test_bad_arguments():
         FalkonPreconditioner.from_kernel_matrix(kmm, 1e-3, 10, weights=torch.ones(3, dtype=torch.float64))
     with pytest.raises(ValueError, match="weights"):
         FalkonPreconditioner.from_kernel_matrix(kmm, 1e-3, 10, weights=-torch.ones(4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("m", [1, 2, 7, 300])
+def test_upper_gram_matches_the_dense_product(dtype, m, monkeypatch):
+    """upper_gram(U) = U U^T (LAPACK lauum on the CPU) against float64 matmul; U is left untouched."""
+    import gpfalkon.linalg.gram as gram
+    from gpfalkon.linalg import upper_gram
+
+    monkeypatch.setattr(gram, "LAUUM_MIN_SIZE", 1)  # the lauum path at these small sizes too
+
+    g = torch.Generator().manual_seed(m)
+    a = torch.randn(m, m, generator=g, dtype=torch.float64)
+    u = torch.linalg.cholesky(a @ a.T / m + torch.eye(m, dtype=torch.float64), upper=True).to(dtype)
+    before = u.clone()
+    out = upper_gram(u)
+    ref = u.double() @ u.double().T
+    assert out.dtype == dtype and out.shape == (m, m)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-12 if dtype == torch.float64 else 2e-6,
+                               atol=1e-12 if dtype == torch.float64 else 2e-6)
+    assert torch.equal(out, out.T)  # exactly symmetric
+    assert torch.equal(u, before)
+    # a non-contiguous view gives the same
+    torch.testing.assert_close(upper_gram(u.T.contiguous().T), out)
+    with pytest.raises(ValueError, match="square"):
+        upper_gram(u[:, :0] if m > 1 else torch.zeros(2, 3, dtype=dtype))

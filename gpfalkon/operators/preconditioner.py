@@ -8,7 +8,7 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from .._validation import check_penalty
-from ..linalg import jittered_cholesky
+from ..linalg import jittered_cholesky, upper_gram
 
 __all__ = ["FalkonPreconditioner"]
 
@@ -80,7 +80,7 @@ class FalkonPreconditioner(LinearOperator):
         dkd = k64 if weights is None else d.unsqueeze(1) * k64 * d.unsqueeze(0)
         T, _ = jittered_cholesky(dkd, upper=True, name="K_MM", jitter=jitter)
         del dkd
-        inner = T @ T.mT
+        inner = upper_gram(T)  # T T^T
         inner.div_(m)
         inner.diagonal().add_(lam)
         A, _ = jittered_cholesky(inner, upper=True, name="T T^T / M + lambda I")
