@@ -3,8 +3,11 @@
 For each M, an RBF ``K_MM`` of M random points (d = 10, lengthscale sqrt(d), float64) is factored
 by ``FalkonPreconditioner.from_kernel_matrix`` (two jittered Cholesky factorisations and ``T T^T``)
 with ``gpfalkon.linalg.upper_gram`` (lauum) and with ``T @ T.mT`` in its place, the two timed in
-turn within each repetition; seconds = median. 'max diff' compares the two preconditioners' factor
-``A`` (relative to its largest entry).
+turn within each repetition, each followed by a fixed torch workload (20 distance matmuls of a
+1,048 x 22 block against 2,000 centers and 10 Cholesky factorisations of a 1,000 x 1,000 matrix), timed
+too: a BLAS that leaves threads spinning slows it. Seconds = median. 'max diff' compares the two
+preconditioners' factor ``A`` (relative to its largest entry). ``--lauum-min`` sets
+``gpfalkon.linalg.gram.LAUUM_MIN_SIZE`` for the run (default: the library's).
 
     .venv/bin/python benchmarks/precond_build.py --out benchmarks/results/precond-build.md
 """
@@ -21,6 +24,7 @@ import gpytorch
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import gpfalkon.linalg.gram as gram_module
 import gpfalkon.operators.preconditioner as precond_module
 from gpfalkon import FalkonPreconditioner
 from gpfalkon.linalg import upper_gram
@@ -41,11 +45,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", type=int, nargs="+", default=[500, 1000, 2000, 4000, 8000])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--lauum-min", type=int, default=None)
     ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results/precond-build.md"))
     args = ap.parse_args()
     env = environment_lines()
     t_start = time.perf_counter()
+    if args.lauum_min is not None:
+        gram_module.LAUUM_MIN_SIZE = args.lauum_min
     g = torch.Generator().manual_seed(0)
+    xa = torch.randn(1048, 22, generator=g)
+    ca = torch.randn(22, 2000, generator=g)
+    spd = torch.randn(1000, 1000, generator=g, dtype=torch.float64)
+    spd = spd @ spd.T / 1000 + torch.eye(1000, dtype=torch.float64)
+
+    def workload() -> float:
+        t0 = time.perf_counter()
+        for _ in range(20):
+            torch.mm(xa, ca)
+        for _ in range(10):
+            torch.linalg.cholesky(spd)
+        return time.perf_counter() - t0
+
     rows = []
     for m in args.m:
         x = torch.randn(m, 10, generator=g, dtype=torch.float64)
@@ -57,17 +77,23 @@ def main() -> None:
         pa, pb = build(kmm, False), build(kmm, True)
         diff = float((pa.chol_a - pb.chol_a).abs().max() / pa.chol_a.abs().max())
         times: dict[bool, list[float]] = {False: [], True: []}
+        after: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(args.repeats):
             for lauum in (False, True):
                 t0 = time.perf_counter()
                 build(kmm, lauum)
                 times[lauum].append(time.perf_counter() - t0)
+                after[lauum].append(workload())
         a, b = statistics.median(times[False]), statistics.median(times[True])
-        rows.append([m, a, b, a / b, diff])
+        wa, wb = statistics.median(after[False]), statistics.median(after[True])
+        rows.append([m, a, b, a / b, wa, wb, wb / wa, diff])
         log(f"M={m}: matmul {a:.3f} s, lauum {b:.3f} s")
     body = (
-        f"{args.repeats} repetitions, the two builds timed in turn; seconds = median.\n\n"
-        + markdown_table(["M", "T @ T^T build s", "lauum build s", "speed-up", "max diff of A"], rows)
+        f"{args.repeats} repetitions, the two builds timed in turn, each followed by the workload; "
+        "seconds = median.\n\n"
+        + markdown_table(["M", "T @ T^T build s", "lauum build s", "speed-up", "workload after matmul s",
+                          "workload after lauum s", "after ratio", "max diff of A"], rows)
+        + f"\n\nLAUUM_MIN_SIZE = {gram_module.LAUUM_MIN_SIZE} in this run (below it both builds use the matmul)."
         + f"\n\nTotal benchmark time {time.perf_counter() - t_start:.0f} s."
     )
     path = write_result(args.out, "Preconditioner build: lauum vs matmul for T T^T", env, body)

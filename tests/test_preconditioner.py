@@ -106,7 +106,12 @@ def test_upper_gram_matches_the_dense_product(dtype, m, monkeypatch):
     a = torch.randn(m, m, generator=g, dtype=torch.float64)
     u = torch.linalg.cholesky(a @ a.T / m + torch.eye(m, dtype=torch.float64), upper=True).to(dtype)
     before = u.clone()
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    pytest.importorskip("scipy.linalg.lapack")  # loaded before the thread counts are read
+    blas_threads = [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"]
     out = upper_gram(u)
+    # lauum runs on one BLAS thread; the process's BLAS thread counts are restored afterwards
+    assert [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"] == blas_threads
     ref = u.double() @ u.double().T
     assert out.dtype == dtype and out.shape == (m, m)
     torch.testing.assert_close(out.double(), ref, rtol=1e-12 if dtype == torch.float64 else 2e-6,
