@@ -16,7 +16,7 @@ import math
 import numbers
 from typing import Any, ClassVar
 
-__all__ = ["block_rows", "cg_tolerance", "max_cg_iterations", "memory_budget"]
+__all__ = ["aggregate_route", "block_rows", "cg_tolerance", "max_cg_iterations", "memory_budget"]
 
 _UNSET = object()
 
@@ -140,3 +140,22 @@ class max_cg_iterations(_setting):
         out = _positive_int("max_cg_iterations", value, allow_none=False)
         assert out is not None
         return out
+
+
+class aggregate_route(_setting):
+    """How the exact objectives' aggregates ``A A^T``, ``A y``, ``||A||_F^2`` (``A = L^{-1} K_Mn``)
+    are summed over the rows (:func:`gpfalkon.backend.passes.whitened_aggregates`).
+
+    ``"auto"`` (default): the Gram route (``L^{-1} (sum_b K_Mb K_bM) L^{-T}``, float64 GEMMs)
+    on the CPU for float32 data, the solve route (a triangular solve per block) otherwise;
+    ``"gram"`` / ``"solve"`` force one. Forcing ``"gram"`` on float64 data loses accuracy where
+    ``K_MM`` is ill-conditioned (the function's docstring says why).
+    """
+
+    _default: ClassVar[str] = "auto"
+
+    @classmethod
+    def _check(cls, value: Any) -> str:
+        if value not in ("auto", "gram", "solve"):
+            raise ValueError(f"gpfalkon.settings.aggregate_route: must be 'auto', 'gram' or 'solve', got {value!r}")
+        return str(value)

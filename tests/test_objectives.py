@@ -7,7 +7,8 @@ import gpytorch
 import pytest
 import torch
 
-from gpfalkon import FalkonGP
+from gpfalkon import FalkonGP, settings
+from gpfalkon.backend.passes import uses_gram_route, whitened_aggregates
 from gpfalkon.objectives import GCV, LOOCV, CompReg, HoldOut, NystromCompReg, SGPRBound
 
 from conftest import dense_kernel, make_data, make_kernel
@@ -72,15 +73,17 @@ OBJECTIVES = {"CompReg": CompReg, "NystromCompReg": NystromCompReg, "GCV": GCV, 
               "HoldOut": HoldOut, "SGPRBound": SGPRBound}
 
 
+@pytest.mark.parametrize("route", ["auto", "gram"])
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 @pytest.mark.parametrize("t", [None, 2])
-def test_value_and_gradients_match_naive_dense(name, t):
+def test_value_and_gradients_match_naive_dense(name, t, route):
     model = _model(t=t)
     obj = OBJECTIVES[name](model, block_rows=37)
     params = [model.kernel.base_kernel.raw_lengthscale, model.kernel.raw_outputscale,
               model.likelihood.raw_noise, model.centers]
-    ours = obj()
-    g_ours = torch.autograd.grad(ours, params)
+    with settings.aggregate_route(route):  # float64 data: "auto" is the solve route
+        ours = obj()
+        g_ours = torch.autograd.grad(ours, params)
     ref = naive(name, model, obj)
     g_ref = torch.autograd.grad(ref, params)
     torch.testing.assert_close(ours, ref, rtol=1e-8, atol=1e-10)
@@ -243,6 +246,88 @@ def test_stochastic_warm_start_and_training_loop():
         StochasticNystromCompReg(model, trace_vectors=torch.ones(3, 2, dtype=torch.float64))
     with pytest.raises(ValueError, match="ktilde_trace"):
         StochasticNystromCompReg(model, ktilde_trace="exact")
+
+
+def _aggregate_errors(route: str, lengthscale: float) -> list[float]:
+    """Relative errors of the float32 aggregates (``A A^T``, ``A y``, ``||A||_F^2``) of ``route`` against
+    the float64 solve route with the same factor ``L`` (the float32 one, widened)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(1500, 3, generator=g, dtype=torch.float64)
+    y = torch.sin(5 * x[:, :1]) + 0.05 * torch.randn(1500, 1, generator=g, dtype=torch.float64)
+    c = x[:200]
+    k64 = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=3)).double()
+    k64.base_kernel.lengthscale = torch.full((1, 3), lengthscale, dtype=torch.float64)
+    k32 = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=3))
+    k32.base_kernel.lengthscale = torch.full((1, 3), lengthscale)
+    with torch.no_grad():
+        kmm = k64(c, c).to_dense()
+        jitter = float(torch.finfo(torch.float32).eps) * 200 * float(kmm.diagonal().mean())  # cholesky_kmm's first
+        L32 = torch.linalg.cholesky(kmm + jitter * torch.eye(200, dtype=torch.float64)).float()
+        with settings.aggregate_route("solve"):
+            ref = whitened_aggregates(k64, x, y, c, L32.double(), 512)
+        with settings.aggregate_route(route):
+            got = whitened_aggregates(k32, x.float(), y.float(), c.float(), L32, 512)
+    return [float((a.double() - b).norm() / b.norm()) for a, b in zip(got[:3], ref[:3], strict=True)]
+
+
+@pytest.mark.parametrize("lengthscale", [0.1, 1.0, 3.0])  # K_MM condition numbers ~1e4, ~1e7, ~1e7 (+ jitter)
+def test_float32_gram_route_is_as_accurate_as_the_solve_route(lengthscale):
+    solve, gram = _aggregate_errors("solve", lengthscale), _aggregate_errors("gram", lengthscale)
+    for s_err, g_err in zip(solve, gram, strict=True):
+        assert g_err <= 1.5 * s_err + 1e-7, (solve, gram)
+    assert max(gram) < 1e-3
+
+
+def test_gram_route_is_the_cpu_float32_default_and_validated():
+    L32, L64 = torch.eye(3), torch.eye(3, dtype=torch.float64)
+    assert uses_gram_route(L32) and not uses_gram_route(L64)
+    with settings.aggregate_route("solve"):
+        assert not uses_gram_route(L32)
+    with settings.aggregate_route("gram"):
+        assert uses_gram_route(L64)
+    with pytest.raises(ValueError, match="aggregate_route"):
+        settings.aggregate_route("fast")
+
+
+def test_gram_route_backward_does_not_recompute_the_center_products(monkeypatch):
+    """The selective-checkpoint policy keeps each block's ``M x M`` product: the backward pass
+    recomputes the kernel blocks but no block's GEMM with an ``M x M`` output, so the count of such
+    GEMMs in the backward pass does not grow with the number of blocks (without the policy it does)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import gpfalkon.backend.passes as passes
+
+    if passes.selective_contexts is None:
+        pytest.skip("selective checkpointing needs torch >= 2.4")
+    m = 24
+
+    class CountMM(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.square = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mm.default and tuple(out.shape) == (m, m):
+                self.square += 1
+            return out
+
+    x, y = make_data(400, 3, dtype=torch.float32)
+    model = FalkonGP(x, y, kernel=make_kernel("scale_matern52", 3, dtype=torch.float32), num_centers=m,
+                     penalty=1e-3, learn_centers=True)
+
+    def backward_square_gemms(block_rows: int) -> int:
+        model.zero_grad()
+        loss = GCV(model, block_rows=block_rows)()
+        with CountMM() as counter:
+            loss.backward()
+        assert torch.isfinite(model.centers.grad).all()
+        return counter.square
+
+    one, four = backward_square_gemms(400), backward_square_gemms(100)
+    assert four == one
+    monkeypatch.setattr(passes, "selective_contexts", None)  # recompute everything
+    assert backward_square_gemms(100) == one + 4
 
 
 def test_float32_objectives_with_duplicate_centers_are_finite():

@@ -12,15 +12,21 @@ summed).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple, TypeGuard
 
 import torch
+import torch.utils.checkpoint as _checkpoint
 from gpytorch.kernels import Kernel
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from .. import settings
 from .blocks import row_blocks
 from .engine import kernel_block
+
+#: torch's selective activation checkpointing (torch >= 2.4); ``None``: every product is recomputed
+selective_contexts: Callable[..., Any] | None = getattr(_checkpoint, "create_selective_checkpoint_contexts", None)
 
 __all__ = [
     "WhitenedAggregates",
@@ -31,6 +37,7 @@ __all__ = [
     "map_whitened_blocks",
     "reduce_rows",
     "total_rows",
+    "uses_gram_route",
     "whitened_aggregates",
     "whitened_sq_norms",
 ]
@@ -87,8 +94,104 @@ def whitened_aggregates(
 
     Differentiable w.r.t. ``x``, ``centers``, ``L`` and the kernel's parameters; each block
     is checkpointed, so the graph holds ``O(M^2 + M t)`` per block, not the ``rows x M``
-    blocks. Cost ``O(n M (M + d + t))``.
+    blocks. Two routes to the same sums (docs/math.md §5.1):
+
+    * **Gram route** (CPU, data in float32 or narrower; :func:`uses_gram_route`):
+      ``G = sum_b K_Mb K_bM`` and ``g = sum_b K_Mb y_b`` accumulated in float64, then
+      ``A A^T = L^{-1} G L^{-T}``, ``A y = L^{-1} g``, ``||A||_F^2 = tr(A A^T)``. Per block one
+      float64 GEMM forward and one backward (``_SymmetricGram``; the block's small products are
+      kept, not recomputed, by a selective-checkpoint policy), ``O(n M (M + d + t))`` at GEMM
+      speed, plus ``O(M^3)`` once for the whitening.
+    * **Solve route** (otherwise): ``A_b = L^{-1} K_Mb`` by a triangular solve per block and
+      ``A_b A_b^T`` in the data dtype, ``O(n M (M + d + t))`` at triangular-solve speed, about
+      four such products per block forward and backward.
+
+    Why two: the Gram route's rounding of ``G`` is amplified by ``1 / lambda_min(L L^T)``,
+    and ``L L^T`` carries a jitter of about ``eps_data M`` times its diagonal
+    (:meth:`~gpfalkon.objectives.base.NystromObjective.cholesky_kmm`). Accumulated in float64
+    for float32 data that amplified error is ``eps_64 / (eps_32 M)`` (below 1e-9): as accurate
+    as the solve route or more (``tests/test_objectives.py``); for float64 data it would be
+    ``1 / M``, so float64 data take the solve route. On CUDA the solve route is kept: float64
+    GEMMs run at 1/32-1/64 of the float32 rate on most non-datacentre GPUs.
     """
+    if uses_gram_route(L):
+        return _gram_aggregates(kernel, x, y, centers, L, rows)
+    return _solve_aggregates(kernel, x, y, centers, L, rows)
+
+
+def uses_gram_route(L: Tensor) -> bool:
+    """Does :func:`whitened_aggregates` take the Gram route for this factor? With
+    :class:`gpfalkon.settings.aggregate_route` ``"auto"``: on the CPU for float32 (or narrower) data."""
+    route = settings.aggregate_route.value()
+    if route != "auto":
+        return bool(route == "gram")
+    return L.device.type == "cpu" and torch.finfo(L.dtype).eps > 1e-10
+
+
+class _SymmetricGram(torch.autograd.Function):
+    """``G = K^T K`` with the backward ``dK = K (dG + dG^T)``: one GEMM where autograd's
+    ``mm`` backward takes two (a gradient for each of the two operands, which here are one
+    tensor). Written by hand because torch has no symmetric-rank-k product with autograd."""
+
+    @staticmethod
+    def forward(ctx: Any, kb: Tensor) -> Tensor:
+        ctx.save_for_backward(kb)
+        return kb.mT @ kb
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (kb,) = ctx.saved_tensors
+        return kb @ (grad + grad.mT)
+
+
+def _keep_center_products(m: int, rows: int) -> Callable[..., Any]:
+    """Selective-checkpoint policy: keep the outputs of the block's ``K_Mb @ (.)`` products
+    (first operand ``m x rows``: ``M x M`` and ``M x t``, small) so that the backward pass's
+    recomputation of the block skips their GEMMs; recompute everything else (the kernel block)."""
+
+    policies = _checkpoint.CheckpointPolicy  # torch >= 2.4 (checked by the caller)
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if op is torch.ops.aten.mm.default and tuple(args[0].shape) == (m, rows):
+            return policies.MUST_SAVE
+        return policies.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _gram_aggregates(
+    kernel: Kernel, x: Tensor, y: Tensor, centers: Tensor, L: Tensor, rows: int
+) -> WhitenedAggregates:
+    """The Gram route of :func:`whitened_aggregates`."""
+
+    def block(xb: Tensor, yb: Tensor, c_: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        kb = kernel_block(kernel, xb, c_).to(torch.float64)  # (rows, M)
+        return _SymmetricGram.apply(kb), kb.mT @ yb.to(torch.float64), kernel(xb, diag=True).sum()
+
+    m = centers.shape[0]
+    acc: list[Tensor] | None = None
+    for s, e in row_blocks(x.shape[0], rows):
+        if selective_contexts is None:
+            out = checkpoint(block, x[s:e], y[s:e], centers, use_reentrant=False)
+        else:
+            out = checkpoint(block, x[s:e], y[s:e], centers, use_reentrant=False,
+                             context_fn=partial(selective_contexts, _keep_center_products(m, e - s)))
+        acc = list(out) if acc is None else [a + o for a, o in zip(acc, out, strict=True)]
+    assert acc is not None  # x has at least one row (validated by the callers)
+    gram, ky, tr_knn = acc
+    L64 = L.to(torch.float64)
+    half = torch.linalg.solve_triangular(L64, gram, upper=False)  # L^{-1} G
+    aat = torch.linalg.solve_triangular(L64, half.mT, upper=False)  # L^{-1} G L^{-T} (G symmetric)
+    aat = (aat + aat.mT) / 2
+    ay = torch.linalg.solve_triangular(L64, ky, upper=False)
+    dt = L.dtype
+    return WhitenedAggregates(aat.to(dt), ay.to(dt), aat.diagonal().sum().to(dt), tr_knn)
+
+
+def _solve_aggregates(
+    kernel: Kernel, x: Tensor, y: Tensor, centers: Tensor, L: Tensor, rows: int
+) -> WhitenedAggregates:
+    """The solve route of :func:`whitened_aggregates`."""
 
     def block(xb: Tensor, yb: Tensor, L_: Tensor, c_: Tensor):
         kb = kernel_block(kernel, xb, c_)
