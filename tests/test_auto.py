@@ -288,9 +288,46 @@ def test_auto_fit_user_kernel_and_float32_and_verbose():
     m = auto_fit(x.float(), y.float(), kernel=k, verbose=True, **dict(SMALL, dtype=torch.float32, max_steps=10))
     assert m.train_inputs[0].dtype == torch.float32
     assert isinstance(m.kernel, gpytorch.kernels.ScaleKernel)  # wrapped to carry the target scale
+    # a user's kernel keeps its own constraints (GPyTorch's softplus: softplus(0) = log 2)
+    assert float(m.kernel.base_kernel.raw_lengthscale_constraint.transform(torch.zeros(()))) == pytest.approx(
+        math.log(2.0))
     m.eval()
     with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
         err = float((m(x.float()).mean.double() - f).square().mean().sqrt())
+    assert err < 0.2 * float(f.std())
+
+
+def test_log_lengthscales_keep_values_and_make_steps_relative():
+    from gpfalkon.auto import KERNEL_FAMILIES, _log_lengthscales
+
+    k = KERNEL_FAMILIES["matern32"](3).double()
+    ls = torch.tensor([[0.3, 4.0, 50.0]], dtype=torch.float64)
+    k.base_kernel.lengthscale = ls
+    _log_lengthscales(k)
+    torch.testing.assert_close(k.base_kernel.lengthscale.detach(), ls)
+    # d log(l) / d raw = 1: one SGD step of size h on the raw parameter scales every lengthscale by exp(-h)
+    opt = torch.optim.SGD([k.base_kernel.raw_lengthscale], lr=0.1)
+    k.base_kernel.lengthscale.log().sum().backward()
+    opt.step()
+    torch.testing.assert_close(k.base_kernel.lengthscale.detach(), ls * math.exp(-0.1))
+
+
+@pytest.mark.parametrize("transform", ["softplus", "log"])
+@pytest.mark.parametrize("family", [True, False])
+def test_auto_fit_lengthscale_transform_sets_the_constraint(transform, family):
+    x, y, f = _data(300)
+    kernel = "matern52"
+    if not family:  # a user's kernel on the raw inputs: "softplus" keeps its own (GPyTorch's default) constraint
+        kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=3)).double()
+        kernel.base_kernel.lengthscale = torch.tensor([[50.0, 0.005, 1.5]], dtype=torch.float64)
+    m = auto_fit(x, y, kernel=kernel, lengthscale_transform=transform, **dict(SMALL, max_steps=5))
+    c = m.kernel.base_kernel.raw_lengthscale_constraint
+    # exp(0) = 1; GPyTorch's default softplus(0) = log 2
+    expected = 1.0 if transform == "log" else math.log(2.0)
+    assert float(c.transform(torch.zeros((), dtype=torch.float64))) == pytest.approx(expected)
+    m.eval()
+    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
+        err = float((m(x).mean - f).square().mean().sqrt())
     assert err < 0.2 * float(f.std())
 
 
@@ -329,6 +366,7 @@ def test_auto_fit_respects_a_small_budget():
         (dict(hyper_entries=0), "hyper_entries"),
         (dict(max_hyper_rows=1), "max_hyper_rows"),
         (dict(hyper_centers_growth=1.5), "hyper_centers_growth"),
+        (dict(lengthscale_transform="exp"), "lengthscale_transform"),
     ],
 )
 def test_auto_fit_bad_arguments(kwargs, match):
