@@ -437,7 +437,7 @@ def auto_fit(
             heuristic's start (about ``sqrt(2 d)`` on standardised inputs) a step moves a lengthscale
             by about ``lr`` in absolute terms, so shrinking it tenfold takes tens of steps; ``"log"``
             (``Positive`` through ``exp``/``log``, as the noise is): a step scales it by about
-            ``exp(lr)`` at every scale. On the development sets ``"log"`` gave 0.2-0.6x the test error
+            ``exp(lr)`` at every scale. On the development sets ``"log"`` gave 0.15-0.6x the test error
             where a few lengthscales must shrink far (parkinsons) and 1.3x where weakly relevant
             features were switched off by its fast early growth and did not recover (pumadyn32nm), so
             the default stays ``"softplus"`` (``benchmarks/results/auto-lengthscale-transform.md``).
