@@ -21,8 +21,15 @@ def check_dtype(name: str, t: Tensor) -> None:
         raise TypeError(f"{name} has dtype {t.dtype}; gpfalkon supports torch.float32 and torch.float64")
 
 
+def all_finite(t: Tensor) -> bool:
+    """``isfinite(t).all()`` without its ``t``-sized boolean temporary: a NaN or an Inf entry makes the sum
+    non-finite, so a finite sum settles it in one read; a non-finite sum (an entry bad, or finite entries
+    overflowing) is decided by the elementwise test."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def check_finite(name: str, t: Tensor) -> None:
-    if not bool(torch.isfinite(t).all()):
+    if not all_finite(t):
         bad = int((~torch.isfinite(t)).sum())
         raise ValueError(f"{name} contains {bad} NaN or Inf value(s)")
 

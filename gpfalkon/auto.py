@@ -52,7 +52,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from gpytorch.constraints import Positive
 from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from torch import Tensor
 
@@ -62,6 +61,7 @@ from .backend.blocks import memory_budget_for
 from .centers import NestedLeverageCenters, dictionary_leverage_scores, leverage_centers, nested_leverage_centers
 from .errors import CGNotConvergedWarning
 from .models import FalkonGP
+from .models.defaults import log_positive
 from .objectives import GCV, LOOCV, CompReg, NystromCompReg, SGPRBound, StochasticNystromCompReg
 
 __all__ = ["CENTER_SAMPLING", "KERNEL_FAMILIES", "LENGTHSCALE_TRANSFORMS", "OBJECTIVES", "AutoFitReport", "auto_fit"]
@@ -194,7 +194,7 @@ def _log_lengthscales(kernel: Kernel) -> None:
     step moves a lengthscale ``l >> 1`` by about ``h``, that is ``h / l`` relative."""
     for mod in _lengthscale_modules(kernel):
         value = mod.lengthscale.detach().clone()
-        mod.register_constraint("raw_lengthscale", Positive(transform=torch.exp, inv_transform=torch.log))
+        mod.register_constraint("raw_lengthscale", log_positive())
         mod.lengthscale = value
 
 

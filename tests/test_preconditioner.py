@@ -77,15 +77,15 @@ def test_not_psd_raises():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_cholesky_names_a_non_finite_entry_and_accepts_a_sum_that_overflows(bad):
-    from gpfalkon.linalg.cholesky import _all_finite
+    from gpfalkon._validation import all_finite
 
     a = torch.eye(3, dtype=torch.float64)
     a[2, 0] = a[0, 2] = bad
     with pytest.raises(ValueError, match="K_MM contains NaN or Inf"):
         jittered_cholesky(a)
     big = torch.full((3, 3), 1e308, dtype=torch.float64)  # finite entries whose sum overflows to inf
-    assert torch.isinf(big.sum()) and _all_finite(big)
-    assert not _all_finite(torch.tensor([1.0, bad, -bad], dtype=torch.float64))
+    assert torch.isinf(big.sum()) and all_finite(big)
+    assert not all_finite(torch.tensor([1.0, bad, -bad], dtype=torch.float64))
     L, _ = jittered_cholesky(1e300 * torch.eye(3, dtype=torch.float64))
     torch.testing.assert_close(L, 1e150 * torch.eye(3, dtype=torch.float64))
 

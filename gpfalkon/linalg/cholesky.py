@@ -6,16 +6,10 @@ import warnings
 import torch
 from torch import Tensor
 
+from .._validation import all_finite
 from ..errors import JitterWarning, NotPSDError
 
 __all__ = ["jittered_cholesky"]
-
-
-def _all_finite(t: Tensor) -> bool:
-    """``isfinite(t).all()`` without its ``t``-sized boolean temporary: a NaN or an Inf entry makes the sum
-    non-finite, so a finite sum settles it in one read; a non-finite sum (an entry bad, or finite entries
-    overflowing) is decided by the elementwise test."""
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def jittered_cholesky(
@@ -40,7 +34,7 @@ def jittered_cholesky(
     if a.dim() != 2 or a.shape[0] != a.shape[1]:
         raise ValueError(f"{name} must be a square matrix, got shape {tuple(a.shape)}")
     a64 = a.to(torch.float64)
-    if not _all_finite(a64):
+    if not all_finite(a64):
         raise ValueError(f"{name} contains NaN or Inf: check the kernel hyperparameters and inputs")
     m = a64.shape[0]
     scale = float(a64.diagonal().abs().mean())
@@ -61,7 +55,7 @@ def jittered_cholesky(
         work.diagonal().add_(jit)
         factor, info = torch.linalg.cholesky_ex(work, upper=upper, out=(work, info))
         factor = factor.triu_() if upper else factor.tril_()
-        if int(info) == 0 and _all_finite(factor):
+        if int(info) == 0 and all_finite(factor):
             if k > 0:
                 warnings.warn(
                     f"{name} is numerically singular (e.g. duplicate centers); its Cholesky factor "

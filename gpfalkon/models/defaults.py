@@ -14,7 +14,7 @@ from gpytorch.constraints import Positive
 from gpytorch.kernels import Kernel, MaternKernel, ScaleKernel
 from gpytorch.likelihoods import GaussianLikelihood, Likelihood, MultitaskGaussianLikelihood
 
-__all__ = ["check_likelihood", "default_kernel", "default_likelihood"]
+__all__ = ["check_likelihood", "default_kernel", "default_likelihood", "log_positive"]
 
 
 def default_kernel(
@@ -26,13 +26,20 @@ def default_kernel(
     return ScaleKernel(MaternKernel(nu=2.5, ard_num_dims=ard_num_dims)).to(dtype=dtype, device=device)
 
 
+def log_positive() -> Positive:
+    """GPyTorch's ``Positive`` constraint through ``exp``/``log``: an optimiser step ``h`` on the raw
+    parameter scales the value by ``exp(h)`` at every scale (the default likelihood's noise; ``auto_fit``'s
+    ``lengthscale_transform="log"``)."""
+    return Positive(transform=torch.exp, inv_transform=torch.log)
+
+
 def default_likelihood(
     num_outputs: int = 1, *, dtype: torch.dtype | None = None, device: torch.device | None = None
 ) -> Likelihood:
     """A Gaussian likelihood with one shared noise (log-scale positivity), ``num_outputs`` tasks."""
     if isinstance(num_outputs, bool) or not isinstance(num_outputs, int) or num_outputs < 1:
         raise ValueError(f"num_outputs must be a positive integer, got {num_outputs!r}")
-    constraint = Positive(transform=torch.exp, inv_transform=torch.log)
+    constraint = log_positive()
     if num_outputs == 1:
         lik: Likelihood = GaussianLikelihood(noise_constraint=constraint)
     else:

@@ -24,6 +24,7 @@ from linear_operator.operators import (
 from torch import Tensor
 
 from .._validation import (
+    all_finite,
     check_center_weights,
     check_dtype,
     check_inputs,
@@ -549,8 +550,8 @@ class FalkonGP(gpytorch.models.GP):
                 raise TypeError(f"callback must be callable (iteration, x, residual), got {type(callback).__name__}")
             # the data may have been edited in place since construction: O(n d), before any pass
             x_tr = self.train_inputs[0]
-            bad = torch.tensor([float(not bool(torch.isfinite(self.train_targets).all())),
-                                float(not is_row_source(x_tr) and not bool(torch.isfinite(x_tr).all()))],
+            bad = torch.tensor([float(not all_finite(self.train_targets)),
+                                float(not is_row_source(x_tr) and not all_finite(x_tr))],
                                dtype=torch.float64, device=self.centers.device)
             bad = self._row_sum(bad)  # every rank learns of a bad shard (no rank waits in a collective alone)
             for flag, name in zip(bad.tolist(), ("train_y", "train_x"), strict=True):

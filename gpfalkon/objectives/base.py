@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._validation import all_finite
 from ..backend.blocks import AGGREGATE, block_rows_for
 from ..backend.engine import kernel_block
 from ..backend.passes import backend_pass, is_sharded, reduce_rows
@@ -180,8 +181,8 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
         if not bool(torch.isfinite(model.centers.detach()).all()):
             raise ValueError("centers contain NaN or Inf")
         x, y = self._data()
-        bad = torch.tensor([float(not bool(torch.isfinite(y.detach()).all())),
-                            float(isinstance(x, Tensor) and not bool(torch.isfinite(x.detach()).all()))],
+        bad = torch.tensor([float(not all_finite(y.detach())),
+                            float(isinstance(x, Tensor) and not all_finite(x.detach()))],
                            dtype=torch.float64, device=model.centers.device)
         (bad,) = self.reduce(bad)  # a collective with a sharded backend: every rank learns of a bad shard
         for flag, name in zip(bad.tolist(), ("train_y", "train_x"), strict=True):
