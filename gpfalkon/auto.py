@@ -25,7 +25,9 @@
    centers are uniform rows or ridge-leverage-score draws, whichever validates better at the
    first size (``center_sampling``).
 3. **Refit** on all rows (training rows plus the held-out rows, unless ``val_x`` was given) with
-   the chosen kernel, noise and number of centers.
+   the chosen kernel, noise and number of centers; where stage 2 stopped growing the centers only
+   because another size's selection fits would not fit the budget, the refit takes as many more
+   nested centers as the time left pays for (``final_growth``, up to twice as many).
 
 Inputs and targets are standardised internally, ``z = (x - mu) / s`` per feature and
 ``u = (y - m) / r``, and mapped back exactly: for a stationary ARD kernel
@@ -387,6 +389,7 @@ def auto_fit(
     patience: int = 10,
     race_rounds: int = 5,
     min_gain: float = 0.005,
+    final_growth: bool = True,
     center_sampling: str = "auto",
     leverage_check: bool = False,
     max_iter: int = 50,
@@ -486,6 +489,16 @@ def auto_fit(
         min_gain: relative validation-error gain per doubling of the centers needed to keep growing
             them; a step by a factor ``f`` (less than 2 where the budget allows no doubling) needs
             ``min_gain * log2(f)``.
+        final_growth: when stage 2 stopped growing the centers because the next size's selection
+            fits would not fit the time left (not for lack of gain), and the chosen level is the
+            largest one, the final fit takes more nested centers than that level, as many as the
+            time left pays for (at most twice the level's, at least 1.25 times), with the level's
+            noise and multiplier (not re-searched: that is what the time left cannot pay for; at a
+            fixed noise, nested centers lower the minimum of the regularised least-squares objective
+            toward the full kernel model's, and the noise chosen at fewer centers errs toward more
+            regularisation; docs/math.md §8 "Final growth"). Recorded in
+            ``report.chosen`` (``grown_from``) and the notes. ``False``: the final fit uses the level's
+            centers.
         center_sampling: how the nested centers of stages 2-3 are drawn from the selection rows:
             ``"uniform"`` (a random permutation's prefixes); ``"leverage"`` (prefixes of one stream of
             ridge-leverage-score draws, :func:`~gpfalkon.nested_leverage_centers`, with the
@@ -567,6 +580,8 @@ def auto_fit(
         raise ValueError(f"level_share must be in (0, 1], got {level_share!r}")
     if not (isinstance(min_gain, (int, float)) and min_gain >= 0.0):
         raise ValueError(f"min_gain must be >= 0, got {min_gain!r}")
+    if not isinstance(final_growth, bool):
+        raise TypeError(f"final_growth must be True or False, got {final_growth!r}")
     if center_sampling not in CENTER_SAMPLING:
         raise ValueError(f"center_sampling must be one of {CENTER_SAMPLING}, got {center_sampling!r}")
     if center_sampling == "leverage" and learn_centers:
@@ -984,6 +999,44 @@ def auto_fit(
                 clock.t0 += spent  # the budget excludes the caller's evaluation
                 callback_seconds[0] += spent
 
+        def grown_level(level: dict[str, Any]) -> dict[str, Any]:
+            """``final_growth``: the level with more nested centers for the final fit, as many as the time
+            left pays for (at most ``2 M`` and the pool, at least ``1.25 M``), or the level itself where
+            growth does not apply. The final fit of a candidate ``m`` is predicted by ``final_cost`` from
+            the level's measured selection fit scaled by ``(m / M)^p`` (``p`` the growth exponent measured
+            over the last doubling, 2 before one is seen); it must fit in the time left with the 1.2 margin
+            every other prediction of this function keeps."""
+            m_b = int(level["M"])
+            why = None
+            if not stopped_by_budget:
+                why = "stage 2 did not stop for time"
+            elif level is not levels[-1]:
+                why = f"the chosen level (M={m_b}) is not the largest"
+            elif lev_centers is not None:
+                why = "the leverage check's centers are used"
+            if why is not None:
+                report.notes.append(f"final growth skipped: {why}")
+                return level
+            m_cap = min(2 * m_b, pool_limit(), max_centers, x_fin.shape[0])
+            if m_cap < 1.25 * m_b:
+                cap = ("max_centers" if m_cap == max_centers else "the final rows" if m_cap == x_fin.shape[0]
+                       else f"the pool's {pool_limit()} centers")
+                report.notes.append(f"final growth skipped: {cap} allow no M >= {math.ceil(1.25 * m_b)}")
+                return level
+            m_try = m_cap
+            while m_try >= 1.25 * m_b:
+                sel_s = last_fit_seconds(m_b) * (m_try / m_b) ** p
+                if 1.2 * final_cost(m_try, select_seconds=sel_s) <= clock.left():
+                    break
+                m_try = int(m_try / 1.15)
+            if m_try < 1.25 * m_b:
+                report.notes.append(f"final growth skipped: {clock.left():.3g} s left pay for no final fit with "
+                                    f"M >= {math.ceil(1.25 * m_b)}")
+                return level
+            report.notes.append(f"final fit's centers grown from M={m_b} to M={m_try} at the level's noise and "
+                                f"multiplier ({clock.left():.3g} s left)")
+            return dict(level, M=m_try, grown_from=m_b)
+
         def try_leverage(m: int, level: dict[str, Any], deadline: float) -> None:
             """At the first size: draw a nested pool of leverage-score centers over the selection rows, the
             scores estimated from the level's own (uniform) centers as dictionary at the level's kernel and
@@ -1048,6 +1101,8 @@ def auto_fit(
         if center_sampling != "uniform":
             try_leverage(m, levels[-1], stage_deadline)
         level_done(levels[-1])
+        stopped_by_budget = False
+        p = 2.0
         while True:
             m_next = min(2 * m, pool_limit(), max_centers)
             if m_next <= m:
@@ -1081,6 +1136,7 @@ def auto_fit(
                 m_try = max(int(m_try / 1.25), smallest) if m_try > smallest else m
             if m_try <= m:
                 report.notes.append(f"centers stopped at M={m}: M={m_next} would not fit the remaining budget")
+                stopped_by_budget = True
                 break
             m = m_try
             point = dict(noise=levels[-1]["noise"], multiplier=levels[-1]["multiplier"])
@@ -1158,15 +1214,22 @@ def auto_fit(
                 clock.tick("leverage check", val_rmse=f"{math.sqrt(err_lev):.4f}" if math.isfinite(err_lev) else "inf")
                 if sel is not None and math.isfinite(err_lev) and err_lev < best_level["error"]:
                     lev_centers, lev_weights, centers_kind = sel.centers, sel.weights, "leverage (check)"
+        final_level = best_level
+        if final_growth:
+            final_level = grown_level(best_level)
         report.stages["select"] = time.perf_counter() - t_stage - callback_seconds[0]
 
         # ------------------------------------------------------------ stage 3: refit
         t_stage = time.perf_counter()
-        clock.tick("final fit", M=best_level["M"])
-        final_predicted = final_cost(best_level["M"])
+        clock.tick("final fit", M=final_level["M"])
+        if "grown_from" in final_level:
+            m_g, m_b = int(final_level["M"]), int(final_level["grown_from"])
+            final_predicted = final_cost(m_g, select_seconds=last_fit_seconds(m_b) * (m_g / m_b) ** p)
+        else:
+            final_predicted = final_cost(final_level["M"])
         # the budget's remainder (and the grace) bounds the final CG: a backstop for a prediction that was
         # low. Never below 1.2 x the prediction: a final CG cut to a few iterations returns a useless model
-        final, converged = build_final(best_level, time_limit=max(clock.left() + grace, 1.2 * final_predicted, 1e-3),
+        final, converged = build_final(final_level, time_limit=max(clock.left() + grace, 1.2 * final_predicted, 1e-3),
                                        centers=lev_centers,
                                        weights=lev_weights)
         report.stages["final fit"] = time.perf_counter() - t_stage
@@ -1199,6 +1262,7 @@ def auto_fit(
             final_iterations=final.fit_info.iterations if final.fit_info is not None else None,
             final_predicted_seconds=final_predicted,
             centers=centers_kind,
+            grown_from=final_level.get("grown_from"),
         )
         final.auto_report = report
         return final

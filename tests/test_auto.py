@@ -367,6 +367,7 @@ def test_auto_fit_respects_a_small_budget():
         (dict(max_hyper_rows=1), "max_hyper_rows"),
         (dict(hyper_centers_growth=1.5), "hyper_centers_growth"),
         (dict(lengthscale_transform="exp"), "lengthscale_transform"),
+        (dict(final_growth="yes"), "final_growth"),
     ],
 )
 def test_auto_fit_bad_arguments(kwargs, match):
@@ -469,7 +470,7 @@ def test_auto_fit_learning_stops_when_more_rows_gain_nothing():
     assert 2 * runs[-1]["rows"] <= rep.n_train  # it stopped with rows to spare: the rule, not the cap
 
 
-def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int) -> tuple[FalkonGP, float]:
+def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int, **extra) -> tuple[FalkonGP, float]:
     """auto_fit on a fake clock that only data passes advance: ``1e-6 s x rows x M`` per pass, a
     twentieth of that where ``K_nM`` is stored (a memory read instead of kernel evaluations). Returns
     the model and the fake seconds the call took."""
@@ -503,6 +504,7 @@ def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int) -> tupl
     monkeypatch.setattr(FalkonGP, "fit", fit)
     x, y, _ = _data(2000)
     kw = dict(SMALL, budget=budget, select_rows=400, min_centers=60, max_centers=120)
+    kw.update(extra)
     with settings.memory_budget(memory_budget):
         model = auto_fit(x, y, **kw)
     # only the final fit is bounded: by what the budget has left when it starts and a 5 % grace, or 1.2 x its
@@ -530,6 +532,54 @@ def test_auto_fit_does_not_grow_centers_past_a_final_fit_it_cannot_afford(monkey
     # a budget spent before the first growth: the first level is returned (no growth step on negative time)
     model, spent = _fake_clock_auto_fit(monkeypatch, budget=0.05, memory_budget=boundary)
     assert model.auto_report.chosen["num_centers"] == 60 and model.fitted
+
+
+def test_auto_fit_final_growth_spends_the_time_a_next_size_could_not(monkeypatch):
+    """On the fake clock, a budget of 0.04 s pays for the first size (M = 60) but not for the selection
+    fits of M = 120: the final fit then takes more nested centers (at most 2 x, at least 1.25 x) at the
+    level's noise and multiplier, within the budget, and equals the dense Nystrom solve with those centers;
+    off, it keeps the level's 60 centers (a prefix of the grown ones). A stage 2 that stopped for lack of
+    gain (budget 0.06) does not grow."""
+    model, spent = _fake_clock_auto_fit(monkeypatch, budget=0.04, memory_budget=2**40, max_centers=400)
+    rep = model.auto_report
+    assert [lv["M"] for lv in rep.chosen["levels"]] == [60], rep.notes
+    assert rep.chosen["grown_from"] == 60
+    m_fin = rep.chosen["num_centers"]
+    assert 75 <= m_fin <= 120 and model.centers.shape[0] == m_fin
+    assert any(n.startswith(f"final fit's centers grown from M=60 to M={m_fin}") for n in rep.notes), rep.notes
+    assert spent <= 0.04 * 1.05, (spent, rep.stages)
+    # the same call without growth: the same choices, the level's centers are the grown model's first 60
+    off, _ = _fake_clock_auto_fit(monkeypatch, budget=0.04, memory_budget=2**40, max_centers=400,
+                                  final_growth=False)
+    assert off.auto_report.chosen["num_centers"] == 60 and off.auto_report.chosen["grown_from"] is None
+    torch.testing.assert_close(model.centers[:60], off.centers)
+    assert float(model.noise.detach()) == pytest.approx(float(off.noise.detach()), rel=1e-12)
+    # the grown model is the dense Nystrom KRR solution with its centers
+    xt, _, _ = _data(200, seed=3)
+    alpha = _dense_alpha(model, model.train_targets - model.mean_constant)
+    ref = model.mean_constant + dense_kernel(model.kernel, xt, model.centers).detach() @ alpha.detach()
+    model.eval()
+    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
+        pred = model(xt).mean
+    assert float((pred - ref).abs().max()) < 1e-3 * float(ref.std())
+    # stopped for lack of gain: no growth
+    model, _ = _fake_clock_auto_fit(monkeypatch, budget=0.06, memory_budget=2**40, max_centers=400)
+    rep = model.auto_report
+    assert rep.chosen["grown_from"] is None
+    assert "final growth skipped: stage 2 did not stop for time" in rep.notes, rep.notes
+    assert rep.chosen["num_centers"] == min(rep.chosen["levels"], key=lambda r: (r["error"], r["M"]))["M"]
+    # a cap below 1.25 M (max_centers 70 here): no growth, and the note names the cap
+    model, _ = _fake_clock_auto_fit(monkeypatch, budget=0.04, memory_budget=2**40, max_centers=70)
+    rep = model.auto_report
+    assert rep.chosen["grown_from"] is None and rep.chosen["num_centers"] == 60
+    assert "final growth skipped: max_centers allow no M >= 75" in rep.notes, rep.notes
+    # less time left (budget 0.03): no final fit of 75 or more centers is affordable
+    model, spent = _fake_clock_auto_fit(monkeypatch, budget=0.03, memory_budget=2**40, max_centers=400)
+    rep = model.auto_report
+    assert rep.chosen["grown_from"] is None and rep.chosen["num_centers"] == 60
+    assert any(n.startswith("final growth skipped:") and n.endswith("s left pay for no final fit with M >= 75")
+               for n in rep.notes), rep.notes
+    assert spent <= 0.03 * 1.05
 
 
 @pytest.mark.parametrize("winner", ["leverage", "uniform", "scored"])
