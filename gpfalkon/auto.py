@@ -25,9 +25,9 @@
    centers are uniform rows or ridge-leverage-score draws, whichever validates better at the
    first size (``center_sampling``).
 3. **Refit** on all rows (training rows plus the held-out rows, unless ``val_x`` was given) with
-   the chosen kernel, noise and number of centers; where stage 2 stopped growing the centers only
-   because another size's selection fits would not fit the budget, the refit takes as many more
-   nested centers as the time left pays for (``final_growth``, up to twice as many).
+   the chosen kernel, noise and number of centers; where stage 2 stopped growing the centers for
+   time (another size with its selection fits would not fit the budget), the refit takes as many
+   more nested centers as the time left pays for (``final_growth``, up to twice as many).
 
 Inputs and targets are standardised internally, ``z = (x - mu) / s`` per feature and
 ``u = (y - m) / r``, and mapped back exactly: for a stationary ARD kernel
@@ -489,9 +489,9 @@ def auto_fit(
         min_gain: relative validation-error gain per doubling of the centers needed to keep growing
             them; a step by a factor ``f`` (less than 2 where the budget allows no doubling) needs
             ``min_gain * log2(f)``.
-        final_growth: when stage 2 stopped growing the centers because the next size's selection
-            fits would not fit the time left (not for lack of gain), and the chosen level is the
-            largest one, the final fit takes more nested centers than that level, as many as the
+        final_growth: when stage 2 stopped growing the centers for time (not for lack of gain, nor at
+            ``max_centers`` or the pool's size), and the chosen level is the largest one, the final
+            fit takes more nested centers than that level, as many as the
             time left pays for (at most twice the level's, at least 1.25 times), with the level's
             noise and multiplier (not re-searched: that is what the time left cannot pay for; at a
             fixed noise, nested centers lower the minimum of the regularised least-squares objective
@@ -527,9 +527,9 @@ def auto_fit(
         verbose: a tqdm bar (seconds of the budget) naming the stage.
         level_callback: called after each number of centers of stage 2 with the level (``M``,
             ``noise``, ``multiplier``, validation ``error``, ``elapsed`` seconds of the call) and a
-            function that builds and fits the model the call would return if it stopped there (for
-            time-to-error curves: ``benchmarks/compare.py`` scores it on test data). Its time is not
-            counted against ``budget``.
+            function that builds and fits the model the call would return if it stopped there, with
+            the level's own centers (no ``final_growth``; for time-to-error curves:
+            ``benchmarks/compare.py`` scores it on test data). Its time is not counted against ``budget``.
 
     Returns:
         A fitted ``FalkonGP`` on ``train_x`` (plus held-out rows) in ``dtype``, with
@@ -1004,7 +1004,7 @@ def auto_fit(
             left pays for (at most ``2 M`` and the pool, at least ``1.25 M``), or the level itself where
             growth does not apply. The final fit of a candidate ``m`` is predicted by ``final_cost`` from
             the level's measured selection fit scaled by ``(m / M)^p`` (``p`` the growth exponent measured
-            over the last doubling, 2 before one is seen); it must fit in the time left with the 1.2 margin
+            over the last growth step, 2 before one is seen); it must fit in the time left with the 1.2 margin
             every other prediction of this function keeps."""
             m_b = int(level["M"])
             why = None

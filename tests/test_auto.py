@@ -567,6 +567,7 @@ def test_auto_fit_final_growth_spends_the_time_a_next_size_could_not(monkeypatch
     rep = model.auto_report
     assert rep.chosen["grown_from"] is None
     assert "final growth skipped: stage 2 did not stop for time" in rep.notes, rep.notes
+    assert any(n.startswith("centers stopped at M=") and "gained less than" in n for n in rep.notes), rep.notes
     assert rep.chosen["num_centers"] == min(rep.chosen["levels"], key=lambda r: (r["error"], r["M"]))["M"]
     # a cap below 1.25 M (max_centers 70 here): no growth, and the note names the cap
     model, _ = _fake_clock_auto_fit(monkeypatch, budget=0.04, memory_budget=2**40, max_centers=70)
