@@ -999,6 +999,11 @@ def auto_fit(
                 clock.t0 += spent  # the budget excludes the caller's evaluation
                 callback_seconds[0] += spent
 
+        def scaled_fit_seconds(m: int, m_new: int) -> float:
+            """A selection fit at ``m_new`` centers predicted from the slowest measured at ``m``:
+            ``t_s(m) (m_new / m)^p`` (``p`` the growth exponent of stage 2, measured over its last step)."""
+            return last_fit_seconds(m) * (m_new / m) ** p
+
         def grown_level(level: dict[str, Any]) -> dict[str, Any]:
             """``final_growth``: the level with more nested centers for the final fit, as many as the time
             left pays for (at most ``2 M`` and the pool, at least ``1.25 M``), or the level itself where
@@ -1024,9 +1029,10 @@ def auto_fit(
                 report.notes.append(f"final growth skipped: {cap} allow no M >= {math.ceil(1.25 * m_b)}")
                 return level
             m_try = m_cap
+            predicted = math.inf
             while m_try >= 1.25 * m_b:
-                sel_s = last_fit_seconds(m_b) * (m_try / m_b) ** p
-                if 1.2 * final_cost(m_try, select_seconds=sel_s) <= clock.left():
+                predicted = final_cost(m_try, select_seconds=scaled_fit_seconds(m_b, m_try))
+                if 1.2 * predicted <= clock.left():
                     break
                 m_try = int(m_try / 1.15)
             if m_try < 1.25 * m_b:
@@ -1035,7 +1041,7 @@ def auto_fit(
                 return level
             report.notes.append(f"final fit's centers grown from M={m_b} to M={m_try} at the level's noise and "
                                 f"multiplier ({clock.left():.3g} s left)")
-            return dict(level, M=m_try, grown_from=m_b)
+            return dict(level, M=m_try, grown_from=m_b, final_predicted=predicted)
 
         def try_leverage(m: int, level: dict[str, Any], deadline: float) -> None:
             """At the first size: draw a nested pool of leverage-score centers over the selection rows, the
@@ -1129,7 +1135,7 @@ def auto_fit(
             # candidate's on-the-fly pass is measured (one pass over the selection rows). Smaller
             # candidates down to 1.25 m are tried before the growth stops.
             while m_try > m:
-                sel_s = last_fit_seconds(m) * (m_try / m) ** p
+                sel_s = scaled_fit_seconds(m, m_try)
                 if 4 * sel_s + 1.2 * final_cost(m_try, select_seconds=sel_s) <= clock.left():
                     break
                 smallest = math.ceil(1.25 * m)
@@ -1222,11 +1228,9 @@ def auto_fit(
         # ------------------------------------------------------------ stage 3: refit
         t_stage = time.perf_counter()
         clock.tick("final fit", M=final_level["M"])
-        if "grown_from" in final_level:
-            m_g, m_b = int(final_level["M"]), int(final_level["grown_from"])
-            final_predicted = final_cost(m_g, select_seconds=last_fit_seconds(m_b) * (m_g / m_b) ** p)
-        else:
-            final_predicted = final_cost(final_level["M"])
+        # the grown level carries the prediction its size was chosen by; a level's is its measured fits'
+        final_predicted = (final_level["final_predicted"] if "final_predicted" in final_level
+                           else final_cost(final_level["M"]))
         # the budget's remainder (and the grace) bounds the final CG: a backstop for a prediction that was
         # low. Never below 1.2 x the prediction: a final CG cut to a few iterations returns a useless model
         final, converged = build_final(final_level, time_limit=max(clock.left() + grace, 1.2 * final_predicted, 1e-3),
