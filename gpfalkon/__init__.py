@@ -30,7 +30,7 @@ from .heuristics import median_lengthscale
 from .kernels import FastfoodKernel
 from .models import FalkonClassifier, FalkonGP, NystromPosteriorFactors, encode_labels
 from .objectives import NystromMarginalLogLikelihood
-from .operators import FalkonPreconditioner, NystromKRROperator
+from .operators import FactorCache, FalkonPreconditioner, NystromKRROperator
 from .options import FalkonOptions
 from .solvers import CGInfo, Preconditioner, PreconditionerBuilder, Solver, conjugate_gradient, falkon_solve
 
@@ -44,6 +44,7 @@ __all__ = [
     "CenterSelector",
     "DistributedBackend",
     "DistributedError",
+    "FactorCache",
     "FalkonClassifier",
     "FalkonConvergenceError",
     "FalkonGP",

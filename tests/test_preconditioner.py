@@ -109,24 +109,21 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("m", [1, 2, 7, 300])
+@pytest.mark.parametrize("m", [1, 2, 7, 300, 601])
 def test_upper_gram_matches_the_dense_product(dtype, m, monkeypatch):
-    """upper_gram(U) = U U^T (LAPACK lauum on the CPU) against float64 matmul; U is left untouched."""
+    """upper_gram(U) = U U^T (blocked, skipping U's zero triangle) against float64 matmul, exactly symmetric;
+    U is left untouched. 601 rows with 128-row blocks: a ragged last block and off-diagonal blocks."""
     import gpfalkon.linalg.gram as gram
     from gpfalkon.linalg import upper_gram
 
-    monkeypatch.setattr(gram, "LAUUM_MIN_SIZE", 1)  # the lauum path at these small sizes too
+    monkeypatch.setattr(gram, "GRAM_MIN_BLOCK", 128)  # several blocks at these sizes
+    assert gram.gram_block(m) == max(128, -(-m // 16))
 
     g = torch.Generator().manual_seed(m)
     a = torch.randn(m, m, generator=g, dtype=torch.float64)
     u = torch.linalg.cholesky(a @ a.T / m + torch.eye(m, dtype=torch.float64), upper=True).to(dtype)
     before = u.clone()
-    threadpoolctl = pytest.importorskip("threadpoolctl")
-    pytest.importorskip("scipy.linalg.lapack")  # loaded before the thread counts are read
-    blas_threads = [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"]
     out = upper_gram(u)
-    # lauum runs on one BLAS thread; the process's BLAS thread counts are restored afterwards
-    assert [p["num_threads"] for p in threadpoolctl.threadpool_info() if p["user_api"] == "blas"] == blas_threads
     ref = u.double() @ u.double().T
     assert out.dtype == dtype and out.shape == (m, m)
     torch.testing.assert_close(out.double(), ref, rtol=1e-12 if dtype == torch.float64 else 2e-6,
@@ -135,5 +132,83 @@ def test_upper_gram_matches_the_dense_product(dtype, m, monkeypatch):
     assert torch.equal(u, before)
     # a non-contiguous view gives the same
     torch.testing.assert_close(upper_gram(u.T.contiguous().T), out)
+    # with U requiring grad: U @ U^T, differentiable (gradient of sum(G) = 2 * 1 1^T U)
+    ug = u.double().clone().requires_grad_(True)
+    upper_gram(ug).sum().backward()
+    torch.testing.assert_close(ug.grad, 2.0 * torch.ones(m, m, dtype=torch.float64) @ u.double())
     with pytest.raises(ValueError, match="square"):
         upper_gram(u[:, :0] if m > 1 else torch.zeros(2, 3, dtype=dtype))
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_factor_cache_reuses_the_penalty_free_factor_bit_for_bit(weights, monkeypatch):
+    """FactorCache: a penalty sweep at one K_MM factors K_MM once (counted by wrapping the Cholesky of
+    K_MM), and every preconditioner equals a fresh from_kernel_matrix build exactly; another K_MM, other
+    weights or another jitter is a miss; a non-positive penalty is refused before any work."""
+    import gpfalkon.operators.preconditioner as pm
+    from gpfalkon import FactorCache
+
+    kmm, w = _setup(m=40, weights=weights)
+    n = 500
+    calls: list[str] = []
+    real = pm.jittered_cholesky
+
+    def counting(a, **kw):
+        calls.append(kw.get("name", "K_MM"))
+        return real(a, **kw)
+
+    monkeypatch.setattr(pm, "jittered_cholesky", counting)
+    cache = FactorCache()
+    for lam in (1e-2, 1e-4, 3e-7):
+        got = cache(kmm, lam, n, weights=w)
+        ref = FalkonPreconditioner.from_kernel_matrix(kmm, lam, n, weights=w)
+        for a, b in ((got.chol_t, ref.chol_t), (got.chol_a, ref.chol_a), (got.weights, ref.weights)):
+            assert torch.equal(a, b)
+        eye = torch.eye(40, dtype=torch.float64)
+        assert torch.equal(got.apply_b(eye), ref.apply_b(eye))
+    # 3 cached builds + 3 fresh ones: K_MM factored 1 + 3 times, T T^T / M + lam I 3 + 3 times
+    assert calls.count("K_MM") == 4 and calls.count("T T^T / M + lambda I") == 6
+    assert (cache.hits, cache.misses) == (2, 1)
+    # a different K_MM (one entry changed, symmetric), other weights, another jitter: misses
+    other = kmm.clone()
+    other[3, 5] = other[5, 3] = other[3, 5] * 0.999
+    cache(other, 1e-3, n, weights=w)
+    cache(other, 1e-3, n, weights=torch.full((40,), 0.7, dtype=torch.float64))
+    cache(other, 1e-3, n, weights=torch.full((40,), 0.7, dtype=torch.float64), jitter=1e-6)
+    assert (cache.hits, cache.misses) == (2, 4)
+    # the factor of `other` with the jitter: equal to a fresh one
+    ref = FalkonPreconditioner.from_kernel_matrix(other, 1e-3, n, weights=torch.full((40,), 0.7, dtype=torch.float64),
+                                                  jitter=1e-6)
+    got = cache(other, 1e-3, n, weights=torch.full((40,), 0.7, dtype=torch.float64), jitter=1e-6)
+    assert torch.equal(got.chol_t, ref.chol_t) and torch.equal(got.chol_a, ref.chol_a)
+    assert cache.hits == 3
+    before = len(calls)
+    with pytest.raises(ValueError, match="penalty"):
+        cache(other, 0.0, n)
+    assert len(calls) == before
+    cache.clear()
+    cache(other, 1e-3, n, weights=torch.full((40,), 0.7, dtype=torch.float64), jitter=1e-6)
+    assert cache.misses == 5
+
+
+def test_factor_cache_as_the_builder_of_a_penalty_sweep():
+    """FalkonGP fits through FalkonOptions(preconditioner=FactorCache()) at several penalties: each alpha equals
+    the default builder's (the preconditioner is the same, bit for bit) and matches the dense solve."""
+    from gpfalkon import FactorCache, FalkonGP, FalkonOptions
+
+    x, y = make_data(300, 3, seed=2)
+    k = make_kernel("rbf", 3)
+    c = x[:30].clone()
+    cache = FactorCache()
+    knm = dense_kernel(k, x, c).detach()
+    kmm = dense_kernel(k, c, c).detach()
+    for lam in (1e-2, 1e-3, 1e-4):
+        a = FalkonGP(x, y, kernel=k, centers=c, penalty=lam, tol=1e-10, max_iter=500,
+                     options=FalkonOptions(preconditioner=cache, solve_method="cg")).fit()
+        b = FalkonGP(x, y, kernel=k, centers=c, penalty=lam, tol=1e-10, max_iter=500,
+                     options=FalkonOptions(solve_method="cg")).fit()
+        assert torch.equal(a.alpha, b.alpha)
+        yc = a.centered_targets().detach().reshape(300, 1)
+        dense = torch.linalg.solve(knm.T @ knm + 300 * lam * kmm, knm.T @ yc)
+        torch.testing.assert_close(a.alpha.reshape(dense.shape), dense, rtol=1e-6, atol=1e-8)
+    assert cache.hits == 2 and cache.misses == 1

@@ -1,5 +1,5 @@
 """Linear operators: the FALKON preconditioner and the Nyström KRR system."""
 from .nystrom import NystromKRROperator
-from .preconditioner import FalkonPreconditioner
+from .preconditioner import FactorCache, FalkonPreconditioner, PreconditionerFactor
 
-__all__ = ["FalkonPreconditioner", "NystromKRROperator"]
+__all__ = ["FactorCache", "FalkonPreconditioner", "NystromKRROperator", "PreconditionerFactor"]
