@@ -205,3 +205,50 @@ def test_kernel_product_gradcheck():
         return kernel_product(KernelEngine(k, x, cc, block_rows=5), uu, None, x, cc)
 
     assert torch.autograd.gradcheck(f, (c, u))
+
+
+@pytest.mark.parametrize("name", ["rbf", "matern12", "matern32", "matern52", "scale_rbf", "scale_matern52",
+                                  "periodic"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_kernel_matmul_without_graph_matches_the_dense_product(name, dtype, monkeypatch):
+    """kernel_matmul under no_grad (the kernel engine's fast path for RBF / Matern) = dense k(x, C) @ alpha
+    (closed form); with a gradient recorded it takes GPyTorch's path, whose gradient matches autograd of
+    the dense product; batched x keeps GPyTorch's path."""
+    import gpfalkon.backend.passes as passes
+
+    d = 4
+    x, _ = make_data(157, d, seed=3)
+    c = x[:23].clone()
+    k = make_kernel(name, d)
+    alpha = torch.randn(23, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref = dense_kernel(k, x, c).detach() @ alpha
+    engine_calls = []
+    real = passes.KernelEngine
+
+    def counting(*args, **kw):
+        engine_calls.append(kw.get("block_rows"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(passes, "KernelEngine", counting)
+    with torch.no_grad():  # as the posterior mean calls it: float64 points, the kernel in the model's dtype
+        out = passes.kernel_matmul(k.to(dtype), x, c, alpha, 40)
+    k.double()
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    assert out.dtype == torch.float64 and out.shape == (157, 2)
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    assert engine_calls == ([] if name == "periodic" else [40])
+    # with a gradient: GPyTorch's path, differentiable w.r.t. x (centers apart from x: Matern-1/2 is not
+    # differentiable at zero distance)
+    engine_calls.clear()
+    c2 = make_data(23, d, seed=5)[0]
+    xg = x.clone().requires_grad_(True)
+    passes.kernel_matmul(k, xg, c2, alpha, 40).sum().backward()
+    xr = x.clone().requires_grad_(True)
+    (dense_kernel(k, xr, c2) @ alpha).sum().backward()
+    torch.testing.assert_close(xg.grad, xr.grad, rtol=1e-8, atol=1e-10)
+    assert engine_calls == []
+    generic = passes.kernel_matmul(k, x.clone().requires_grad_(True), c, alpha, 40).detach()
+    with torch.no_grad():  # batch dimensions: GPyTorch's path
+        batched = passes.kernel_matmul(k, x.unsqueeze(0).expand(2, -1, -1), c, alpha, 40)
+    torch.testing.assert_close(batched, generic.expand(2, -1, -1), rtol=1e-12, atol=1e-12)
+    assert engine_calls == []

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import settings
 from .blocks import row_blocks
-from .engine import kernel_block
+from .engine import KernelEngine, kernel_block, stationary_spec
 
 #: torch's selective activation checkpointing (torch >= 2.4); ``None``: every product is recomputed
 selective_contexts: Callable[..., Any] | None = getattr(_checkpoint, "create_selective_checkpoint_contexts", None)
@@ -221,10 +221,28 @@ def map_whitened_blocks(
     return outs
 
 
+def _needs_graph(kernel: Kernel, *tensors: Tensor) -> bool:
+    """Would autograd record a product of these tensors and ``kernel``'s parameters now?"""
+    if not torch.is_grad_enabled():
+        return False
+    return any(t.requires_grad for t in tensors) or any(p.requires_grad for p in kernel.parameters())
+
+
 def kernel_matmul(kernel: Kernel, x: Tensor, centers: Tensor, alpha: Tensor, rows: int) -> Tensor:
     """``k(x, centers) @ alpha`` (``(..., q, t)``) in blocks of ``rows`` points of ``x`` (batch
     dimensions allowed): never a ``q x M`` block beyond ``rows x M``. Differentiable w.r.t.
-    everything; cost ``O(q M (d + t))``."""
+    everything; cost ``O(q M (d + t))``.
+
+    Where no gradient is recorded (``torch.no_grad()``, or nothing requires grad), ``x`` is 2-D and
+    ``kernel`` is one the kernel engine's fast path knows (RBF / Matern, ARD, optionally scaled:
+    :func:`~gpfalkon.backend.stationary_spec`), the product goes through
+    :meth:`KernelEngine.k_matmul <gpfalkon.backend.KernelEngine.k_matmul>` instead: one augmented
+    matmul and an ``exp2`` pass per block, in ``x``'s dtype, blocks of at most ``rows`` points
+    (``benchmarks/results/predict.md`` measures both)."""
+    if (x.dim() == 2 and centers.dim() == 2 and alpha.dim() == 2 and stationary_spec(kernel) is not None
+            and not _needs_graph(kernel, x, centers, alpha)):
+        eng = KernelEngine(kernel, x, centers.to(x.dtype), store=False, block_rows=rows)
+        return eng.k_matmul(alpha).to(torch.promote_types(x.dtype, alpha.dtype))
     c = centers.expand(*x.shape[:-2], *centers.shape)  # the same number of dims as x (GPyTorch's kernels need it)
     parts = [kernel_block(kernel, x[..., s:e, :], c) @ alpha for s, e in row_blocks(x.shape[-2], rows)]
     return torch.cat(parts, -2)
