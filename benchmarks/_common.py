@@ -154,6 +154,23 @@ def read_bandwidth(nbytes: int = 2**30, repeats: int = 3) -> float:
     return max(rates)
 
 
+def tensor_read_rate(t: torch.Tensor, repeats: int = 3) -> float:
+    """The read rate (GB/s) of ``t``'s own memory, as :func:`read_bandwidth` measures it (``torch.sum``
+    over its bytes as ``t``'s dtype and, where they allow it, as float64; the faster; median of
+    ``repeats`` after one warm-up). The rate depends on the pages behind a tensor
+    (``benchmarks/results/stored-read-diagnosis.md``), so a product over ``t`` is best compared with
+    this rather than with a separately allocated buffer. ``t`` must be contiguous."""
+    flat = t.reshape(-1)
+    views = [flat]
+    if flat.dtype != torch.float64 and (flat.numel() * flat.element_size()) % 8 == 0:
+        views.append(flat.view(torch.float64))
+    rates = []
+    for view in views:
+        med, _ = median_time(view.sum, repeats=repeats, warmup=1)
+        rates.append(flat.numel() * flat.element_size() / med / 1e9)
+    return max(rates)
+
+
 def exp_rate(dtype: torch.dtype, block_bytes: int = 2**19, total: int = 2**26, repeats: int = 3) -> float:
     """In-place ``torch.exp_`` throughput (elements/s) on a cache-resident block of ``block_bytes``,
     repeated until ``total`` elements are done: the arithmetic cost of a kernel's exp, without the

@@ -70,6 +70,7 @@ from _common import (
     matmul_gflops,
     median_time,
     read_bandwidth,
+    tensor_read_rate,
     write_result,
 )
 
@@ -187,7 +188,7 @@ def main() -> None:
     log(f"memory read rate (torch.sum over 1 GiB): {bandwidth:.1f} GB/s")
 
     headers = ["kernel", "d", "dtype", "k", "mode", "block rows", "seconds", "GFLOP/s", "x matmul", "GB/s",
-               "x bandwidth", "speed-up vs naive", "setup s", "rel. diff"]
+               "x bandwidth", "own read GB/s", "x own read", "speed-up vs naive", "setup s", "rel. diff"]
     rows = []
     notes = []
     configs = [(kind, d) for d in ds for kind in (["rbf"] + (["matern52"] if d in args.matern_d else []))]
@@ -206,10 +207,10 @@ def main() -> None:
                 res = []  # dicts in the order measured
                 ref_out = {}
 
-                def record(mode, brows, k, secs, flops, out, setup=None, gbs=None, *,
+                def record(mode, brows, k, secs, flops, out, setup=None, gbs=None, own=None, *,
                            res=res, kind=kind, d=d, name=name):
                     res.append(dict(mode=mode, rows=brows, k=k, secs=secs, gflops=flops / secs / 1e9, out=out,
-                                    setup=setup, gbs=gbs))
+                                    setup=setup, gbs=gbs, own=own))
                     log(f"  {kind} d={d} {name} k={k} {mode:6s} rows={brows}: {secs:.4f} s  "
                         f"{flops / secs / 1e9:6.1f} GFLOP/s"
                         + (f"  {gbs:.1f} GB/s" if gbs else "") + (f"  (setup {setup:.3f} s)" if setup else ""))
@@ -259,8 +260,9 @@ def main() -> None:
                             for k in args.k:
                                 u = us[k]
                                 secs, _ = median_time(lambda eng=eng, u=u: eng.kmn_k(u), args.repeats)
+                                own = tensor_read_rate(eng._k)  # the stored K_nM's own memory, right after
                                 record("stored", eng.stored_block_rows, k, secs, 4.0 * n * m * k, eng.kmn_k(u),
-                                       setup=setup, gbs=kbytes / secs / 1e9)
+                                       setup=setup, gbs=kbytes / secs / 1e9, own=own)
                         eng.release()
                         del eng
                         gc.collect()
@@ -292,13 +294,14 @@ def main() -> None:
                     rows.append([
                         "RBF" if kind == "rbf" else "Matern 5/2", d, name, k, mode, r["rows"], r["secs"],
                         r["gflops"], r["gflops"] / peak[name], r["gbs"],
-                        None if r["gbs"] is None else r["gbs"] / bandwidth, speed, r["setup"], diff,
+                        None if r["gbs"] is None else r["gbs"] / bandwidth, r["own"],
+                        None if r["own"] is None else r["gbs"] / r["own"], speed, r["setup"], diff,
                     ])
                 del x, c, res, ref_out, record  # record's default argument holds res
                 gc.collect()
     elapsed = time.perf_counter() - t_start
 
-    table = markdown_table(headers, rows, align="lrlrl" + "r" * 9)
+    table = markdown_table(headers, rows, align="lrlrl" + "r" * 11)
     fused_ok, fused_why = fused_available()
     fused_line = "on (stored rows use it for k <= 16)" if fused_ok else f"off: {fused_why}"
     peak_line = ", ".join(f"{k}: {v:.1f} GFLOP/s" for k, v in peak.items())
@@ -318,7 +321,9 @@ def main() -> None:
         "",
         f"Seconds: median of {args.repeats} after one warm-up. GFLOP/s counts 2nMd (on the fly and naive) + 4nMk; "
         "'x matmul' = GFLOP/s / matmul GFLOP/s; GB/s (stored) = n M itemsize / seconds (K_nM read once from "
-        "memory); 'x bandwidth' = GB/s / the measured read rate; "
+        "memory); 'x bandwidth' = GB/s / the measured read rate; 'own read GB/s' = the read rate of the stored "
+        "K_nM's own memory (torch.sum over its bytes, measured right after the product: the rate depends on "
+        "the pages behind a tensor, stored-read-diagnosis.md) and 'x own read' = GB/s over it; "
         "'setup s' = one-off construction of the stored K_nM (not in 'seconds'; partial: the first product, "
         "which fills the stored rows); 'partial P%': store=None under a memory budget holding P% of K_nM's rows "
         "beside the two on-the-fly buffers, the rest recomputed per product (GFLOP/s counts 2 d M per "
