@@ -29,8 +29,9 @@ def upper_gram(u: Tensor) -> Tensor:
     as its upper one's transpose, so ``G`` is exactly symmetric.
 
     Why by hand: torch has no triangular or symmetric rank-k product (BLAS ``trmm`` / ``syrk`` /
-    LAPACK ``lauum``), and SciPy's ``lauum`` is CPU-only and, on one BLAS thread, 1.6-1.7x slower than
-    this product on torch's two (``benchmarks/results/precond-build.md``). With ``U`` requiring grad
+    LAPACK ``lauum``), and SciPy's ``lauum`` is CPU-only and, on one BLAS thread, slower than this
+    product on torch's two: the whole preconditioner build is 1.11-1.31x faster with this product at
+    M = 500-8,000 (``benchmarks/results/precond-build.md``). With ``U`` requiring grad
     it is ``U @ U.mT`` (differentiable). Cost ``O(M^3 / 3)``; memory: the result (``U`` untouched).
     """
     if u.dim() != 2 or u.shape[0] != u.shape[1]:
