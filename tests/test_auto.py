@@ -361,6 +361,9 @@ def test_auto_fit_respects_a_small_budget():
         (dict(lr=0.0), "lr"),
         (dict(dtype=torch.float16), "dtype"),
         (dict(min_gain=-1.0), "min_gain"),
+        (dict(search_tol=1.0), "search_tol"),
+        (dict(search_tol=-0.1), "search_tol"),
+        (dict(search_tol=True), "search_tol"),
         (dict(level_share=0.0), "level_share"),
         (dict(level_share=1.5), "level_share"),
         (dict(hyper_entries=0), "hyper_entries"),
@@ -503,7 +506,11 @@ def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int, **extra
 
     monkeypatch.setattr(FalkonGP, "fit", fit)
     x, y, _ = _data(2000)
-    kw = dict(SMALL, budget=budget, select_rows=400, min_centers=60, max_centers=120)
+    # the fake budgets below are sized to the fake seconds of a three-objective learning stage and to the
+    # selection fits of searches that extend while the error falls at all (search_tol=0; the tolerance is
+    # covered by test_auto_fit_search_tol_ends_a_flat_search)
+    kw = dict(SMALL, budget=budget, select_rows=400, min_centers=60, max_centers=120, search_tol=0.0,
+              objectives=("sgpr", "gcv", "nystrom-compreg"))
     kw.update(extra)
     with settings.memory_budget(memory_budget):
         model = auto_fit(x, y, **kw)
@@ -767,3 +774,32 @@ def test_auto_fit_min_gain_is_per_doubling(monkeypatch, gain, grows):
         assert stop == ["centers stopped at M=90: max_centers"] and rep.chosen["num_centers"] == 90
     else:
         assert len(stop) == 1 and "gained less than 5.8% over M=60 (min_gain 10% per doubling)" in stop[0]
+
+
+@pytest.mark.parametrize("tol", [0.0, 2e-3])
+def test_auto_fit_search_tol_ends_a_flat_search(monkeypatch, tol):
+    """Validation errors scripted by the noise alone: every halving of it lowers the error by
+    1e-4 * log(2) relative (flat) and the multiplier changes nothing. With ``search_tol=0`` the noise
+    search at the first size keeps stepping down (it extends while the error falls at all); with
+    ``search_tol=2e-3`` each noise search takes one step down, keeps that lower error, and ends there:
+    the first size tries exactly the start, start / 4 (first search) and start / 8 (the finer one)."""
+    import gpfalkon.auto as auto_module
+
+    def scripted(model, xv, yv):
+        noise = float(model.penalty.detach()) * model.n
+        return 1.0 + 1e-4 * math.log(noise)
+
+    monkeypatch.setattr(auto_module, "_val_mse", scripted)
+    x, y, _ = _data(500)
+    model = auto_fit(x, y, **dict(SMALL, max_steps=0, objectives=("sgpr",), center_sampling="uniform",
+                                  max_centers=60, search_tol=tol))
+    rep = model.auto_report
+    first = [r for r in rep.search if r["M"] == 60]
+    start = first[0]["noise"]
+    ratios = sorted({round(start / r["noise"], 6) for r in first})
+    if tol == 0.0:
+        assert max(ratios) > 1e3, ratios  # many steps down (to the deadline or the lower bound 1e-8)
+    else:
+        assert ratios == [1.0, 4.0, 8.0], ratios
+        assert len(first) == 5  # start, one step down, multiplier down and up (no gain), one finer step down
+        assert rep.chosen["noise"] == pytest.approx(start / 8, rel=1e-9)  # the lower error is kept
