@@ -225,6 +225,33 @@ def _onthefly_pass_seconds(kernel: Kernel, x: Tensor, centers: Tensor) -> float:
     return seconds
 
 
+def _scaled_fit_seconds(records: Sequence[dict[str, Any]], factor: float, rows_ratio: float = 1.0) -> float:
+    """The seconds of a selection fit at ``factor`` times the centers, on ``rows_ratio`` times the rows,
+    predicted from ``records`` (the fits measured at one size: ``report.search`` entries).
+
+    A FALKON fit with ``M`` centers on ``n`` rows spends its time in three parts that grow at different
+    rates: the preconditioner's factorisations, ``O(M^3)``; the triangular solves that apply it in every
+    CG iteration, ``O(M^2)`` each and independent of ``n``; the rest (``K_nM``, the data passes, the
+    validation predictions), ``O(n M)``. Each is scaled by its own power: ``factor^3``, ``factor^2``
+    and ``factor rows_ratio``. The parts are those of the slowest record (the rest is its seconds less
+    its own factorisations and solves), except the factorisations: the largest recorded, since fits that
+    reused a cached penalty-free factor (the noise searches) paid less than a fresh build. A record of
+    the direct solve (``O(n M^2 + M^3)``, chosen over CG only at small ``M``) is scaled whole by
+    ``factor^2 rows_ratio``. One growth exponent for the whole fit (measured over the last growth step,
+    the earlier rule) is too high at small ``M``, where the data passes dominate, and too low at large
+    ``M``, where the factorisations do (``benchmarks/results/auto-cost-model.md``). No records: 0.
+    """
+    if not records:
+        return 0.0
+    slow = max(records, key=lambda r: r["seconds"])
+    if slow.get("direct"):
+        return slow["seconds"] * factor**2 * rows_ratio
+    pre = max(float(r.get("precond_seconds", 0.0)) for r in records)
+    apply = float(slow.get("apply_seconds", 0.0))
+    rest = max(slow["seconds"] - float(slow.get("precond_seconds", 0.0)) - apply, 0.0)
+    return pre * factor**3 + apply * factor**2 + rest * factor * rows_ratio
+
+
 def _fit_quiet(model: FalkonGP, time_limit: float | None = None) -> tuple[FalkonGP, bool]:
     """Fit, recording (not printing) CG's cap warning; returns (model, converged)."""
     with warnings.catch_warnings(record=True) as caught:
@@ -898,17 +925,23 @@ def auto_fit(
                                                 penalty=noise / n_s, max_iter=max_iter, tol=tol,
                                                 options=select_options))
                 err = _val_mse(mod, xv_z, yv_z)
-                iters = mod.fit_info.iterations if mod.fit_info is not None else None
+                info = mod.fit_info
+                iters = info.iterations if info is not None else None
+                extra_info = info.extra if info is not None else {}
+                direct = extra_info.get("method") == "direct"
+                pre_s = float(extra_info.get("preconditioner_seconds", 0.0))
+                apply_s = float(extra_info.get("precond_apply_seconds", 0.0))
                 del mod
                 if not math.isfinite(err):  # NaN / inf predictions: an infeasible point
                     err = math.inf
             except Exception as exc:
-                err, conv, iters = math.inf, False, None
+                err, conv, iters, direct, pre_s, apply_s = math.inf, False, None, False, 0.0, 0.0
                 report.notes.append(f"selection fit M={m} noise={noise:.3g} mult={mult:.3g} failed: {exc}")
             sec = time.perf_counter() - t
             cache[key] = err
             report.search.append(dict(M=m, noise=noise, multiplier=mult, error=err, seconds=sec, converged=conv,
-                                      iterations=iters, centers=kind))
+                                      iterations=iters, centers=kind, precond_seconds=pre_s,
+                                      apply_seconds=apply_s, direct=direct))
             clock.tick(f"select M={m}", val_rmse=f"{math.sqrt(err):.4f}" if math.isfinite(err) else "inf")
             return err
 
@@ -958,20 +991,24 @@ def auto_fit(
                 pass_cache[m] = _onthefly_pass_seconds(base_kernel, xs, centers_at(m)[0])
             return pass_cache[m]
 
-        def final_cost(m: int, select_seconds: float | None = None) -> float:
-            # FALKON's cost is linear in the rows for the passes and independent of them for the
-            # M^3 factorisations: scaling the selection fit at m (measured, or the estimate
-            # ``select_seconds`` for a size not yet fitted) by the rows ratio bounds it while K_nM of the
-            # final rows fits the memory budget (stored, as it was in the selection fits); beyond it
-            # the engine stores the rows that fit and every CG iteration recomputes the others:
-            # max_iter + 2 measured on-the-fly passes over those rows on top
-            fit_s = last_fit_seconds(m) if select_seconds is None else select_seconds
+        def predicted_fit_seconds(m: int, m_new: int, rows_ratio: float = 1.0) -> float:
+            """A fit at ``m_new`` centers on ``rows_ratio`` times the selection rows, predicted from the
+            selection fits measured at ``m`` by :func:`_scaled_fit_seconds`."""
+            return _scaled_fit_seconds([r for r in report.search if r["M"] == m], m_new / m, rows_ratio)
+
+        def final_cost(m: int, base: int | None = None) -> float:
+            # the final fit at m predicted from the selection fits at ``base`` (default m itself) scaled to
+            # the final rows (FALKON's passes are linear in the rows, its factorisations and triangular
+            # solves independent of them) while K_nM of the final rows fits the memory budget (stored, as
+            # it was in the selection fits); beyond it the engine stores the rows that fit and every CG
+            # iteration recomputes the others: max_iter + 2 measured on-the-fly passes over those rows on top
+            base = m if base is None else base
             ratio = max(1.0, n_final / n_s)
-            cost = fit_s * ratio
+            cost = predicted_fit_seconds(base, m, ratio)
             head = stored_rows_for(n_final, m, itemsize, budget_bytes)
             if head < n_final:
                 recompute = (max_iter + 2) * onthefly_pass_seconds(m) * (n_final - head) / n_s
-                cost = max(cost, fit_s * ratio * head / n_final + recompute + fit_s)
+                cost = max(cost, cost * head / n_final + recompute + predicted_fit_seconds(base, m))
             return cost
 
         if val_x is None and refit_on_all:
@@ -1023,18 +1060,19 @@ def auto_fit(
                 clock.t0 += spent  # the budget excludes the caller's evaluation
                 callback_seconds[0] += spent
 
-        def scaled_fit_seconds(m: int, m_new: int) -> float:
-            """A selection fit at ``m_new`` centers predicted from the slowest measured at ``m``:
-            ``t_s(m) (m_new / m)^p`` (``p`` the growth exponent of stage 2, measured over its last step)."""
-            return last_fit_seconds(m) * (m_new / m) ** p
+        def stored_growth_need(m: int, m_new: int) -> float:
+            """Seconds a growth from ``m`` to ``m_new`` needs with every ``K_nM`` stored: four selection fits
+            and 1.2 x the final fit at ``m_new``, predicted from the fits at ``m`` (a closed form: no
+            measurement, unlike :func:`final_cost` past the memory budget)."""
+            return 4 * predicted_fit_seconds(m, m_new) + 1.2 * predicted_fit_seconds(m, m_new, max(1.0, n_final / n_s))
 
         def grown_level(level: dict[str, Any]) -> dict[str, Any]:
             """``final_growth``: the level with more nested centers for the final fit, as many as the time
             left pays for (at most ``2 M`` and the pool, at least ``1.25 M``), or the level itself where
             growth does not apply. The final fit of a candidate ``m`` is predicted by ``final_cost`` from
-            the level's measured selection fit scaled by ``(m / M)^p`` (``p`` the growth exponent measured
-            over the last growth step, 2 before one is seen); it must fit in the time left with the 1.2 margin
-            every other prediction of this function keeps."""
+            the level's measured selection fits (:func:`_scaled_fit_seconds`: each part of a fit scaled by
+            its own power of ``m / M``); it must fit in the time left with the 1.2 margin every other
+            prediction of this function keeps."""
             m_b = int(level["M"])
             why = None
             if not stopped_by_budget:
@@ -1055,7 +1093,7 @@ def auto_fit(
             m_try = m_cap
             predicted = math.inf
             while m_try >= 1.25 * m_b:
-                predicted = final_cost(m_try, select_seconds=scaled_fit_seconds(m_b, m_try))
+                predicted = final_cost(m_try, base=m_b)
                 if 1.2 * predicted <= clock.left():
                     break
                 m_try = int(m_try / 1.15)
@@ -1132,7 +1170,6 @@ def auto_fit(
             try_leverage(m, levels[-1], stage_deadline)
         level_done(levels[-1])
         stopped_by_budget = False
-        p = 2.0
         while True:
             m_next = min(2 * m, pool_limit(), max_centers)
             if m_next <= m:
@@ -1140,27 +1177,27 @@ def auto_fit(
                        else f"the {pool_limit()} distinct leverage-score draws")
                 report.notes.append(f"centers stopped at M={m}: {why}")
                 break
-            # predicted cost of growing M by a factor f: FALKON's fit time grows as f^p with p between 1
-            # (data passes, linear in M) and 3 (the M^3 factorisations); p is measured over the last
-            # growth (2 before one is seen); the next size needs about four selection fits (the
-            # noise and multiplier searches) and then the final fit. When doubling does not fit the
-            # remaining budget, the largest factor >= 1.25 that does is taken.
-            p = 2.0
-            if len(levels) >= 2 and last_fit_seconds(levels[-2]["M"]) > 0 and last_fit_seconds(m) > 0:
-                ratio = last_fit_seconds(m) / last_fit_seconds(levels[-2]["M"])
-                p = min(3.0, max(1.0, math.log(max(ratio, 1e-9)) / math.log(m / levels[-2]["M"])))
-            unit = 4 * last_fit_seconds(m) + final_cost(m)
-            f_fit = (max(clock.left(), 0.0) / unit) ** (1.0 / p) if unit > 0 else math.inf
-            m_try = min(m_next, int(m * min(f_fit, m_next))) if f_fit >= min(1.25, m_next / m) else m
-            # the candidate's own prediction: its selection fits (the measured fit scaled by f^p) and
-            # 1.2 x its final fit must fit the time left. Where the final rows' K_nM crosses the memory
-            # budget between m and the candidate, the final fit changes regime (the rows of K_nM past the
-            # budget recomputed at each CG iteration) and the scaling from m says nothing about it: the
-            # candidate's on-the-fly pass is measured (one pass over the selection rows). Smaller
-            # candidates down to 1.25 m are tried before the growth stops.
+            # the next size needs about four selection fits (the noise and multiplier searches) and then the
+            # final fit, each predicted from the fits measured at m by _scaled_fit_seconds (the M^3
+            # factorisations, the M^2 triangular solves and the rest, each scaled by its own power of the
+            # growth factor). When doubling does not fit the remaining budget, the largest factor >= 1.25
+            # that does is taken: first the largest the stored-K_nM prediction allows (a bisection on that
+            # closed form), then the candidate's own prediction: 4 selection fits and 1.2 x its final fit
+            # must fit the time left. Where the final rows' K_nM crosses the memory budget between m and
+            # the candidate, the final fit changes regime (the rows of K_nM past the budget recomputed at
+            # each CG iteration) and the scaling from m says nothing about it: the candidate's on-the-fly
+            # pass is measured (one pass over the selection rows). Smaller candidates down to 1.25 m are
+            # tried before the growth stops.
+            left = clock.left()
+            m_try = m_next
+            if stored_growth_need(m, m_next) > left:
+                lo_m, hi_m = m, m_next  # the need at hi_m exceeds what is left; at lo_m it does not (or lo_m == m)
+                while hi_m - lo_m > max(1, m // 100):
+                    mid = (lo_m + hi_m) // 2
+                    lo_m, hi_m = (mid, hi_m) if stored_growth_need(m, mid) <= left else (lo_m, mid)
+                m_try = lo_m if lo_m >= min(math.ceil(1.25 * m), m_next) else m
             while m_try > m:
-                sel_s = scaled_fit_seconds(m, m_try)
-                if 4 * sel_s + 1.2 * final_cost(m_try, select_seconds=sel_s) <= clock.left():
+                if 4 * predicted_fit_seconds(m, m_try) + 1.2 * final_cost(m_try, base=m) <= clock.left():
                     break
                 smallest = math.ceil(1.25 * m)
                 m_try = max(int(m_try / 1.25), smallest) if m_try > smallest else m

@@ -483,12 +483,13 @@ def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int, **extra
     import gpfalkon.models.falkon_gp as model_module
     import gpfalkon.operators.nystrom as operator_module
     import gpfalkon.solvers.cg as cg_module
+    import gpfalkon.solvers.falkon as falkon_module
     from gpfalkon import settings
     from gpfalkon.backend import KernelEngine
 
     now = [0.0]
     fake = types.SimpleNamespace(perf_counter=lambda: now[0])
-    for module in (auto_module, model_module, operator_module, cg_module):  # every clock auto_fit's fits read
+    for module in (auto_module, model_module, operator_module, cg_module, falkon_module):  # every clock its fits read
         monkeypatch.setattr(module, "time", fake)
     real = KernelEngine.kmn_k
 
@@ -546,7 +547,7 @@ def test_auto_fit_final_growth_spends_the_time_a_next_size_could_not(monkeypatch
     fits of M = 120: the final fit then takes more nested centers (at most 2 x, at least 1.25 x) at the
     level's noise and multiplier, within the budget, and equals the dense Nystrom solve with those centers;
     off, it keeps the level's 60 centers (a prefix of the grown ones). A stage 2 that stopped for lack of
-    gain (budget 0.06) does not grow."""
+    gain (budget 0.15) does not grow."""
     model, spent = _fake_clock_auto_fit(monkeypatch, budget=0.04, memory_budget=2**40, max_centers=400)
     rep = model.auto_report
     assert [lv["M"] for lv in rep.chosen["levels"]] == [60], rep.notes
@@ -570,7 +571,7 @@ def test_auto_fit_final_growth_spends_the_time_a_next_size_could_not(monkeypatch
         pred = model(xt).mean
     assert float((pred - ref).abs().max()) < 1e-3 * float(ref.std())
     # stopped for lack of gain: no growth
-    model, _ = _fake_clock_auto_fit(monkeypatch, budget=0.06, memory_budget=2**40, max_centers=400)
+    model, _ = _fake_clock_auto_fit(monkeypatch, budget=0.15, memory_budget=2**40, max_centers=400)
     rep = model.auto_report
     assert rep.chosen["grown_from"] is None
     assert "final growth skipped: stage 2 did not stop for time" in rep.notes, rep.notes
@@ -803,3 +804,25 @@ def test_auto_fit_search_tol_ends_a_flat_search(monkeypatch, tol):
         assert ratios == [1.0, 4.0, 8.0], ratios
         assert len(first) == 5  # start, one step down, multiplier down and up (no gain), one finer step down
         assert rep.chosen["noise"] == pytest.approx(start / 8, rel=1e-9)  # the lower error is kept
+
+
+def test_scaled_fit_seconds_scales_each_part_by_its_own_power():
+    """The selection-fit prediction: factorisations x f^3 (the largest recorded, a cached factor costs
+    less), triangular solves x f^2, the rest x f rho (the slowest record's own parts); a direct solve
+    whole x f^2 rho; nothing recorded, 0. Checked against the closed form by hand."""
+    from gpfalkon.auto import _scaled_fit_seconds
+
+    fresh = dict(seconds=2.0, precond_seconds=0.5, apply_seconds=0.3, direct=False)
+    cached = dict(seconds=2.4, precond_seconds=0.1, apply_seconds=0.4, direct=False)  # the slowest
+    f, rho = 2.0, 1.5
+    expected = 0.5 * f**3 + 0.4 * f**2 + (2.4 - 0.1 - 0.4) * f * rho
+    assert _scaled_fit_seconds([fresh, cached], f, rho) == pytest.approx(expected)
+    assert _scaled_fit_seconds([fresh], 1.0) == pytest.approx(2.0)  # no growth: the measured fit
+    # a record without the parts (all rest): linear in f and rho
+    assert _scaled_fit_seconds([dict(seconds=1.0)], 3.0, 2.0) == pytest.approx(6.0)
+    assert _scaled_fit_seconds([dict(seconds=1.0, direct=True)], 3.0, 2.0) == pytest.approx(18.0)
+    assert _scaled_fit_seconds([], 2.0) == 0.0
+    # the parts never make the rest negative (a clock read around a fit can trail its parts)
+    assert _scaled_fit_seconds([dict(seconds=1.0, precond_seconds=0.8, apply_seconds=0.4)], 2.0) == pytest.approx(
+        0.8 * 8 + 0.4 * 4)
+

@@ -255,3 +255,46 @@ def test_warm_start_shape_and_float32_operator_with_float64_vectors():
     assert u.grad is not None and u.grad.dtype == torch.float64
     with pytest.raises(TypeError, match="centers"):
         NystromKRROperator(x.float(), x[:5], torch.tensor(1e-2), kernel=k32)
+
+
+def test_solve_records_where_its_time_went(monkeypatch):
+    """``info.extra`` splits the solve's time: on a fake clock that advances 1 s per reading, every
+    application of ``B`` / ``B^T`` adds exactly 1 s to ``precond_apply_seconds`` (``B^T rhs``, two per CG
+    iteration, ``B beta``); the preconditioner's build is timed once and a cached one costs its lookup
+    only; ``fit_seconds`` covers the whole fit."""
+    import types
+
+    import gpfalkon.solvers.falkon as falkon_module
+    from gpfalkon import FalkonGP, FalkonOptions
+
+    x, y = make_data(300, 2)
+    k = make_kernel("matern32", 2)
+    op = NystromKRROperator(x, x[:25], torch.tensor(1e-6, dtype=torch.float64), kernel=k)
+    rhs = op.kmn_y(y.unsqueeze(-1))
+    now = [0.0]
+
+    def tick() -> float:
+        now[0] += 1.0
+        return now[0]
+
+    monkeypatch.setattr(falkon_module, "time", types.SimpleNamespace(perf_counter=tick))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CGNotConvergedWarning)
+        _, info = op.falkon_solve(rhs, tol=0.0, max_iter=7)
+    assert info.iterations == 7
+    assert info.extra["precond_apply_seconds"] == pytest.approx(2 * 7 + 2)
+    assert info.extra["cg_seconds"] > info.extra["precond_apply_seconds"]
+    monkeypatch.undo()
+    # real clock: the first solve built the preconditioner; the second finds it cached
+    op2 = NystromKRROperator(x, x[:25], torch.tensor(1e-6, dtype=torch.float64), kernel=k)
+    _, first = op2.falkon_solve(rhs, tol=1e-8, max_iter=100)
+    _, again = op2.falkon_solve(rhs, tol=1e-8, max_iter=100)
+    assert first.extra["preconditioner_seconds"] > 0
+    assert again.extra["preconditioner_seconds"] < first.extra["preconditioner_seconds"]
+    model = FalkonGP(x, y, kernel=k, centers=x[:25], penalty=1e-6, options=FalkonOptions(solve_method="cg")).fit()
+    extra = model.fit_info.extra
+    assert 0 <= extra["precond_apply_seconds"] <= extra["cg_seconds"] <= extra["fit_seconds"]
+    assert extra["preconditioner_seconds"] + extra["cg_seconds"] <= extra["fit_seconds"]
+    # the direct solve (chosen by "auto" at this size) records the fit's seconds too
+    direct = FalkonGP(x, y, kernel=k, centers=x[:25], penalty=1e-6, options=FalkonOptions(solve_method="direct")).fit()
+    assert direct.fit_info.extra["method"] == "direct" and direct.fit_info.extra["fit_seconds"] > 0

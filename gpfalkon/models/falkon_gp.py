@@ -541,7 +541,10 @@ class FalkonGP(gpytorch.models.GP):
         that ends past it, with a :class:`~gpfalkon.errors.CGNotConvergedWarning` when ``tol`` was not
         reached (``fit_info.extra["time_limit"]`` records it; rows on one process only; a direct solve,
         chosen where the cost model finds it cheaper than CG, is one pass and is not interrupted).
-        Convergence information lands in ``self.fit_info``.
+        Convergence information lands in ``self.fit_info``, with where the time went:
+        ``extra["fit_seconds"]`` (this call up to ``alpha``) and, for FALKON's CG,
+        ``"preconditioner_seconds"`` (the ``O(M^3)`` factorisations), ``"cg_seconds"`` and its part
+        ``"precond_apply_seconds"`` (the ``O(M^2)`` triangular solves of every iteration).
         """
         t_start = time.perf_counter()
         y2 = self.centered_targets()
@@ -576,6 +579,7 @@ class FalkonGP(gpytorch.models.GP):
             alpha, info = op.solve_system(rhs, x0, tol=tol, max_iter=max_iter, callback=callback, verbose=verbose,
                                           time_limit=cg_limit)
             self.alpha = alpha.reshape(self.alpha.shape).to(torch.float64)
+            info.extra["fit_seconds"] = time.perf_counter() - t_start
             self.fit_info = info
             self._mark_fitted()
             self._factors = NystromPosteriorFactors.compute(op) if compute_variance else None
