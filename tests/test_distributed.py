@@ -8,6 +8,7 @@ uneven shards and with an empty shard.
 from __future__ import annotations
 
 import os
+import pathlib
 import sys
 
 import pytest
@@ -165,45 +166,73 @@ def test_state_dict_of_a_stale_fit_loads_unfitted():
         fresh(xt)
 
 
-def test_two_node_torchrun_on_loopback_fits_the_single_process_alpha(tmp_path):
-    """``examples/distributed_fit.py`` under two ``torchrun --nnodes 2`` launchers (one process each)
-    that meet through a c10d rendezvous on localhost: the two-"node" alpha equals one process's."""
-    import re
-    import shutil
+def _two_node_torchrun(torchrun: str, root: str, log_dir: pathlib.Path, deadline_s: float = 240.0,
+                       grace_s: float = 30.0) -> tuple[list[str], list[int | None], bool]:
+    """Start ``examples/distributed_fit.py`` under two ``torchrun --nnodes 2`` launchers on a fresh port
+    and wait for both: ``(outputs, return codes, timed out)``. Where one launcher fails, the other gets
+    ``grace_s`` to end (a launcher whose peer is gone can wait for it indefinitely), then both process
+    groups are killed; at ``deadline_s`` too."""
     import signal
     import subprocess
+    import time
 
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun is not on PATH")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     port = W.free_port()
     cmd = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"gpfalkon-test-{port}", "--max-restarts", "0",
            os.path.join(root, "examples", "distributed_fit.py"), "--centers", "200", "--rows", "3000",
            "--tol", "1e-12", "--iterations", "1000", "--learn", "1", "--check", "--timeout", "60"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=root,
+    logs = [log_dir / f"node{i}-{port}.log" for i in range(2)]
+    handles = [open(f, "w") for f in logs]  # files, not pipes: nothing blocks on a full pipe
+    nodes = [subprocess.Popen(cmd, stdout=h, stderr=subprocess.STDOUT, text=True, env=env, cwd=root,
                               start_new_session=True)  # own process group: a kill reaches the workers too
-             for _ in range(2)]
-    outs: list[str] = []
+             for h in handles]
+    t_end = time.monotonic() + deadline_s
     timed_out = False
     try:
-        for p in nodes:
-            try:
-                outs.append(p.communicate(timeout=240)[0])
-            except subprocess.TimeoutExpired:
+        while any(p.poll() is None for p in nodes):
+            if any(p.returncode not in (None, 0) for p in nodes):
+                t_end = min(t_end, time.monotonic() + grace_s)
+            if time.monotonic() > t_end:
                 timed_out = True
                 break
+            time.sleep(0.2)
     finally:
         for p in nodes:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for h in handles:
+            h.close()
+    return [f.read_text() for f in logs], [p.returncode for p in nodes], timed_out
+
+
+def test_two_node_torchrun_on_loopback_fits_the_single_process_alpha(tmp_path):
+    """``examples/distributed_fit.py`` under two ``torchrun --nnodes 2`` launchers (one process each)
+    that meet through a c10d rendezvous on localhost: the two-"node" alpha equals one process's.
+
+    torch 2.13 occasionally aborts a worker at exit, after the example's last barrier and
+    ``destroy_process_group`` ("terminate called without an active exception", in a fresh-clone CI run
+    on 2026-11-26, after the check had passed), and the other launcher then waits for its gone peer. That run is repeated once
+    (a fresh rendezvous); any other failure, or the same one twice, fails the test."""
+    import re
+    import shutil
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for attempt in range(2):
+        outs, codes, timed_out = _two_node_torchrun(torchrun, root, tmp_path)
+        text = "\n----\n".join(outs)
+        teardown_abort = ("terminate called without an active exception" in text
+                          and "max |alpha - single-process alpha|" in text)
+        if (timed_out or any(c != 0 for c in codes)) and teardown_abort and attempt == 0:
+            continue
+        break
     if timed_out:  # show what each launcher printed, not just "timed out"
-        outs += [p.communicate()[0] for p in nodes[len(outs):]]
-        pytest.fail("torchrun launchers did not finish in 240 s; their output:\n" + "\n----\n".join(outs))
-    assert all(p.returncode == 0 for p in nodes), "\n".join(outs)
-    text = "\n".join(outs)
+        pytest.fail("torchrun launchers did not finish in time; their output:\n" + text)
+    assert all(c == 0 for c in codes), text
     assert "2 ranks, rows per rank [1500, 1500]" in text, text
     m = re.search(r"max \|alpha - single-process alpha\| = ([0-9.e+-]+) \(max \|alpha\| ([0-9.e+-]+)\)", text)
     assert m is not None, text
