@@ -212,9 +212,10 @@ def test_two_node_torchrun_on_loopback_fits_the_single_process_alpha(tmp_path):
     that meet through a c10d rendezvous on localhost: the two-"node" alpha equals one process's.
 
     torch 2.13 occasionally aborts a worker at exit, after the example's last barrier and
-    ``destroy_process_group`` ("terminate called without an active exception", in a fresh-clone CI run
-    on 2026-11-26, after the check had passed), and the other launcher then waits for its gone peer. That run is repeated once
-    (a fresh rendezvous); any other failure, or the same one twice, fails the test."""
+    ``destroy_process_group`` ("terminate called without an active exception", in a fresh-clone CI
+    run on 2026-11-26, after the check had passed), and the other launcher then waits for its gone
+    peer. That run is repeated once (a fresh rendezvous); any other failure, or the same one twice,
+    fails the test."""
     import re
     import shutil
 
