@@ -535,9 +535,11 @@ def auto_fit(
             noise and multiplier (not re-searched: that is what the time left cannot pay for; at a
             fixed noise, nested centers lower the minimum of the regularised least-squares objective
             toward the full kernel model's, and the noise chosen at fewer centers errs toward more
-            regularisation; docs/math.md §8 "Final growth"). Recorded in
-            ``report.chosen`` (``grown_from``) and the notes. ``False``: the final fit uses the level's
-            centers.
+            regularisation; docs/math.md §8 "Final growth"). The first size's noise and multiplier
+            searches stop early enough to pay for such a grown final fit (up to twice the first size, at
+            most half the time left when they start), so a budget the searches would use up still buys
+            more centers. Recorded in ``report.chosen`` (``grown_from``) and the notes. ``False``: the
+            final fit uses the level's centers, and the searches keep time for that fit only.
         center_sampling: how the nested centers of stages 2-3 are drawn from the selection rows:
             ``"uniform"`` (a random permutation's prefixes); ``"leverage"`` (prefixes of one stream of
             ridge-leverage-score draws, :func:`~gpfalkon.nested_leverage_centers`, with the
@@ -1066,6 +1068,37 @@ def auto_fit(
             measurement, unlike :func:`final_cost` past the memory budget)."""
             return 4 * predicted_fit_seconds(m, m_new) + 1.2 * predicted_fit_seconds(m, m_new, max(1.0, n_final / n_s))
 
+        def growth_cap(m: int) -> int:
+            """The most centers ``final_growth`` gives a level at ``m``: twice ``m``, within the pool, ``max_centers``
+            and the final rows."""
+            return min(2 * m, pool_limit(), max_centers, x_fin.shape[0])
+
+        def reserve_size(m: int) -> int:
+            """The final fit's size the first size's searches (at ``m``) keep time for: with ``final_growth``,
+            the largest size down from :func:`growth_cap` (steps of 1.15, at least ``1.25 m``) whose predicted
+            final fit, 1.2 x, takes at most half of the time left, and whose final ``K_nM`` fits the memory
+            budget (the stored-K prediction, no measured pass); else ``m``. Searches the clock cuts short
+            then still leave the final fit room to grow: a budget that pays for little more than the first
+            size buys more centers rather than a finer search at too few of them. (Later sizes are admitted
+            by the growth step's own prediction of their fits and final fit, and keep time for their own
+            final fit only: `benchmarks/results/auto-ab-reserve.md`.)"""
+            if not final_growth:
+                return m
+            left = clock.left()
+            m_g = growth_cap(m)
+            while m_g >= 1.25 * m:
+                if (stored_rows_for(n_final, m_g, itemsize, budget_bytes) >= n_final
+                        and 1.2 * final_cost(m_g, base=m) <= 0.5 * left):
+                    return m_g
+                m_g = int(m_g / 1.15)
+            return m
+
+        def search_deadline(m: int, m_reserve: int) -> float:
+            """The deadline of a line search at ``m``: the budget less 1.2 x the final fit at ``m_reserve``
+            (:func:`reserve_size`), never less than 1.2 x the final fit at ``m`` itself."""
+            need = final_cost(m) if m_reserve <= m else max(final_cost(m), final_cost(m_reserve, base=m))
+            return clock.t0 + budget - 1.2 * need
+
         def grown_level(level: dict[str, Any]) -> dict[str, Any]:
             """``final_growth``: the level with more nested centers for the final fit, as many as the time
             left pays for (at most ``2 M`` and the pool, at least ``1.25 M``), or the level itself where
@@ -1084,7 +1117,7 @@ def auto_fit(
             if why is not None:
                 report.notes.append(f"final growth skipped: {why}")
                 return level
-            m_cap = min(2 * m_b, pool_limit(), max_centers, x_fin.shape[0])
+            m_cap = growth_cap(m_b)
             if m_cap < 1.25 * m_b:
                 cap = ("max_centers" if m_cap == max_centers else "the final rows" if m_cap == x_fin.shape[0]
                        else f"the pool's {pool_limit()} centers")
@@ -1161,9 +1194,10 @@ def auto_fit(
         point["error"] = score(m, point["noise"], point["multiplier"])
         # coordinate search at the first size: noise, multiplier, noise again (finer)
         stage_deadline = clock.t0 + budget  # refined below once a fit has been timed
+        m_reserve = reserve_size(m)
         for which, factor, lo, hi in (("noise", 4.0, 1e-8, 1e2), ("multiplier", 1.5, 1e-3, 1e3),
                                       ("noise", 2.0, 1e-8, 1e2)):
-            stage_deadline = clock.t0 + budget - 1.2 * final_cost(m)
+            stage_deadline = search_deadline(m, m_reserve)
             line_search(m, point, which, factor, lo, hi, stage_deadline)
         levels: list[dict[str, Any]] = [dict(M=m, centers="uniform", **point)]
         if center_sampling != "uniform":

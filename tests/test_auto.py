@@ -591,6 +591,29 @@ def test_auto_fit_final_growth_spends_the_time_a_next_size_could_not(monkeypatch
     assert spent <= 0.03 * 1.05
 
 
+def test_auto_fit_first_size_searches_keep_time_for_a_grown_final_fit(monkeypatch):
+    """With final_growth, the first size's noise and multiplier searches stop where the time left still pays
+    for a grown final fit (up to 2 M, 1.2 x its prediction, at most half the time left when they start);
+    without it they run on into the final fit's own reserve and the final fit keeps M. On the fake clock with
+    every training row a selection row (selection fits as dear as the final fit), a budget of 0.06 s cuts the
+    searches at M = 60 either way (a budget of 0.2 s lets them finish)."""
+    kw = dict(memory_budget=2**40, max_centers=400, select_rows=2000)
+    on, spent = _fake_clock_auto_fit(monkeypatch, budget=0.06, **kw)
+    off, _ = _fake_clock_auto_fit(monkeypatch, budget=0.06, final_growth=False, **kw)
+    full, _ = _fake_clock_auto_fit(monkeypatch, budget=0.2, final_growth=False, **kw)
+    fits = [sum(1 for r in m.auto_report.search if r["M"] == 60) for m in (on, off, full)]
+    assert fits[0] < fits[1] < fits[2], fits
+    rep = on.auto_report
+    assert [lv["M"] for lv in rep.chosen["levels"]] == [60], rep.notes
+    assert rep.chosen["grown_from"] == 60 and 75 <= rep.chosen["num_centers"] <= 120, rep.notes
+    # the searches ended where the grown final fit's reserve begins; the whole call kept its budget
+    assert rep.chosen["levels"][0]["elapsed"] + 1.2 * rep.chosen["final_predicted_seconds"] <= 0.06 + 1e-9
+    assert spent <= 0.06 * 1.05, (spent, rep.stages)
+    assert off.auto_report.chosen["num_centers"] == 60 and off.auto_report.chosen["grown_from"] is None
+    # the same level's choices: the grown model's first 60 centers are the level's
+    torch.testing.assert_close(on.centers[:60], off.centers)
+
+
 @pytest.mark.parametrize("winner", ["leverage", "uniform", "scored"])
 def test_auto_fit_leverage_check_keeps_the_better_centers_on_validation(monkeypatch, winner):
     """leverage_check=True scores the chosen level once more with leverage-score centers; the final
