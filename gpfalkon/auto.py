@@ -1195,6 +1195,8 @@ def auto_fit(
         # coordinate search at the first size: noise, multiplier, noise again (finer)
         stage_deadline = clock.t0 + budget  # refined below once a fit has been timed
         m_reserve = reserve_size(m)
+        if m_reserve > m:
+            report.notes.append(f"the searches at M={m} keep time for a final fit grown up to M={m_reserve}")
         for which, factor, lo, hi in (("noise", 4.0, 1e-8, 1e2), ("multiplier", 1.5, 1e-3, 1e3),
                                       ("noise", 2.0, 1e-8, 1e2)):
             stage_deadline = search_deadline(m, m_reserve)

@@ -606,6 +606,8 @@ def test_auto_fit_first_size_searches_keep_time_for_a_grown_final_fit(monkeypatc
     rep = on.auto_report
     assert [lv["M"] for lv in rep.chosen["levels"]] == [60], rep.notes
     assert rep.chosen["grown_from"] == 60 and 75 <= rep.chosen["num_centers"] <= 120, rep.notes
+    assert any(n.startswith("the searches at M=60 keep time for a final fit grown up to M=") for n in rep.notes)
+    assert not any(n.startswith("the searches at M=") for n in off.auto_report.notes)
     # the searches ended where the grown final fit's reserve begins; the whole call kept its budget
     assert rep.chosen["levels"][0]["elapsed"] + 1.2 * rep.chosen["final_predicted_seconds"] <= 0.06 + 1e-9
     assert spent <= 0.06 * 1.05, (spent, rep.stages)
