@@ -1095,9 +1095,10 @@ def auto_fit(
 
         def search_deadline(m: int, m_reserve: int) -> float:
             """The deadline of a line search at ``m``: the budget less 1.2 x the final fit at ``m_reserve``
-            (:func:`reserve_size`), never less than 1.2 x the final fit at ``m`` itself."""
-            need = final_cost(m) if m_reserve <= m else max(final_cost(m), final_cost(m_reserve, base=m))
-            return clock.t0 + budget - 1.2 * need
+            (:func:`reserve_size`, ``>= m``) predicted from the fits at ``m`` (at ``m_reserve = m``, the final
+            fit at ``m`` itself; every part of the prediction grows with the size, so a reserve never leaves
+            less time than that)."""
+            return clock.t0 + budget - 1.2 * final_cost(m_reserve, base=m)
 
         def grown_level(level: dict[str, Any]) -> dict[str, Any]:
             """``final_growth``: the level with more nested centers for the final fit, as many as the time
