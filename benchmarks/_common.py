@@ -61,8 +61,21 @@ def environment_lines() -> list[str]:
         f"- torch {torch.__version__}, torch.get_num_threads() = {torch.get_num_threads()}, "
         f"os.cpu_count() = {os.cpu_count()}",
         f"- CPU: {cpu_model()}; total RAM {total_ram_gib():.1f} GiB",
+        *gpu_lines(),
         f"- load average at start (1/5/15 min): {load}",
     ]
+
+
+def gpu_lines() -> list[str]:
+    """The CUDA devices torch sees (name, memory, compute capability, CUDA version), if any."""
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        out.append(f"- GPU {i}: {p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs, "
+                   f"compute capability {p.major}.{p.minor}; CUDA {torch.version.cuda}")
+    return out
 
 
 def fmt(x, digits: int = 3) -> str:

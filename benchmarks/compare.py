@@ -283,8 +283,10 @@ def load_dataset(name: str) -> dict:
 
 
 def metrics(data: dict, scores) -> dict:
+    if hasattr(scores, "detach"):  # a tensor, possibly on a GPU
+        scores = scores.detach().cpu().numpy()
     s = np.asarray(scores, dtype=np.float64).reshape(-1)
-    yte = data["yte"].double().numpy()
+    yte = data["yte"].double().cpu().numpy()
     if not np.all(np.isfinite(s)):
         return dict(error=float("nan"))
     if data["task"] == "binary":
@@ -657,7 +659,7 @@ def _float64_scores(build, model, data: dict):
 
 
 def _float64_error(build, model, data: dict) -> float:
-    return metrics(data, _float64_scores(build, model, data).numpy())["error"]
+    return metrics(data, _float64_scores(build, model, data))["error"]
 
 
 def _converged(losses: list[float], window: int, tol: float) -> bool:
@@ -710,10 +712,11 @@ def run_sgpr(data: dict, budget: float) -> list[dict]:
             return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
     def build(dtype):
-        lik_ = gpytorch.likelihoods.GaussianLikelihood().to(dtype)
-        return _SGPR(xtr.to(dtype), ytr.to(dtype), lik_, ind.to(dtype)).to(dtype)
+        lik_ = gpytorch.likelihoods.GaussianLikelihood().to(device=xtr.device, dtype=dtype)
+        return _SGPR(xtr.to(dtype), ytr.to(dtype), lik_, ind.to(dtype)).to(device=xtr.device, dtype=dtype)
 
-    model = _SGPR(xtr, ytr, lik, ind)
+    lik = lik.to(xtr.device)
+    model = _SGPR(xtr, ytr, lik, ind).to(xtr.device)
     model.train()
     lik.train()
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
@@ -764,10 +767,10 @@ def run_svgp(data: dict, budget: float) -> list[dict]:
             return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
     def build(dtype):
-        return SVGP(ind.to(dtype)).to(dtype)
+        return SVGP(ind.to(dtype)).to(device=xtr.device, dtype=dtype)
 
-    model = SVGP(ind)
-    lik = gpytorch.likelihoods.GaussianLikelihood()
+    model = SVGP(ind).to(xtr.device)
+    lik = gpytorch.likelihoods.GaussianLikelihood().to(xtr.device)
     model.train()
     lik.train()
     opt = torch.optim.Adam([{"params": model.parameters()}, {"params": lik.parameters()}], lr=0.01)
@@ -827,7 +830,7 @@ def run_auto(data: dict, budget: float, label: str = "gpfalkon auto_fit") -> lis
         refit_s = time.perf_counter() - t
         m.eval()
         raw = predict_chunks(lambda x: m.posterior_mean(x), data["xte"])
-        err = metrics(data, ((raw - data["y_mean"]) / data["y_scale"]).numpy())["error"]
+        err = metrics(data, (raw - data["y_mean"]) / data["y_scale"])["error"]
         curve.append((level["elapsed"] + refit_s, err))
         callback_s[0] += time.perf_counter() - t
 
@@ -1035,7 +1038,16 @@ RUNNERS = {
 }
 
 
-def worker(dataset: str, method: str, budget: float, out: pathlib.Path) -> None:
+#: methods that run on a GPU (``--device cuda``); the others are CPU-only here
+DEVICE_METHODS = ("sgpr", "svgp", *AUTO_FRACTIONS)
+
+
+def to_device(data: dict, device: str) -> dict:
+    """``data`` with its train / test tensors on ``device``."""
+    return dict(data, **{k: data[k].to(device) for k in ("xtr", "ytr", "xte", "yte")})
+
+
+def worker(dataset: str, method: str, budget: float, out: pathlib.Path, device: str = "cpu") -> None:
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -1054,16 +1066,26 @@ def worker(dataset: str, method: str, budget: float, out: pathlib.Path) -> None:
 
     data = load_dataset(dataset)
     _ = torch.ones(64, 64) @ torch.ones(64, 64)  # BLAS initialisation
+    gpu = torch.device(device).type == "cuda"
+    if gpu:
+        data = to_device(data, device)
+        _ = torch.ones(64, 64, device=device) @ torch.ones(64, 64, device=device)  # context and cuBLAS handle
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     with PeakRSS() as mem:
         rows = RUNNERS[method](data, budget)
+    extra = {}
+    if gpu:
+        extra = dict(device=torch.cuda.get_device_name(device),
+                     peak_gpu_mib=torch.cuda.max_memory_allocated(device) / 2**20)
     lines = []
     for r in rows:
         r.update(dataset=dataset, key=method, task=data["task"], n_train=len(data["xtr"]), n_test=len(data["xte"]),
-                 d=int(data["xtr"].shape[1]), split=data["split"], peak_mib=mem.peak_mib)
+                 d=int(data["xtr"].shape[1]), split=data["split"], peak_mib=mem.peak_mib, **extra)
         r.setdefault("budget", budget)  # a run may have had its own (falkon-auto-half)
         if "scores" in r:
             s = r.pop("scores")
-            r.update(metrics(data, s.numpy() if hasattr(s, "numpy") else s))
+            r.update(metrics(data, s))
         lines.append(json.dumps(r))
     out.write_text("\n".join(lines) + "\n")
 
@@ -1339,8 +1361,21 @@ def main() -> None:
     ap.add_argument("--out", type=pathlib.Path, default=RESULTS / "compare.md")
     ap.add_argument("--resume", action="store_true",
                     help="keep results already in the .jsonl and skip them (failed rows are run again)")
+    ap.add_argument("--device", default="cpu",
+                    help=f"torch device the methods run on (cpu, cuda, cuda:1; a GPU runs {', '.join(DEVICE_METHODS)})")
     ap.add_argument("--worker", nargs=3, metavar=("DATASET", "METHOD", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    try:
+        dev_type = __import__("torch").device(args.device).type
+    except RuntimeError as exc:
+        ap.error(f"--device: {exc}")
+    if dev_type != "cpu" and not args.worker:
+        off = [m for m in args.methods if m not in DEVICE_METHODS]
+        if off:
+            ap.error(f"--device {args.device}: {', '.join(off)} run on the CPU only here ({', '.join(DEVICE_METHODS)} "
+                     "run on a GPU)")
+        if dev_type == "cuda" and not __import__("torch").cuda.is_available():
+            ap.error(f"--device {args.device}: torch sees no CUDA device")
     if args.user_data:
         spec = json.loads(args.user_data)
         USER_DATA[spec["name"]] = spec
@@ -1349,7 +1384,7 @@ def main() -> None:
     if args.worker:
         ds, method, out = args.worker
         budget = args.flights_budget if ds == "flights" else args.budget
-        worker(ds, method, budget, pathlib.Path(out))
+        worker(ds, method, budget, pathlib.Path(out), args.device)
         return
     if not 0.0 < args.test_fraction < 1.0:
         ap.error(f"--test-fraction must be in (0, 1), got {args.test_fraction}")
@@ -1392,7 +1427,8 @@ def main() -> None:
                 budget = args.flights_budget if ds == "flights" else args.budget
                 tmp = work / f".compare-{ds}-{method}.json"
                 cmd = [sys.executable, __file__, "--worker", ds, method, str(tmp), "--workdir", str(work),
-                       "--budget", str(args.budget), "--flights-budget", str(args.flights_budget), *user_arg]
+                       "--budget", str(args.budget), "--flights-budget", str(args.flights_budget),
+                       "--device", args.device, *user_arg]
                 t0 = time.perf_counter()
                 try:
                     proc = subprocess.run(cmd, timeout=3 * budget + 600, capture_output=True, text=True)

@@ -3,7 +3,7 @@ from . import backend, objectives, settings
 from .auto import AutoFitReport, auto_fit
 from .backend import KernelEngine
 from .backend.distributed import DistributedBackend, init_distributed, shard_range
-from .backend.sources import NpyRows, ParquetRows, RowSource, shard_files, shard_rows
+from .backend.sources import NpyRows, ParquetRows, RowSource, TensorRows, shard_files, shard_rows
 from .centers import (
     CenterSelection,
     CenterSelector,
@@ -67,6 +67,7 @@ __all__ = [
     "PreconditionerBuilder",
     "RowSource",
     "Solver",
+    "TensorRows",
     "UniformCenters",
     "approximate_leverage_scores",
     "auto_fit",

@@ -785,7 +785,7 @@ def auto_fit(
         m_first = min(n_tr, max(min_centers, hyper_centers), max_centers)
         budget_bytes = memory_budget_for(None, device=dev)  # read once: every fit of this call sees it
         itemsize = torch.finfo(dtype).bits // 8
-        head_first = stored_rows_for(n_final, m_first, itemsize, budget_bytes)
+        head_first = stored_rows_for(n_final, m_first, itemsize, budget_bytes, device=dev)
         if head_first < n_final:
             rows0 = min(n_tr, select_rows)
             t_pass = _onthefly_pass_seconds(k0, xt_z[:rows0],
@@ -1007,7 +1007,7 @@ def auto_fit(
             base = m if base is None else base
             ratio = max(1.0, n_final / n_s)
             cost = predicted_fit_seconds(base, m, ratio)
-            head = stored_rows_for(n_final, m, itemsize, budget_bytes)
+            head = stored_rows_for(n_final, m, itemsize, budget_bytes, device=dev)
             if head < n_final:
                 recompute = (max_iter + 2) * onthefly_pass_seconds(m) * (n_final - head) / n_s
                 cost = max(cost, cost * head / n_final + recompute + predicted_fit_seconds(base, m))
@@ -1087,7 +1087,7 @@ def auto_fit(
             left = clock.left()
             m_g = growth_cap(m)
             while m_g >= 1.25 * m:
-                if (stored_rows_for(n_final, m_g, itemsize, budget_bytes) >= n_final
+                if (stored_rows_for(n_final, m_g, itemsize, budget_bytes, device=dev) >= n_final
                         and 1.2 * final_cost(m_g, base=m) <= 0.5 * left):
                     return m_g
                 m_g = int(m_g / 1.15)

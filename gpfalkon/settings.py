@@ -16,7 +16,7 @@ import math
 import numbers
 from typing import Any, ClassVar
 
-__all__ = ["aggregate_route", "block_rows", "cg_tolerance", "max_cg_iterations", "memory_budget"]
+__all__ = ["aggregate_route", "block_rows", "cg_tolerance", "max_cg_iterations", "memory_budget", "tf32"]
 
 _UNSET = object()
 
@@ -159,3 +159,25 @@ class aggregate_route(_setting):
         if value not in ("auto", "gram", "solve"):
             raise ValueError(f"gpfalkon.settings.aggregate_route: must be 'auto', 'gram' or 'solve', got {value!r}")
         return str(value)
+
+
+class tf32(_setting):
+    """Whether the kernel engine's float32 matmuls on a CUDA GPU may run in TF32 on the tensor cores.
+
+    Default ``False``: IEEE float32, whatever ``torch.backends.cuda.matmul.allow_tf32`` or
+    ``torch.set_float32_matmul_precision`` say elsewhere in the program (the engine sets the flag
+    around its own products, :mod:`gpfalkon.backend.precision`). TF32 rounds the operands to a
+    10-bit mantissa: the squared distances of the stationary fast path lose about three digits
+    for nearby points, and CG's products with them limit the residual it reaches. Turn it on only
+    where a measurement on your data shows the test error unchanged
+    (``benchmarks/gpu.py`` measures kernel-block error and test error both ways).
+    No effect on the CPU or on float64.
+    """
+
+    _default: ClassVar[bool] = False
+
+    @classmethod
+    def _check(cls, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"gpfalkon.settings.tf32: must be True or False, got {value!r}")
+        return value

@@ -161,3 +161,9 @@ def test_block_rule(n, m, rows):
     assert all(0 < e - s <= r for s, e in blocks)
     with pytest.raises(ValueError, match="block_rows"):
         block_rows_for(n, m, 8, PRODUCT, block_rows=0)
+    # on a CUDA device thin products take ~1 GiB blocks (launches amortised), within the budget
+    if rows is None:
+        gpu = block_rows_for(n, m, 8, PRODUCT, memory_budget=2**40, device="cuda")
+        target = 2**30 // (m * 8)
+        assert gpu == min(n, max(32, target - target % 8))
+        assert block_rows_for(n, m, 8, PRODUCT, memory_budget=2 * 64 * m * 8, device="cuda") == min(n, 64)

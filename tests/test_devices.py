@@ -165,8 +165,9 @@ def test_center_selection(device):
     g = torch.Generator(device=device).manual_seed(0)
     sel = gpfalkon.uniform_centers(xd, 30, generator=g)
     assert sel.centers.device == xd.device and torch.equal(sel.centers.cpu(), x[sel.indices.cpu()])
+    kd = make_kernel("scale_rbf", x.shape[1]).to(device)  # (Module.to moves in place: k stays on the CPU)
     scores = gpfalkon.approximate_leverage_scores(
-        xd, k.to(device), 1e-3, generator=torch.Generator(device=device).manual_seed(0)
+        xd, kd, 1e-3, generator=torch.Generator(device=device).manual_seed(0)
     )
     assert scores.device == xd.device
     # exact ridge leverage scores on the CPU: most estimates within a factor 3
@@ -174,7 +175,7 @@ def test_center_selection(device):
     exact = torch.diagonal(knn @ torch.linalg.inv(knn + 400 * 1e-3 * torch.eye(400, dtype=torch.float64)))
     ratio = scores.cpu() / exact
     assert float(((ratio > 1 / 3) & (ratio < 3)).double().mean()) > 0.9
-    m = FalkonGP(xd, y.to(device), kernel=k.to(device), num_centers=30, penalty=1e-3, center_selection="leverage")
+    m = FalkonGP(xd, y.to(device), kernel=kd, num_centers=30, penalty=1e-3, center_selection="leverage")
     assert m.centers.device == xd.device and m.center_weights.device == xd.device
 
 
@@ -193,3 +194,99 @@ def test_botorch_posterior(device):
     assert post.mean.device == x.to(device).device
     torch.testing.assert_close(post.mean.detach().squeeze(-1).cpu(), ref_mean, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(post.variance.detach().squeeze(-1).cpu(), ref_var, rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------ host rows on the device
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_source_blocks_yield_every_block_on_the_device(device, depth):
+    from gpfalkon.backend import TensorRows, row_blocks, source_blocks
+    from gpfalkon.backend.prefetch import overlapped
+
+    x = torch.randn(203, 5, dtype=torch.float64)
+    src = TensorRows(x, device=device)
+    assert overlapped(src) == (device.type == "cuda")
+    ranges = list(row_blocks(203, 17))
+    seen = []
+    for s, e, xb in source_blocks(src, ranges, depth=depth):
+        assert xb.device == src.device and xb.device.type == device.type and xb.shape == (e - s, 5)
+        # used on the consumer's stream right away, then dropped: the next blocks must not overwrite it
+        seen.append((s, e, (xb * 2).cpu()))
+    assert [(s, e) for s, e, _ in seen] == ranges
+    for s, e, got in seen:
+        torch.testing.assert_close(got, 2 * x[s:e], rtol=0, atol=0)
+    # a consumer that stops early leaves nothing behind: the next pass sees every block again
+    for i, _ in enumerate(source_blocks(src, ranges, depth=depth)):
+        if i == 2:
+            break
+    assert sum(e - s for s, e, _ in source_blocks(src, ranges, depth=depth)) == 203
+    with pytest.raises(ValueError, match="depth"):
+        next(source_blocks(src, ranges, depth=0))
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_falkon_gp_on_host_rows_streamed_to_the_device_equals_on_device(tmp_path, device, store):
+    """Host rows (an in-memory tensor and a .npy file) streamed to the device block by block give
+    the fit, the posterior and the objective gradients of the same rows held on the device."""
+    import numpy as np
+
+    from gpfalkon.backend import NpyRows, TensorRows
+    from gpfalkon.objectives import SGPRBound
+
+    x, y = make_data(300)
+    xt, _ = make_data(20, seed=4)
+    np.save(tmp_path / "x.npy", x.numpy())
+    yd = y.to(device)
+    fits = []
+    for train_x in (x.to(device), TensorRows(x, device=device), NpyRows(tmp_path / "x.npy", device=device)):
+        m = FalkonGP(train_x, yd, kernel=make_kernel("scale_matern52", 3).to(device), num_centers=30,
+                     penalty=1e-4, seed=1, tol=1e-12, max_iter=500, store_kernel=store, block_rows=64).fit()
+        fits.append(m)
+    ref = fits[0]
+    for m in fits[1:]:
+        assert torch.equal(m.centers.cpu(), ref.centers.cpu())
+        torch.testing.assert_close(m.alpha.cpu(), ref.alpha.cpu(), rtol=1e-10, atol=1e-10)
+        m.eval(), ref.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(m(xt.to(device)).mean.cpu(), ref(xt.to(device)).mean.cpu(),
+                                       rtol=1e-10, atol=1e-10)
+    grads = []
+    for m in (ref, fits[1]):
+        m.train()
+        m.zero_grad()
+        SGPRBound(m, block_rows=50)().backward()
+        grads.append({k: p.grad.cpu().clone() for k, p in m.named_parameters() if p.grad is not None})
+    assert set(grads[0]) == set(grads[1]) and grads[0]
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], rtol=1e-9, atol=1e-10)
+
+
+def test_float32_kernel_blocks_ignore_torchs_tf32_flag(device):
+    """The engine's float32 products are IEEE float32 whatever torch's global TF32 flag says, and
+    the flag is restored; ``gpfalkon.settings.tf32(True)`` lets a CUDA GPU use TF32 (a visibly
+    larger error on Ampere or later)."""
+    x, _ = make_data(512, d=8)
+    x = x + 3.0  # far from the origin: the distance expansion cancels
+    c = x[::16].clone()
+    k = make_kernel("rbf", 8)
+    ref = dense_kernel(k, x, c).detach()
+    xd, cd = x.to(device, torch.float32), c.to(device, torch.float32)
+    kd = make_kernel("rbf", 8, torch.float32).to(device)
+    flags = torch.backends.cuda.matmul
+    before = flags.allow_tf32
+    try:
+        flags.allow_tf32 = True
+        got = KernelEngine(kd, xd, cd, store=True).materialize().double().cpu()
+        assert flags.allow_tf32 is True
+        err = float((got - ref).abs().max())
+        assert err < 1e-5, err
+        with gpfalkon.settings.tf32(True):
+            got32 = KernelEngine(kd, xd, cd, store=True).materialize().double().cpu()
+        err32 = float((got32 - ref).abs().max())
+        if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
+            assert err32 > 10 * err, (err32, err)
+        else:
+            assert err32 < 1e-5
+    finally:
+        flags.allow_tf32 = before
+    with pytest.raises(ValueError, match="tf32"):
+        gpfalkon.settings.tf32(1)

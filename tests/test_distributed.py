@@ -133,6 +133,20 @@ def test_backend_needs_a_process_group():
         gpfalkon.DistributedBackend()
 
 
+def test_default_backend_serves_cpu_and_cuda_tensors(monkeypatch):
+    """Where CUDA is available the default group has gloo for CPU tensors beside NCCL (a plain NCCL
+    group cannot reduce the CPU tensors of host-resident rows); elsewhere gloo."""
+    from gpfalkon.backend.distributed import default_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert default_backend() == "cpu:gloo,cuda:nccl"
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    assert default_backend() == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_backend() == "gloo"
+
+
 def test_init_distributed_validates_timeout():
     if dist.is_initialized():
         pytest.skip("a process group is initialised in this process")

@@ -11,6 +11,10 @@
   BLESS's whitened norms;
 * :mod:`~gpfalkon.backend.sources` - row sources: training inputs read block by block from
   ``.npy`` or Parquet files (data larger than memory), and their per-rank shards;
+* :mod:`~gpfalkon.backend.prefetch` - a source's blocks on a GPU, read into pinned memory and
+  copied on a side CUDA stream ahead of the compute;
+* :mod:`~gpfalkon.backend.precision` - IEEE float32 or TF32 for the engine's CUDA matmuls
+  (:class:`gpfalkon.settings.tf32`);
 * :mod:`~gpfalkon.backend.distributed` - :class:`DistributedBackend`, the row-sharded backend on
   ``torch.distributed`` (one ``all_reduce`` per pass).
 
@@ -40,6 +44,8 @@ from .passes import (
     whitened_aggregates,
     whitened_sq_norms,
 )
+from .precision import matmul_precision
+from .prefetch import row_slices, source_blocks
 from .sources import NpyRows, ParquetRows, RowSource, SliceRows, TensorRows, shard_files, shard_rows
 
 __all__ = [
@@ -69,13 +75,16 @@ __all__ = [
     "kernel_params",
     "kernel_product",
     "map_whitened_blocks",
+    "matmul_precision",
     "memory_budget_for",
     "resolve_block_rows",
     "row_blocks",
+    "row_slices",
     "scatter_grads",
     "shard_files",
     "shard_range",
     "shard_rows",
+    "source_blocks",
     "stationary_spec",
     "stored_batch",
     "stored_rows_for",

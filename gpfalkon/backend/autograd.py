@@ -22,6 +22,7 @@ from torch.autograd.function import once_differentiable
 
 from .blocks import GRADIENT, block_rows_for, row_blocks
 from .engine import KernelEngine, kernel_block
+from .prefetch import row_slices
 
 __all__ = [
     "KernelProduct",
@@ -102,8 +103,8 @@ def blockwise_kernel_grad(
     grad_p: list[Tensor | None] = [None] * len(params)
     with torch.enable_grad():
         c = centers.detach().requires_grad_(True) if need_centers else centers.detach()
-        for start, stop in row_blocks(n, rows):
-            xb = x[start:stop].detach()
+        for start, stop, xb in row_slices(x, list(row_blocks(n, rows))):
+            xb = xb.detach()
             if need_x:
                 xb.requires_grad_(True)
             kb = kernel_block(kernel, xb, c)

@@ -16,11 +16,13 @@ The rule (``itemsize`` bytes per kernel value, ``M`` columns)::
 
 Profiles (their defaults are the measured ones of ``benchmarks/engine.py``):
 
-* :data:`PRODUCT` - thin products ``K_b^T (K_b U + V)``: about 16 MiB blocks (each block's
-  distance matmul is then large enough for torch's threads to share it without their
+* :data:`PRODUCT` - thin products ``K_b^T (K_b U + V)``: about 16 MiB blocks on the CPU (each
+  block's distance matmul is then large enough for torch's threads to share it without their
   synchronisation dominating, which 2 MiB blocks were not; the block is re-read from the
-  last-level cache), heights a multiple of 8 (so a block splits evenly over the threads' batched
-  products), two live blocks (the block and a scratch buffer).
+  last-level cache), about 1 GiB on a CUDA device (a GPU has no cache to fit; a block's five or
+  so kernel launches must stay small beside its memory traffic: 1 GiB takes about 0.25 ms per
+  pass over it at 4 TB/s), heights a multiple of 8 (so a block splits evenly over the threads'
+  batched products), two live blocks (the block and a scratch buffer).
 * :data:`GRADIENT` - autograd through a GPyTorch kernel block: 2048 rows (autograd has
   per-block overhead), about eight block-sized temporaries in forward + backward.
 * :data:`FACTOR` - ``O(M^2)`` work per row (triangular solves against ``K_MM``, BLESS):
@@ -67,9 +69,11 @@ class BlockProfile:
     min_rows: int = 1
     itemsize: int | None = None  # bytes per value; None: the caller's dtype
     row_multiple: int = 1  # byte-sized heights are rounded down to a multiple of this
+    cuda_target_bytes: int | None = None  # target_bytes on a CUDA device (None: the same)
 
 
-PRODUCT = BlockProfile(live_blocks=2, target_bytes=16 * 2**20, min_rows=32, row_multiple=8)
+PRODUCT = BlockProfile(live_blocks=2, target_bytes=16 * 2**20, min_rows=32, row_multiple=8,
+                       cuda_target_bytes=2**30)
 GRADIENT = BlockProfile(live_blocks=8, default_rows=2048)
 FACTOR = BlockProfile(live_blocks=3, target_bytes=8 * 2**20, min_rows=64, itemsize=8)
 AGGREGATE = BlockProfile(live_blocks=4, default_rows=2048)
@@ -110,7 +114,10 @@ def block_rows_for(
         rows = block_rows
     elif profile.target_bytes is not None:
         size = profile.itemsize or itemsize
-        rows = profile.target_bytes // (max(m, 1) * size)
+        target = profile.target_bytes
+        if profile.cuda_target_bytes is not None and device is not None and torch.device(device).type == "cuda":
+            target = profile.cuda_target_bytes
+        rows = target // (max(m, 1) * size)
         rows = max(profile.min_rows, rows - rows % profile.row_multiple)
     else:
         rows = profile.default_rows

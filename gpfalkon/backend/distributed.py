@@ -46,6 +46,7 @@ __all__ = [
     "DistributedBackend",
     "ShardedEngine",
     "all_reduce_sum",
+    "default_backend",
     "init_distributed",
     "scale_gradient",
     "sum_gradients",
@@ -56,10 +57,23 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 300.0
 
 
+def default_backend() -> str:
+    """``"cpu:gloo,cuda:nccl"`` where CUDA and NCCL are available, else ``"gloo"``.
+
+    One process group for both devices: collectives on CUDA tensors go through NCCL, those on CPU
+    tensors through gloo. A plain ``"nccl"`` group cannot reduce CPU tensors ("No backend type
+    associated with device type cpu"), which a machine with a GPU meets as soon as the rows, or
+    any bookkeeping tensor, live on the host (seen on an H200, 2026-11-26)."""
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, **kw: Any) -> None:
     """``torch.distributed.init_process_group`` with a stated collective timeout.
 
-    ``backend`` defaults to ``"nccl"`` when CUDA is available, else ``"gloo"``; the rendezvous
+    ``backend`` defaults to :func:`default_backend` (NCCL for CUDA tensors and gloo for CPU ones
+    where CUDA is available, else gloo); the rendezvous
     comes from the environment ``torchrun`` / SLURM set (``MASTER_ADDR``, ``RANK``, ...) unless
     ``init_method`` is given. A rank that dies, raises or stops calling the collectives makes
     every other rank raise :class:`~gpfalkon.errors.DistributedError` within ``timeout_s``
@@ -70,7 +84,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = default_backend()
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=float(timeout_s)), **kw)
 
 

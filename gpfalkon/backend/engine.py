@@ -37,6 +37,7 @@ copies them; a stored ``K_nM`` freezes them): build a new one after they change
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,6 +57,8 @@ from .blocks import (
     stored_batch,
 )
 from .fused import fused_kmn_k
+from .precision import matmul_precision
+from .prefetch import source_blocks
 from .sources import RowSource
 
 __all__ = ["KernelEngine", "StationarySpec", "kernel_block", "stationary_spec", "stored_rows_for"]
@@ -132,7 +135,8 @@ def _apply_profile_(kind: str, buf: Tensor, tmp: Tensor | None, zero_below: floa
     return buf.add_(1.5).square_().add_(0.75).mul_(tmp)
 
 
-def stored_rows_for(n: int, m: int, itemsize: int, memory_budget: int, block_rows: int | None = None) -> int:
+def stored_rows_for(n: int, m: int, itemsize: int, memory_budget: int, block_rows: int | None = None,
+                    device: torch.device | str | None = None) -> int:
     """Rows of ``K_nM`` a :class:`KernelEngine` built with ``store=None`` holds in memory: ``n`` when
     the whole ``n M`` values fit ``memory_budget`` bytes, else the rows that fit beside the
     on-the-fly pass's two ``block_rows x M`` buffers (``block_rows`` by :func:`block_rows_for` when
@@ -142,7 +146,7 @@ def stored_rows_for(n: int, m: int, itemsize: int, memory_budget: int, block_row
     if n * row_bytes <= memory_budget:
         return int(n)
     if block_rows is None:
-        block_rows = block_rows_for(n, m, itemsize, PRODUCT, memory_budget=memory_budget)
+        block_rows = block_rows_for(n, m, itemsize, PRODUCT, memory_budget=memory_budget, device=device)
     head = (memory_budget - PRODUCT.live_blocks * block_rows * row_bytes) // row_bytes
     return int(min(head, n)) if head >= block_rows else 0
 
@@ -214,7 +218,8 @@ class KernelEngine:
         # resolved now (the setting in force when the engine is built also sizes its gradient passes)
         self.block_rows_setting = resolve_block_rows(block_rows)
         self.block_rows = block_rows_for(
-            self.n, self.m, itemsize, PRODUCT, memory_budget=budget, block_rows=self.block_rows_setting
+            self.n, self.m, itemsize, PRODUCT, memory_budget=budget, block_rows=self.block_rows_setting,
+            device=self.device,
         )
         self.stored_rows = self.n if self.stored else 0
         if partial and not self.stored:  # the rows that fit beside the on-the-fly buffers
@@ -273,21 +278,28 @@ class KernelEngine:
     def _blocks(self, rows: int | None = None) -> Iterator[tuple[int, int]]:
         return row_blocks(self.n, self.block_rows if rows is None else rows)
 
-    def _compute_block(self, start: int, stop: int, out: Tensor | None = None) -> Tensor:
-        """Base kernel values ``K0[start:stop]`` (without the outputscale of the fast path)."""
+    def _compute_block(self, start: int, stop: int, out: Tensor | None = None, xb: Tensor | None = None) -> Tensor:
+        """Base kernel values ``K0[start:stop]`` (without the outputscale of the fast path);
+        ``xb``: the rows ``x[start:stop]`` where the caller has them (a streamed pass prefetches them)."""
+        if xb is None and (self.spec is None or self.streamed):
+            xb = self.x[start:stop]
         if self.spec is None:
-            blk = kernel_block(self.kernel, self.x[start:stop], self.centers)
+            assert xb is not None
+            with matmul_precision(self.device):
+                blk = kernel_block(self.kernel, xb, self.centers)
             if out is None:
                 return blk.to(self.dtype)
             return out.copy_(blk)
         rows = stop - start
         if out is None:
             out = torch.empty(rows, self.m, dtype=self.dtype, device=self.device)
-        if self.streamed:  # read the block's rows from the source and augment them here
-            xa, x_sq = self._augment(self.x[start:stop])
+        if self.streamed:  # the block's rows from the source, augmented here
+            assert xb is not None
+            xa, x_sq = self._augment(xb)
         else:
             xa, x_sq = self._xa[start:stop], self._x_sq[start:stop]
-        torch.matmul(xa, self._ca_t, out=out)
+        with matmul_precision(self.device):
+            torch.matmul(xa, self._ca_t, out=out)
         zero_below = 0.0
         if self.spec.kind == "matern12":
             zero_below = 8.0 * self._eps * (float(x_sq.max()) + self._c_sq_max) * _FACTOR["matern12"]
@@ -303,8 +315,8 @@ class KernelEngine:
         if self._k is None:
             k = torch.empty(self.stored_rows, self.m, dtype=self.dtype, device=self.device)
             with torch.no_grad():
-                for start, stop in row_blocks(self.stored_rows, self.block_rows):
-                    self._compute_block(start, stop, out=k[start:stop])
+                for start, stop, xb in self._rows(row_blocks(self.stored_rows, self.block_rows)):
+                    self._compute_block(start, stop, out=k[start:stop], xb=xb)
             self._k = k
         return self._k
 
@@ -329,20 +341,31 @@ class KernelEngine:
                 if self._k is None:
                     assert first == 0, "a pass that skips rows needs the store filled"
                     k = torch.empty(head, self.m, dtype=self.dtype, device=self.device)
-                    for start, stop in row_blocks(head, self.block_rows):
-                        yield start, stop, self._compute_block(start, stop, out=k[start:stop])
+                    for start, stop, xb in self._rows(row_blocks(head, self.block_rows)):
+                        yield start, stop, self._compute_block(start, stop, out=k[start:stop], xb=xb)
                     self._k = k
                 else:
                     for start, stop in row_blocks(head, self.stored_block_rows if rows is None else rows, first):
                         yield start, stop, self._k[start:stop]
-            for start, stop in row_blocks(self.n, self.block_rows, max(head, first)):
+            for start, stop, xb in self._rows(row_blocks(self.n, self.block_rows, max(head, first))):
                 n_rows = stop - start
                 if self.spec is None:
-                    yield start, stop, self._compute_block(start, stop)
+                    yield start, stop, self._compute_block(start, stop, xb=xb)
                     continue
                 if self._buf is None:
                     self._buf = torch.empty(self.block_rows, self.m, dtype=self.dtype, device=self.device)
-                yield start, stop, self._compute_block(start, stop, out=self._buf[:n_rows])
+                yield start, stop, self._compute_block(start, stop, out=self._buf[:n_rows], xb=xb)
+
+    def _rows(self, ranges: Iterator[tuple[int, int]]) -> Iterator[tuple[int, int, Tensor | None]]:
+        """``(start, stop, x_b)`` for the ranges of a pass: a streamed source's blocks through
+        :func:`~gpfalkon.backend.prefetch.source_blocks` (on a GPU, read and copied ahead of the
+        compute), ``None`` for in-memory ``x`` (its rows are already augmented)."""
+        if isinstance(self.x, RowSource):
+            with contextlib.closing(source_blocks(self.x, list(ranges))) as blocks:
+                yield from blocks
+        else:
+            for start, stop in ranges:
+                yield start, stop, None
 
     def materialize(self) -> Tensor:
         """Return the dense ``K_nM`` (n x M, includes the outputscale). O(n M) memory."""
@@ -418,11 +441,16 @@ class KernelEngine:
         ``benchmarks/engine.py``). Partial sums of the ``T`` sub-blocks are added in the
         data dtype, then accumulated in float64.
         """
+        with matmul_precision(blk.device):
+            self._thin_products_(acc, blk, u_t, v_t)
+
+    def _thin_products_(self, acc: Tensor, blk: Tensor, u_t: Tensor | None, v_t: Tensor | None) -> None:
         rows = blk.shape[0]
         t = 1
         # (float64 with several right-hand sides too: with 16 MiB blocks the batched form and the 2-D
-        # products are about even, 0.92-1.40x, benchmarks/results/engine-blocks-batched.md)
-        if blk.is_contiguous():
+        # products are about even, 0.92-1.40x, benchmarks/results/engine-blocks-batched.md); on a GPU
+        # the 2-D products (one launch each; sub-blocks buy nothing there)
+        if blk.is_contiguous() and blk.device.type == "cpu":
             for cand in (self.stored_batch, torch.get_num_threads()):
                 if cand > 1 and rows % cand == 0:
                     t = cand
@@ -462,7 +490,8 @@ class KernelEngine:
         out = torch.empty(u_t.shape[0], self.n, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for start, stop, blk in self.iter_blocks():
-                torch.matmul(u_t, blk.t(), out=out[:, start:stop])
+                with matmul_precision(self.device):
+                    torch.matmul(u_t, blk.t(), out=out[:, start:stop])
         return out.t()
 
     def kmm(self, dtype: torch.dtype = torch.float64) -> Tensor:
@@ -477,7 +506,8 @@ class KernelEngine:
                 ls = self.spec.lengthscale.to(dtype=dtype, device=self.device)
                 cs = (c - c.mean(0, keepdim=True)) / ls
                 sq = cs.square().sum(-1)
-                d2 = torch.addmm(sq.unsqueeze(0) + sq.unsqueeze(1), cs, cs.t(), alpha=-2.0)
+                with matmul_precision(self.device):
+                    d2 = torch.addmm(sq.unsqueeze(0) + sq.unsqueeze(1), cs, cs.t(), alpha=-2.0)
                 d2.fill_diagonal_(0.0)
                 d2.mul_(_FACTOR[self.spec.kind])
                 kmm = _apply_profile_(self.spec.kind, d2, torch.empty_like(d2))

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from .. import settings
 from .blocks import row_blocks
 from .engine import KernelEngine, kernel_block, stationary_spec
+from .prefetch import row_slices
 
 #: torch's selective activation checkpointing (torch >= 2.4); ``None``: every product is recomputed
 selective_contexts: Callable[..., Any] | None = getattr(_checkpoint, "create_selective_checkpoint_contexts", None)
@@ -170,11 +171,11 @@ def _gram_aggregates(
 
     m = centers.shape[0]
     acc: list[Tensor] | None = None
-    for s, e in row_blocks(x.shape[0], rows):
+    for s, e, xb in row_slices(x, list(row_blocks(x.shape[0], rows))):
         if selective_contexts is None:
-            out = checkpoint(block, x[s:e], y[s:e], centers, use_reentrant=False)
+            out = checkpoint(block, xb, y[s:e], centers, use_reentrant=False)
         else:
-            out = checkpoint(block, x[s:e], y[s:e], centers, use_reentrant=False,
+            out = checkpoint(block, xb, y[s:e], centers, use_reentrant=False,
                              context_fn=partial(selective_contexts, _keep_center_products(m, e - s)))
         acc = list(out) if acc is None else [a + o for a, o in zip(acc, out, strict=True)]
     assert acc is not None  # x has at least one row (validated by the callers)
@@ -199,8 +200,8 @@ def _solve_aggregates(
         return ab @ ab.mT, ab @ yb, ab.square().sum(), kernel(xb, diag=True).sum()
 
     acc: list[Tensor] | None = None
-    for s, e in row_blocks(x.shape[0], rows):
-        out = checkpoint(block, x[s:e], y[s:e], L, centers, use_reentrant=False)
+    for s, e, xb in row_slices(x, list(row_blocks(x.shape[0], rows))):
+        out = checkpoint(block, xb, y[s:e], L, centers, use_reentrant=False)
         acc = list(out) if acc is None else [a + o for a, o in zip(acc, out, strict=False)]
     assert acc is not None  # x has at least one row (validated by the callers)
     return WhitenedAggregates(*acc)
@@ -211,13 +212,13 @@ def map_whitened_blocks(
 ) -> list[Tensor]:
     """``[fn(A_b, start, stop) for each block]`` with ``A_b = L^{-1} K_Mb`` (checkpointed, differentiable)."""
     outs = []
-    for s, e in row_blocks(x.shape[0], rows):
+    for s, e, x_b in row_slices(x, list(row_blocks(x.shape[0], rows))):
 
         def block(xb: Tensor, L_: Tensor, c_: Tensor, s: int = s, e: int = e) -> Tensor:
             ab = torch.linalg.solve_triangular(L_, kernel_block(kernel, xb, c_).mT, upper=False)
             return fn(ab, s, e)
 
-        outs.append(checkpoint(block, x[s:e], L, centers, use_reentrant=False))
+        outs.append(checkpoint(block, x_b, L, centers, use_reentrant=False))
     return outs
 
 
@@ -252,8 +253,8 @@ def kernel_diagonal(kernel: Kernel, x: Tensor, rows: int, *, dtype: torch.dtype 
     """``k(x_i, x_i)`` for every row (``O(n d)``), in ``dtype`` (default the kernel's output),
     differentiable. Raises ``ValueError`` for kernels whose diagonal is not one value per row."""
     parts = []
-    for s, e in row_blocks(x.shape[0], rows):
-        xb = x[s:e] if dtype is None else x[s:e].to(dtype)
+    for s, e, xb in row_slices(x, list(row_blocks(x.shape[0], rows))):
+        xb = xb if dtype is None else xb.to(dtype)
         d = kernel(xb, xb, diag=True)
         d = d if isinstance(d, Tensor) else d.to_dense()
         if d.shape != (e - s,):

@@ -43,6 +43,15 @@ PathLike = Union[str, "os.PathLike[str]"]
 _DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
 
 
+def _concrete(device: torch.device | str | None) -> torch.device:
+    """``device`` with the current CUDA device's index filled in (``"cuda"`` -> ``cuda:0``): the
+    device the rows' tensors will report, so that device checks against them compare equal."""
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 class RowSource(abc.ABC):
     """An ``(n, d)`` float matrix read in row blocks (see the module docstring).
 
@@ -51,12 +60,12 @@ class RowSource(abc.ABC):
     ``device`` says otherwise (blocks are then moved there after reading).
     """
 
-    def __init__(self, n: int, d: int, dtype: torch.dtype, device: torch.device | None = None) -> None:
+    def __init__(self, n: int, d: int, dtype: torch.dtype, device: torch.device | str | None = None) -> None:
         if dtype not in (torch.float32, torch.float64):
             raise TypeError(f"a row source holds float32 or float64 rows, got {dtype}")
         self._n, self._d = int(n), int(d)
         self.dtype = dtype
-        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.device = _concrete(device)
         self._version = 0  # for gpfalkon's fit tracking: a source is immutable
 
     # --------------------------------------------------------------- the matrix
@@ -66,12 +75,26 @@ class RowSource(abc.ABC):
 
     def read(self, start: int, stop: int) -> Tensor:
         """Rows ``start .. stop - 1`` as an ``(stop - start, d)`` tensor in ``dtype`` on ``device``."""
+        return self._rows(start, stop, self.device)
+
+    def read_host(self, start: int, stop: int) -> Tensor:
+        """Rows ``start .. stop - 1`` as a CPU tensor in ``dtype`` (what
+        :func:`gpfalkon.backend.prefetch.source_blocks` copies to the device through pinned memory)."""
+        return self._rows(start, stop, torch.device("cpu"))
+
+    def _rows(self, start: int, stop: int, device: torch.device) -> Tensor:
         start, stop = max(0, int(start)), min(self._n, int(stop))
         if stop <= start:
-            return torch.empty(0, self._d, dtype=self.dtype, device=self.device)
+            return torch.empty(0, self._d, dtype=self.dtype, device=device)
         a = self._read(start, stop)
         t = a if isinstance(a, Tensor) else torch.from_numpy(np.ascontiguousarray(a))
-        return t.to(dtype=self.dtype, device=self.device)
+        return t.to(dtype=self.dtype, device=device)
+
+    @property
+    def host_resident(self) -> bool:
+        """Whether the rows live in host memory or files (not on a GPU already): a pass over them on
+        a CUDA device copies every block (the prefetcher overlaps those copies with compute)."""
+        return True
 
     def take(self, indices: Tensor) -> Tensor:
         """Rows ``indices`` (any order, repeats allowed): one read per run of consecutive rows
@@ -152,16 +175,28 @@ class RowSource(abc.ABC):
 
 
 class TensorRows(RowSource):
-    """An in-memory ``(n, d)`` tensor as a row source."""
+    """An in-memory ``(n, d)`` tensor as a row source.
 
-    def __init__(self, x: Tensor) -> None:
+    Args:
+        x: the rows.
+        device: where read blocks go (default ``x.device``). A CPU tensor with a CUDA ``device``
+            is the way to fit on a GPU data that do not fit its memory: every pass copies the
+            rows block by block, through pinned buffers, overlapped with the GPU's work
+            (:mod:`gpfalkon.backend.prefetch`); only the blocks in flight are on the GPU.
+    """
+
+    def __init__(self, x: Tensor, device: torch.device | str | None = None) -> None:
         if not isinstance(x, Tensor) or x.dim() != 2:
             raise ValueError(f"x must be a 2-D tensor, got {type(x).__name__}")
-        super().__init__(x.shape[0], x.shape[1], x.dtype, x.device)
+        super().__init__(x.shape[0], x.shape[1], x.dtype, x.device if device is None else torch.device(device))
         self.x = x.detach()
 
     def _read(self, start: int, stop: int) -> Tensor:
         return self.x[start:stop]
+
+    @property
+    def host_resident(self) -> bool:
+        return self.x.device.type == "cpu"
 
 
 class SliceRows(RowSource):
@@ -173,8 +208,12 @@ class SliceRows(RowSource):
         super().__init__(stop - start, source.shape[1], source.dtype, source.device)
         self.source, self.start = source, int(start)
 
-    def _read(self, start: int, stop: int) -> Tensor:
-        return self.source.read(self.start + start, self.start + stop)
+    def _read(self, start: int, stop: int) -> np.ndarray | Tensor:
+        return self.source._read(self.start + start, self.start + stop)
+
+    @property
+    def host_resident(self) -> bool:
+        return self.source.host_resident
 
 
 def _as_paths(paths: PathLike | Sequence[PathLike], what: str) -> list[str]:
