@@ -158,3 +158,74 @@ def test_a_build_lock_is_not_waited_on(monkeypatch, tmp_path):
     _fresh_state(monkeypatch)
     assert fused.fused_available() == (True, "")
     assert not lock.exists() and len(calls) == 1 and calls[0]["build_directory"] == str(tmp_path / name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kind", ["rbf", "matern12", "matern32", "scale_matern52"])
+@pytest.mark.parametrize("store", [False, None])
+def test_engine_on_the_fly_products_with_and_without_the_kernel(dtype, kind, store, monkeypatch):
+    """The rows not stored go through the fused on-the-fly kernel (tiles of a few rows here, so that
+    the threads share many; with part of K_nM stored too): equal to the dense products, and to the
+    engine's torch path; wider right-hand sides than MAX_K and the store's first pass take the torch
+    path; grad mode is left as it was."""
+    _need_kernel()
+    n, m = 1203, 37
+    x, _ = make_data(n, 5)
+    c = x[:m] + 0.01
+    kern = make_kernel(kind, 5)
+    knm = dense_kernel(kern, x, c)
+    u = torch.randn(m, 3, dtype=torch.float64)
+    v = torch.randn(n, 3, dtype=torch.float64)
+    wide = torch.randn(m, fused.MAX_K + 1, dtype=torch.float64)
+    itemsize = torch.finfo(dtype).bits // 8
+    budget = None if store is False else 500 * m * itemsize + 2 * 64 * m * itemsize  # ~500 rows stored
+    e = KernelEngine(kern, x.to(dtype), c.to(dtype), store=store, block_rows=64, memory_budget=budget)
+    if store is None:
+        assert 0 < e.stored_rows < n
+    import gpfalkon.backend.engine as engine_module
+
+    calls = []
+    real = fused.fused_fly_kmn_k
+
+    def counting(acc, xa, *args):
+        calls.append(xa.shape[0])
+        return real(acc, xa, *args)
+
+    monkeypatch.setattr(engine_module, "fused_fly_kmn_k", counting)
+    monkeypatch.setattr(fused, "FLY_TILE_BYTES", 9 * m * itemsize)  # 8-row tiles: ~120 of them
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    first = e.kmn_k(u)  # with a partial store: this pass fills it (torch path)
+    got = {}
+    for enabled in (True, False):
+        fused.set_enabled(enabled)
+        try:
+            got[enabled] = [e.kmn_k(u, v), e.kmn_k(u[:, :1]), e.kmn_k(None, v), e.kmn_k(wide)]
+        finally:
+            fused.set_enabled(None)
+    assert torch.is_grad_enabled()
+    fly_rows = n - e.stored_rows
+    assert calls.count(fly_rows) >= 4  # each product with at most MAX_K columns ran the kernel on the rest
+    wants = [knm.T @ (knm @ u + v), knm.T @ (knm @ u[:, :1]), knm.T @ v, knm.T @ (knm @ wide)]
+    torch.testing.assert_close(first, wants[0] - knm.T @ v, rtol=tol, atol=tol * float(wants[0].abs().max()))
+    for out, want in zip(got[True], wants, strict=True):
+        torch.testing.assert_close(out, want, rtol=tol, atol=tol * float(want.abs().max()))
+    for a, b in zip(got[True], got[False], strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * float(b.abs().max()))
+
+
+def test_fused_fly_declines_what_it_does_not_handle():
+    acc = torch.zeros(1, 4, dtype=torch.float64)
+    xa, ca, sq = torch.randn(5, 3), torch.randn(3, 4), torch.zeros(5)
+    u = torch.randn(1, 4)
+    assert not fused.fused_fly_kmn_k(acc, xa, ca.double(), sq, u, None, "rbf", 0.0, 0.0, 4)  # mixed dtypes
+    assert not fused.fused_fly_kmn_k(acc, xa, ca, sq, u, None, "periodic", 0.0, 0.0, 4)  # no profile
+    assert not fused.fused_fly_kmn_k(torch.zeros(fused.MAX_K + 1, 4, dtype=torch.float64), xa, ca, sq,
+                                     torch.randn(fused.MAX_K + 1, 4), None, "rbf", 0.0, 0.0, 4)
+    assert not fused.fused_fly_kmn_k(acc, xa.to(torch.float16), ca.to(torch.float16), sq, u.half(), None, "rbf",
+                                     0.0, 0.0, 4)
+    with pytest.raises(ValueError, match="u_t or v_t"):
+        _need_kernel()
+        fused.fused_fly_kmn_k(acc, xa, ca, sq, None, None, "rbf", 0.0, 0.0, 4)
+    assert torch.equal(acc, torch.zeros(1, 4, dtype=torch.float64))
+    assert fused.fly_tile_rows(2000, 4) == 2 * 2**20 // 8000 // 4 * 4
+    assert fused.fly_tile_rows(10**9, 8) == 4 and fused.fly_tile_rows(2000, 4, cap=3) == 3

@@ -12,7 +12,9 @@ whole ``K_nM`` fits it is computed once and reused by every later call (the
 products then cost only the ``4 n M k`` flops, bound by memory bandwidth);
 otherwise the first ``n_s`` rows that fit the budget (beside the two on-the-fly
 buffers) are stored and each call recomputes only the other ``n - n_s`` rows, in
-``block_rows x M`` blocks into two reused buffers. A pass then costs
+``block_rows x M`` blocks into two reused buffers (on the CPU, with the stationary
+fast path and ``x`` in memory, that recomputation is one call of the fused tile kernel of
+:mod:`gpfalkon.backend.fused` instead, from the second pass on where rows are stored). A pass then costs
 ``(n - n_s) / n`` of a full recomputation plus a read of ``n_s M`` values, so the
 time per CG iteration grows smoothly with ``M`` past the budget instead of jumping
 from a memory read to a full kernel evaluation.
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import overload
 
@@ -56,7 +58,7 @@ from .blocks import (
     row_blocks,
     stored_batch,
 )
-from .fused import fused_kmn_k
+from .fused import fly_tile_rows, fused_fly_kmn_k, fused_kmn_k
 from .precision import matmul_precision
 from .prefetch import source_blocks
 from .sources import RowSource
@@ -320,7 +322,7 @@ class KernelEngine:
             self._k = k
         return self._k
 
-    def iter_blocks(self, rows: int | None = None) -> Iterator[tuple[int, int, Tensor]]:
+    def iter_blocks(self, rows: int | None = None) -> Generator[tuple[int, int, Tensor], None, None]:
         """Yield ``(start, stop, K0_b)``: the base block, ``K_nM[start:stop] = scale * K0_b``.
 
         The yielded tensor is a reused buffer (or a view of the stored matrix):
@@ -331,7 +333,7 @@ class KernelEngine:
         """
         yield from self._iter_blocks(rows, 0)
 
-    def _iter_blocks(self, rows: int | None, first: int) -> Iterator[tuple[int, int, Tensor]]:
+    def _iter_blocks(self, rows: int | None, first: int) -> Generator[tuple[int, int, Tensor], None, None]:
         """:meth:`iter_blocks` over rows ``[first, n)``: stored rows as views (computed into the store
         on the first pass, which costs no extra kernel pass), the others recomputed into a buffer.
         ``first > 0`` only once the store is filled."""
@@ -418,16 +420,37 @@ class KernelEngine:
         with torch.no_grad():
             # the stored rows on CPU: one call of the fused single-read kernel over all of them, where it
             # runs; the rows not stored (and the stored ones where it does not run) block by block
-            done = 0
-            v_head = None if v_t is None else v_t[:, : self.stored_rows]
-            if self._k is not None and fused_kmn_k(acc, self._k, u_t, v_head):
-                done = self.stored_rows
-            # (all rows: through iter_blocks, which a backend subclass may wrap)
-            for start, stop, blk in (self.iter_blocks() if done == 0 else self._iter_blocks(None, done)):
-                self._thin_block_(acc, blk, u_t, None if v_t is None else v_t[:, start:stop])
+            head = self.stored_rows
+            v_head = None if v_t is None else v_t[:, :head]
+            stored_done = self._k is not None and fused_kmn_k(acc, self._k, u_t, v_head)
+            # the rows not stored on CPU: one call of the fused on-the-fly kernel, once any store is filled
+            fly_done = (head < self.n and (self._k is not None or head == 0)
+                        and self._fly_fused(acc, u_t, None if v_t is None else v_t[:, head:]))
+            if not (stored_done and fly_done):
+                # (all rows: through iter_blocks, which a backend subclass may wrap)
+                blocks = self._iter_blocks(None, head) if stored_done else self.iter_blocks()
+                # closed here, inside this no_grad block: a generator left suspended inside its own no_grad
+                # block would restore its grad mode (off) whenever it is collected, after this call returns
+                with contextlib.closing(blocks):
+                    for start, stop, blk in blocks:
+                        if fly_done and start >= head:
+                            break
+                        self._thin_block_(acc, blk, u_t, None if v_t is None else v_t[:, start:stop])
         if s != 1.0:
             acc.mul_(s)
         return acc.t()
+
+    def _fly_fused(self, acc: Tensor, u_t: Tensor | None, v_t: Tensor | None) -> bool:
+        """``acc += (u^T K_f^T + v_f^T) K_f`` over the rows not stored (``f = stored_rows .. n``) by the
+        fused on-the-fly CPU kernel (:func:`~gpfalkon.backend.fused.fused_fly_kmn_k`), where it applies:
+        the stationary fast path with ``x`` in memory. ``False`` (nothing done) elsewhere."""
+        if self.spec is None or self.streamed or self.device.type != "cpu":
+            return False
+        head = self.stored_rows
+        tile = fly_tile_rows(self.m, torch.finfo(self.dtype).bits // 8, cap=self.block_rows)
+        floor = 8.0 * self._eps * _FACTOR["matern12"] if self.spec.kind == "matern12" else 0.0
+        return fused_fly_kmn_k(acc, self._xa[head:], self._ca_t, self._x_sq[head:], u_t, v_t, self.spec.kind,
+                               floor, self._c_sq_max, tile)
 
     def _thin_block_(self, acc: Tensor, blk: Tensor, u_t: Tensor | None, v_t: Tensor | None) -> None:
         """``acc += (u^T K_b^T + v_b^T) K_b`` for one block (``u_t``: ``(k, M)``, ``v_t``: ``(k, rows)``).

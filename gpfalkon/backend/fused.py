@@ -1,4 +1,5 @@
-"""A fused, single-read product ``K^T (K U + V)`` for a stored ``K_nM`` on CPU.
+"""Fused CPU kernels for ``K^T (K U + V)``: a single-read product for a stored ``K_nM``
+(:func:`fused_kmn_k`), and the on-the-fly pass in cache-sized tiles (:func:`fused_fly_kmn_k`).
 
 One CG iteration of FALKON with a stored ``K_nM`` computes ``w = K_nM^T (K_nM u)``: a memory-bound
 pass whose floor is one read of ``K_nM`` (``n M`` values). Two BLAS calls (``K u``, then
@@ -18,13 +19,19 @@ accumulators are summed at the end. Cost: ``4 n M k`` flops, one read of ``K`` f
 ``O(threads k M)`` extra memory. Measured against the torch path in
 ``benchmarks/results/engine-fused.md`` / ``engine-fused-off.md``.
 
+The on-the-fly pass (``K_nM`` not stored) goes through the same row loop: each thread takes whole tiles
+of about :data:`FLY_TILE_BYTES` and, per tile, computes the kernel values (one single-threaded GEMM on
+the augmented coordinates of the engine's fast path, then the profile in place) and adds the tile's
+products while it is in the core's cache; see :func:`fused_fly_kmn_k`
+(``benchmarks/results/engine-fused-fly.md``: 1.13-1.95x the torch path's speed).
+
 Why by hand: neither torch, MKL nor linear_operator has a fused ``A^T (A x)`` that reads ``A`` once;
 ``torch.compile`` would need the same compiler and is heavier to build. The C++ source below is
 compiled on first use by :func:`torch.utils.cpp_extension.load_inline` (a C++ compiler and ninja
 are needed; the build is cached per source, torch version and install, Python and CPU, and a later
 process imports the built module without calling the compiler). Where it cannot be built,
 :func:`fused_available` says why and the engine keeps its batched-product path; the environment
-variable ``GPFALKON_FUSED_CPU=0`` (or :func:`set_enabled`) turns the kernel off.
+variable ``GPFALKON_FUSED_CPU=0`` (or :func:`set_enabled`) turns both kernels off.
 """
 from __future__ import annotations
 
@@ -41,12 +48,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["FLUSH_ROWS", "MAX_K", "fused_available", "fused_kmn_k", "set_enabled"]
+__all__ = ["FLUSH_ROWS", "FLY_TILE_BYTES", "MAX_K", "fly_tile_rows", "fused_available", "fused_fly_kmn_k",
+           "fused_kmn_k", "set_enabled"]
 
 #: rows a thread accumulates in the data dtype before adding to its float64 accumulator
 FLUSH_ROWS = 256
 #: right-hand sides the kernel handles (more: the engine's batched products, compute-bound anyway)
 MAX_K = 16
+#: bytes of one thread's kernel tile in the on-the-fly kernel (``fused_fly_kmn_k``): about a core's
+#: share of the cache, so the profile pass and both products re-read the tile from it
+#: (``benchmarks/results/engine-fused-fly.md`` measures 1, 2 and 4 MiB)
+FLY_TILE_BYTES = 2 * 2**20
+_KINDS = {"rbf": 0, "matern12": 1, "matern32": 2, "matern52": 3}
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -142,6 +155,87 @@ void fused_kmn_k(torch::Tensor acc, torch::Tensor K, torch::Tensor u, torch::Ten
                          acc.data_ptr<double>());
   });
 }
+
+// The on-the-fly pass in row tiles: each thread takes whole tiles of `tile` rows; per tile it computes
+// the distances into its own buffer (one single-threaded GEMM: the tile's rows of the augmented x times
+// the augmented centers), applies the kernel profile in place, and adds the tile's (U^T K^T + V^T) K with
+// the single-read products above while the tile is still in its core's cache. kind: 0 RBF, 1 Matern-1/2,
+// 2 Matern-3/2, 3 Matern-5/2 (the profiles of gpfalkon.backend.engine._apply_profile_, the same ATen ops);
+// m12_floor: zero_below = m12_floor * (max of the tile's x_sq + c_sq_max) for Matern-1/2.
+static void apply_profile(int64_t kind, at::Tensor& b, at::Tensor& tmp, double zero_below) {
+  if (kind == 0) {
+    b.clamp_max_(0.0).exp2_();
+    return;
+  }
+  at::threshold_(b, zero_below, 0.0);
+  b.sqrt_();
+  if (kind == 1) {
+    b.neg_().exp2_();
+    return;
+  }
+  at::neg_out(tmp, b).exp2_();
+  b.mul_(0.6931471805599453);
+  if (kind == 2) {
+    b.add_(1.0).mul_(tmp);
+  } else {
+    b.add_(1.5).square_().add_(0.75).mul_(tmp);
+  }
+}
+
+void fly_kmn_k(torch::Tensor acc, torch::Tensor xa, torch::Tensor ca, torch::Tensor x_sq, torch::Tensor u,
+               torch::Tensor v, int64_t kind, double m12_floor, double c_sq_max, int64_t tile, int64_t flush) {
+  TORCH_CHECK(xa.dim() == 2 && ca.dim() == 2 && xa.size(1) == ca.size(0), "xa (rows, a) and ca (a, M) needed");
+  TORCH_CHECK(acc.scalar_type() == torch::kFloat64 && acc.is_contiguous(), "acc must be contiguous float64");
+  TORCH_CHECK(kind >= 0 && kind <= 3 && tile >= 1 && flush >= 1, "bad kind / tile / flush");
+  const int64_t rows = xa.size(0), M = ca.size(1), k = acc.size(0);
+  TORCH_CHECK(acc.size(1) == M && k >= 1 && k <= 64, "acc must be (k, M) with 1 <= k <= 64");
+  const bool has_u = u.numel() > 0, has_v = v.numel() > 0;
+  TORCH_CHECK(has_u || has_v, "u or v must be given");
+  if (has_u) TORCH_CHECK(u.is_contiguous() && u.size(0) == k && u.size(1) == M, "u must be contiguous (k, M)");
+  if (has_v) TORCH_CHECK(v.dim() == 2 && v.size(0) == k && v.size(1) == rows && v.stride(1) == 1,
+                         "v must be (k, rows) with unit column stride");
+  if (kind == 1) TORCH_CHECK(x_sq.numel() == rows, "x_sq must hold one value per row for Matern-1/2");
+  const int64_t ntiles = (rows + tile - 1) / tile;
+  std::mutex lock;
+  double* out = acc.data_ptr<double>();
+  AT_DISPATCH_FLOATING_TYPES(xa.scalar_type(), "fly_kmn_k", [&] {
+    TORCH_CHECK(ca.scalar_type() == xa.scalar_type(), "ca must have xa's dtype");
+    TORCH_CHECK(!has_u || u.scalar_type() == xa.scalar_type(), "u must have xa's dtype");
+    TORCH_CHECK(!has_v || v.scalar_type() == xa.scalar_type(), "v must have xa's dtype");
+    const scalar_t* up = has_u ? u.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* vp = has_v ? v.data_ptr<scalar_t>() : nullptr;
+    const int64_t ldv = has_v ? v.stride(0) : 0;
+    at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+      at::Tensor buf = at::empty({std::min(tile, rows), M}, xa.options());
+      at::Tensor tmp = kind >= 2 ? at::empty_like(buf) : buf;
+      std::vector<scalar_t> part(k * M, scalar_t(0));
+      std::vector<double> part64(k * M, 0.0);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t s = t * tile, r = std::min(rows, s + tile) - s;
+        at::Tensor b = buf.narrow(0, 0, r);
+        at::Tensor bt = tmp.narrow(0, 0, r);
+        at::mm_out(b, xa.narrow(0, s, r), ca);
+        double zero_below = 0.0;
+        if (kind == 1) zero_below = m12_floor * (x_sq.narrow(0, s, r).max().item<double>() + c_sq_max);
+        apply_profile(kind, b, bt, zero_below);
+        const scalar_t* K = b.data_ptr<scalar_t>();
+        const scalar_t* vt = vp != nullptr ? vp + s : nullptr;
+        for (int64_t i0 = 0; i0 < r; i0 += flush) {
+          const int64_t i1 = std::min(r, i0 + flush);
+          int64_t i = i0;
+          for (; i + 4 <= i1; i += 4) block_rows<scalar_t, 4>(K, i, M, up, vt, ldv, k, part.data());
+          for (; i < i1; ++i) block_rows<scalar_t, 1>(K, i, M, up, vt, ldv, k, part.data());
+          for (int64_t c = 0; c < k * M; ++c) {
+            part64[c] += static_cast<double>(part[c]);
+            part[c] = scalar_t(0);
+          }
+        }
+      }
+      std::lock_guard<std::mutex> guard(lock);
+      for (int64_t c = 0; c < k * M; ++c) out[c] += part64[c];
+    });
+  });
+}
 """
 
 _FLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -230,7 +324,7 @@ def _load() -> Any:
                 _state["module"] = load_inline(
                     name=name,
                     cpp_sources=[_SOURCE],
-                    functions=["fused_kmn_k"],
+                    functions=["fused_kmn_k", "fly_kmn_k"],
                     extra_cflags=list(_FLAGS),
                     extra_ldflags=["-fopenmp"],
                     build_directory=directory,
@@ -278,4 +372,56 @@ def fused_kmn_k(acc: Tensor, k_nm: Tensor, u_t: Tensor | None, v_t: Tensor | Non
     if v_t is not None:
         v_arg = v_t if v_t.stride(-1) == 1 else v_t.contiguous()
     _state["module"].fused_kmn_k(acc, k_nm, u_arg, v_arg, FLUSH_ROWS)
+    return True
+
+
+def fly_tile_rows(m: int, itemsize: int, cap: int | None = None) -> int:
+    """Rows of one tile of the on-the-fly kernel: ``FLY_TILE_BYTES / (M itemsize)`` rounded down to a
+    multiple of 4 (the products take four rows at a time), at least 4, at most ``cap``."""
+    rows = max(4, (FLY_TILE_BYTES // max(1, m * itemsize)) // 4 * 4)
+    return max(1, min(rows, cap)) if cap is not None else rows
+
+
+def fused_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: Tensor | None, v_t: Tensor | None,
+                    kind: str, m12_floor: float, c_sq_max: float, tile: int) -> bool:
+    """``acc += (u_t K + v_t) K`` for ``K = phi(xa @ ca_t)`` computed tile by tile and never stored.
+
+    The on-the-fly pass of :class:`~gpfalkon.backend.engine.KernelEngine`'s stationary fast path in one
+    call: each thread takes whole tiles of ``tile`` rows and, per tile, computes the distances into its own
+    buffer (one single-threaded GEMM), applies the kernel profile in place (the same ATen operations as
+    ``engine._apply_profile_``) and adds the tile's products with the single-read loop above while the
+    tile is in its core's cache. Against the engine's torch path (multi-threaded GEMM, profile and batched
+    products over ~16 MiB blocks, each pass streaming the block through the shared cache) it saves two of
+    the block's three re-reads from the last-level cache and the threads' synchronisation between
+    operations (``benchmarks/results/engine-fused-fly.md``). Cost: ``2 n M a + 4 n M k`` flops and ``n M``
+    profile evaluations (``a`` = the augmented width ``d + 2``), ``threads x tile x M`` values of
+    buffers (twice that for the Matern-3/2 and 5/2 profiles).
+
+    Args:
+        acc: ``(k, M)`` float64, contiguous, on the CPU.
+        xa: ``(rows, a)`` augmented rows; ``ca_t``: ``(a, M)`` augmented centers (same dtype).
+        x_sq: ``(rows,)`` squared norms of the scaled rows (for the Matern-1/2 rounding floor).
+        u_t: ``(k, M)`` or ``None``; v_t: ``(k, rows)`` with unit column stride, or ``None``.
+        kind: ``"rbf"``, ``"matern12"``, ``"matern32"`` or ``"matern52"``.
+        m12_floor, c_sq_max: the Matern-1/2 floor is ``m12_floor * (max_tile x_sq + c_sq_max)``.
+        tile: rows per tile.
+
+    Returns:
+        ``True`` if the kernel ran; ``False`` (``acc`` untouched) where it does not apply (not CPU,
+        another dtype, more than :data:`MAX_K` right-hand sides, an unknown profile, or the kernel
+        unavailable).
+    """
+    if (xa.device.type != "cpu" or xa.dtype not in (torch.float32, torch.float64) or ca_t.dtype != xa.dtype
+            or acc.shape[0] > MAX_K or acc.dtype != torch.float64 or not acc.is_contiguous() or kind not in _KINDS
+            or xa.requires_grad or xa.shape[0] == 0):
+        return False
+    if u_t is None and v_t is None:
+        raise ValueError("fused_fly_kmn_k needs u_t or v_t")
+    if not fused_available()[0]:
+        return False
+    empty = xa.new_empty(0)
+    u_arg = empty if u_t is None else u_t.contiguous()
+    v_arg = empty if v_t is None else (v_t if v_t.stride(-1) == 1 else v_t.contiguous())
+    _state["module"].fly_kmn_k(acc, xa, ca_t, x_sq, u_arg, v_arg, _KINDS[kind], float(m12_floor), float(c_sq_max),
+                               int(tile), FLUSH_ROWS)
     return True
