@@ -162,12 +162,12 @@ def test_a_build_lock_is_not_waited_on(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("kind", ["rbf", "matern12", "matern32", "scale_matern52"])
-@pytest.mark.parametrize("store", [False, None])
+@pytest.mark.parametrize("store", [False, None, True])
 def test_engine_on_the_fly_products_with_and_without_the_kernel(dtype, kind, store, monkeypatch):
     """The rows not stored go through the fused on-the-fly kernel (tiles of a few rows here, so that
-    the threads share many; with part of K_nM stored too): equal to the dense products, and to the
-    engine's torch path; wider right-hand sides than MAX_K and the store's first pass take the torch
-    path; grad mode is left as it was."""
+    the threads share many), and the first pass computes a store (whole or part of K_nM) with it:
+    equal to the dense products and kernel values, and to the engine's torch path; wider
+    right-hand sides than MAX_K take the torch path; grad mode is left as it was."""
     _need_kernel()
     n, m = 1203, 37
     x, _ = make_data(n, 5)
@@ -178,7 +178,7 @@ def test_engine_on_the_fly_products_with_and_without_the_kernel(dtype, kind, sto
     v = torch.randn(n, 3, dtype=torch.float64)
     wide = torch.randn(m, fused.MAX_K + 1, dtype=torch.float64)
     itemsize = torch.finfo(dtype).bits // 8
-    budget = None if store is False else 500 * m * itemsize + 2 * 64 * m * itemsize  # ~500 rows stored
+    budget = None if store is not None else 500 * m * itemsize + 2 * 64 * m * itemsize  # ~500 rows stored
     e = KernelEngine(kern, x.to(dtype), c.to(dtype), store=store, block_rows=64, memory_budget=budget)
     if store is None:
         assert 0 < e.stored_rows < n
@@ -187,14 +187,20 @@ def test_engine_on_the_fly_products_with_and_without_the_kernel(dtype, kind, sto
     calls = []
     real = fused.fused_fly_kmn_k
 
-    def counting(acc, xa, *args):
-        calls.append(xa.shape[0])
-        return real(acc, xa, *args)
+    def counting(acc, xa, *args, **kwargs):  # the calls in which the kernel ran, by their rows
+        ran = real(acc, xa, *args, **kwargs)
+        if ran:
+            calls.append(xa.shape[0])
+        return ran
 
     monkeypatch.setattr(engine_module, "fused_fly_kmn_k", counting)
     monkeypatch.setattr(fused, "FLY_TILE_BYTES", 9 * m * itemsize)  # 8-row tiles: ~120 of them
     tol = 1e-10 if dtype == torch.float64 else 2e-5
-    first = e.kmn_k(u)  # with a partial store: this pass fills it (torch path)
+    first = e.kmn_k(u)  # a store (whole or part) is filled by this pass, with the kernel too
+    head = e.stored_rows
+    assert calls == ([n] if store is False else [head] if store else [head, n - head])
+    if head:
+        torch.testing.assert_close(e.materialize()[:head].double(), knm[:head], rtol=tol, atol=tol)
     got = {}
     for enabled in (True, False):
         fused.set_enabled(enabled)
@@ -203,8 +209,9 @@ def test_engine_on_the_fly_products_with_and_without_the_kernel(dtype, kind, sto
         finally:
             fused.set_enabled(None)
     assert torch.is_grad_enabled()
-    fly_rows = n - e.stored_rows
-    assert calls.count(fly_rows) >= 4  # each product with at most MAX_K columns ran the kernel on the rest
+    # later passes: the rows not stored through the kernel (3 products within MAX_K columns, kernel on)
+    assert calls[len([n] if store is False else [head] if store else [head, n - head]):] == (
+        [] if store else [n - head] * 3)
     wants = [knm.T @ (knm @ u + v), knm.T @ (knm @ u[:, :1]), knm.T @ v, knm.T @ (knm @ wide)]
     torch.testing.assert_close(first, wants[0] - knm.T @ v, rtol=tol, atol=tol * float(wants[0].abs().max()))
     for out, want in zip(got[True], wants, strict=True):

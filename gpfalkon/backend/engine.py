@@ -422,11 +422,14 @@ class KernelEngine:
             # runs; the rows not stored (and the stored ones where it does not run) block by block
             head = self.stored_rows
             v_head = None if v_t is None else v_t[:, :head]
-            stored_done = self._k is not None and fused_kmn_k(acc, self._k, u_t, v_head)
+            if self._k is not None:
+                stored_done = fused_kmn_k(acc, self._k, u_t, v_head)
+            else:  # the first pass: the stored rows computed into the store by the fused tile kernel
+                stored_done = head > 0 and self._fly_fused(acc, u_t, v_head, fill=True)
             # the rows not stored on CPU: one call of the fused on-the-fly kernel, once any store is filled
             fly_done = (head < self.n and (self._k is not None or head == 0)
                         and self._fly_fused(acc, u_t, None if v_t is None else v_t[:, head:]))
-            if not (stored_done and fly_done):
+            if not ((stored_done or head == 0) and fly_done):
                 # (all rows: through iter_blocks, which a backend subclass may wrap)
                 blocks = self._iter_blocks(None, head) if stored_done else self.iter_blocks()
                 # closed here, inside this no_grad block: a generator left suspended inside its own no_grad
@@ -440,17 +443,24 @@ class KernelEngine:
             acc.mul_(s)
         return acc.t()
 
-    def _fly_fused(self, acc: Tensor, u_t: Tensor | None, v_t: Tensor | None) -> bool:
-        """``acc += (u^T K_f^T + v_f^T) K_f`` over the rows not stored (``f = stored_rows .. n``) by the
-        fused on-the-fly CPU kernel (:func:`~gpfalkon.backend.fused.fused_fly_kmn_k`), where it applies:
-        the stationary fast path with ``x`` in memory. ``False`` (nothing done) elsewhere."""
+    def _fly_fused(self, acc: Tensor, u_t: Tensor | None, v_t: Tensor | None, fill: bool = False) -> bool:
+        """``acc += (u^T K_f^T + v_f^T) K_f`` by the fused tile kernel
+        (:func:`~gpfalkon.backend.fused.fused_fly_kmn_k`) over the rows not stored (``f = stored_rows .. n``),
+        or with ``fill`` over the stored rows ``0 .. stored_rows``, computed into a new store that becomes
+        ``self._k``; where it applies: the CPU, the stationary fast path, ``x`` in memory. ``False``
+        (nothing done) elsewhere. ``v_t`` holds the columns of those rows."""
         if self.spec is None or self.streamed or self.device.type != "cpu":
             return False
         head = self.stored_rows
+        rows = slice(0, head) if fill else slice(head, self.n)
+        store = torch.empty(head, self.m, dtype=self.dtype, device=self.device) if fill else None
         tile = fly_tile_rows(self.m, torch.finfo(self.dtype).bits // 8, cap=self.block_rows)
         floor = 8.0 * self._eps * _FACTOR["matern12"] if self.spec.kind == "matern12" else 0.0
-        return fused_fly_kmn_k(acc, self._xa[head:], self._ca_t, self._x_sq[head:], u_t, v_t, self.spec.kind,
-                               floor, self._c_sq_max, tile)
+        done = fused_fly_kmn_k(acc, self._xa[rows], self._ca_t, self._x_sq[rows], u_t, v_t, self.spec.kind,
+                               floor, self._c_sq_max, tile, store=store)
+        if done and fill:
+            self._k = store
+        return done
 
     def _thin_block_(self, acc: Tensor, blk: Tensor, u_t: Tensor | None, v_t: Tensor | None) -> None:
         """``acc += (u^T K_b^T + v_b^T) K_b`` for one block (``u_t``: ``(k, M)``, ``v_t``: ``(k, rows)``).

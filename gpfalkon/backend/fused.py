@@ -183,7 +183,8 @@ static void apply_profile(int64_t kind, at::Tensor& b, at::Tensor& tmp, double z
 }
 
 void fly_kmn_k(torch::Tensor acc, torch::Tensor xa, torch::Tensor ca, torch::Tensor x_sq, torch::Tensor u,
-               torch::Tensor v, int64_t kind, double m12_floor, double c_sq_max, int64_t tile, int64_t flush) {
+               torch::Tensor v, torch::Tensor store, int64_t kind, double m12_floor, double c_sq_max, int64_t tile,
+               int64_t flush) {
   TORCH_CHECK(xa.dim() == 2 && ca.dim() == 2 && xa.size(1) == ca.size(0), "xa (rows, a) and ca (a, M) needed");
   TORCH_CHECK(acc.scalar_type() == torch::kFloat64 && acc.is_contiguous(), "acc must be contiguous float64");
   TORCH_CHECK(kind >= 0 && kind <= 3 && tile >= 1 && flush >= 1, "bad kind / tile / flush");
@@ -195,6 +196,10 @@ void fly_kmn_k(torch::Tensor acc, torch::Tensor xa, torch::Tensor ca, torch::Ten
   if (has_v) TORCH_CHECK(v.dim() == 2 && v.size(0) == k && v.size(1) == rows && v.stride(1) == 1,
                          "v must be (k, rows) with unit column stride");
   if (kind == 1) TORCH_CHECK(x_sq.numel() == rows, "x_sq must hold one value per row for Matern-1/2");
+  // store: the tiles are computed into its rows (kept) instead of a thread's buffer
+  const bool has_store = store.numel() > 0;
+  if (has_store) TORCH_CHECK(store.is_contiguous() && store.size(0) == rows && store.size(1) == M &&
+                             store.scalar_type() == xa.scalar_type(), "store must be contiguous (rows, M), xa's dtype");
   const int64_t ntiles = (rows + tile - 1) / tile;
   std::mutex lock;
   double* out = acc.data_ptr<double>();
@@ -206,14 +211,14 @@ void fly_kmn_k(torch::Tensor acc, torch::Tensor xa, torch::Tensor ca, torch::Ten
     const scalar_t* vp = has_v ? v.data_ptr<scalar_t>() : nullptr;
     const int64_t ldv = has_v ? v.stride(0) : 0;
     at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
-      at::Tensor buf = at::empty({std::min(tile, rows), M}, xa.options());
-      at::Tensor tmp = kind >= 2 ? at::empty_like(buf) : buf;
+      at::Tensor buf = at::empty({has_store ? 0 : std::min(tile, rows), M}, xa.options());
+      at::Tensor tmp = kind >= 2 ? at::empty({std::min(tile, rows), M}, xa.options()) : buf;
       std::vector<scalar_t> part(k * M, scalar_t(0));
       std::vector<double> part64(k * M, 0.0);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t s = t * tile, r = std::min(rows, s + tile) - s;
-        at::Tensor b = buf.narrow(0, 0, r);
-        at::Tensor bt = tmp.narrow(0, 0, r);
+        at::Tensor b = has_store ? store.narrow(0, s, r) : buf.narrow(0, 0, r);
+        at::Tensor bt = kind >= 2 ? tmp.narrow(0, 0, r) : b;  // (the RBF / Matern-1/2 profiles use no scratch)
         at::mm_out(b, xa.narrow(0, s, r), ca);
         double zero_below = 0.0;
         if (kind == 1) zero_below = m12_floor * (x_sq.narrow(0, s, r).max().item<double>() + c_sq_max);
@@ -383,7 +388,7 @@ def fly_tile_rows(m: int, itemsize: int, cap: int | None = None) -> int:
 
 
 def fused_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: Tensor | None, v_t: Tensor | None,
-                    kind: str, m12_floor: float, c_sq_max: float, tile: int) -> bool:
+                    kind: str, m12_floor: float, c_sq_max: float, tile: int, store: Tensor | None = None) -> bool:
     """``acc += (u_t K + v_t) K`` for ``K = phi(xa @ ca_t)`` computed tile by tile and never stored.
 
     The on-the-fly pass of :class:`~gpfalkon.backend.engine.KernelEngine`'s stationary fast path in one
@@ -405,6 +410,8 @@ def fused_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: Te
         kind: ``"rbf"``, ``"matern12"``, ``"matern32"`` or ``"matern52"``.
         m12_floor, c_sq_max: the Matern-1/2 floor is ``m12_floor * (max_tile x_sq + c_sq_max)``.
         tile: rows per tile.
+        store: ``(rows, M)`` contiguous in ``xa``'s dtype, or ``None``: where given, the tiles are computed
+            into its rows, which then hold ``K`` (the engine's first pass fills its stored ``K_nM`` so).
 
     Returns:
         ``True`` if the kernel ran; ``False`` (``acc`` untouched) where it does not apply (not CPU,
@@ -413,7 +420,9 @@ def fused_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: Te
     """
     if (xa.device.type != "cpu" or xa.dtype not in (torch.float32, torch.float64) or ca_t.dtype != xa.dtype
             or acc.shape[0] > MAX_K or acc.dtype != torch.float64 or not acc.is_contiguous() or kind not in _KINDS
-            or xa.requires_grad or xa.shape[0] == 0):
+            or xa.requires_grad or xa.shape[0] == 0
+            or (store is not None and (store.dtype != xa.dtype or not store.is_contiguous()
+                                       or store.shape != (xa.shape[0], ca_t.shape[1])))):
         return False
     if u_t is None and v_t is None:
         raise ValueError("fused_fly_kmn_k needs u_t or v_t")
@@ -422,6 +431,6 @@ def fused_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: Te
     empty = xa.new_empty(0)
     u_arg = empty if u_t is None else u_t.contiguous()
     v_arg = empty if v_t is None else (v_t if v_t.stride(-1) == 1 else v_t.contiguous())
-    _state["module"].fly_kmn_k(acc, xa, ca_t, x_sq, u_arg, v_arg, _KINDS[kind], float(m12_floor), float(c_sq_max),
-                               int(tile), FLUSH_ROWS)
+    _state["module"].fly_kmn_k(acc, xa, ca_t, x_sq, u_arg, v_arg, empty if store is None else store, _KINDS[kind],
+                               float(m12_floor), float(c_sq_max), int(tile), FLUSH_ROWS)
     return True
