@@ -447,9 +447,12 @@ class KernelEngine:
         """``acc += (u^T K_f^T + v_f^T) K_f`` by the fused tile kernel
         (:func:`~gpfalkon.backend.fused.fused_fly_kmn_k`) over the rows not stored (``f = stored_rows .. n``),
         or with ``fill`` over the stored rows ``0 .. stored_rows``, computed into a new store that becomes
-        ``self._k``; where it applies: the CPU, the stationary fast path, ``x`` in memory. ``False``
+        ``self._k``; where it applies: the CPU, the stationary fast path, ``x`` in memory, and
+        :meth:`iter_blocks` not overridden (a subclass that wraps it keeps seeing every pass). ``False``
         (nothing done) elsewhere. ``v_t`` holds the columns of those rows."""
         if self.spec is None or self.streamed or self.device.type != "cpu":
+            return False
+        if type(self).iter_blocks is not KernelEngine.iter_blocks:  # a subclass that wraps the blocks sees them
             return False
         head = self.stored_rows
         rows = slice(0, head) if fill else slice(head, self.n)

@@ -373,11 +373,15 @@ def fused_kmn_k(acc: Tensor, k_nm: Tensor, u_t: Tensor | None, v_t: Tensor | Non
         return False
     empty = k_nm.new_empty(0)
     u_arg = empty if u_t is None else u_t.contiguous()
-    v_arg = empty
-    if v_t is not None:
-        v_arg = v_t if v_t.stride(-1) == 1 else v_t.contiguous()
+    v_arg = empty if v_t is None else _unit_columns(v_t)
     _state["module"].fused_kmn_k(acc, k_nm, u_arg, v_arg, FLUSH_ROWS)
     return True
+
+
+def _unit_columns(v: Tensor) -> Tensor:
+    """``v`` with unit stride between its columns (a copy only where needed). ``contiguous()`` is not
+    enough: torch calls a ``(k, 1)`` tensor with strides ``(1, k)`` contiguous already."""
+    return v if v.stride(-1) == 1 else torch.empty(v.shape, dtype=v.dtype).copy_(v)
 
 
 def fly_tile_rows(m: int, itemsize: int, cap: int | None = None) -> int:
@@ -430,7 +434,7 @@ def fused_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: Te
         return False
     empty = xa.new_empty(0)
     u_arg = empty if u_t is None else u_t.contiguous()
-    v_arg = empty if v_t is None else (v_t if v_t.stride(-1) == 1 else v_t.contiguous())
+    v_arg = empty if v_t is None else _unit_columns(v_t)
     _state["module"].fly_kmn_k(acc, xa, ca_t, x_sq, u_arg, v_arg, empty if store is None else store, _KINDS[kind],
                                float(m12_floor), float(c_sq_max), int(tile), FLUSH_ROWS)
     return True
