@@ -113,6 +113,22 @@ static inline void block_rows(const T* K, int64_t i, int64_t M, const T* u, cons
   }
 }
 
+// acc64 += rows begin .. end - 1 of K's products, summed in T over at most `flush` rows at a time
+template <typename T>
+static void rows_into(const T* K, int64_t begin, int64_t end, int64_t M, const T* u, const T* v, int64_t ldv,
+                      int64_t k, int64_t flush, std::vector<T>& acc, std::vector<double>& acc64) {
+  for (int64_t i0 = begin; i0 < end; i0 += flush) {
+    const int64_t i1 = std::min(end, i0 + flush);
+    int64_t i = i0;
+    for (; i + 4 <= i1; i += 4) block_rows<T, 4>(K, i, M, u, v, ldv, k, acc.data());
+    for (; i < i1; ++i) block_rows<T, 1>(K, i, M, u, v, ldv, k, acc.data());
+    for (int64_t c = 0; c < k * M; ++c) {
+      acc64[c] += static_cast<double>(acc[c]);
+      acc[c] = T(0);
+    }
+  }
+}
+
 template <typename T>
 static void fused_rows(const T* K, int64_t rows, int64_t M, const T* u, const T* v, int64_t ldv,
                        int64_t k, int64_t flush, double* out) {
@@ -120,19 +136,21 @@ static void fused_rows(const T* K, int64_t rows, int64_t M, const T* u, const T*
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> acc(k * M, T(0));
     std::vector<double> acc64(k * M, 0.0);
-    for (int64_t i0 = begin; i0 < end; i0 += flush) {
-      const int64_t i1 = std::min(end, i0 + flush);
-      int64_t i = i0;
-      for (; i + 4 <= i1; i += 4) block_rows<T, 4>(K, i, M, u, v, ldv, k, acc.data());
-      for (; i < i1; ++i) block_rows<T, 1>(K, i, M, u, v, ldv, k, acc.data());
-      for (int64_t c = 0; c < k * M; ++c) {
-        acc64[c] += static_cast<double>(acc[c]);
-        acc[c] = T(0);
-      }
-    }
+    rows_into<T>(K, begin, end, M, u, v, ldv, k, flush, acc, acc64);
     std::lock_guard<std::mutex> guard(lock);
     for (int64_t c = 0; c < k * M; ++c) out[c] += acc64[c];
   });
+}
+
+// acc (k, M) with 1 <= k <= 64; u (k, M) contiguous or empty; v (k, rows) with unit column stride or empty
+static void check_operands(const torch::Tensor& acc, const torch::Tensor& u, const torch::Tensor& v, int64_t rows,
+                           int64_t M) {
+  const int64_t k = acc.size(0);
+  TORCH_CHECK(acc.size(1) == M && k >= 1 && k <= 64, "acc must be (k, M) with 1 <= k <= 64");
+  TORCH_CHECK(u.numel() > 0 || v.numel() > 0, "u or v must be given");
+  if (u.numel() > 0) TORCH_CHECK(u.is_contiguous() && u.size(0) == k && u.size(1) == M, "u must be contiguous (k, M)");
+  if (v.numel() > 0) TORCH_CHECK(v.dim() == 2 && v.size(0) == k && v.size(1) == rows && v.stride(1) == 1,
+                                 "v must be (k, rows) with unit column stride");
 }
 
 // acc (k, M) float64 += U^T K^T K + V^T K, for K (rows, M) row-major, u (k, M), v (k, rows) rows
@@ -141,12 +159,8 @@ void fused_kmn_k(torch::Tensor acc, torch::Tensor K, torch::Tensor u, torch::Ten
   TORCH_CHECK(K.dim() == 2 && K.is_contiguous(), "K must be a contiguous 2-D tensor");
   TORCH_CHECK(acc.scalar_type() == torch::kFloat64 && acc.is_contiguous(), "acc must be contiguous float64");
   const int64_t rows = K.size(0), M = K.size(1), k = acc.size(0);
-  TORCH_CHECK(acc.size(1) == M && k >= 1 && k <= 64, "acc must be (k, M) with 1 <= k <= 64");
   const bool has_u = u.numel() > 0, has_v = v.numel() > 0;
-  TORCH_CHECK(has_u || has_v, "u or v must be given");
-  if (has_u) TORCH_CHECK(u.is_contiguous() && u.size(0) == k && u.size(1) == M, "u must be contiguous (k, M)");
-  if (has_v) TORCH_CHECK(v.dim() == 2 && v.size(0) == k && v.size(1) == rows && v.stride(1) == 1,
-                         "v must be (k, rows) with unit column stride");
+  check_operands(acc, u, v, rows, M);
   AT_DISPATCH_FLOATING_TYPES(K.scalar_type(), "fused_kmn_k", [&] {
     TORCH_CHECK(!has_u || u.scalar_type() == K.scalar_type(), "u must have K's dtype");
     TORCH_CHECK(!has_v || v.scalar_type() == K.scalar_type(), "v must have K's dtype");
@@ -189,12 +203,8 @@ void fly_kmn_k(torch::Tensor acc, torch::Tensor xa, torch::Tensor ca, torch::Ten
   TORCH_CHECK(acc.scalar_type() == torch::kFloat64 && acc.is_contiguous(), "acc must be contiguous float64");
   TORCH_CHECK(kind >= 0 && kind <= 3 && tile >= 1 && flush >= 1, "bad kind / tile / flush");
   const int64_t rows = xa.size(0), M = ca.size(1), k = acc.size(0);
-  TORCH_CHECK(acc.size(1) == M && k >= 1 && k <= 64, "acc must be (k, M) with 1 <= k <= 64");
   const bool has_u = u.numel() > 0, has_v = v.numel() > 0;
-  TORCH_CHECK(has_u || has_v, "u or v must be given");
-  if (has_u) TORCH_CHECK(u.is_contiguous() && u.size(0) == k && u.size(1) == M, "u must be contiguous (k, M)");
-  if (has_v) TORCH_CHECK(v.dim() == 2 && v.size(0) == k && v.size(1) == rows && v.stride(1) == 1,
-                         "v must be (k, rows) with unit column stride");
+  check_operands(acc, u, v, rows, M);
   if (kind == 1) TORCH_CHECK(x_sq.numel() == rows, "x_sq must hold one value per row for Matern-1/2");
   // store: the tiles are computed into its rows (kept) instead of a thread's buffer
   const bool has_store = store.numel() > 0;
@@ -225,16 +235,7 @@ void fly_kmn_k(torch::Tensor acc, torch::Tensor xa, torch::Tensor ca, torch::Ten
         apply_profile(kind, b, bt, zero_below);
         const scalar_t* K = b.data_ptr<scalar_t>();
         const scalar_t* vt = vp != nullptr ? vp + s : nullptr;
-        for (int64_t i0 = 0; i0 < r; i0 += flush) {
-          const int64_t i1 = std::min(r, i0 + flush);
-          int64_t i = i0;
-          for (; i + 4 <= i1; i += 4) block_rows<scalar_t, 4>(K, i, M, up, vt, ldv, k, part.data());
-          for (; i < i1; ++i) block_rows<scalar_t, 1>(K, i, M, up, vt, ldv, k, part.data());
-          for (int64_t c = 0; c < k * M; ++c) {
-            part64[c] += static_cast<double>(part[c]);
-            part[c] = scalar_t(0);
-          }
-        }
+        rows_into<scalar_t>(K, 0, r, M, up, vt, ldv, k, flush, part, part64);
       }
       std::lock_guard<std::mutex> guard(lock);
       for (int64_t c = 0; c < k * M; ++c) out[c] += part64[c];
@@ -367,15 +368,22 @@ def fused_kmn_k(acc: Tensor, k_nm: Tensor, u_t: Tensor | None, v_t: Tensor | Non
             or acc.shape[0] > MAX_K or acc.dtype != torch.float64 or not acc.is_contiguous()
             or k_nm.requires_grad):
         return False
-    if u_t is None and v_t is None:
-        raise ValueError("fused_kmn_k needs u_t or v_t")
-    if not fused_available()[0]:
+    args = _operands("fused_kmn_k", k_nm, u_t, v_t)
+    if args is None:
         return False
-    empty = k_nm.new_empty(0)
-    u_arg = empty if u_t is None else u_t.contiguous()
-    v_arg = empty if v_t is None else _unit_columns(v_t)
-    _state["module"].fused_kmn_k(acc, k_nm, u_arg, v_arg, FLUSH_ROWS)
+    _state["module"].fused_kmn_k(acc, k_nm, *args, FLUSH_ROWS)
     return True
+
+
+def _operands(name: str, like: Tensor, u_t: Tensor | None, v_t: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    """``(u, v)`` as the C++ kernels take them (an empty tensor for an absent one; ``v`` with unit column
+    stride), or ``None`` where the kernels cannot be built here."""
+    if u_t is None and v_t is None:
+        raise ValueError(f"{name} needs u_t or v_t")
+    if not fused_available()[0]:
+        return None
+    empty = like.new_empty(0)
+    return (empty if u_t is None else u_t.contiguous()), (empty if v_t is None else _unit_columns(v_t))
 
 
 def _unit_columns(v: Tensor) -> Tensor:
@@ -428,13 +436,9 @@ def fused_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: Te
             or (store is not None and (store.dtype != xa.dtype or not store.is_contiguous()
                                        or store.shape != (xa.shape[0], ca_t.shape[1])))):
         return False
-    if u_t is None and v_t is None:
-        raise ValueError("fused_fly_kmn_k needs u_t or v_t")
-    if not fused_available()[0]:
+    args = _operands("fused_fly_kmn_k", xa, u_t, v_t)
+    if args is None:
         return False
-    empty = xa.new_empty(0)
-    u_arg = empty if u_t is None else u_t.contiguous()
-    v_arg = empty if v_t is None else _unit_columns(v_t)
-    _state["module"].fly_kmn_k(acc, xa, ca_t, x_sq, u_arg, v_arg, empty if store is None else store, _KINDS[kind],
-                               float(m12_floor), float(c_sq_max), int(tile), FLUSH_ROWS)
+    _state["module"].fly_kmn_k(acc, xa, ca_t, x_sq, *args, xa.new_empty(0) if store is None else store,
+                               _KINDS[kind], float(m12_floor), float(c_sq_max), int(tile), FLUSH_ROWS)
     return True
