@@ -1365,8 +1365,10 @@ def main() -> None:
                     help=f"torch device the methods run on (cpu, cuda, cuda:1; a GPU runs {', '.join(DEVICE_METHODS)})")
     ap.add_argument("--worker", nargs=3, metavar=("DATASET", "METHOD", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    import torch
+
     try:
-        dev_type = __import__("torch").device(args.device).type
+        dev_type = torch.device(args.device).type
     except RuntimeError as exc:
         ap.error(f"--device: {exc}")
     if dev_type != "cpu" and not args.worker:
@@ -1374,7 +1376,7 @@ def main() -> None:
         if off:
             ap.error(f"--device {args.device}: {', '.join(off)} run on the CPU only here ({', '.join(DEVICE_METHODS)} "
                      "run on a GPU)")
-        if dev_type == "cuda" and not __import__("torch").cuda.is_available():
+        if dev_type == "cuda" and not torch.cuda.is_available():
             ap.error(f"--device {args.device}: torch sees no CUDA device")
     if args.user_data:
         spec = json.loads(args.user_data)

@@ -58,7 +58,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import gpfalkon
 from gpfalkon import FalkonGP, FalkonOptions
-from gpfalkon.backend import KernelEngine, TensorRows
+from gpfalkon.backend import KernelEngine, TensorRows, matmul_precision
 
 from _common import REPO, environment_lines, log, markdown_table
 
@@ -91,20 +91,6 @@ def timed_once(fn: Callable[[], object], dev: torch.device) -> tuple[float, obje
     out = fn()
     sync(dev)
     return time.perf_counter() - t0, out
-
-
-class tf32_flag:
-    """torch's global TF32 flag for CUDA matmuls, set within the block (for the peak measurements)."""
-
-    def __init__(self, on: bool) -> None:
-        self.on = on
-
-    def __enter__(self) -> None:
-        self.before = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = self.on
-
-    def __exit__(self, *exc) -> None:
-        torch.backends.cuda.matmul.allow_tf32 = self.before
 
 
 # ----------------------------------------------------------------------------- data
@@ -171,7 +157,7 @@ def part_peaks(dev: torch.device, smoke: bool) -> dict:
         g = torch.Generator(device=dev).manual_seed(1)
         a = torch.randn(s, s, device=dev, dtype=dtype, generator=g)
         b = torch.randn(s, s, device=dev, dtype=dtype, generator=g)
-        with tf32_flag(tf):
+        with gpfalkon.settings.tf32(tf), matmul_precision(dev):  # the engine's own switch
             t = median_seconds(lambda a=a, b=b: a @ b, dev, repeats=5, warmup=2)
         out[name + "_tflops"] = 2.0 * s**3 / t / 1e12
         del a, b
