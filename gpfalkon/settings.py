@@ -16,7 +16,8 @@ import math
 import numbers
 from typing import Any, ClassVar
 
-__all__ = ["aggregate_route", "block_rows", "cg_tolerance", "max_cg_iterations", "memory_budget", "tf32"]
+__all__ = ["aggregate_route", "block_rows", "cg_tolerance", "kmm_through_factor", "max_cg_iterations", "memory_budget",
+           "tf32"]
 
 _UNSET = object()
 
@@ -180,4 +181,25 @@ class tf32(_setting):
     def _check(cls, value: Any) -> bool:
         if not isinstance(value, bool):
             raise ValueError(f"gpfalkon.settings.tf32: must be True or False, got {value!r}")
+        return value
+
+
+class kmm_through_factor(_setting):
+    """Whether FALKON's CG applies ``B^T H B`` with ``K_MM`` expressed through the preconditioner's
+    Cholesky factor ``T`` (``D K_MM D = T^T T - j I``: :meth:`gpfalkon.FalkonPreconditioner.w_matmul`)
+    instead of a dense ``K_MM`` product in every iteration.
+
+    Default ``True``. It saves an ``M x M`` float64 product (``M^2`` doubles read) per iteration, as
+    much memory traffic as two of the iteration's four triangular solves, which matters where ``n``
+    is a few times ``M``. It is used only where the preconditioner's float64 factor reproduces the
+    operator's ``K_MM`` to a factorisation's rounding (checked once per preconditioner); the system
+    solved is the same ``H``. ``False`` restores the dense product (for comparisons).
+    """
+
+    _default: ClassVar[bool] = True
+
+    @classmethod
+    def _check(cls, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"gpfalkon.settings.kmm_through_factor: must be True or False, got {value!r}")
         return value

@@ -298,3 +298,62 @@ def test_solve_records_where_its_time_went(monkeypatch):
     # the direct solve (chosen by "auto" at this size) records the fit's seconds too
     direct = FalkonGP(x, y, kernel=k, centers=x[:25], penalty=1e-6, options=FalkonOptions(solve_method="direct")).fit()
     assert direct.fit_info.extra["method"] == "direct" and direct.fit_info.extra["fit_seconds"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_kmm_through_the_factor_solves_the_same_system(dtype, monkeypatch):
+    """CG applies W with K_MM through the preconditioner's factor (FalkonPreconditioner.w_matmul, counted)
+    where the factor reproduces the operator's K_MM: the solution matches the dense solve and the dense
+    K_MM product's (settings.kmm_through_factor(False)); a builder whose preconditioner comes from another
+    K_MM (a longer lengthscale) is not trusted for it: CG then applies H whole and still solves H itself."""
+    from gpfalkon import FalkonPreconditioner
+
+    x, y = make_data(400, 3)
+    c = x[:40]
+    k = make_kernel("matern52", 3, dtype=dtype)
+    k.lengthscale = k.lengthscale * 0.5
+    lam = 1e-5
+    kd = make_kernel("matern52", 3)
+    kd.lengthscale = kd.lengthscale * 0.5
+    with torch.no_grad():
+        H, knm, _ = dense_nystrom(kd, x, c, lam)
+        ref = torch.linalg.solve(H, knm.T @ y.unsqueeze(-1))
+    calls = [0]
+    real = FalkonPreconditioner.w_matmul
+
+    def counting(self, *a, **kw):
+        calls[0] += 1
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(FalkonPreconditioner, "w_matmul", counting)
+    tol, bound = (1e-12, 1e-8) if dtype == torch.float64 else (1e-7, 1e-4)
+
+    def solve(**kw):
+        op = NystromKRROperator(x.to(dtype), c.to(dtype), torch.tensor(lam, dtype=dtype), kernel=k, **kw)
+        alpha, info = op.falkon_solve(op.kmn_y(y.to(dtype).unsqueeze(-1)), tol=tol, max_iter=500, warn=False)
+        return alpha, info
+
+    alpha, info = solve()
+    assert calls[0] == info.iterations > 0
+    assert (alpha - ref).norm() / ref.norm() < bound
+    with settings.kmm_through_factor(False):
+        dense_kmm, _ = solve()
+    assert calls[0] == info.iterations  # not used
+    assert (dense_kmm - ref).norm() / ref.norm() < bound
+    if dtype == torch.float64:
+        assert (alpha - dense_kmm).norm() / ref.norm() < 1e-9
+
+    other = make_kernel("matern52", 3, dtype=dtype)  # a preconditioner of another K_MM: longer lengthscale
+    other.lengthscale = k.lengthscale * 1.5
+
+    def stale_builder(kmm, penalty, n, **kw):
+        with torch.no_grad():
+            k_other = other(c.to(dtype)).to_dense().to(torch.float64)
+        return FalkonPreconditioner.from_kernel_matrix(k_other, penalty, n, **kw)
+
+    from gpfalkon import FalkonOptions
+
+    before = calls[0]
+    stale, _ = solve(options=FalkonOptions(preconditioner=stale_builder))
+    assert calls[0] == before
+    assert (stale - ref).norm() / ref.norm() < bound

@@ -212,3 +212,76 @@ def test_factor_cache_as_the_builder_of_a_penalty_sweep():
         dense = torch.linalg.solve(knm.T @ knm + 300 * lam * kmm, knm.T @ yc)
         torch.testing.assert_close(a.alpha.reshape(dense.shape), dense, rtol=1e-6, atol=1e-8)
     assert cache.hits == 2 and cache.misses == 1
+
+
+@pytest.mark.parametrize("weights", [False, True])
+@pytest.mark.parametrize("jitter", [None, 1e-4])
+def test_w_matmul_is_bt_h_b_without_kmm(weights, jitter):
+    """w_matmul(u) = B^T (G + c K_MM) B u against the dense product (G any PSD stand-in for K_Mn K_nM),
+    with K_MM never passed: it comes from T^T T - j I; the recorded jitter is the one T was built with."""
+    kmm, w = _setup(m=30, weights=weights)
+    m, n, lam = 30, 700, 1e-3
+    P = FalkonPreconditioner.from_kernel_matrix(kmm, lam, n, weights=w, jitter=jitter)
+    d = torch.ones(m, dtype=torch.float64) if w is None else w
+    assert P.jitter == pytest.approx(float((P.chol_t.T @ P.chol_t - torch.diag(d) @ kmm @ torch.diag(d))
+                                           .diagonal().mean()), rel=1e-6, abs=1e-14)
+    if jitter is not None:
+        assert P.jitter == jitter
+    g = torch.Generator().manual_seed(1)
+    knm = torch.rand(120, m, generator=g, dtype=torch.float64)
+    gram = knm.T @ knm
+    c = n * lam
+    B = P.to_dense()
+    u = torch.randn(m, 3, generator=g, dtype=torch.float64)
+    expected = B.T @ (gram + c * kmm) @ B @ u
+    got = P.w_matmul(u, lambda v: gram @ v, c)
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
+    assert P.reproduces(kmm)
+    # the transpose keeps the jitter, but W is defined for B
+    assert P.mT.jitter == P.jitter
+    with pytest.raises(ValueError, match="transpose"):
+        P.mT.w_matmul(u, lambda v: gram @ v, c)
+
+
+def test_reproduces_refuses_other_matrices_and_low_precision():
+    """reproduces: False for a K_MM the factor was not built from (one entry changed by 1e-6 relative, or
+    another lengthscale), for float32 factors and for an unknown jitter; a negative or NaN jitter is refused."""
+    kmm, w = _setup(m=25, weights=True)
+    P = FalkonPreconditioner.from_kernel_matrix(kmm, 1e-3, 100, weights=w)
+    assert P.reproduces(kmm)
+    other = kmm.clone()
+    other[2, 7] = other[7, 2] = other[2, 7] * (1 + 1e-6)
+    assert not P.reproduces(other)
+    x, _ = make_data(25, 3, seed=4)
+    k2 = make_kernel("rbf", 3)
+    k2.lengthscale = k2.lengthscale * 1.01
+    assert not P.reproduces(dense_kernel(k2, x, x).detach())
+    assert not P.reproduces(kmm[:24, :24])
+    P32 = FalkonPreconditioner.from_kernel_matrix(kmm, 1e-3, 100, weights=w, dtype=torch.float32)
+    assert not P32.reproduces(kmm)
+    unknown = FalkonPreconditioner(P.chol_t, P.chol_a, P.weights, n=100)
+    assert unknown.jitter is None and not unknown.reproduces(kmm)
+    with pytest.raises(ValueError, match="jitter"):
+        unknown.w_matmul(torch.ones(25, 1, dtype=torch.float64), lambda v: v, 1.0)
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="jitter"):
+            FalkonPreconditioner(P.chol_t, P.chol_a, P.weights, n=100, jitter=bad)
+
+
+def test_falkon_solve_split_arguments_are_checked():
+    """falkon_solve: data_matmul without kmm_weight, or with a preconditioner that has no w_matmul, is refused."""
+    from gpfalkon import falkon_solve
+
+    kmm, _ = _setup(m=10)
+    P = FalkonPreconditioner.from_kernel_matrix(kmm, 1e-2, 50)
+    rhs = torch.ones(10, 1, dtype=torch.float64)
+    with pytest.raises(ValueError, match="kmm_weight"):
+        falkon_solve(lambda v: kmm @ v, P, rhs, tol=1e-8, max_iter=5, data_matmul=lambda v: v)
+
+    class Plain:
+        apply_b = P.apply_b
+        apply_bt = P.apply_bt
+        apply_b_inv = P.apply_b_inv
+
+    with pytest.raises(ValueError, match="w_matmul"):
+        falkon_solve(lambda v: kmm @ v, Plain(), rhs, tol=1e-8, max_iter=5, data_matmul=lambda v: v, kmm_weight=1.0)

@@ -173,6 +173,7 @@ class NystromKRROperator(LinearOperator):
         self._engine: KernelEngine | None = None
         self._kmm: Tensor | None = None
         self._precond: Preconditioner | None = None
+        self._split_w: bool | None = None  # whether _precond's w_matmul stands for H (checked once per build)
         # multiplier of the preconditioner's jitter, raised after a CG breakdown (kept)
         self._jitter_boost = 1.0
         self._cache_key: tuple | None = None
@@ -217,7 +218,7 @@ class NystromKRROperator(LinearOperator):
         if not self._key_matches(key):
             if self._engine is not None:
                 self._engine.release()
-            self._engine = self._kmm = self._precond = None
+            self._engine = self._kmm = self._precond = self._split_w = None
             self._cache_key = key
 
     @property
@@ -260,7 +261,22 @@ class NystromKRROperator(LinearOperator):
                     "apply_b / apply_bt / apply_b_inv (gpfalkon.solvers.Preconditioner)"
                 )
             self._precond = precond
+            self._split_w = None
         return self._precond
+
+    def _split_w_ok(self, precond: Preconditioner) -> bool:
+        """Whether CG may apply ``W = B^T H B`` by ``precond.w_matmul`` (``K_MM`` through the
+        preconditioner's factor; :meth:`FalkonPreconditioner.w_matmul`): only for a preconditioner
+        whose float64 factor reproduces this operator's ``K_MM``
+        (:meth:`FalkonPreconditioner.reproduces`, once per build), and while
+        ``gpfalkon.settings.kmm_through_factor`` is on."""
+        if not settings.kmm_through_factor.value():
+            return False
+        if self._split_w is None:
+            check = getattr(precond, "reproduces", None)
+            self._split_w = bool(callable(check) and callable(getattr(precond, "w_matmul", None))
+                                 and check(self.kmm))
+        return self._split_w
 
     def _precond_jitter(self) -> float | None:
         """FALKON's ``eps M`` jitter with ``eps`` the machine epsilon of the *data* dtype.
@@ -358,6 +374,12 @@ class NystromKRROperator(LinearOperator):
                     precond_seconds += time.perf_counter() - t_pre
                     if t_end is not None:
                         extra["time_limit"] = max(t_end - time.perf_counter(), 1e-9)
+                    if self.solver is falkon_solve and self._split_w_ok(precond):
+                        extra.update(data_matmul=lambda v: self.engine.kmn_k(v),
+                                     kmm_weight=self.n * float(self.penalty.detach()))
+                    else:
+                        extra.pop("data_matmul", None)
+                        extra.pop("kmm_weight", None)
                     sol, info = self.solver(
                         self.h_matmul_nograd,
                         precond,
@@ -472,7 +494,7 @@ class NystromKRROperator(LinearOperator):
             JitterWarning,
             stacklevel=4,
         )
-        self._precond = None
+        self._precond = self._split_w = None
         return True
 
     # ------------------------------------------------------- LinearOperator API

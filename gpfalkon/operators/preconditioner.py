@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,11 +21,13 @@ class PreconditionerFactor:
     """The penalty-free part of :class:`FalkonPreconditioner`: ``T`` with ``T^T T = D K_MM D + eps M I``
     (upper triangular), ``gram = T T^T / M`` and the weights ``D`` (float64). Only ``A``, the Cholesky
     factor of ``gram + lambda I``, depends on the penalty: a penalty sweep at fixed ``K_MM`` rebuilds
-    that alone (:class:`FactorCache`). Memory ``2 M^2`` float64."""
+    that alone (:class:`FactorCache`). ``jitter`` is the ``eps M`` the factorisation added (``None``: not
+    known). Memory ``2 M^2`` float64."""
 
     T: Tensor
     gram: Tensor
     weights: Tensor
+    jitter: float | None = None
 
 
 class FalkonPreconditioner(LinearOperator):
@@ -45,22 +48,31 @@ class FalkonPreconditioner(LinearOperator):
     (``O(M^3 / 3)`` each). The operator's tensors are ``T``, ``A`` and ``D``; it
     is square ``M x M`` and not symmetric (``.mT`` is ``B^T``).
 
+    Where ``T``'s jitter ``eps M`` is known (``jitter``; :meth:`from_kernel_matrix` records it),
+    :meth:`w_matmul` applies the whole CG operator ``B^T H B`` with ``K_MM`` replaced by its exact
+    expression through ``T`` (four triangular solves and one data pass, no ``M x M`` product).
+
     Build it with :meth:`from_kernel_matrix`.
     """
 
-    def __init__(self, T: Tensor, A: Tensor, weights: Tensor, *, n: int, transposed: bool = False) -> None:
+    def __init__(self, T: Tensor, A: Tensor, weights: Tensor, *, n: int, transposed: bool = False,
+                 jitter: float | None = None) -> None:
         if T.dim() < 2 or T.shape[-1] != T.shape[-2] or A.shape != T.shape:
             raise ValueError(f"T and A must be square of equal size, got {tuple(T.shape)} and {tuple(A.shape)}")
         if weights.shape != T.shape[:-1]:
             raise ValueError(f"weights must have shape {tuple(T.shape[:-1])}, got {tuple(weights.shape)}")
         if int(n) < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        super().__init__(T, A, weights, n=int(n), transposed=bool(transposed))
+        if jitter is not None and not (math.isfinite(float(jitter)) and float(jitter) >= 0):
+            raise ValueError(f"jitter must be a finite number >= 0 or None, got {jitter!r}")
+        jitter = None if jitter is None else float(jitter)
+        super().__init__(T, A, weights, n=int(n), transposed=bool(transposed), jitter=jitter)
         self.chol_t = T
         self.chol_a = A
         self.weights = weights
         self.n = int(n)
         self.transposed = bool(transposed)
+        self.jitter = jitter
 
     # ----------------------------------------------------------------- factory
     @classmethod
@@ -98,11 +110,11 @@ class FalkonPreconditioner(LinearOperator):
             if not bool(torch.isfinite(d).all()) or bool((d <= 0).any()):
                 raise ValueError("weights must be finite and > 0")
         dkd = k64 if weights is None else d.unsqueeze(1) * k64 * d.unsqueeze(0)
-        T, _ = jittered_cholesky(dkd, upper=True, name="K_MM", jitter=jitter)
+        T, used = jittered_cholesky(dkd, upper=True, name="K_MM", jitter=jitter)
         del dkd
         gram = upper_gram(T)  # T T^T
         gram.div_(m)
-        return PreconditionerFactor(T, gram, d)
+        return PreconditionerFactor(T, gram, d, used)
 
     @classmethod
     def from_factor(
@@ -121,7 +133,7 @@ class FalkonPreconditioner(LinearOperator):
         A, _ = jittered_cholesky(inner, upper=True, name="T T^T / M + lambda I")
         del inner
         out_dtype = torch.float64 if dtype is None else dtype
-        return cls(factor.T.to(out_dtype), A.to(out_dtype), factor.weights.to(out_dtype), n=n)
+        return cls(factor.T.to(out_dtype), A.to(out_dtype), factor.weights.to(out_dtype), n=n, jitter=factor.jitter)
 
     # ------------------------------------------------------------- application
     def _solve_upper(self, M: Tensor, rhs: Tensor, transpose: bool) -> Tensor:
@@ -150,6 +162,59 @@ class FalkonPreconditioner(LinearOperator):
         z = rhs.to(self.chol_a.dtype) / self.weights.unsqueeze(-1) * math.sqrt(self.n)
         return self.chol_a @ (self.chol_t @ z)
 
+    # ------------------------------------------------- the CG operator B^T H B
+    def w_matmul(self, u: Tensor, data_matmul: Callable[[Tensor], Tensor], kmm_weight: float) -> Tensor:
+        r"""``W u = B^T (K_Mn K_nM + c K_MM) B u`` (``c = kmm_weight``, ``n lambda`` in FALKON's ``H``)
+        without ``K_MM``: ``data_matmul(v) = K_Mn K_nM v``.
+
+        With ``T^T T = D K_MM D + j I`` (``j`` = :attr:`jitter`), ``z = A^{-1} u`` and
+        ``w = T^{-1} z``, so that ``B u = n^{-1/2} D w``:
+
+            W u = A^{-T} [ T^{-T} ( n^{-1/2} D data_matmul(n^{-1/2} D w) - (c / n) j w ) + (c / n) z ]
+
+        (``B^T K_MM B = n^{-1} A^{-T} T^{-T} (T^T T - j I) T^{-1} A^{-1}``). Four triangular solves
+        (``O(M^2 k)``) and one data pass, against the same solves plus a dense ``K_MM`` product
+        (``2 M^2 k`` flops, ``M^2`` float64 reads: as much memory traffic as two of the solves) when
+        ``H`` is applied whole. It holds to the factorisation's rounding (``O(M eps ||K_MM||)``), so it
+        is for a preconditioner built from the ``K_MM`` of ``H`` itself in float64:
+        :meth:`reproduces` checks that; the operator uses this only where it does. Float64 ``(M, k)``
+        in and out.
+        """
+        if self.jitter is None:
+            raise ValueError("w_matmul needs the factorisation's jitter (jitter=None: not known)")
+        if self.transposed:
+            raise ValueError("w_matmul is defined for B, not for its transpose")
+        root_n = math.sqrt(self.n)
+        c = float(kmm_weight) / self.n
+        d = self.weights.unsqueeze(-1)
+        z = self._solve_upper(self.chol_a, u.to(self.chol_a.dtype), False)
+        w = self._solve_upper(self.chol_t, z, False)
+        data = data_matmul(w * (d / root_n))
+        inner = self._solve_upper(self.chol_t, data.to(w.dtype).mul_(d / root_n).sub_(w, alpha=c * self.jitter), True)
+        return self._solve_upper(self.chol_a, inner.add_(z, alpha=c), True)
+
+    def reproduces(self, kmm: Tensor, rtol: float | None = None) -> bool:
+        r"""Whether ``T^T T - j I`` equals ``D K_MM D`` for this ``kmm`` to the rounding of a float64
+        factorisation, on one fixed random probe ``r``:
+        ``||T^T T r - j r - D K_MM D r|| <= rtol trace(D K_MM D) ||r||`` (default
+        ``rtol = 1000 M eps_64``; a Cholesky factor's backward error is ``O(M eps ||K_MM||)``).
+        ``False`` where the factors are not float64, the jitter is not known, or the factor was built
+        from another matrix. Cost ``2 M^2`` flops and two triangular products."""
+        t = self.chol_t
+        m = t.shape[-1]
+        if self.jitter is None or t.dtype != torch.float64 or kmm.shape != t.shape or t.dim() != 2:
+            return False
+        k = kmm.detach().to(device=t.device, dtype=torch.float64)
+        d = self.weights.to(torch.float64)
+        r = torch.randn(m, 1, generator=torch.Generator().manual_seed(m), dtype=torch.float64).to(t.device)
+        ut = t.triu()
+        lhs = ut.mT @ (ut @ r) - self.jitter * r
+        rhs = d.unsqueeze(-1) * (k @ (d.unsqueeze(-1) * r))
+        tol = (1000.0 * m * torch.finfo(torch.float64).eps) if rtol is None else float(rtol)
+        scale = float((d.square() * k.diagonal()).sum().abs()) * float(r.norm())
+        err = float((lhs - rhs).norm())
+        return math.isfinite(err) and err <= tol * scale
+
     # ------------------------------------------------------- LinearOperator API
     def _matmul(self, rhs: Tensor) -> Tensor:
         vec = rhs.dim() == 1
@@ -162,7 +227,8 @@ class FalkonPreconditioner(LinearOperator):
         return torch.Size(self.chol_t.shape)
 
     def _transpose_nonbatch(self) -> FalkonPreconditioner:
-        return self.__class__(self.chol_t, self.chol_a, self.weights, n=self.n, transposed=not self.transposed)
+        return self.__class__(self.chol_t, self.chol_a, self.weights, n=self.n, transposed=not self.transposed,
+                              jitter=self.jitter)
 
     def _diagonal(self) -> Tensor:
         # T^{-1} A^{-1} is upper triangular with diagonal 1 / (T_ii A_ii), and D is diagonal
