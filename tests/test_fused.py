@@ -236,3 +236,67 @@ def test_fused_fly_declines_what_it_does_not_handle():
     assert torch.equal(acc, torch.zeros(1, 4, dtype=torch.float64))
     assert fused.fly_tile_rows(2000, 4) == 2 * 2**20 // 8000 // 4 * 4
     assert fused.fly_tile_rows(10**9, 8) == 4 and fused.fly_tile_rows(2000, 4, cap=3) == 3
+
+
+def _profile_closed_form(kind: str, t: torch.Tensor, zero_below: float) -> torch.Tensor:
+    """phi(t) in float64 from the definitions (math.exp2 / math.sqrt per value, no shared code)."""
+    import math
+
+    out = []
+    for v in t.tolist():
+        z = math.sqrt(0.0 if v <= zero_below else v)  # z' = z log2 e
+        e = math.pow(2.0, -z)
+        zz = z * math.log(2.0)
+        out.append({"matern12": e, "matern32": (1 + zz) * e, "matern52": ((zz + 1.5) ** 2 + 0.75) * e}[kind])
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kind", ["matern12", "matern32", "matern52"])
+def test_fused_profile_matches_the_closed_form_and_aten(dtype, kind):
+    """fused_profile_ against phi computed value by value in float64 (a few ulp of the dtype: its own exp2
+    polynomial), and against engine._apply_profile_'s ATen operations (the fused kernels off): zero and
+    the values at or below the Matern floor give phi(0) exactly (1, or 3 for Matern-5/2), values far out
+    underflow to 0 (at most the dtype's smallest normal away from the closed form), NaN stays NaN, and a
+    buffer it does not handle (non-contiguous, requiring grad, the RBF profile) is left alone with False."""
+    from gpfalkon.backend.engine import _apply_profile_
+
+    _need_kernel()
+    g = torch.Generator().manual_seed(7)
+    t = torch.cat([torch.rand(5000, generator=g, dtype=torch.float64) * 40,
+                   torch.rand(500, generator=g, dtype=torch.float64) * 1e-6,
+                   torch.tensor([0.0, 1e-9, 1e3, 1e5, 5e6, 1e30]),
+                   torch.rand(600, generator=g, dtype=torch.float64) * 2e6])
+    t = t.to(dtype)
+    zero_below = 1e-7
+    want = _profile_closed_form(kind, t.double(), zero_below)
+    got = t.clone()
+    assert fused.fused_profile_(got, kind, zero_below)
+    eps, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
+    # a few ulp, plus what the rounding of z' = sqrt(t) in the dtype moves 2^-z' by (ln 2 z' eps / 2)
+    z = t.double().clamp_min(0).sqrt()
+    rel = (8 + z) * eps
+    err = (got.double() - want).abs()
+    assert bool((err <= rel * want + tiny).all()), float((err / want.clamp_min(tiny)).max())
+    phi0 = 3.0 if kind == "matern52" else 1.0
+    assert got[5000 + 500] == phi0  # t = 0 exactly
+    assert bool((got[5000:5500][t[5000:5500] <= zero_below] == phi0).all())  # at or below the floor: phi(0)
+    assert bool(torch.isfinite(got).all())
+    fused.set_enabled(False)
+    try:
+        aten = _apply_profile_(kind, t.clone(), torch.empty_like(t), zero_below)
+    finally:
+        fused.set_enabled(None)
+    assert bool(((got.double() - aten.double()).abs() <= 2 * rel * want + tiny).all())
+    # NaN propagates
+    nan = torch.tensor([float("nan"), 1.0], dtype=dtype)
+    assert fused.fused_profile_(nan, kind, zero_below) and bool(torch.isnan(nan[0]))
+    # declined: left alone
+    strided = t[::2]
+    before = strided.clone()
+    assert not fused.fused_profile_(strided, kind, zero_below) and torch.equal(strided, before)
+    leaf = t.clone().requires_grad_(True)
+    assert not fused.fused_profile_(leaf, kind, zero_below)
+    assert not fused.fused_profile_(t.clone(), "periodic", zero_below)
+    rbf = -t.abs()
+    assert not fused.fused_profile_(rbf, "rbf") and torch.equal(rbf, -t.abs())

@@ -58,7 +58,7 @@ from .blocks import (
     row_blocks,
     stored_batch,
 )
-from .fused import fly_tile_rows, fused_fly_kmn_k, fused_kmn_k
+from .fused import fly_tile_rows, fused_fly_kmn_k, fused_kmn_k, fused_profile_
 from .precision import matmul_precision
 from .prefetch import source_blocks
 from .sources import RowSource
@@ -121,8 +121,12 @@ def _apply_profile_(kind: str, buf: Tensor, tmp: Tensor | None, zero_below: floa
     (``= 3 (1 + z + z^2/3) exp(-z)``, the 1/3 being in ``_CONST``). Values at or below
     ``zero_below`` (the rounding floor of the norm expansion) become exactly 0 before the
     square root, which would otherwise turn that floor into an error of ``sqrt(eps)`` in
-    ``k(x, x)`` for the non-smooth Matern-1/2 kernel.
+    ``k(x, x)`` for the non-smooth Matern-1/2 kernel. On the CPU, a Matern profile of a contiguous ``buf``
+    goes through :func:`~gpfalkon.backend.fused.fused_profile_` (one vectorised pass instead of these
+    ATen operations, where the fused kernels are on and built).
     """
+    if fused_profile_(buf, kind, zero_below):
+        return buf
     if kind == "rbf":
         return buf.clamp_(max=0.0).exp2_()
     torch.threshold_(buf, zero_below, 0.0)  # the same builtin as torch.nn.functional.threshold_
