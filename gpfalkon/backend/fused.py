@@ -177,7 +177,7 @@ void fused_kmn_k(torch::Tensor acc, torch::Tensor K, torch::Tensor u, torch::Ten
 // The Matern profiles phi (gpfalkon.backend.engine._apply_profile_) in one vectorised pass over contiguous
 // values: with z' = sqrt(t) (t at or below zero_below taken as 0), kind 1 Matern-1/2 2^-z', 2 Matern-3/2
 // (1 + z' ln 2) 2^-z', 3 Matern-5/2 ((z' ln 2 + 1.5)^2 + 0.75) 2^-z'. 2^x for x <= 0 by
-// Exp2: x = n + f with n the nearest integer (the 1.5 * 2^p rounding trick) and |f| <= 1/2, 2^f by its
+// exp2_nonpos: x = n + f with n the nearest integer (the 1.5 * 2^p rounding trick) and |f| <= 1/2, 2^f by its
 // Taylor polynomial in f ln 2 (degree 7 in float32, 12 in float64: truncation below a quarter of an ulp),
 // 2^n written into the exponent bits; below the normal range (2^-126 / 2^-1022) as 2^(x + 64) 2^-64
 // (float64: 128), so subnormal results round once, as torch.exp2's do, and underflow to 0 past them (a
@@ -185,60 +185,63 @@ void fused_kmn_k(torch::Tensor acc, torch::Tensor K, torch::Tensor u, torch::Ten
 // compiler vectorises (-O3 -march=native -fno-math-errno): ATen's vectorised exp2 is not reachable from
 // an extension, and its in-place operations take one pass over the tile per operation (eight for
 // Matern-5/2). NaN stays NaN.
-template <typename T> struct Exp2;
-template <> struct Exp2<float> {
-  static inline float nonpos(float x) {
-    const bool low = x < -126.0f;  // below the normal range: 2^(x + 64) 2^-64, rounded once at the end
-    const float xs = low ? x + 64.0f : x;
-    const float xc = xs < -126.0f ? -126.0f : xs;
-    const float t = xc + 12582912.0f;
-    const float nf = t - 12582912.0f;
-    int32_t ti;
-    std::memcpy(&ti, &t, 4);
-    const float f = (xc - nf) * 0.69314718055994530942f;
-    float p = 1.0f / 5040.0f;
-    p = p * f + 1.0f / 720.0f;
-    p = p * f + 1.0f / 120.0f;
-    p = p * f + 1.0f / 24.0f;
-    p = p * f + 1.0f / 6.0f;
-    p = p * f + 0.5f;
-    p = p * f + 1.0f;
-    p = p * f + 1.0f;
-    const int32_t e = (ti - 0x4B400000 + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &e, 4);
-    return low ? (p * scale) * 5.42101086242752217e-20f : p * scale;
+// The constants of exp2_nonpos per dtype: the rounding constant 1.5 * 2^p and its bit pattern, the exponent bias
+// and shift, the smallest normal exponent, the lift applied below it (2^lift, and 2^-lift exactly), and
+// the degree of the Taylor polynomial.
+template <typename T> struct Exp2Traits;
+template <> struct Exp2Traits<float> {
+  using Int = int32_t;
+  static constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+  static constexpr Int kRoundBits = 0x4B400000;
+  static constexpr Int kBias = 127;
+  static constexpr int kShift = 23;
+  static constexpr float kMinNormal = -126.0f;
+  static constexpr float kLift = 64.0f;
+  static constexpr float kDrop = 5.42101086242752217e-20f;  // 2^-64
+  static constexpr int kDegree = 7;
+};
+template <> struct Exp2Traits<double> {
+  using Int = int64_t;
+  static constexpr double kRound = 6755399441055744.0;  // 1.5 * 2^52
+  static constexpr Int kRoundBits = 0x4338000000000000LL;
+  static constexpr Int kBias = 1023;
+  static constexpr int kShift = 52;
+  static constexpr double kMinNormal = -1022.0;
+  static constexpr double kLift = 128.0;
+  static constexpr double kDrop = 2.93873587705571877e-39;  // 2^-128
+  static constexpr int kDegree = 12;
+};
+
+// 1 / k! for k = 0 .. D, computed by the compiler
+template <int D> struct InverseFactorials {
+  double c[D + 1];
+  constexpr InverseFactorials() : c() {
+    c[0] = 1.0;
+    for (int k = 1; k <= D; ++k) c[k] = c[k - 1] / k;
   }
 };
-template <> struct Exp2<double> {
-  static inline double nonpos(double x) {
-    const bool low = x < -1022.0;  // below the normal range: 2^(x + 128) 2^-128, rounded once at the end
-    const double xs = low ? x + 128.0 : x;
-    const double xc = xs < -1022.0 ? -1022.0 : xs;
-    const double t = xc + 6755399441055744.0;
-    const double nf = t - 6755399441055744.0;
-    int64_t ti;
-    std::memcpy(&ti, &t, 8);
-    const double f = (xc - nf) * 0.69314718055994530942;
-    double p = 1.0 / 479001600.0;
-    p = p * f + 1.0 / 39916800.0;
-    p = p * f + 1.0 / 3628800.0;
-    p = p * f + 1.0 / 362880.0;
-    p = p * f + 1.0 / 40320.0;
-    p = p * f + 1.0 / 5040.0;
-    p = p * f + 1.0 / 720.0;
-    p = p * f + 1.0 / 120.0;
-    p = p * f + 1.0 / 24.0;
-    p = p * f + 1.0 / 6.0;
-    p = p * f + 0.5;
-    p = p * f + 1.0;
-    p = p * f + 1.0;
-    const int64_t e = (ti - 0x4338000000000000LL + 1023) << 52;
-    double scale;
-    std::memcpy(&scale, &e, 8);
-    return low ? (p * scale) * 2.93873587705571877e-39 : p * scale;
-  }
-};
+
+template <typename T>
+static inline T exp2_nonpos(T x) {
+  using Tr = Exp2Traits<T>;
+  using Int = typename Tr::Int;
+  const bool low = x < Tr::kMinNormal;  // below the normal range: 2^(x + lift) 2^-lift, rounded once
+  const T xs = low ? x + Tr::kLift : x;
+  const T xc = xs < Tr::kMinNormal ? Tr::kMinNormal : xs;
+  const T t = xc + Tr::kRound;  // rounds xc to the nearest integer n (in t's low bits)
+  const T nf = t - Tr::kRound;
+  Int ti;
+  std::memcpy(&ti, &t, sizeof(T));
+  const T f = (xc - nf) * T(0.69314718055994530942);  // |f| <= ln 2 / 2
+  static constexpr InverseFactorials<Tr::kDegree> kTaylor{};
+  T p = T(kTaylor.c[Tr::kDegree]);
+#pragma GCC unroll 16
+  for (int k = Tr::kDegree - 1; k >= 0; --k) p = p * f + T(kTaylor.c[k]);
+  const Int e = (ti - Tr::kRoundBits + Tr::kBias) << Tr::kShift;
+  T scale;
+  std::memcpy(&scale, &e, sizeof(T));
+  return low ? (p * scale) * Tr::kDrop : p * scale;
+}
 
 // kind 1-3 (the Matern profiles; RBF's two ATen passes are as fast: benchmarks/results/profile-fused.md)
 template <typename T>
@@ -246,19 +249,19 @@ static void profile_values(int64_t kind, T* __restrict b, int64_t count, T zero_
   const T ln2 = T(0.69314718055994530942);
   if (kind == 1) {
 #pragma omp simd
-    for (int64_t i = 0; i < count; ++i) b[i] = Exp2<T>::nonpos(-std::sqrt(b[i] <= zero_below ? T(0) : b[i]));
+    for (int64_t i = 0; i < count; ++i) b[i] = exp2_nonpos<T>(-std::sqrt(b[i] <= zero_below ? T(0) : b[i]));
   } else if (kind == 2) {
 #pragma omp simd
     for (int64_t i = 0; i < count; ++i) {
       const T z = std::sqrt(b[i] <= zero_below ? T(0) : b[i]);
-      b[i] = (z * ln2 + T(1)) * Exp2<T>::nonpos(-z);
+      b[i] = (z * ln2 + T(1)) * exp2_nonpos<T>(-z);
     }
   } else {
 #pragma omp simd
     for (int64_t i = 0; i < count; ++i) {
       const T z = std::sqrt(b[i] <= zero_below ? T(0) : b[i]);
       const T q = z * ln2 + T(1.5);
-      b[i] = (q * q + T(0.75)) * Exp2<T>::nonpos(-z);
+      b[i] = (q * q + T(0.75)) * exp2_nonpos<T>(-z);
     }
   }
 }
@@ -487,8 +490,8 @@ def fused_profile_(buf: Tensor, kind: str, zero_below: float = 0.0) -> bool:
     ``2^x`` (``x <= 0``) is computed in the C++ source as ``2^n 2^f`` (``n`` the nearest integer, ``2^f`` by
     its Taylor polynomial in ``f ln 2``, degree 7 in float32 and 12 in float64) and is within a few ulp of
     ``torch.exp2``, subnormal results included. ATen takes one pass over the buffer per in-place operation
-    (eight for Matern-5/2); this is 1.7-2.9x faster on one thread and a cache-resident buffer, 2.8-5.8x on a
-    64 MiB one, and makes the engine's ``K_nM u`` pass (the posterior mean) 1.4-2.7x faster
+    (eight for Matern-5/2); this is 1.9-3.8x faster on one thread and a cache-resident buffer, 2.7-5.8x on a
+    64 MiB one, and makes the engine's ``K_nM u`` pass (the posterior mean) 1.35-2.3x faster
     (``benchmarks/results/profile-fused.md``; inside :func:`fused_fly_kmn_k`'s tiles the whole pass did not
     measurably change). RBF is declined: its two ATen passes (clamp, exp2) are as fast
     (``profile-fused-rbf.md``: 0.92-1.58x, and 0.78-0.95x on that pass). Cost ``O(buf.numel())``, no extra
