@@ -140,6 +140,26 @@ def test_upper_gram_matches_the_dense_product(dtype, m, monkeypatch):
         upper_gram(u[:, :0] if m > 1 else torch.zeros(2, 3, dtype=dtype))
 
 
+@pytest.mark.parametrize("m", [1, 7, 300, 601])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_upper_matmul_reads_only_the_upper_triangle(m, transpose, monkeypatch):
+    """upper_matmul(U, x) = triu(U) x (or triu(U)^T x) against the dense product, for a U whose strict lower
+    triangle holds garbage (never read), with 128-row blocks (ragged last block); U and x left untouched."""
+    import gpfalkon.linalg.gram as gram
+    from gpfalkon.linalg import upper_matmul
+
+    monkeypatch.setattr(gram, "GRAM_MIN_BLOCK", 128)
+    g = torch.Generator().manual_seed(m + 3)
+    u = torch.randn(m, m, generator=g, dtype=torch.float64)
+    x = torch.randn(m, 3, generator=g, dtype=torch.float64)
+    before_u, before_x = u.clone(), x.clone()
+    ref = (u.triu().T if transpose else u.triu()) @ x
+    torch.testing.assert_close(upper_matmul(u, x, transpose=transpose), ref, rtol=1e-12, atol=1e-12)
+    assert torch.equal(u, before_u) and torch.equal(x, before_x)
+    with pytest.raises(ValueError, match="u must be"):
+        upper_matmul(u, x[:-1] if m > 1 else torch.zeros(2, 1, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("weights", [False, True])
 def test_factor_cache_reuses_the_penalty_free_factor_bit_for_bit(weights, monkeypatch):
     """FactorCache: a penalty sweep at one K_MM factors K_MM once (counted by wrapping the Cholesky of

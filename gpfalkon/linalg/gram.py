@@ -1,11 +1,12 @@
-"""``U U^T`` for an upper-triangular ``U`` by blocked products that skip ``U``'s zero triangle."""
+"""``U U^T`` and ``U x`` / ``U^T x`` for an upper-triangular ``U`` by blocked products that skip ``U``'s zero
+triangle."""
 from __future__ import annotations
 
 import math
 
 from torch import Tensor
 
-__all__ = ["GRAM_MIN_BLOCK", "gram_block", "upper_gram"]
+__all__ = ["GRAM_MIN_BLOCK", "gram_block", "upper_gram", "upper_matmul"]
 
 #: the smallest block of the blocked product: below it a matmul's fixed cost outweighs the saved flops
 #: (``benchmarks/results/precond-build.md``: blocks of 256-512 rows at M = 1,000-8,000)
@@ -53,3 +54,27 @@ def upper_gram(u: Tensor) -> Tensor:
                 g[i0:i1, j0:j1] = blk
                 g[j0:j1, i0:i1] = blk.mT
     return g
+
+
+def upper_matmul(u: Tensor, x: Tensor, transpose: bool = False) -> Tensor:
+    """``triu(U) x`` (or ``triu(U)^T x``) for a square ``U`` and ``x`` ``(M, k)``, reading only ``U``'s upper
+    triangle: block row ``I`` is ``U[I, I:] x[I:]`` with the diagonal block's lower part dropped (a
+    ``b x b`` copy per block, ``b`` = :func:`gram_block`), so neither ``U.triu()`` (an ``M x M`` copy) nor
+    the zero triangle's ``M^2 / 2`` reads are paid. Cost ``M^2 k`` flops, ``M^2 / 2`` values read."""
+    if u.dim() != 2 or u.shape[0] != u.shape[1] or x.dim() != 2 or x.shape[0] != u.shape[0]:
+        raise ValueError(f"u must be (M, M) and x (M, k), got {tuple(u.shape)} and {tuple(x.shape)}")
+    m = u.shape[0]
+    b = gram_block(m)
+    out = x.new_empty(m, x.shape[1])
+    for i0 in range(0, m, b):
+        i1 = min(m, i0 + b)
+        diag = u[i0:i1, i0:i1].triu()
+        if transpose:  # (U^T x)[I] = U[:I, I]^T x[:I] + triu(U[I, I])^T x[I]
+            out[i0:i1] = diag.mT @ x[i0:i1]
+            if i0 > 0:
+                out[i0:i1] += u[:i0, i0:i1].mT @ x[:i0]
+        else:  # (U x)[I] = triu(U[I, I]) x[I] + U[I, I1:] x[I1:]
+            out[i0:i1] = diag @ x[i0:i1]
+            if i1 < m:
+                out[i0:i1] += u[i0:i1, i1:] @ x[i1:]
+    return out

@@ -11,7 +11,7 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from .._validation import check_penalty
-from ..linalg import jittered_cholesky, upper_gram
+from ..linalg import jittered_cholesky, upper_gram, upper_matmul
 
 __all__ = ["FactorCache", "FalkonPreconditioner", "PreconditionerFactor"]
 
@@ -190,8 +190,9 @@ class FalkonPreconditioner(LinearOperator):
         z = self._solve_upper(self.chol_a, u.to(self.chol_a.dtype), False)
         w = self._solve_upper(self.chol_t, z, False)
         data = data_matmul(w * (d / root_n))
-        inner = self._solve_upper(self.chol_t, data.to(w.dtype).mul_(d / root_n).sub_(w, alpha=c * self.jitter), True)
-        return self._solve_upper(self.chol_a, inner.add_(z, alpha=c), True)
+        # (out of place on data_matmul's result, which the caller may keep)
+        inner = self._solve_upper(self.chol_t, data.to(w.dtype) * (d / root_n) - (c * self.jitter) * w, True)
+        return self._solve_upper(self.chol_a, inner + c * z, True)
 
     def reproduces(self, kmm: Tensor, rtol: float | None = None) -> bool:
         r"""Whether ``T^T T - j I`` equals ``D K_MM D`` for this ``kmm`` to the rounding of a float64
@@ -207,8 +208,7 @@ class FalkonPreconditioner(LinearOperator):
         k = kmm.detach().to(device=t.device, dtype=torch.float64)
         d = self.weights.to(torch.float64)
         r = torch.randn(m, 1, generator=torch.Generator().manual_seed(m), dtype=torch.float64).to(t.device)
-        ut = t.triu()
-        lhs = ut.mT @ (ut @ r) - self.jitter * r
+        lhs = upper_matmul(t, upper_matmul(t, r), transpose=True) - self.jitter * r
         rhs = d.unsqueeze(-1) * (k @ (d.unsqueeze(-1) * r))
         tol = (1000.0 * m * torch.finfo(torch.float64).eps) if rtol is None else float(rtol)
         scale = float((d.square() * k.diagonal()).sum().abs()) * float(r.norm())

@@ -77,18 +77,22 @@ def falkon_solve(
     def timed_apply(fn: Callable[[Tensor], Tensor], u: Tensor) -> Tensor:
         return timed(0, fn, u)
 
-    split_w = getattr(precond, "w_matmul", None) if data_matmul is not None else None
-    if data_matmul is not None and (split_w is None or kmm_weight is None):
-        raise ValueError("data_matmul needs kmm_weight and a preconditioner with a w_matmul method")
-    data_fn: Callable[[Tensor], Tensor] = h_matmul if data_matmul is None else data_matmul
+    # (precond.w_matmul, data_matmul, kmm_weight) where W is applied by the preconditioner
+    split: tuple[Callable[..., Tensor], Callable[[Tensor], Tensor], float] | None = None
+    if data_matmul is not None:
+        w_fn = getattr(precond, "w_matmul", None)
+        if w_fn is None or kmm_weight is None:
+            raise ValueError("data_matmul needs kmm_weight and a preconditioner with a w_matmul method")
+        split = (w_fn, data_matmul, float(kmm_weight))
     t_start = time.perf_counter()
     b = timed_apply(precond.apply_bt, rhs.to(torch.float64))
 
     def w_matmul(u: Tensor) -> Tensor:
-        if split_w is None:
+        if split is None:
             return timed_apply(precond.apply_bt, h_matmul(timed_apply(precond.apply_b, u)))
+        w_fn, data_fn, c = split
         # the triangular solves' seconds: the whole product less its data pass (clock[1])
-        return timed_apply(lambda x: split_w(x, lambda v: timed(1, data_fn, v), kmm_weight), u)
+        return timed_apply(lambda x: w_fn(x, lambda v: timed(1, data_fn, v), c), u)
 
     beta0 = precond.apply_b_inv(x0.to(torch.float64)) if x0 is not None else None
     beta, info = conjugate_gradient(
