@@ -27,14 +27,20 @@ Parts (each timed with CUDA events or after ``torch.cuda.synchronize``; medians 
 5. ``flights`` - the same on flights (``benchmarks/fit.py`` part 3's split: shuffled with seed 0,
    2/3 train; M = 5,000, RBF with median lengthscale, lambda = 1e-6, 20 iterations).
 6. ``scale`` - synthetic n = 1e7 (+ 1e5 test), d = 24, y = f(x) + 0.1 eps with ``fit.py``'s f:
-   FALKON float32, 20 iterations, M = 10,000 and 20,000, ``x`` in GPU memory; at M = 10,000 also
-   ``x`` in host memory streamed to the GPU (``TensorRows(x_host, device="cuda")``) with the
-   prefetcher (pinned buffers, side stream) and without it (each block read and copied when asked
-   for). Fit time and its split, test RMSE, the CG iterations' flops over time against the float32
-   peak.
+   FALKON float32, 20 iterations, each ``--scale-m`` (default 10,000 and 20,000), ``x`` in GPU
+   memory, through the fused Triton pass; the first size also through torch's blockwise pass; at the
+   first size also ``x`` in host memory streamed to the GPU (``TensorRows(x_host, device="cuda")``)
+   with the prefetcher (pinned buffers, side stream) and without it (each block read and copied when
+   asked for), unless ``--no-scale-host``. Fit time and its split, test RMSE, the CG iterations'
+   flops over time against the float32 peak.
 7. ``baselines`` - GPyTorch SGPR and SVGP (``benchmarks/compare.py``'s runners, same settings as on
-   the CPU) on 1e6 rows of the scale problem for ``--baseline-budget`` seconds each, against the
-   FALKON fit of the same rows.
+   the CPU) on ``--baseline-n`` rows (default 1e7) of the scale problem for ``--baseline-budget``
+   seconds each, against the FALKON fit of the same rows.
+8. ``fused`` - one on-the-fly pass ``K^T (K u)`` as in part 2 (n = 1e6, M = 20,000, d = 24 and 128)
+   through torch's blockwise path and the fused Triton kernels (:mod:`gpfalkon.backend.triton_fly`,
+   forced at every d) with IEEE float32 and TF32 distances: time, the useful flops (one distance product and the
+   two thin products; the kernels compute the distances twice) over time against the float32 and TF32
+   matmul peaks, and the relative error of the product on the first 1e5 rows against float64.
 
 Every part runs in its own ``try``: a failure is recorded and the next part runs. Results go to
 ``<out>.json`` after each part and ``<out>.md`` at the end (``--report-only`` rebuilds the
@@ -113,6 +119,15 @@ def rbf(lengthscale: float, dtype: torch.dtype, dev: torch.device):
     k = gpytorch.kernels.RBFKernel().to(device=dev, dtype=dtype)
     k.lengthscale = lengthscale
     return k
+
+
+def predictions(model: FalkonGP, x: torch.Tensor, chunk: int = 100_000) -> torch.Tensor:
+    """The posterior mean at ``x`` (float64)."""
+    import gpytorch
+
+    model.eval()
+    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
+        return torch.cat([model(x[s : s + chunk]).mean.double() for s in range(0, len(x), chunk)])
 
 
 def rmse(model: FalkonGP, x: torch.Tensor, y: torch.Tensor, chunk: int = 100_000) -> float:
@@ -212,6 +227,51 @@ def part_engine(dev: torch.device, smoke: bool, peaks: dict) -> dict:
     return dict(rows=rows)
 
 
+def _fused_mode(dev: torch.device) -> str:
+    """``gpfalkon.settings.triton_fly`` for part 8's fused rows: compiled on CUDA at every width (``"on"``,
+    not ``"auto"``'s choice); on a CPU (``--smoke``) Triton's interpreter, where ``TRITON_INTERPRET=1`` was
+    set (else the part reports why it cannot run)."""
+    return "on" if dev.type == "cuda" else "interpret"
+
+
+def part_fused(dev: torch.device, smoke: bool, peaks: dict) -> dict:
+    """The fused Triton pass against torch's blockwise pass (``gpfalkon.settings.triton_fly``), and its
+    distance precisions (``gpfalkon.settings.tf32``: IEEE float32, TF32), on the engine's ``K^T (K u)``."""
+    from gpfalkon.backend.triton_fly import triton_fly_available
+
+    fused = _fused_mode(dev)
+    with gpfalkon.settings.triton_fly(fused):
+        ok, why = triton_fly_available(dev)
+    if not ok:
+        return dict(skipped=f"the fused Triton pass does not run here: {why}")
+    n, m = (2_000, 200) if smoke else (1_000_000, 20_000)  # (the interpreter is slow)
+    n_err = 1_000 if smoke else 100_000
+    rows = []
+    for d in (24, 64, 128):
+        x = torch.randn(n, d, device=dev)
+        c = x[torch.randperm(n, device=dev)[:m]].clone() * 1.001
+        u = torch.randn(m, 1, device=dev)
+        ref = KernelEngine(rbf(math.sqrt(d), torch.float64, dev), x[:n_err].double(), c.double(),
+                           store=False).kmn_k(u.double())
+        for label, mode, tf in (("torch blockwise", "off", False), ("fused, IEEE float32", fused, False),
+                                ("fused, TF32", fused, True)):
+            with gpfalkon.settings.triton_fly(mode), gpfalkon.settings.tf32(tf):
+                eng = KernelEngine(rbf(math.sqrt(d), torch.float32, dev), x, c, store=False)
+                t = median_seconds(lambda eng=eng, u=u: eng.kmn_k(u), dev, repeats=3, warmup=1)
+                small = KernelEngine(rbf(math.sqrt(d), torch.float32, dev), x[:n_err], c, store=False).kmn_k(u)
+            useful = 2.0 * n * m * (d + 2) + 4.0 * n * m  # one distance product and the two thin ones
+            rows.append(dict(d=d, n=n, M=m, path=label, seconds=t, useful_tflops=useful / t / 1e12,
+                             fp32_peak_fraction=useful / t / 1e12 / peaks["fp32_ieee_tflops"],
+                             tf32_peak_fraction=useful / t / 1e12 / peaks["fp32_tf32_tflops"],
+                             rel_error_vs_float64=float((small - ref).norm() / ref.norm())))
+            log(f"[fused] {rows[-1]}")
+            del eng
+        for r in rows[-3:]:
+            r["speedup_vs_torch"] = rows[-3]["seconds"] / r["seconds"]
+        del x, c, ref
+    return dict(rows=rows)
+
+
 def part_tf32(dev: torch.device, smoke: bool) -> dict:
     rows = []
     for d in (8, 24, 128):
@@ -283,7 +343,7 @@ def part_flights(dev: torch.device, smoke: bool, peaks: dict) -> dict:
     return dict(rows=rows, n_train=len(xtr), n_test=len(xte))
 
 
-def part_scale(dev: torch.device, smoke: bool, peaks: dict, iters: int, sizes: list[int]) -> dict:
+def part_scale(dev: torch.device, smoke: bool, peaks: dict, iters: int, sizes: list[int], host: bool) -> dict:
     n, d = (100_000, 24) if smoke else (10_000_000, 24)
     nt = 100_000 if not smoke else 10_000
     xtr, ytr, xte, yte = synthetic(n, nt, d, dev)
@@ -292,14 +352,26 @@ def part_scale(dev: torch.device, smoke: bool, peaks: dict, iters: int, sizes: l
     rows = []
     sizes = [max(100, m // 20) for m in sizes] if smoke else sizes
     for m in sizes:
-        secs, model = fit(xtr, ytr, rbf(ls, torch.float32, dev), m, 1e-6, iters, dev)
-        rows.append(fit_row("x in GPU memory", secs, model, rmse(model, xte, yte), n, m, d, iters, peak))
-        log(f"[scale] {rows[-1]}")
-        if m == sizes[0]:
-            alpha_ref = model.alpha.detach().clone()
-        del model
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        # the first size also through torch's blockwise pass (the fused Triton pass off), same data and centers
+        for label, mode in (("x in GPU memory, fused pass", "auto"), ("x in GPU memory, torch pass", "off")):
+            if (mode == "off" and m != sizes[0]) or (mode == "auto" and dev.type != "cuda"):
+                continue
+            with gpfalkon.settings.triton_fly(mode):
+                secs, model = fit(xtr, ytr, rbf(ls, torch.float32, dev), m, 1e-6, iters, dev)
+                rows.append(fit_row(label, secs, model, rmse(model, xte, yte), n, m, d, iters, peak))
+            log(f"[scale] {rows[-1]}")
+            if m == sizes[0] and dev.type == "cuda":  # the two paths' fits: coefficients and test predictions
+                pred = predictions(model, xte)
+                if mode == "auto":
+                    alpha_ref, pred_ref = model.alpha.detach().clone(), pred
+                else:
+                    rows[-1]["alpha_rel_diff_vs_fused"] = float((model.alpha - alpha_ref).norm() / alpha_ref.norm())
+                    rows[-1]["pred_rel_diff_vs_fused"] = float((pred - pred_ref).norm() / pred_ref.norm())
+            del model
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    if not host:
+        return dict(rows=rows, lengthscale=ls)
     m = sizes[0]
     x_host = xtr.cpu()
     from gpfalkon.backend import prefetch
@@ -314,18 +386,19 @@ def part_scale(dev: torch.device, smoke: bool, peaks: dict, iters: int, sizes: l
         finally:
             prefetch.overlapped = real
         row = fit_row(label, secs, model, rmse(model, xte, yte), n, m, d, iters, peak)
-        row["alpha_rel_diff_vs_gpu_memory"] = float((model.alpha - alpha_ref).norm() / alpha_ref.norm())
+        if dev.type == "cuda":
+            row["alpha_rel_diff_vs_gpu_memory"] = float((model.alpha - alpha_ref).norm() / alpha_ref.norm())
         rows.append(row)
         log(f"[scale] {row}")
         del model
     return dict(rows=rows, lengthscale=ls)
 
 
-def part_baselines(dev: torch.device, smoke: bool, budget: float, m_falkon: int) -> dict:
-    """GPyTorch SGPR / SVGP on 1e6 rows of the scale problem (compare.py's runners) and FALKON."""
+def part_baselines(dev: torch.device, smoke: bool, budget: float, m_falkon: int, n_rows: int) -> dict:
+    """GPyTorch SGPR / SVGP on ``n_rows`` rows of the scale problem (compare.py's runners) and FALKON."""
     import compare
 
-    n, d = (20_000, 24) if smoke else (1_000_000, 24)
+    n, d = (20_000, 24) if smoke else (n_rows, 24)
     xtr, ytr, xte, yte = synthetic(n, 100_000 if not smoke else 5_000, d, dev, seed=1)
     ys = float(yte.std())
     data = dict(name="synthetic", task="regression", split="synthetic", xtr=xtr, ytr=ytr, xte=xte, yte=yte,
@@ -343,7 +416,7 @@ def part_baselines(dev: torch.device, smoke: bool, budget: float, m_falkon: int)
     secs, model = fit(xtr, ytr, rbf(ls, torch.float32, dev), m, 1e-6, 20, dev)
     rows.append(dict(method=f"gpfalkon FALKON (M {m}, 20 iterations, median lengthscale)", M=m, n_used=n,
                      fit_s=secs, rmse=rmse(model, xte, yte)))
-    return dict(rows=rows, budget=budget, y_test_std=ys)
+    return dict(rows=rows, budget=budget, y_test_std=ys, n_train=n)
 
 
 # ----------------------------------------------------------------------------- report
@@ -365,7 +438,8 @@ def report(res: dict) -> str:
               "reference": "4. Reference problem (n 200k, d 20, M 2000, 20 iterations)",
               "flights": "5. flights (M 5000, 20 iterations)",
               "scale": "6. n = 1e7, d = 24",
-              "baselines": "7. GPyTorch SGPR / SVGP on the same GPU (1e6 rows of the scale problem)"}
+              "baselines": "7. GPyTorch SGPR / SVGP on the same GPU (rows of the scale problem)",
+              "fused": "8. The fused Triton pass against torch's blockwise pass (float32, RBF, K^T (K u))"}
     for key, title in titles.items():
         part = res.get(key)
         if part is None:
@@ -394,11 +468,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=pathlib.Path, required=True, help="path stem: writes <out>.json and <out>.md")
     ap.add_argument("--smoke", action="store_true", help="toy sizes (checks that every part runs)")
-    ap.add_argument("--parts", nargs="+", default=["peaks", "engine", "tf32", "reference", "flights", "scale",
-                                                   "baselines"])
+    ap.add_argument("--parts", nargs="+", default=["peaks", "engine", "fused", "tf32", "reference", "flights",
+                                                   "scale", "baselines"])
     ap.add_argument("--iters", type=int, default=20, help="CG iterations of the n = 1e7 fits")
     ap.add_argument("--scale-m", type=int, nargs="+", default=[10_000, 20_000])
+    ap.add_argument("--no-scale-host", action="store_true", help="skip part 6's fits from host memory")
     ap.add_argument("--baseline-budget", type=float, default=30.0)
+    ap.add_argument("--baseline-n", type=int, default=10_000_000, help="training rows of part 7")
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args()
     js, md = args.out.with_suffix(".json"), args.out.with_suffix(".md")
@@ -420,6 +496,8 @@ def main() -> None:
                 res[part] = dict(peaks)
             elif part == "engine":
                 res[part] = part_engine(dev, args.smoke, peaks or part_peaks(dev, True))
+            elif part == "fused":
+                res[part] = part_fused(dev, args.smoke, peaks or part_peaks(dev, True))
             elif part == "tf32":
                 res[part] = part_tf32(dev, args.smoke)
             elif part == "reference":
@@ -427,9 +505,9 @@ def main() -> None:
             elif part == "flights":
                 res[part] = part_flights(dev, args.smoke, peaks)
             elif part == "scale":
-                res[part] = part_scale(dev, args.smoke, peaks, args.iters, args.scale_m)
+                res[part] = part_scale(dev, args.smoke, peaks, args.iters, args.scale_m, not args.no_scale_host)
             elif part == "baselines":
-                res[part] = part_baselines(dev, args.smoke, args.baseline_budget, args.scale_m[0])
+                res[part] = part_baselines(dev, args.smoke, args.baseline_budget, args.scale_m[0], args.baseline_n)
             else:
                 ap.error(f"--parts: unknown part {part!r}")
         except Exception:  # recorded; the next part runs

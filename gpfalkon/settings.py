@@ -17,7 +17,7 @@ import numbers
 from typing import Any, ClassVar
 
 __all__ = ["aggregate_route", "block_rows", "cg_tolerance", "kmm_through_factor", "max_cg_iterations", "memory_budget",
-           "tf32"]
+           "tf32", "triton_fly"]
 
 _UNSET = object()
 
@@ -203,3 +203,27 @@ class kmm_through_factor(_setting):
         if not isinstance(value, bool):
             raise ValueError(f"gpfalkon.settings.kmm_through_factor: must be True or False, got {value!r}")
         return value
+
+
+class triton_fly(_setting):
+    """Whether the engine's on-the-fly pass on a CUDA GPU runs as the fused Triton kernels of
+    :mod:`gpfalkon.backend.triton_fly` (distances, profile and both thin products on chip, no kernel
+    block written to GPU memory).
+
+    ``"auto"`` (default): on CUDA, for float32 and the stationary fast path, where Triton is
+    installed, and where it was measured faster than torch's blockwise path: an input dimension up
+    to 30 (the kernels compute the distances twice, in IEEE float32 on the CUDA cores), or any
+    dimension with :class:`tf32` on (``benchmarks/results/gpu-fused.md``). ``"on"``: wherever it
+    runs, whatever the dimension. ``"off"``: torch's blockwise path everywhere (for comparisons).
+    ``"interpret"``: the same kernels on CPU tensors through Triton's interpreter (``TRITON_INTERPRET=1``
+    set before Triton is imported), slowly: for tests and debugging on a machine without a GPU.
+    """
+
+    _default: ClassVar[str] = "auto"
+
+    @classmethod
+    def _check(cls, value: Any) -> str:
+        if value not in ("auto", "on", "off", "interpret"):
+            raise ValueError(
+                f"gpfalkon.settings.triton_fly: must be 'auto', 'on', 'off' or 'interpret', got {value!r}")
+        return str(value)

@@ -2,10 +2,13 @@
 # The GPU checks of issue 17 on a machine with a CUDA GPU and torch, gpytorch, botorch,
 # linear_operator, pytest, hypothesis, pyarrow installed (the package itself from this checkout).
 # Usage: bash scripts/gpu_check.sh OUT_DIR STEP...   with STEP among
-#   tests      the device-sensitive tests (tests/test_devices.py: CPU and CUDA)
+#   tests      the device-sensitive tests (tests/test_devices.py: CPU and CUDA; tests/test_triton_fly.py:
+#              the fused Triton kernels compiled for the GPU, one tile shape per key)
 #   bench      benchmarks/gpu.py (ceilings, engine rates, TF32, float32 vs float64, n = 1e7, baselines)
 #   flights    benchmarks/compare.py --device cuda on flights: gpfalkon auto_fit, SGPR, SVGP
 #   suite      the whole test suite (pytest-xdist when installed)
+#   dist       the README's distributed example under torchrun (2 processes, the default process group:
+#              gloo for CPU tensors, NCCL for CUDA ones) and tests/test_distributed.py
 # Each step runs under its own time limit (seconds, environment GPU_CHECK_<STEP>_S) and writes its log
 # to OUT_DIR; a failed step does not stop the next. Data: GPFALKON_DATA (flights.npz).
 set -uo pipefail
@@ -22,8 +25,8 @@ for step in "$@"; do
   s=$(date +%s)
   case $step in
     tests)
-      timeout "${GPU_CHECK_TESTS_S:-240}" $py -m pytest -q -p no:cacheprovider -rfEs tests/test_devices.py \
-        2>&1 | tee "$out/tests.log" | tail -25 ;;
+      GPFALKON_TRITON_AUTOTUNE=0 timeout "${GPU_CHECK_TESTS_S:-240}" $py -m pytest -q -p no:cacheprovider -rfEs \
+        tests/test_devices.py tests/test_triton_fly.py 2>&1 | tee "$out/tests.log" | tail -25 ;;
     bench)
       timeout "${GPU_CHECK_BENCH_S:-330}" $py benchmarks/gpu.py --out "$out/gpu" ${GPU_BENCH_ARGS:-} \
         > "$out/bench.log" 2>&1; tail -5 "$out/bench.log" ;;
@@ -35,6 +38,11 @@ for step in "$@"; do
       xd=""; $py -c "import xdist" 2>/dev/null && xd="-n ${GPU_CHECK_WORKERS:-8}"
       timeout "${GPU_CHECK_SUITE_S:-300}" $py -m pytest -q -p no:cacheprovider -rfE $xd tests \
         2>&1 | tee "$out/suite.log" | tail -25 ;;
+    dist)
+      { timeout "${GPU_CHECK_DIST_S:-150}" $py -m torch.distributed.run --nproc-per-node 2 examples/distributed_fit.py \
+          --check --tol 1e-12 --iterations 1000 && \
+        timeout "${GPU_CHECK_DIST_S:-150}" $py -m pytest -q -p no:cacheprovider -rfE tests/test_distributed.py; } \
+        2>&1 | tee "$out/dist.log" | tail -25 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   echo "== step $step: $(( $(date +%s) - s )) s (total $(( $(date +%s) - t0 )) s)"

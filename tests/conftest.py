@@ -7,6 +7,11 @@ import gpytorch
 import pytest
 import torch
 
+# Without a CUDA device, Triton (where installed) runs gpfalkon's fused GPU kernels through its CPU
+# interpreter (tests/test_triton_fly.py); it reads this when it is first imported, which is after here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def test_devices() -> list[str]:
     """Devices the device-sensitive tests run on: CPU always, plus ``GPFALKON_TEST_DEVICE``

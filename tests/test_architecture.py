@@ -129,9 +129,10 @@ def test_one_module_iterates_row_blocks_and_one_sizes_them():
     """Only backend/blocks.py steps through rows (``range(start, n, rows)``) and defines
     the block-size rule; every other module calls :func:`~gpfalkon.backend.row_blocks`.
     linalg/gram.py steps through the blocks of an M x M triangular factor (no data rows; the
-    foundation layer cannot import the backend's iterator)."""
+    foundation layer cannot import the backend's iterator); backend/_triton_kernels.py steps through
+    tiles inside GPU kernels (device code, where no Python iterator runs)."""
     stepping = [str(rel) for rel, path in _modules() if _RANGE_STEP.search(path.read_text())]
-    assert stepping == ["backend/blocks.py", "linalg/gram.py"], stepping
+    assert stepping == ["backend/_triton_kernels.py", "backend/blocks.py", "linalg/gram.py"], stepping
     # the settings that size blocks are read in blocks.py only
     readers = sorted(
         str(rel)

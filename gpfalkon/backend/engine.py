@@ -62,6 +62,7 @@ from .fused import fly_tile_rows, fused_fly_kmn_k, fused_kmn_k, fused_profile_
 from .precision import matmul_precision
 from .prefetch import source_blocks
 from .sources import RowSource
+from .triton_fly import triton_fly_kmn_k
 
 __all__ = ["KernelEngine", "StationarySpec", "kernel_block", "stationary_spec", "stored_rows_for"]
 
@@ -448,21 +449,28 @@ class KernelEngine:
         return acc.t()
 
     def _fly_fused(self, acc: Tensor, u_t: Tensor | None, v_t: Tensor | None, fill: bool = False) -> bool:
-        """``acc += (u^T K_f^T + v_f^T) K_f`` by the fused tile kernel
-        (:func:`~gpfalkon.backend.fused.fused_fly_kmn_k`) over the rows not stored (``f = stored_rows .. n``),
-        or with ``fill`` over the stored rows ``0 .. stored_rows``, computed into a new store that becomes
-        ``self._k``; where it applies: the CPU, the stationary fast path, ``x`` in memory, and
-        :meth:`iter_blocks` not overridden (a subclass that wraps it keeps seeing every pass). ``False``
-        (nothing done) elsewhere. ``v_t`` holds the columns of those rows."""
-        if self.spec is None or self.streamed or self.device.type != "cpu":
+        """``acc += (u^T K_f^T + v_f^T) K_f`` by a fused kernel over the rows not stored
+        (``f = stored_rows .. n``): on CUDA in float32 the Triton kernels of
+        :mod:`~gpfalkon.backend.triton_fly`, on the CPU the C++ tile kernel
+        (:func:`~gpfalkon.backend.fused.fused_fly_kmn_k`), which also runs with ``fill`` over the stored rows
+        ``0 .. stored_rows``, computed into a new store that becomes ``self._k``. Either applies to the
+        stationary fast path with ``x`` in memory and :meth:`iter_blocks` not overridden (a subclass that
+        wraps it keeps seeing every pass). ``False`` (nothing done) elsewhere. ``v_t`` holds the columns of
+        those rows."""
+        if self.spec is None or self.streamed:
             return False
         if type(self).iter_blocks is not KernelEngine.iter_blocks:  # a subclass that wraps the blocks sees them
             return False
         head = self.stored_rows
         rows = slice(0, head) if fill else slice(head, self.n)
+        floor = 8.0 * self._eps * _FACTOR["matern12"] if self.spec.kind == "matern12" else 0.0
+        if not fill and triton_fly_kmn_k(acc, self._xa[rows], self._ca_t, self._x_sq[rows], u_t, v_t,
+                                         self.spec.kind, floor, self._c_sq_max):
+            return True  # CUDA float32 (or Triton's interpreter): gpfalkon.backend.triton_fly
+        if self.device.type != "cpu":
+            return False
         store = torch.empty(head, self.m, dtype=self.dtype, device=self.device) if fill else None
         tile = fly_tile_rows(self.m, torch.finfo(self.dtype).bits // 8, cap=self.block_rows)
-        floor = 8.0 * self._eps * _FACTOR["matern12"] if self.spec.kind == "matern12" else 0.0
         done = fused_fly_kmn_k(acc, self._xa[rows], self._ca_t, self._x_sq[rows], u_t, v_t, self.spec.kind,
                                floor, self._c_sq_max, tile, store=store)
         if done and fill:

@@ -1,0 +1,137 @@
+"""The Triton sources of :mod:`gpfalkon.backend.triton_fly` (imported only when those kernels run, so
+that ``import gpfalkon`` does not import Triton). See that module for what they compute and cost."""
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+__all__ = ["fly_cols", "fly_rows", "interpreting", "launch_options"]
+
+# Tile shapes tried on the first launch for each augmented width / profile / precision / right-hand
+# sides (Triton's autotuner times them on the device); the interpreter, and GPFALKON_TRITON_AUTOTUNE=0
+# (one compilation per key instead of five, e.g. for test suites), take the first.
+_CONFIGS = [
+    triton.Config({"BLOCK_N": bn, "BLOCK_M": bm}, num_warps=w, num_stages=st)
+    for bn, bm, w, st in ((64, 64, 4, 2), (128, 64, 4, 2), (64, 128, 4, 2), (128, 128, 8, 2), (32, 64, 2, 2))
+]
+if os.environ.get("GPFALKON_TRITON_AUTOTUNE", "1") == "0":
+    _CONFIGS = _CONFIGS[:1]
+_KEY = ["a", "KIND", "PREC", "BLOCK_K"]
+
+
+@triton.jit
+def _profile(t, floor, KIND: tl.constexpr):
+    """``phi(t)`` for ``t = FACTOR * ||x - c||^2 / ell^2`` (engine's ``_apply_profile_``)."""
+    if KIND == 0:  # rbf: 2^t, t <= 0
+        return tl.exp2(tl.minimum(t, 0.0))
+    zp = tl.sqrt(tl.where(t <= floor, 0.0, t))  # z' = z log2(e)
+    e = tl.exp2(-zp)
+    if KIND == 1:
+        return e
+    z = zp * 0.6931471805599453
+    if KIND == 2:
+        return (1.0 + z) * e
+    q = z + 1.5
+    return (q * q + 0.75) * e
+
+
+@triton.jit
+def _distance_tile(xa_ptr, ca_ptr, rn, rm, n, m, a, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_A: tl.constexpr, PREC: tl.constexpr):
+    """``X_a[rn] C_a[:, rm]`` (``BLOCK_N x BLOCK_M``) over the augmented width in chunks of ``BLOCK_A``."""
+    d = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for a0 in range(0, a, BLOCK_A):
+        ra = a0 + tl.arange(0, BLOCK_A)
+        xt = tl.load(xa_ptr + rn[:, None] * a + ra[None, :], mask=(rn[:, None] < n) & (ra[None, :] < a),
+                     other=0.0)
+        ct = tl.load(ca_ptr + ra[:, None] * m + rm[None, :], mask=(ra[:, None] < a) & (rm[None, :] < m),
+                     other=0.0)
+        d += tl.dot(xt, ct, input_precision=PREC)
+    return d
+
+
+
+@triton.jit
+def _fly_rows(xa_ptr, ca_ptr, xsq_ptr, u_ptr, v_ptr, w_ptr, n, m, a, k, stride_v, m12_floor, c_sq_max,
+              KIND: tl.constexpr, HAS_U: tl.constexpr, HAS_V: tl.constexpr, PREC: tl.constexpr,
+              BLOCK_A: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``w[rn] = K[rn] u + v[rn]`` for one tile of rows (``u``: ``(k, M)``, ``v``: ``(k, n)`` with row
+    stride ``stride_v``, ``w``: ``(n, BLOCK_K)``)."""
+    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    floor = m12_floor * (tl.load(xsq_ptr + rn, mask=rn < n, other=0.0) + c_sq_max)[:, None]
+    w = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if HAS_U:
+        if BLOCK_K == 1:  # one right-hand side: elementwise products, reduced across the tile once at the end
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for m0 in range(0, m, BLOCK_M):
+                rm = m0 + tl.arange(0, BLOCK_M)
+                kt = _profile(_distance_tile(xa_ptr, ca_ptr, rn, rm, n, m, a, BLOCK_N, BLOCK_M, BLOCK_A, PREC),
+                              floor, KIND)
+                # columns past M read u = 0, so the profile's value there (phi(0) = 1) adds nothing
+                acc += kt * tl.load(u_ptr + rm, mask=rm < m, other=0.0)[None, :]
+            w += tl.sum(acc, axis=1)[:, None]
+        else:
+            for m0 in range(0, m, BLOCK_M):
+                rm = m0 + tl.arange(0, BLOCK_M)
+                kt = _profile(_distance_tile(xa_ptr, ca_ptr, rn, rm, n, m, a, BLOCK_N, BLOCK_M, BLOCK_A, PREC),
+                              floor, KIND)
+                ut = tl.load(u_ptr + rk[None, :] * m + rm[:, None], mask=(rm[:, None] < m) & (rk[None, :] < k),
+                             other=0.0)
+                w += tl.dot(kt, ut, input_precision="ieee")
+    if HAS_V:
+        w += tl.load(v_ptr + rk[None, :] * stride_v + rn[:, None], mask=(rn[:, None] < n) & (rk[None, :] < k),
+                     other=0.0)
+    tl.store(w_ptr + rn[:, None] * BLOCK_K + rk[None, :], w, mask=rn[:, None] < n)
+
+
+@triton.jit
+def _fly_cols(xa_ptr, ca_ptr, xsq_ptr, w_ptr, part_ptr, n, m, a, rows_per_split, m12_floor, c_sq_max,
+              KIND: tl.constexpr, PREC: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_K: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``part[split, rm] = sum over the split's rows of K[rows, rm]^T w[rows]`` (``part``:
+    ``(splits, M, BLOCK_K)``)."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(1).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    first = split * rows_per_split
+    last = tl.minimum(first + rows_per_split, n)
+    out = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # one right-hand side: reduced once at the end
+    for n0 in range(first, last, BLOCK_N):
+        rn = n0 + tl.arange(0, BLOCK_N)
+        floor = m12_floor * (tl.load(xsq_ptr + rn, mask=rn < last, other=0.0) + c_sq_max)[:, None]
+        kt = _profile(_distance_tile(xa_ptr, ca_ptr, rn, rm, last, m, a, BLOCK_N, BLOCK_M, BLOCK_A, PREC),
+                      floor, KIND)
+        # rows past the split read w = 0: they add nothing
+        wt = tl.load(w_ptr + rn[:, None] * BLOCK_K + rk[None, :], mask=rn[:, None] < last, other=0.0)
+        if BLOCK_K == 1:
+            acc += kt * wt
+        else:
+            out += tl.dot(tl.trans(kt), wt, input_precision="ieee")
+    if BLOCK_K == 1:
+        out += tl.sum(acc, axis=0)[:, None]
+    tl.store(part_ptr + split * m * BLOCK_K + rm[:, None] * BLOCK_K + rk[None, :], out, mask=rm[:, None] < m)
+
+
+def interpreting() -> bool:
+    """Whether these kernels run through Triton's CPU interpreter: ``TRITON_INTERPRET=1`` in the environment
+    when Triton was imported (only then are Triton's own library functions interpretable too)."""
+    return type(_fly_rows).__name__ == "InterpretedFunction"
+
+
+if interpreting():  # no device to time tile shapes on: the first
+    fly_rows, fly_cols = _fly_rows, _fly_cols
+
+    def launch_options() -> dict:
+        """Tile shapes to pass at launch (the interpreter's; autotuned kernels choose their own)."""
+        return dict(_CONFIGS[0].kwargs)
+else:
+    fly_rows = triton.autotune(_CONFIGS, key=[*_KEY, "HAS_U", "HAS_V"])(_fly_rows)
+    fly_cols = triton.autotune(_CONFIGS, key=_KEY)(_fly_cols)
+
+    def launch_options() -> dict:
+        """Tile shapes to pass at launch (none: the autotuner chooses them)."""
+        return {}

@@ -1,0 +1,172 @@
+"""The on-the-fly pass ``K^T (K u + v)`` on a CUDA GPU in two fused Triton kernels.
+
+For ``K = phi(X_a C_a^T)`` (the stationary fast path of :class:`~gpfalkon.backend.engine.KernelEngine`:
+augmented rows ``X_a`` ``(n, a)`` and centers ``C_a`` ``(M, a)`` whose product is the scaled squared
+distance, ``phi`` the kernel profile) the engine's torch path writes each ``rows x M`` block of
+distances to GPU memory, reads and writes it for the profile and reads it twice for the two thin
+products: about 20 bytes of memory traffic per kernel value, which bounds it by memory bandwidth at a
+few percent of the GPU's float32 rate (``benchmarks/results/gpu.md``). Here no kernel value leaves the
+chip:
+
+1. ``fly_rows`` (in :mod:`gpfalkon.backend._triton_kernels`; one program per ``BLOCK_N`` rows): for each
+   tile of ``BLOCK_M`` centers, the distance tile in registers (``tl.dot`` over the augmented width),
+   the profile, and ``w += K_tile u_tile``; then ``w += v`` and ``w`` ``(n, k)`` is written (``n k``
+   values, the only thing stored).
+2. ``fly_cols`` (one program per ``BLOCK_M`` centers and row split): the same distance tiles
+   recomputed, ``out_tile += K_tile^T w_tile`` over its share of the rows; partial sums per split
+   ``(splits, M, k)`` are added in float64 by torch.
+
+Cost: twice the distance products, ``4 n M a`` flops, ``2 n M`` profile evaluations and ``4 n M k``
+flops for the thin products; memory traffic ``O((n + M) (a + k))`` per pass instead of ``O(n M)``. The
+distances are recomputed rather than kept because a ``BLOCK_N x M`` row of them does not fit on chip for
+the ``M`` FALKON uses. Distances in IEEE float32 (``tl.dot(..., input_precision="ieee")``: the CUDA
+cores' FMA rate), or in TF32 on the tensor cores where :class:`gpfalkon.settings.tf32` is on. Thin
+products are always IEEE float32. Memory: ``n max(16, k)`` float32 values for ``w`` (``n`` for one
+right-hand side) and ``splits x M x max(16, k)`` for the partial sums.
+
+Written by hand because neither torch nor GPyTorch has a fused kernel-matrix-vector product (KeOps
+does, but it is not a dependency and its reductions are single products, not ``K^T (K u)``). Float32
+only; the engine keeps its torch path for float64, CPU tensors (which have the C++ kernel of
+:mod:`gpfalkon.backend.fused`), generic kernels and streamed rows. ``gpfalkon.settings.triton_fly``
+switches it off, or (``"interpret"``) runs it on CPU tensors through Triton's interpreter, which is how
+the CPU test suite checks these kernels against the torch path.
+"""
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from .. import settings
+
+__all__ = ["MAX_K", "triton_fly_available", "triton_fly_kmn_k"]
+
+MAX_K = 64  # right-hand sides handled (w is n x next_pow2(k) float32); more go through the torch path
+_KINDS = {"rbf": 0, "matern12": 1, "matern32": 2, "matern52": 3}
+_SPLIT_TARGET = 4  # programs of the column pass per streaming multiprocessor (row splits fill the GPU)
+_MIN_SPLIT_ROWS = 512
+_AUTO_MAX_WIDTH = 32  # augmented widths (d + 2) up to which "auto" uses the fused pass in IEEE float32
+_failed: list[str] = []  # why the compiled kernels could not run, once that happened
+
+
+def _kernels() -> ModuleType | None:
+    """:mod:`gpfalkon.backend._triton_kernels`, imported on first use; ``None`` where Triton is not installed."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from . import _triton_kernels
+
+    return _triton_kernels
+
+
+def triton_fly_available(device: torch.device) -> tuple[bool, str]:
+    """Whether :func:`triton_fly_kmn_k` runs on ``device`` under the current settings, and why not."""
+    mode = settings.triton_fly.value()
+    if mode == "off":
+        return False, "gpfalkon.settings.triton_fly is 'off'"
+    if mode in ("auto", "on") and device.type != "cuda":
+        return False, "not a CUDA device"
+    kernels = _kernels()
+    if kernels is None:
+        return False, "triton is not installed"
+    if mode == "interpret":
+        if not kernels.interpreting():
+            return False, "'interpret' needs TRITON_INTERPRET=1 in the environment before triton is imported"
+        return (True, "") if device.type == "cpu" else (False, "'interpret' runs on CPU tensors only")
+    if kernels.interpreting():
+        return False, "triton is in interpreter mode (TRITON_INTERPRET=1)"
+    if _failed:
+        return False, f"the kernels failed once in this process: {_failed[0][:300]}"
+    return True, ""
+
+
+def _precision() -> str:
+    """``tl.dot``'s input precision for the distances: TF32 where :class:`gpfalkon.settings.tf32` is on."""
+    return "tf32" if settings.tf32.value() else "ieee"
+
+
+def _worth_it(width: int) -> bool:
+    """Whether ``"auto"`` takes the fused pass for an augmented width ``width`` (input dimension + 2): where
+    it was measured faster than torch's blockwise pass (on an H200, ``benchmarks/results/gpu-fused.md``:
+    1.87x at d = 24, 0.89x at d = 64, 0.71x at d = 128 in IEEE float32, where computing the distances twice
+    on the CUDA cores outweighs not writing them; with TF32 1.4-2.7x at every d)."""
+    return settings.triton_fly.value() != "auto" or width <= _AUTO_MAX_WIDTH or settings.tf32.value()
+
+
+def _splits(device: torch.device, n: int, m: int) -> int:
+    """Row splits of the column pass: enough programs (``_SPLIT_TARGET`` per multiprocessor for the
+    widest tile of centers) to fill the GPU, each of at least ``_MIN_SPLIT_ROWS`` rows."""
+    if device.type != "cuda":  # the interpreter: two where there are rows enough, to exercise the split sums
+        return max(1, min(2, n // 64))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = _cdiv(_SPLIT_TARGET * sms, _cdiv(m, 128))
+    return max(1, min(want, n // _MIN_SPLIT_ROWS))
+
+
+def triton_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: Tensor | None,
+                     v_t: Tensor | None, kind: str, m12_floor: float, c_sq_max: float) -> bool:
+    """``acc += (u_t K^T + v_t) K`` for ``K = phi(xa @ ca_t)``, no kernel value stored (module docstring).
+
+    Args:
+        acc: ``(k, M)`` float64 on ``xa``'s device.
+        xa: ``(rows, a)`` float32 augmented rows; ``ca_t``: ``(a, M)`` float32 augmented centers.
+        x_sq: ``(rows,)`` squared norms of the scaled rows (the Matern-1/2 rounding floor).
+        u_t: ``(k, M)`` or ``None``; ``v_t``: ``(k, rows)`` or ``None``.
+        kind: ``"rbf"``, ``"matern12"``, ``"matern32"`` or ``"matern52"``.
+        m12_floor, c_sq_max: the Matern-1/2 floor of row ``i`` is ``m12_floor (x_sq[i] + c_sq_max)``.
+
+    Returns:
+        ``True`` if the kernels ran; ``False`` (``acc`` untouched) where they do not apply: Triton absent
+        or switched off, not CUDA (or not CPU under ``"interpret"``), not float32, more than
+        :data:`MAX_K` right-hand sides, an unknown profile, no rows, or (``"auto"``) a width where they
+        were measured slower than torch's path.
+    """
+    ok, _ = triton_fly_available(xa.device)
+    k = acc.shape[0]
+    if (not ok or xa.dtype != torch.float32 or ca_t.dtype != torch.float32 or kind not in _KINDS
+            or k > MAX_K or xa.shape[0] == 0 or acc.dtype != torch.float64 or not _worth_it(xa.shape[1])):
+        return False
+    kernels = _kernels()
+    assert kernels is not None  # triton_fly_available found it
+    n, a = xa.shape
+    m = ca_t.shape[1]
+    xa = xa.contiguous()
+    ca_t = ca_t.contiguous()
+    x_sq = x_sq.to(torch.float32).contiguous()
+    block_k = 1 if k == 1 else max(16, _next_pow2(k))
+    dummy = xa.new_empty(1)
+    u = dummy if u_t is None else u_t.to(torch.float32).contiguous()
+    v = dummy if v_t is None else v_t.to(torch.float32)
+    if v_t is not None and v.stride(1) != 1:
+        v = v.contiguous()
+    w = torch.empty(n, block_k, dtype=torch.float32, device=xa.device)
+    common = dict(KIND=_KINDS[kind], PREC=_precision(), BLOCK_A=max(16, min(32, _next_pow2(a))), BLOCK_K=block_k,
+                  **kernels.launch_options())
+    rows_per_split = _cdiv(n, _splits(xa.device, n, m))
+    splits = _cdiv(n, rows_per_split)
+    part = torch.empty(splits, m, block_k, dtype=torch.float32, device=xa.device)
+    try:
+        kernels.fly_rows[lambda meta: (_cdiv(n, meta["BLOCK_N"]),)](
+            xa, ca_t, x_sq, u, v, w, n, m, a, k, v.stride(0) if v_t is not None else 0, float(m12_floor),
+            float(c_sq_max), HAS_U=u_t is not None, HAS_V=v_t is not None, **common)
+        kernels.fly_cols[lambda meta: (_cdiv(m, meta["BLOCK_M"]), splits)](
+            xa, ca_t, x_sq, w, part, n, m, a, rows_per_split, float(m12_floor), float(c_sq_max), **common)
+    except Exception as exc:  # a Triton / driver combination that cannot build or launch them: torch's path
+        if kernels.interpreting():  # a bug in the kernels themselves: the tests must see it
+            raise
+        _failed.append(f"{type(exc).__name__}: {exc}")
+        warnings.warn(f"gpfalkon: the fused Triton pass could not run ({_failed[-1][:300]}); the engine uses "
+                      "torch's blockwise path from now on in this process", RuntimeWarning, stacklevel=3)
+        return False
+    acc += part.sum(0, dtype=torch.float64)[:, :k].t()
+    return True
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(a: int) -> int:
+    return 1 << max(0, a - 1).bit_length()
