@@ -102,6 +102,26 @@ def test_fused_pass_matches_the_dense_product(where, spy, kname, k):
     torch.testing.assert_close(got_v, _reference(kname, x, c, None, v), rtol=0, atol=2e-5 * scale)
 
 
+def test_float64_chunk_totals(where, spy, monkeypatch):
+    """One row tile per float32 chunk (each split's total then a float64 sum of several chunks): the same
+    product."""
+    from gpfalkon.backend import triton_fly
+
+    device, mode = where
+    monkeypatch.setattr(triton_fly, "_chunk_tiles", lambda: 1)
+    x, _ = make_data(1000, d=3)
+    c = x[:40].clone() + 0.01
+    u = torch.randn(40, 1, dtype=torch.float64)
+    v = torch.randn(1000, 1, dtype=torch.float64)
+    ref = _reference("matern32", x, c, u, v)
+    eng = KernelEngine(make_kernel("matern32", 3, torch.float32).to(device), x.float().to(device),
+                       c.float().to(device), store=False)
+    with gpfalkon.settings.triton_fly(mode):
+        got = eng.kmn_k(u.float().to(device), v.float().to(device)).cpu()
+    assert spy == [True]
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-5 * float(ref.abs().max()))
+
+
 def test_fused_pass_takes_the_rows_not_stored(where, spy):
     """With part of ``K_nM`` stored, later passes give the rows past the store to the fused kernel and
     the sum is the same product."""

@@ -90,30 +90,36 @@ def _fly_rows(xa_ptr, ca_ptr, xsq_ptr, u_ptr, v_ptr, w_ptr, n, m, a, k, stride_v
 @triton.jit
 def _fly_cols(xa_ptr, ca_ptr, xsq_ptr, w_ptr, part_ptr, n, m, a, rows_per_split, m12_floor, c_sq_max,
               KIND: tl.constexpr, PREC: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_K: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``part[split, rm] = sum over the split's rows of K[rows, rm]^T w[rows]`` (``part``:
-    ``(splits, M, BLOCK_K)``)."""
+              CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``part[split, rm] = sum over the split's rows of K[rows, rm]^T w[rows]`` (``part``: float64
+    ``(splits, M, BLOCK_K)``). Sums run in float32 over ``CHUNK`` tiles of rows at a time and are added
+    into a float64 total after each: a split's millions of rows never meet in one float32 sum (where the
+    products' cancellation would show its rounding)."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(1).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     first = split * rows_per_split
     last = tl.minimum(first + rows_per_split, n)
-    out = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # one right-hand side: reduced once at the end
-    for n0 in range(first, last, BLOCK_N):
-        rn = n0 + tl.arange(0, BLOCK_N)
-        floor = m12_floor * (tl.load(xsq_ptr + rn, mask=rn < last, other=0.0) + c_sq_max)[:, None]
-        kt = _profile(_distance_tile(xa_ptr, ca_ptr, rn, rm, last, m, a, BLOCK_N, BLOCK_M, BLOCK_A, PREC),
-                      floor, KIND)
-        # rows past the split read w = 0: they add nothing
-        wt = tl.load(w_ptr + rn[:, None] * BLOCK_K + rk[None, :], mask=rn[:, None] < last, other=0.0)
+    total = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float64)
+    for c0 in range(first, last, CHUNK * BLOCK_N):
+        stop = tl.minimum(c0 + CHUNK * BLOCK_N, last)
+        out = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # one right-hand side: reduced once per chunk
+        for n0 in range(c0, stop, BLOCK_N):
+            rn = n0 + tl.arange(0, BLOCK_N)
+            floor = m12_floor * (tl.load(xsq_ptr + rn, mask=rn < stop, other=0.0) + c_sq_max)[:, None]
+            kt = _profile(_distance_tile(xa_ptr, ca_ptr, rn, rm, stop, m, a, BLOCK_N, BLOCK_M, BLOCK_A, PREC),
+                          floor, KIND)
+            # rows past the chunk read w = 0: they add nothing
+            wt = tl.load(w_ptr + rn[:, None] * BLOCK_K + rk[None, :], mask=rn[:, None] < stop, other=0.0)
+            if BLOCK_K == 1:
+                acc += kt * wt
+            else:
+                out += tl.dot(tl.trans(kt), wt, input_precision="ieee")
         if BLOCK_K == 1:
-            acc += kt * wt
-        else:
-            out += tl.dot(tl.trans(kt), wt, input_precision="ieee")
-    if BLOCK_K == 1:
-        out += tl.sum(acc, axis=0)[:, None]
-    tl.store(part_ptr + split * m * BLOCK_K + rm[:, None] * BLOCK_K + rk[None, :], out, mask=rm[:, None] < m)
+            out += tl.sum(acc, axis=0)[:, None]
+        total += out.to(tl.float64)
+    tl.store(part_ptr + split * m * BLOCK_K + rm[:, None] * BLOCK_K + rk[None, :], total, mask=rm[:, None] < m)
 
 
 def interpreting() -> bool:

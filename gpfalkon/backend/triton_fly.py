@@ -13,8 +13,9 @@ chip:
    the profile, and ``w += K_tile u_tile``; then ``w += v`` and ``w`` ``(n, k)`` is written (``n k``
    values, the only thing stored).
 2. ``fly_cols`` (one program per ``BLOCK_M`` centers and row split): the same distance tiles
-   recomputed, ``out_tile += K_tile^T w_tile`` over its share of the rows; partial sums per split
-   ``(splits, M, k)`` are added in float64 by torch.
+   recomputed, ``out_tile += K_tile^T w_tile`` over its share of the rows, in float32 over chunks of
+   ``64 BLOCK_N`` rows and in float64 across chunks; the float64 partial sums per split ``(splits, M, k)``
+   are added by torch.
 
 Cost: twice the distance products, ``4 n M a`` flops, ``2 n M`` profile evaluations and ``4 n M k``
 flops for the thin products; memory traffic ``O((n + M) (a + k))`` per pass instead of ``O(n M)``. The
@@ -22,7 +23,7 @@ distances are recomputed rather than kept because a ``BLOCK_N x M`` row of them 
 the ``M`` FALKON uses. Distances in IEEE float32 (``tl.dot(..., input_precision="ieee")``: the CUDA
 cores' FMA rate), or in TF32 on the tensor cores where :class:`gpfalkon.settings.tf32` is on. Thin
 products are always IEEE float32. Memory: ``n max(16, k)`` float32 values for ``w`` (``n`` for one
-right-hand side) and ``splits x M x max(16, k)`` for the partial sums.
+right-hand side) and ``splits x M x max(16, k)`` float64 values for the partial sums.
 
 Written by hand because neither torch nor GPyTorch has a fused kernel-matrix-vector product (KeOps
 does, but it is not a dependency and its reductions are single products, not ``K^T (K u)``). Float32
@@ -48,6 +49,7 @@ MAX_K = 64  # right-hand sides handled (w is n x next_pow2(k) float32); more go 
 _KINDS = {"rbf": 0, "matern12": 1, "matern32": 2, "matern52": 3}
 _SPLIT_TARGET = 4  # programs of the column pass per streaming multiprocessor (row splits fill the GPU)
 _MIN_SPLIT_ROWS = 512
+_CHUNK_TILES = 64  # row tiles per float32 partial sum of the columns kernel (then added in float64)
 _AUTO_MAX_WIDTH = 32  # augmented widths (d + 2) up to which "auto" uses the fused pass in IEEE float32
 _failed: list[str] = []  # why the compiled kernels could not run, once that happened
 
@@ -146,13 +148,14 @@ def triton_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: T
                   **kernels.launch_options())
     rows_per_split = _cdiv(n, _splits(xa.device, n, m))
     splits = _cdiv(n, rows_per_split)
-    part = torch.empty(splits, m, block_k, dtype=torch.float32, device=xa.device)
+    part = torch.empty(splits, m, block_k, dtype=torch.float64, device=xa.device)
     try:
         kernels.fly_rows[lambda meta: (_cdiv(n, meta["BLOCK_N"]),)](
             xa, ca_t, x_sq, u, v, w, n, m, a, k, v.stride(0) if v_t is not None else 0, float(m12_floor),
             float(c_sq_max), HAS_U=u_t is not None, HAS_V=v_t is not None, **common)
         kernels.fly_cols[lambda meta: (_cdiv(m, meta["BLOCK_M"]), splits)](
-            xa, ca_t, x_sq, w, part, n, m, a, rows_per_split, float(m12_floor), float(c_sq_max), **common)
+            xa, ca_t, x_sq, w, part, n, m, a, rows_per_split, float(m12_floor), float(c_sq_max),
+            CHUNK=_chunk_tiles(), **common)
     except Exception as exc:  # a Triton / driver combination that cannot build or launch them: torch's path
         if kernels.interpreting():  # a bug in the kernels themselves: the tests must see it
             raise
@@ -160,8 +163,14 @@ def triton_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: T
         warnings.warn(f"gpfalkon: the fused Triton pass could not run ({_failed[-1][:300]}); the engine uses "
                       "torch's blockwise path from now on in this process", RuntimeWarning, stacklevel=3)
         return False
-    acc += part.sum(0, dtype=torch.float64)[:, :k].t()
+    acc += part.sum(0)[:, :k].t()
     return True
+
+
+def _chunk_tiles() -> int:
+    """Row tiles summed in float32 before each float64 addition in the columns kernel (a function so that
+    tests can make it small enough to exercise several chunks with few rows)."""
+    return _CHUNK_TILES
 
 
 def _cdiv(a: int, b: int) -> int:
