@@ -12,9 +12,10 @@ whole ``K_nM`` fits it is computed once and reused by every later call (the
 products then cost only the ``4 n M k`` flops, bound by memory bandwidth);
 otherwise the first ``n_s`` rows that fit the budget (beside the two on-the-fly
 buffers) are stored and each call recomputes only the other ``n - n_s`` rows, in
-``block_rows x M`` blocks into two reused buffers (on the CPU, with the stationary
-fast path and ``x`` in memory, that recomputation is one call of the fused tile kernel of
-:mod:`gpfalkon.backend.fused` instead, from the second pass on where rows are stored). A pass then costs
+``block_rows x M`` blocks into two reused buffers (with the stationary fast path and ``x`` in
+memory, that recomputation is instead one call of a fused kernel, from the second pass on where rows
+are stored: on the CPU the tile kernel of :mod:`gpfalkon.backend.fused`, on CUDA in float32 the Triton
+kernels of :mod:`gpfalkon.backend.triton_fly`, which write no kernel block to memory). A pass then costs
 ``(n - n_s) / n`` of a full recomputation plus a read of ``n_s M`` values, so the
 time per CG iteration grows smoothly with ``M`` past the budget instead of jumping
 from a memory read to a full kernel evaluation.
