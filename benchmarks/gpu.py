@@ -27,7 +27,7 @@ Parts (each timed with CUDA events or after ``torch.cuda.synchronize``; medians 
 5. ``flights`` - the same on flights (``benchmarks/fit.py`` part 3's split: shuffled with seed 0,
    2/3 train; M = 5,000, RBF with median lengthscale, lambda = 1e-6, 20 iterations).
 6. ``scale`` - synthetic n = 1e7 (+ 1e5 test), d = 24, y = f(x) + 0.1 eps with ``fit.py``'s f:
-   FALKON float32, 20 iterations, each ``--scale-m`` (default 10,000 and 20,000), ``x`` in GPU
+   FALKON float32, 20 iterations, each ``--scale-m`` (default 10,000 and 50,000), ``x`` in GPU
    memory, through the fused Triton pass; the first size also through torch's blockwise pass; at the
    first size also ``x`` in host memory streamed to the GPU (``TensorRows(x_host, device="cuda")``)
    with the prefetcher (pinned buffers, side stream) and without it (each block read and copied when
@@ -471,7 +471,7 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", default=["peaks", "engine", "fused", "tf32", "reference", "flights",
                                                    "scale", "baselines"])
     ap.add_argument("--iters", type=int, default=20, help="CG iterations of the n = 1e7 fits")
-    ap.add_argument("--scale-m", type=int, nargs="+", default=[10_000, 20_000])
+    ap.add_argument("--scale-m", type=int, nargs="+", default=[10_000, 50_000])
     ap.add_argument("--no-scale-host", action="store_true", help="skip part 6's fits from host memory")
     ap.add_argument("--baseline-budget", type=float, default=30.0)
     ap.add_argument("--baseline-n", type=int, default=10_000_000, help="training rows of part 7")

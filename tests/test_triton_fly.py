@@ -102,6 +102,52 @@ def test_fused_pass_matches_the_dense_product(where, spy, kname, k):
     torch.testing.assert_close(got_v, _reference(kname, x, c, None, v), rtol=0, atol=2e-5 * scale)
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_wide_inputs_take_several_width_chunks(where, spy, k):
+    """d = 40 (augmented width 42: two ``tl.dot`` chunks of 32 over the width; ``"auto"`` would decline it in
+    IEEE float32, ``"on"`` / the interpreter run it)."""
+    device, mode = where
+    x, _ = make_data(200, d=40)
+    c = x[::5].clone() * 1.01
+    u = torch.randn(40, k, dtype=torch.float64)
+    v = torch.randn(200, k, dtype=torch.float64)
+    ref = _reference("scale_matern52", x, c, u, v)
+    eng = KernelEngine(make_kernel("scale_matern52", 40, torch.float32).to(device), x.float().to(device),
+                       c.float().to(device), store=False)
+    with gpfalkon.settings.triton_fly("on" if mode == "auto" else mode):
+        got = eng.kmn_k(u.float().to(device), v.float().to(device)).cpu()
+    assert spy == [True]
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-5 * float(ref.abs().max()))
+
+
+def test_a_kernel_that_cannot_run_falls_back_once_with_a_warning(monkeypatch):
+    """Compiled kernels that raise (a Triton / driver combination that cannot build them): a warning, ``acc``
+    untouched, ``False``, and the pass declined from then on in the process."""
+    from types import SimpleNamespace
+
+    from gpfalkon.backend import triton_fly
+
+    class Broken:  # a kernel whose launch (kernel[grid](...)) raises
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("no such instruction")
+            return launch
+
+    fake = SimpleNamespace(interpreting=lambda: False, launch_options=dict, fly_rows=Broken(), fly_cols=Broken())
+    monkeypatch.setattr(triton_fly, "_kernels", lambda: fake)
+    monkeypatch.setattr(triton_fly, "_failed", [])
+    monkeypatch.setattr(triton_fly, "_splits", lambda device, n, m: 1)
+    acc = torch.zeros(1, 8, dtype=torch.float64)
+    xa, ca_t = torch.randn(10, 3), torch.randn(3, 8)
+    with gpfalkon.settings.triton_fly("on"):
+        monkeypatch.setattr(triton_fly, "triton_fly_available", lambda device: (not triton_fly._failed, ""))
+        with pytest.warns(RuntimeWarning, match="no such instruction"):
+            assert not triton_fly_kmn_k(acc, xa, ca_t, torch.ones(10), torch.ones(1, 8), None, "rbf", 0.0, 0.0)
+        assert acc.abs().sum() == 0
+        assert not triton_fly_kmn_k(acc, xa, ca_t, torch.ones(10), torch.ones(1, 8), None, "rbf", 0.0, 0.0)
+    assert len(triton_fly._failed) == 1
+
+
 def test_float64_chunk_totals(where, spy, monkeypatch):
     """One row tile per float32 chunk (each split's total then a float64 sum of several chunks): the same
     product."""
@@ -122,9 +168,12 @@ def test_float64_chunk_totals(where, spy, monkeypatch):
     torch.testing.assert_close(got, ref, rtol=0, atol=2e-5 * float(ref.abs().max()))
 
 
-def test_fused_pass_takes_the_rows_not_stored(where, spy):
-    """With part of ``K_nM`` stored, later passes give the rows past the store to the fused kernel and
-    the sum is the same product."""
+def test_fused_pass_takes_the_rows_not_stored(where, spy, monkeypatch):
+    """With part of ``K_nM`` stored, later passes give the rows past the store to the fused kernel, read the
+    stored rows as they are (no block computed: the CPU's fused stored-rows kernel is off here, as it does
+    not exist on a GPU) and the sum is the same product."""
+    from gpfalkon.backend import fused
+
     device, mode = where
     x, _ = make_data(400, d=3)
     c = x[:64].clone() + 0.01
@@ -135,10 +184,21 @@ def test_fused_pass_takes_the_rows_not_stored(where, spy):
     eng = KernelEngine(make_kernel("rbf", 3, torch.float32).to(device), x.float().to(device), c.float().to(device),
                        memory_budget=budget, block_rows=32)
     assert 0 < eng.stored_rows < 400
-    with gpfalkon.settings.triton_fly(mode):
-        first = eng.kmn_k(u.float().to(device), v.float().to(device)).cpu()
-        second = eng.kmn_k(u.float().to(device), v.float().to(device)).cpu()
+    computed = []
+    real = KernelEngine._compute_block
+    monkeypatch.setattr(KernelEngine, "_compute_block",
+                        lambda self, *a, **kw: computed.append(a[:2]) or real(self, *a, **kw))
+    fused.set_enabled(False)
+    try:
+        with gpfalkon.settings.triton_fly(mode):
+            first = eng.kmn_k(u.float().to(device), v.float().to(device)).cpu()
+            assert computed  # the first pass computes the stored rows into the store
+            computed.clear()
+            second = eng.kmn_k(u.float().to(device), v.float().to(device)).cpu()
+    finally:
+        fused.set_enabled(None)
     assert spy[-1] is True  # the second pass: rows stored_rows .. n by the fused kernel
+    assert computed == []
     for got in (first, second):
         torch.testing.assert_close(got, ref, rtol=0, atol=2e-5 * float(ref.abs().max()))
 

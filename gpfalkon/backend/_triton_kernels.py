@@ -58,7 +58,7 @@ def _fly_rows(xa_ptr, ca_ptr, xsq_ptr, u_ptr, v_ptr, w_ptr, n, m, a, k, stride_v
               KIND: tl.constexpr, HAS_U: tl.constexpr, HAS_V: tl.constexpr, PREC: tl.constexpr,
               BLOCK_A: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """``w[rn] = K[rn] u + v[rn]`` for one tile of rows (``u``: ``(k, M)``, ``v``: ``(k, n)`` with row
-    stride ``stride_v``, ``w``: ``(n, BLOCK_K)``)."""
+    stride ``stride_v``, ``w``: ``(n, k)``; ``BLOCK_K``: ``k`` padded for ``tl.dot``, or 1)."""
     rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     floor = m12_floor * (tl.load(xsq_ptr + rn, mask=rn < n, other=0.0) + c_sq_max)[:, None]
@@ -82,19 +82,20 @@ def _fly_rows(xa_ptr, ca_ptr, xsq_ptr, u_ptr, v_ptr, w_ptr, n, m, a, k, stride_v
                              other=0.0)
                 w += tl.dot(kt, ut, input_precision="ieee")
     if HAS_V:
-        w += tl.load(v_ptr + rk[None, :] * stride_v + rn[:, None], mask=(rn[:, None] < n) & (rk[None, :] < k),
-                     other=0.0)
-    tl.store(w_ptr + rn[:, None] * BLOCK_K + rk[None, :], w, mask=rn[:, None] < n)
+        # (int64: the row stride of v is the full n, times up to k - 1)
+        w += tl.load(v_ptr + rk.to(tl.int64)[None, :] * stride_v + rn[:, None],
+                     mask=(rn[:, None] < n) & (rk[None, :] < k), other=0.0)
+    tl.store(w_ptr + rn[:, None] * k + rk[None, :], w, mask=(rn[:, None] < n) & (rk[None, :] < k))
 
 
 @triton.jit
-def _fly_cols(xa_ptr, ca_ptr, xsq_ptr, w_ptr, part_ptr, n, m, a, rows_per_split, m12_floor, c_sq_max,
+def _fly_cols(xa_ptr, ca_ptr, xsq_ptr, w_ptr, part_ptr, n, m, a, k, rows_per_split, m12_floor, c_sq_max,
               KIND: tl.constexpr, PREC: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_K: tl.constexpr,
               CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``part[split, rm] = sum over the split's rows of K[rows, rm]^T w[rows]`` (``part``: float64
-    ``(splits, M, BLOCK_K)``). Sums run in float32 over ``CHUNK`` tiles of rows at a time and are added
-    into a float64 total after each: a split's millions of rows never meet in one float32 sum (where the
-    products' cancellation would show its rounding)."""
+    """``part[split, rm] = sum over the split's rows of K[rows, rm]^T w[rows]`` (``w``: ``(n, k)``,
+    ``part``: float64 ``(splits, M, BLOCK_K)``). Sums run in float32 over ``CHUNK`` tiles of rows at a
+    time and are added into a float64 total after each: a split's millions of rows never meet in one
+    float32 sum (where the products' cancellation would show its rounding)."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(1).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
@@ -111,7 +112,8 @@ def _fly_cols(xa_ptr, ca_ptr, xsq_ptr, w_ptr, part_ptr, n, m, a, rows_per_split,
             kt = _profile(_distance_tile(xa_ptr, ca_ptr, rn, rm, stop, m, a, BLOCK_N, BLOCK_M, BLOCK_A, PREC),
                           floor, KIND)
             # rows past the chunk read w = 0: they add nothing
-            wt = tl.load(w_ptr + rn[:, None] * BLOCK_K + rk[None, :], mask=rn[:, None] < stop, other=0.0)
+            wt = tl.load(w_ptr + rn[:, None] * k + rk[None, :], mask=(rn[:, None] < stop) & (rk[None, :] < k),
+                         other=0.0)
             if BLOCK_K == 1:
                 acc += kt * wt
             else:

@@ -435,7 +435,13 @@ class KernelEngine:
             # the rows not stored on CPU: one call of the fused on-the-fly kernel, once any store is filled
             fly_done = (head < self.n and (self._k is not None or head == 0)
                         and self._fly_fused(acc, u_t, None if v_t is None else v_t[:, head:]))
-            if not ((stored_done or head == 0) and fly_done):
+            if fly_done and not stored_done and self._k is not None:
+                # the rows past the store done by a fused kernel (not CPU: the stored rows' fused kernel did not
+                # run): the stored rows alone, as views (iter_blocks would compute the next block before the
+                # loop could stop; no subclass wraps them where the fused kernels ran)
+                for start, stop in row_blocks(head, self.stored_block_rows):
+                    self._thin_block_(acc, self._k[start:stop], u_t, None if v_t is None else v_t[:, start:stop])
+            elif not ((stored_done or head == 0) and fly_done):
                 # (all rows: through iter_blocks, which a backend subclass may wrap)
                 blocks = self._iter_blocks(None, head) if stored_done else self.iter_blocks()
                 # closed here, inside this no_grad block: a generator left suspended inside its own no_grad

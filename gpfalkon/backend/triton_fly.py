@@ -17,13 +17,19 @@ chip:
    ``64 BLOCK_N`` rows and in float64 across chunks; the float64 partial sums per split ``(splits, M, k)``
    are added by torch.
 
-Cost: twice the distance products, ``4 n M a`` flops, ``2 n M`` profile evaluations and ``4 n M k``
-flops for the thin products; memory traffic ``O((n + M) (a + k))`` per pass instead of ``O(n M)``. The
+Cost: twice the distance products, ``4 n M a'`` flops (``a'``: ``a`` rounded up to the ``tl.dot`` chunk of
+32), ``2 n M`` profile evaluations and ``4 n M k'`` flops for the thin products (``k' = 1`` for one
+right-hand side, else ``k`` padded to at least 16 for ``tl.dot``). No ``n x M`` array is written: the
+tiles re-read ``C_a`` (rows kernel) and ``X_a``, ``w`` (columns kernel) from the caches, about
+``n M (a + k) (1 / BLOCK_N + 1 / BLOCK_M)`` values of cache traffic, against the unfused pass's
+~20 bytes of memory traffic per kernel value. The
 distances are recomputed rather than kept because a ``BLOCK_N x M`` row of them does not fit on chip for
 the ``M`` FALKON uses. Distances in IEEE float32 (``tl.dot(..., input_precision="ieee")``: the CUDA
 cores' FMA rate), or in TF32 on the tensor cores where :class:`gpfalkon.settings.tf32` is on. Thin
-products are always IEEE float32. Memory: ``n max(16, k)`` float32 values for ``w`` (``n`` for one
-right-hand side) and ``splits x M x max(16, k)`` float64 values for the partial sums.
+products are always IEEE float32. Memory: ``n k`` float32 values for ``w`` and ``splits x M x k'`` float64
+values for the partial sums (where they do not fit, the engine takes torch's path). Tile shapes are
+autotuned on the first call for each width, profile, precision and right-hand-side count, on its
+first 2^18 rows.
 
 Written by hand because neither torch nor GPyTorch has a fused kernel-matrix-vector product (KeOps
 does, but it is not a dependency and its reductions are single products, not ``K^T (K u)``). Float32
@@ -52,6 +58,8 @@ _MIN_SPLIT_ROWS = 512
 _CHUNK_TILES = 64  # row tiles per float32 partial sum of the columns kernel (then added in float64)
 _AUTO_MAX_WIDTH = 32  # augmented widths (d + 2) up to which "auto" uses the fused pass in IEEE float32
 _failed: list[str] = []  # why the compiled kernels could not run, once that happened
+_TUNE_ROWS = 2**18  # rows the autotuner times its tile shapes on (first call per key)
+_tuned: set[tuple] = set()  # keys whose tile shape the autotuner has chosen
 
 
 def _kernels() -> ModuleType | None:
@@ -132,39 +140,54 @@ def triton_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: T
         return False
     kernels = _kernels()
     assert kernels is not None  # triton_fly_available found it
-    n, a = xa.shape
-    m = ca_t.shape[1]
-    xa = xa.contiguous()
-    ca_t = ca_t.contiguous()
+    xa, ca_t = xa.contiguous(), ca_t.contiguous()
     x_sq = x_sq.to(torch.float32).contiguous()
-    block_k = 1 if k == 1 else max(16, _next_pow2(k))
-    dummy = xa.new_empty(1)
-    u = dummy if u_t is None else u_t.to(torch.float32).contiguous()
-    v = dummy if v_t is None else v_t.to(torch.float32)
-    if v_t is not None and v.stride(1) != 1:
+    u = None if u_t is None else u_t.to(torch.float32).contiguous()
+    v = None if v_t is None else v_t.to(torch.float32)
+    if v is not None and v.stride(1) != 1:
         v = v.contiguous()
-    w = torch.empty(n, block_k, dtype=torch.float32, device=xa.device)
-    common = dict(KIND=_KINDS[kind], PREC=_precision(), BLOCK_A=max(16, min(32, _next_pow2(a))), BLOCK_K=block_k,
-                  **kernels.launch_options())
-    rows_per_split = _cdiv(n, _splits(xa.device, n, m))
-    splits = _cdiv(n, rows_per_split)
-    part = torch.empty(splits, m, block_k, dtype=torch.float64, device=xa.device)
+    opts = dict(KIND=_KINDS[kind], PREC=_precision(), BLOCK_A=max(16, min(32, _next_pow2(xa.shape[1]))),
+                BLOCK_K=1 if k == 1 else max(16, _next_pow2(k)), **kernels.launch_options())
+    key = (xa.device, *sorted(opts.items()), u is None, v is None)
     try:
-        kernels.fly_rows[lambda meta: (_cdiv(n, meta["BLOCK_N"]),)](
-            xa, ca_t, x_sq, u, v, w, n, m, a, k, v.stride(0) if v_t is not None else 0, float(m12_floor),
-            float(c_sq_max), HAS_U=u_t is not None, HAS_V=v_t is not None, **common)
-        kernels.fly_cols[lambda meta: (_cdiv(m, meta["BLOCK_M"]), splits)](
-            xa, ca_t, x_sq, w, part, n, m, a, rows_per_split, float(m12_floor), float(c_sq_max),
-            CHUNK=_chunk_tiles(), **common)
+        if key not in _tuned and not kernels.interpreting() and xa.shape[0] > _TUNE_ROWS:
+            # the autotuner times each tile shape several times on the call it sees first: on the first
+            # _TUNE_ROWS rows rather than all (its choice is keyed on width, profile, precision, k, not n)
+            _launch(kernels, opts, xa[:_TUNE_ROWS], ca_t, x_sq[:_TUNE_ROWS], u,
+                    None if v is None else v[:, :_TUNE_ROWS], k, m12_floor, c_sq_max)
+        part = _launch(kernels, opts, xa, ca_t, x_sq, u, v, k, m12_floor, c_sq_max)
+        _tuned.add(key)
+    except torch.cuda.OutOfMemoryError:  # w and the partial sums did not fit beside the data: torch's path
+        return False
     except Exception as exc:  # a Triton / driver combination that cannot build or launch them: torch's path
         if kernels.interpreting():  # a bug in the kernels themselves: the tests must see it
             raise
         _failed.append(f"{type(exc).__name__}: {exc}")
-        warnings.warn(f"gpfalkon: the fused Triton pass could not run ({_failed[-1][:300]}); the engine uses "
-                      "torch's blockwise path from now on in this process", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"gpfalkon: the fused Triton pass could not run ({_failed[-1][:300]}); the kernel engine "
+                      "uses torch's blockwise path from now on in this process", RuntimeWarning, stacklevel=2)
         return False
     acc += part.sum(0)[:, :k].t()
     return True
+
+
+def _launch(kernels: ModuleType, opts: dict, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u: Tensor | None,
+            v: Tensor | None, k: int, m12_floor: float, c_sq_max: float) -> Tensor:
+    """Both kernels over the rows of ``xa``; returns the float64 partial sums ``(splits, M, BLOCK_K)``."""
+    n, a = xa.shape
+    m = ca_t.shape[1]
+    dummy = xa.new_empty(1)
+    w = torch.empty(n, k, dtype=torch.float32, device=xa.device)
+    rows_per_split = _cdiv(n, _splits(xa.device, n, m))
+    splits = _cdiv(n, rows_per_split)
+    part = torch.empty(splits, m, opts["BLOCK_K"], dtype=torch.float64, device=xa.device)
+    kernels.fly_rows[lambda meta: (_cdiv(n, meta["BLOCK_N"]),)](
+        xa, ca_t, x_sq, dummy if u is None else u, dummy if v is None else v, w, n, m, a, k,
+        0 if v is None else v.stride(0), float(m12_floor), float(c_sq_max), HAS_U=u is not None,
+        HAS_V=v is not None, **opts)
+    kernels.fly_cols[lambda meta: (_cdiv(m, meta["BLOCK_M"]), splits)](
+        xa, ca_t, x_sq, w, part, n, m, a, k, rows_per_split, float(m12_floor), float(c_sq_max),
+        CHUNK=_chunk_tiles(), **opts)
+    return part
 
 
 def _chunk_tiles() -> int:
