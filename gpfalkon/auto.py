@@ -424,6 +424,7 @@ def auto_fit(
     center_sampling: str = "auto",
     leverage_check: bool = False,
     max_iter: int = 50,
+    score_max_iter: int | None = None,
     tol: float = 1e-4,
     refit_on_all: bool = True,
     dtype: torch.dtype = torch.float32,
@@ -561,6 +562,9 @@ def auto_fit(
             final fit uses those centers when their validation error is lower (``report.chosen``'s
             ``centers`` says which). Skipped when the time left would not pay for it and the final fit.
         max_iter, tol: FALKON's CG stopping rule for every fit.
+        score_max_iter: CG's iteration cap for the scoring fits alone (stage 1's validation fits and stage
+            2's selection fits), which only rank hyperparameters and sizes; default ``max(10, max_iter // 2)``.
+            The final fit keeps ``max_iter``.
         refit_on_all: fit the final model on training plus held-out rows.
         dtype: dtype of the data passes (float32 by default: half the time; CG, Cholesky factors
             and predictions stay float64 inside FALKON).
@@ -658,6 +662,8 @@ def auto_fit(
     patience = _check_count("patience", patience)
     race_rounds = _check_count("race_rounds", race_rounds)
     max_iter = _check_count("max_iter", max_iter)
+    score_iter = (max(10, max_iter // 2) if score_max_iter is None
+                  else _check_count("score_max_iter", score_max_iter))
     if val_x is None and n_all < 10:
         raise ValueError(f"train_x: auto_fit needs at least 10 rows to hold some out for validation, got {n_all}")
 
@@ -765,7 +771,7 @@ def auto_fit(
             r = n_h if rows is None else rows
             x_, y_ = (xh, yh) if rows is None else (xt_z[h_perm[:r]], yt_z[h_perm[:r]])
             return FalkonGP(x_, y_, kernel=k, centers=centers, penalty=noise / r, learn_centers=learn,
-                            max_iter=max_iter, tol=tol)
+                            max_iter=score_iter, tol=tol)
 
         # the starting point's score
         try:
@@ -924,7 +930,7 @@ def auto_fit(
                 _scale_lengthscales(k, mult)
                 c_m, w_m = centers_at(m, kind)
                 mod, conv = _fit_quiet(FalkonGP(xs, ys, kernel=k, centers=c_m, center_weights=w_m,
-                                                penalty=noise / n_s, max_iter=max_iter, tol=tol,
+                                                penalty=noise / n_s, max_iter=score_iter, tol=tol,
                                                 options=select_options))
                 err = _val_mse(mod, xv_z, yv_z)
                 info = mod.fit_info

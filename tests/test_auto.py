@@ -371,6 +371,7 @@ def test_auto_fit_respects_a_small_budget():
         (dict(hyper_centers_growth=1.5), "hyper_centers_growth"),
         (dict(lengthscale_transform="exp"), "lengthscale_transform"),
         (dict(final_growth="yes"), "final_growth"),
+        (dict(score_max_iter=0), "score_max_iter"),
     ],
 )
 def test_auto_fit_bad_arguments(kwargs, match):
@@ -399,6 +400,19 @@ def test_auto_fit_bad_data():
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="train_x"):
         auto_fit(bad, y)
+
+
+def test_auto_fit_caps_the_scoring_fits_not_the_final_one():
+    """``score_max_iter`` caps CG in the selection fits (recorded in ``report.search``); the final fit runs to
+    ``max_iter``. By default the cap is ``max(10, max_iter // 2)``; tol 1e-12 makes every CG fit reach it."""
+    x, y, _ = _data(1500)
+    for cap, expect in ((4, 4), (None, 15)):
+        m = auto_fit(x, y, budget=8.0, hyper_rows=300, hyper_centers=40, min_centers=100, max_centers=200,
+                     max_iter=30, tol=1e-12, score_max_iter=cap, dtype=torch.float64, refit_on_all=False)
+        rep = m.auto_report
+        iters = [r["iterations"] for r in rep.search if r["iterations"] is not None]
+        assert iters and max(iters) == expect, iters
+        assert m.max_iter == 30  # the final model's rule (its fit here may be the direct solve)
 
 
 def test_auto_fit_leaves_time_for_a_final_fit_that_recomputes_its_kernel():
