@@ -51,7 +51,7 @@ from .. import settings
 
 __all__ = ["MAX_K", "triton_fly_available", "triton_fly_kmn_k"]
 
-MAX_K = 64  # right-hand sides handled (w is n x next_pow2(k) float32); more go through the torch path
+MAX_K = 64  # right-hand sides handled (partial sums splits x M x next_pow2(k)); more go through the torch path
 _KINDS = {"rbf": 0, "matern12": 1, "matern32": 2, "matern52": 3}
 _SPLIT_TARGET = 4  # programs of the column pass per streaming multiprocessor (row splits fill the GPU)
 _MIN_SPLIT_ROWS = 512
