@@ -168,3 +168,19 @@ def test_block_rule(n, m, rows):
         target = 2**30 // (m * 8)
         assert gpu == min(n, max(32, target - target % 8))
         assert block_rows_for(n, m, 8, PRODUCT, memory_budget=2 * 64 * m * 8, device="cuda") == min(n, 64)
+
+
+
+def test_differentiable_passes_keep_their_graph_only_within_its_share_of_the_budget():
+    """keeps_graph: n M graph_bytes <= budget / GRAPH_SHARE for AGGREGATE; never for a profile without
+    graph_bytes; the budget is the argument, else the setting."""
+    from gpfalkon.backend import AGGREGATE, GRADIENT, keeps_graph
+    from gpfalkon.backend.blocks import GRAPH_SHARE
+
+    n, m = 5000, 300
+    fits = n * m * AGGREGATE.graph_bytes * GRAPH_SHARE
+    assert keeps_graph(n, m, AGGREGATE, memory_budget=fits)
+    assert not keeps_graph(n, m, AGGREGATE, memory_budget=fits - GRAPH_SHARE)
+    assert not keeps_graph(n, m, GRADIENT, memory_budget=2**40)
+    with gpfalkon.settings.memory_budget(fits):
+        assert keeps_graph(n, m, AGGREGATE) and not keeps_graph(n + 1, m, AGGREGATE)

@@ -324,10 +324,12 @@ def test_gram_route_backward_does_not_recompute_the_center_products(monkeypatch)
         assert torch.isfinite(model.centers.grad).all()
         return counter.square
 
-    one, four = backward_square_gemms(400), backward_square_gemms(100)
-    assert four == one
-    monkeypatch.setattr(passes, "selective_contexts", None)  # recompute everything
-    assert backward_square_gemms(100) == one + 4
+    # a budget the whole graph does not fit: the 4-block pass is checkpointed (the 1-block one never is)
+    with settings.memory_budget(400 * m * 48 * 8 - 8):
+        one, four = backward_square_gemms(400), backward_square_gemms(100)
+        assert four == one
+        monkeypatch.setattr(passes, "selective_contexts", None)  # recompute everything
+        assert backward_square_gemms(100) == one + 4
 
 
 def test_float32_objectives_with_duplicate_centers_are_finite():
@@ -454,3 +456,43 @@ def test_fit_gpytorch_mll_reaches_the_optimum_of_an_ordinary_loop():
     assert max(float(p.grad.abs().max()) for p in a.parameters() if p.grad is not None) < 1e-4
     for (k, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=False):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-3, atol=1e-3, msg=k)
+
+
+
+@pytest.mark.parametrize("route", ["solve", "gram"])
+@pytest.mark.parametrize("name", ["GCV", "SGPRBound", "LOOCV"])
+def test_small_passes_keep_their_graph_and_match_the_checkpointed_blocks(name, route, monkeypatch):
+    """Within its share of the memory budget (or as one block) a pass runs no torch checkpoint; beyond
+    it every block is checkpointed; value and gradients agree either way (and with the naive formula)."""
+    import gpfalkon.backend.passes as passes
+    from gpfalkon.backend import AGGREGATE
+    from gpfalkon.backend.blocks import GRAPH_SHARE
+
+    calls = []
+    real = passes.checkpoint
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(passes, "checkpoint", counting)
+    model = _model(dtype=torch.float32 if route == "gram" else torch.float64)
+    n, m = model.train_inputs[0].shape[0], model.centers.shape[0]
+    params = [model.kernel.base_kernel.raw_lengthscale, model.kernel.raw_outputscale,
+              model.likelihood.raw_noise, model.centers]
+    results = []
+    tight = n * m * AGGREGATE.graph_bytes * GRAPH_SHARE - GRAPH_SHARE  # the graph just does not fit
+    with settings.aggregate_route(route):
+        for budget, rows, checkpoints in [(None, 37, False), (tight, None, False), (tight, 37, True)]:
+            calls.clear()
+            with settings.memory_budget(budget):
+                value = OBJECTIVES[name](model, block_rows=rows)()
+                results.append((value, torch.autograd.grad(value, params)))
+            assert (len(calls) >= 4) if checkpoints else calls == [], (budget, rows, len(calls))
+    tol = dict(rtol=1e-4, atol=1e-5) if route == "gram" else dict(rtol=1e-10, atol=1e-12)
+    for value, grads in results[1:]:
+        torch.testing.assert_close(value, results[0][0], **tol)
+        for a, b in zip(grads, results[0][1], strict=True):
+            torch.testing.assert_close(a, b, **tol)
+    if route == "solve":
+        torch.testing.assert_close(results[0][0], naive(name, model, OBJECTIVES[name](model)), rtol=1e-8, atol=1e-10)

@@ -14,6 +14,9 @@ The rule (``itemsize`` bytes per kernel value, ``M`` columns)::
          = default_rows                                  otherwise
     rows = min(rows, memory_budget / (live_blocks * M * itemsize), n),  at least 1.
 
+A differentiable pass checkpoints its blocks (the graph holds one block at a time) unless its whole
+graph fits a share of the budget (:func:`keeps_graph`).
+
 Profiles (their defaults are the measured ones of ``benchmarks/engine.py``):
 
 * :data:`PRODUCT` - thin products ``K_b^T (K_b U + V)``: about 16 MiB blocks on the CPU (each
@@ -28,7 +31,11 @@ Profiles (their defaults are the measured ones of ``benchmarks/engine.py``):
 * :data:`FACTOR` - ``O(M^2)`` work per row (triangular solves against ``K_MM``, BLESS):
   about 8 MiB of float64, three live blocks (kernel block, solved block, slack).
 * :data:`AGGREGATE` - the objectives' differentiable aggregates: 2048 rows, four live
-  blocks (the kernel block, its solve and their autograd copies).
+  blocks (the kernel block, its solve and their autograd copies). Where the whole pass's graph (about
+  48 bytes per ``n x M`` entry, measured with the GPyTorch Matern kernel and the Gram route) fits an
+  eighth of the memory budget, its blocks are not checkpointed (:func:`keeps_graph`): keeping a small
+  graph is faster per objective step than recomputing it in the backward pass
+  (``benchmarks/results/objective-step-whole.md``).
 * :data:`STORED` - reading a stored ``K_nM`` for thin products: sub-blocks of about
   512 KiB (each read twice, the second time from the core's own cache), at least 8 rows;
   a chunk is :func:`stored_batch` sub-blocks handled by one batched product.
@@ -52,6 +59,7 @@ __all__ = [
     "STORED",
     "BlockProfile",
     "block_rows_for",
+    "keeps_graph",
     "memory_budget_for",
     "resolve_block_rows",
     "row_blocks",
@@ -70,13 +78,16 @@ class BlockProfile:
     itemsize: int | None = None  # bytes per value; None: the caller's dtype
     row_multiple: int = 1  # byte-sized heights are rounded down to a multiple of this
     cuda_target_bytes: int | None = None  # target_bytes on a CUDA device (None: the same)
+    graph_bytes: int | None = None  # autograd graph bytes per n x M entry of the whole pass (None: always checkpoint)
 
 
 PRODUCT = BlockProfile(live_blocks=2, target_bytes=16 * 2**20, min_rows=32, row_multiple=8,
                        cuda_target_bytes=2**30)
 GRADIENT = BlockProfile(live_blocks=8, default_rows=2048)
 FACTOR = BlockProfile(live_blocks=3, target_bytes=8 * 2**20, min_rows=64, itemsize=8)
-AGGREGATE = BlockProfile(live_blocks=4, default_rows=2048)
+AGGREGATE = BlockProfile(live_blocks=4, default_rows=2048, graph_bytes=48)
+#: a differentiable pass keeps its whole graph within 1 / GRAPH_SHARE of the memory budget
+GRAPH_SHARE = 8
 STORED = BlockProfile(live_blocks=1, target_bytes=512 * 2**10, min_rows=8)
 
 
@@ -110,6 +121,7 @@ def block_rows_for(
     :class:`gpfalkon.settings.memory_budget`) for the profile's live blocks, nor ``n``.
     """
     block_rows = resolve_block_rows(block_rows)
+    budget = memory_budget_for(memory_budget, device=device)
     if block_rows is not None:
         rows = block_rows
     elif profile.target_bytes is not None:
@@ -121,10 +133,22 @@ def block_rows_for(
         rows = max(profile.min_rows, rows - rows % profile.row_multiple)
     else:
         rows = profile.default_rows
-    budget = memory_budget_for(memory_budget, device=device)
     size = profile.itemsize or itemsize
     rows = min(rows, max(1, budget // (profile.live_blocks * max(m, 1) * size)))
     return max(1, min(rows, max(int(n), 1)))
+
+
+def keeps_graph(n: int, m: int, profile: BlockProfile, *, memory_budget: int | None = None,
+                device: torch.device | str | None = None) -> bool:
+    """Does a differentiable pass of ``profile`` over ``n`` rows against ``m`` columns keep its whole
+    autograd graph (no checkpointing): ``n m graph_bytes <= memory_budget / GRAPH_SHARE`` (the budget:
+    ``memory_budget``, else :class:`gpfalkon.settings.memory_budget`, else the automatic one of
+    ``device``). Checkpointing bounds the graph to one block at the price of a second forward pass
+    over every block in the backward pass; below this size that price buys nothing the budget needs."""
+    if profile.graph_bytes is None:
+        return False
+    budget = memory_budget_for(memory_budget, device=device)
+    return int(n) * max(int(m), 1) * profile.graph_bytes <= budget // GRAPH_SHARE
 
 
 #: bounds of the automatic memory budget: half the available memory, within [floor, cap]

@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from .. import settings
-from .blocks import row_blocks
+from .blocks import AGGREGATE, keeps_graph, row_blocks
 from .engine import KernelEngine, kernel_block, stationary_spec
 from .prefetch import row_slices
 
@@ -93,9 +93,10 @@ def whitened_aggregates(
 ) -> WhitenedAggregates:
     """``A A^T``, ``A y``, ``||A||_F^2`` and ``tr K_nn`` for ``A = L^{-1} K_Mn`` (``L`` lower).
 
-    Differentiable w.r.t. ``x``, ``centers``, ``L`` and the kernel's parameters; each block
-    is checkpointed, so the graph holds ``O(M^2 + M t)`` per block, not the ``rows x M``
-    blocks. Two routes to the same sums (docs/math.md §5.1):
+    Differentiable w.r.t. ``x``, ``centers``, ``L`` and the kernel's parameters. Each block is
+    checkpointed, so the graph holds ``O(M^2 + M t)`` per block, not the ``rows x M`` blocks, except
+    where the whole graph is small (one block, or within a share of the memory budget:
+    :func:`_keep_graph`). Two routes to the same sums (docs/math.md §5.1):
 
     * **Gram route** (CPU, data in float32 or narrower; :func:`uses_gram_route`):
       ``G = sum_b K_Mb K_bM`` and ``g = sum_b K_Mb y_b`` accumulated in float64, then
@@ -160,6 +161,26 @@ def _keep_center_products(m: int, rows: int) -> Callable[..., Any]:
     return policy
 
 
+def _checkpointed(block: Callable[..., Any], keep: bool, *args: Tensor,
+                  context_fn: Callable[..., Any] | None = None) -> Any:
+    """``block(*args)``: called directly where ``keep`` (the pass keeps its graph), else checkpointed (the
+    graph keeps the block's inputs, the backward pass recomputes the block; ``context_fn``: a
+    selective-checkpoint policy)."""
+    if keep:
+        return block(*args)
+    if context_fn is None:
+        return checkpoint(block, *args, use_reentrant=False)
+    return checkpoint(block, *args, use_reentrant=False, context_fn=context_fn)
+
+
+def _keep_graph(x: Tensor, centers: Tensor, ranges: list[tuple[int, int]]) -> bool:
+    """Whether a differentiable pass over these blocks keeps its graph: where it has one block (its
+    backward pass would hold the recomputed block anyway: checkpointing it bounds no memory), or where the
+    whole graph fits :data:`~gpfalkon.backend.blocks.AGGREGATE`'s share of the memory budget
+    (:func:`~gpfalkon.backend.blocks.keeps_graph`; measured in ``benchmarks/results/objective-step-whole.md``)."""
+    return len(ranges) == 1 or keeps_graph(x.shape[0], centers.shape[0], AGGREGATE, device=x.device)
+
+
 def _gram_aggregates(
     kernel: Kernel, x: Tensor, y: Tensor, centers: Tensor, L: Tensor, rows: int
 ) -> WhitenedAggregates:
@@ -171,12 +192,11 @@ def _gram_aggregates(
 
     m = centers.shape[0]
     acc: list[Tensor] | None = None
-    for s, e, xb in row_slices(x, list(row_blocks(x.shape[0], rows))):
-        if selective_contexts is None:
-            out = checkpoint(block, xb, y[s:e], centers, use_reentrant=False)
-        else:
-            out = checkpoint(block, xb, y[s:e], centers, use_reentrant=False,
-                             context_fn=partial(selective_contexts, _keep_center_products(m, e - s)))
+    ranges = list(row_blocks(x.shape[0], rows))
+    keep = _keep_graph(x, centers, ranges)
+    for s, e, xb in row_slices(x, ranges):
+        policy = None if selective_contexts is None else partial(selective_contexts, _keep_center_products(m, e - s))
+        out = _checkpointed(block, keep, xb, y[s:e], centers, context_fn=policy)
         acc = list(out) if acc is None else [a + o for a, o in zip(acc, out, strict=True)]
     assert acc is not None  # x has at least one row (validated by the callers)
     gram, ky, tr_knn = acc
@@ -200,8 +220,10 @@ def _solve_aggregates(
         return ab @ ab.mT, ab @ yb, ab.square().sum(), kernel(xb, diag=True).sum()
 
     acc: list[Tensor] | None = None
-    for s, e, xb in row_slices(x, list(row_blocks(x.shape[0], rows))):
-        out = checkpoint(block, xb, y[s:e], L, centers, use_reentrant=False)
+    ranges = list(row_blocks(x.shape[0], rows))
+    keep = _keep_graph(x, centers, ranges)
+    for s, e, xb in row_slices(x, ranges):
+        out = _checkpointed(block, keep, xb, y[s:e], L, centers)
         acc = list(out) if acc is None else [a + o for a, o in zip(acc, out, strict=False)]
     assert acc is not None  # x has at least one row (validated by the callers)
     return WhitenedAggregates(*acc)
@@ -212,13 +234,15 @@ def map_whitened_blocks(
 ) -> list[Tensor]:
     """``[fn(A_b, start, stop) for each block]`` with ``A_b = L^{-1} K_Mb`` (checkpointed, differentiable)."""
     outs = []
-    for s, e, x_b in row_slices(x, list(row_blocks(x.shape[0], rows))):
+    ranges = list(row_blocks(x.shape[0], rows))
+    keep = _keep_graph(x, centers, ranges)
+    for s, e, x_b in row_slices(x, ranges):
 
         def block(xb: Tensor, L_: Tensor, c_: Tensor, s: int = s, e: int = e) -> Tensor:
             ab = torch.linalg.solve_triangular(L_, kernel_block(kernel, xb, c_).mT, upper=False)
             return fn(ab, s, e)
 
-        outs.append(checkpoint(block, x_b, L, centers, use_reentrant=False))
+        outs.append(_checkpointed(block, keep, x_b, L, centers))
     return outs
 
 

@@ -121,7 +121,8 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
     def for_each_block(
         self, x: Tensor, L: Tensor, fn: Callable[[Tensor, int, int], Tensor]
     ) -> list[Tensor]:
-        """Apply ``fn(A_b, start, stop)`` (checkpointed) to every block ``A_b = L^{-1} K_Mb``."""
+        """Apply ``fn(A_b, start, stop)`` to every block ``A_b = L^{-1} K_Mb`` (checkpointed where the whole
+        graph exceeds its share of the memory budget: :func:`~gpfalkon.backend.keeps_graph`)."""
         return self.backend_pass("map_whitened_blocks")(
             self.model.kernel, x, self.model.centers, L, fn, self._rows(x.shape[0])
         )
