@@ -252,3 +252,31 @@ def test_kernel_matmul_without_graph_matches_the_dense_product(name, dtype, monk
         batched = passes.kernel_matmul(k, x.unsqueeze(0).expand(2, -1, -1), c, alpha, 40)
     torch.testing.assert_close(batched, generic.expand(2, -1, -1), rtol=1e-12, atol=1e-12)
     assert engine_calls == []
+
+
+def test_release_frees_a_large_store_in_the_background_and_the_next_store_waits(monkeypatch):
+    """A released store at least BACKGROUND_FREE_BYTES large is dropped on a worker thread (the engine
+    keeps no reference); the next engine that stores K_nM waits for it; products stay exact."""
+    import weakref
+
+    import gpfalkon.backend.engine as eng_mod
+
+    monkeypatch.setattr(eng_mod, "BACKGROUND_FREE_BYTES", 1)  # every store counts as large
+    x, _ = make_data(300, 3)
+    centers = x[:20].clone()
+    kernel = make_kernel("rbf", 3)
+    eng = KernelEngine(kernel, x, centers, store=True)
+    u = torch.randn(20, 2, dtype=torch.float64)
+    first = eng.kmn_k(u)
+    stored = weakref.ref(eng._k)
+    eng.release()
+    assert eng._k is None and len(eng_mod._pending_frees) == 1
+    again = KernelEngine(kernel, x, centers, store=True)
+    torch.testing.assert_close(again.kmn_k(u), first)  # its store was allocated after waiting
+    assert eng_mod._pending_frees == [] and stored() is None
+    knm = dense_kernel(kernel, x, centers)
+    torch.testing.assert_close(first, knm.T @ (knm @ u))
+    # below the size, release drops the store at once (no thread)
+    monkeypatch.setattr(eng_mod, "BACKGROUND_FREE_BYTES", 2**62)
+    again.release()
+    assert eng_mod._pending_frees == []

@@ -305,3 +305,25 @@ def test_falkon_solve_split_arguments_are_checked():
 
     with pytest.raises(ValueError, match="w_matmul"):
         falkon_solve(lambda v: kmm @ v, Plain(), rhs, tol=1e-8, max_iter=5, data_matmul=lambda v: v, kmm_weight=1.0)
+
+
+@pytest.mark.parametrize("upper", [True, False])
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_cholesky_with_shift_matches_the_dense_factor_of_the_shifted_matrix(upper, layout):
+    """``shift`` factors ``a + (shift + j) I`` without touching ``a``; the factor is triangular with
+    exact zeros and equals torch's dense Cholesky of the shifted matrix, whatever ``a``'s layout."""
+    g = torch.Generator().manual_seed(3)
+    b = torch.randn(40, 40, generator=g, dtype=torch.float64)
+    a = b @ b.mT / 40
+    a = a if layout == "row-major" else a.mT.contiguous().mT  # same values, column-major strides
+    keep = a.clone()
+    factor, j = jittered_cholesky(a, upper=upper, shift=0.25, jitter=1e-9)
+    assert j == 1e-9 and torch.equal(a, keep)
+    dense = torch.linalg.cholesky(keep + (0.25 + 1e-9) * torch.eye(40, dtype=torch.float64), upper=upper)
+    torch.testing.assert_close(factor, dense, rtol=1e-12, atol=1e-13)
+    other = factor.tril(-1) if upper else factor.triu(1)
+    assert torch.count_nonzero(other) == 0
+    # the jitter's scale includes the shift: a zero matrix shifted by 1 factors at once, jitter eps * M
+    eye_factor, j0 = jittered_cholesky(torch.zeros(5, 5, dtype=torch.float64), shift=1.0)
+    assert j0 == pytest.approx(torch.finfo(torch.float64).eps * 5)
+    torch.testing.assert_close(eye_factor, (1.0 + j0) ** 0.5 * torch.eye(5, dtype=torch.float64))

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import overload
@@ -157,6 +158,39 @@ def stored_rows_for(n: int, m: int, itemsize: int, memory_budget: int, block_row
         block_rows = block_rows_for(n, m, itemsize, PRODUCT, memory_budget=memory_budget, device=device)
     head = (memory_budget - PRODUCT.live_blocks * block_rows * row_bytes) // row_bytes
     return int(min(head, n)) if head >= block_rows else 0
+
+
+#: a released host store at least this large is freed on a background thread (:func:`_release_store`)
+BACKGROUND_FREE_BYTES = 64 * 2**20
+_pending_frees: list[threading.Thread] = []
+_pending_lock = threading.Lock()
+
+
+def _release_store(store: list[Tensor]) -> None:
+    """Drop the references in ``store`` (emptied): a large host tensor on a daemon thread, so that the
+    caller does not wait while its pages go back to the operating system (``munmap`` of a 1.6 GB ``K_nM``
+    took 0.11 s of a 2.2 s fit on a 2-core KVM host, ``benchmarks/results/fit-reference.md``); anything
+    else at once. The next store an engine allocates first waits for pending frees
+    (:func:`_await_frees`), so two stores never coexist beyond the memory budget. Written by hand: torch's
+    CPU allocator returns large blocks to the OS synchronously and has no deferred free."""
+    big = [t for t in store if t.device.type == "cpu" and t.untyped_storage().nbytes() >= BACKGROUND_FREE_BYTES]
+    if not big:
+        store.clear()
+        return
+    store.clear()
+    worker = threading.Thread(target=big.clear, name="gpfalkon-free", daemon=True)
+    with _pending_lock:
+        _pending_frees.append(worker)
+    worker.start()
+
+
+def _await_frees() -> None:
+    """Wait until the stores handed to :func:`_release_store` are freed."""
+    with _pending_lock:
+        pending = list(_pending_frees)
+        _pending_frees.clear()
+    for worker in pending:
+        worker.join()
 
 
 def kernel_block(kernel: Kernel, x1: Tensor, x2: Tensor) -> Tensor:
@@ -321,6 +355,7 @@ class KernelEngine:
     def _ensure_stored(self) -> Tensor:
         """The stored rows ``K0[:stored_rows]``, computed on first use."""
         if self._k is None:
+            _await_frees()
             k = torch.empty(self.stored_rows, self.m, dtype=self.dtype, device=self.device)
             with torch.no_grad():
                 for start, stop, xb in self._rows(row_blocks(self.stored_rows, self.block_rows)):
@@ -348,6 +383,7 @@ class KernelEngine:
             if head > first:
                 if self._k is None:
                     assert first == 0, "a pass that skips rows needs the store filled"
+                    _await_frees()
                     k = torch.empty(head, self.m, dtype=self.dtype, device=self.device)
                     for start, stop, xb in self._rows(row_blocks(head, self.block_rows)):
                         yield start, stop, self._compute_block(start, stop, out=k[start:stop], xb=xb)
@@ -386,8 +422,11 @@ class KernelEngine:
         return out.mul_(self.scale) if self.scale != 1.0 else out
 
     def release(self) -> None:
-        """Free the stored matrix and buffers."""
+        """Free the stored matrix (a large host one on a background thread: :func:`_release_store`) and
+        the buffers."""
+        store = [t for t in (self._k, self._buf, self._tmp) if t is not None]
         self._k = self._buf = self._tmp = None
+        _release_store(store)
 
     # ---------------------------------------------------------------- products
     @overload
@@ -476,6 +515,8 @@ class KernelEngine:
             return True  # CUDA float32 (or Triton's interpreter): gpfalkon.backend.triton_fly
         if self.device.type != "cpu":
             return False
+        if fill:
+            _await_frees()
         store = torch.empty(head, self.m, dtype=self.dtype, device=self.device) if fill else None
         tile = fly_tile_rows(self.m, torch.finfo(self.dtype).bits // 8, cap=self.block_rows)
         done = fused_fly_kmn_k(acc, self._xa[rows], self._ca_t, self._x_sq[rows], u_t, v_t, self.spec.kind,

@@ -190,7 +190,8 @@ def data_fingerprint(
             sx += blk.sum(dtype=torch.float64)
             sxx += blk.to(torch.float64).square().sum()
     else:
-        sx, sxx = x.sum(dtype=torch.float64), x.to(torch.float64).square().sum()
+        # (vector_norm accumulates in float64 without a float64 copy of x)
+        sx, sxx = x.sum(dtype=torch.float64), torch.linalg.vector_norm(x, dtype=torch.float64).square()
     off = 0 if row_offset is None else int(row_offset())
     hx = _digest_rows(x, off * _words_per_row(x))
     hy = _digest_rows(y, off * _words_per_row(y))
@@ -198,7 +199,7 @@ def data_fingerprint(
     halves = [float(v) for h in (*hx, *hy) for v in (h & _P31, h >> 31)]
     sums = torch.tensor([float(x.shape[0]), 0.0, 0.0, 0.0, 0.0, *halves], dtype=torch.float64, device=x.device)
     sums[1], sums[2] = sx, sxx
-    sums[3], sums[4] = y.sum(dtype=torch.float64), y.to(torch.float64).square().sum()
+    sums[3], sums[4] = y.sum(dtype=torch.float64), torch.linalg.vector_norm(y, dtype=torch.float64).square()
     if reduce is not None:
         sums = reduce(sums)
     n = round(float(sums[0]))

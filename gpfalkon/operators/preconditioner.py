@@ -128,10 +128,7 @@ class FalkonPreconditioner(LinearOperator):
         ``T T^T / M + lambda I`` (``M^3 / 3`` flops; ``factor`` is not modified)."""
         check_penalty(penalty)
         lam = float(torch.as_tensor(penalty).detach())
-        inner = factor.gram.clone()
-        inner.diagonal().add_(lam)
-        A, _ = jittered_cholesky(inner, upper=True, name="T T^T / M + lambda I")
-        del inner
+        A, _ = jittered_cholesky(factor.gram, upper=True, name="T T^T / M + lambda I", shift=lam)
         out_dtype = torch.float64 if dtype is None else dtype
         return cls(factor.T.to(out_dtype), A.to(out_dtype), factor.weights.to(out_dtype), n=n, jitter=factor.jitter)
 
