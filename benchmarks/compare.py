@@ -1412,7 +1412,7 @@ def main() -> None:
 
     t_build = time.perf_counter()
     fused_ok, fused_why = fused_available()
-    env.append(f"gpfalkon fused CPU kernel: {'ready' if fused_ok else fused_why} (checked or built before the "
+    env.append(f"- gpfalkon fused CPU kernel: {'ready' if fused_ok else fused_why} (checked or built before the "
                f"timed runs, {time.perf_counter() - t_build:.1f} s)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     work = args.out.parent / f".{args.out.stem}.work"

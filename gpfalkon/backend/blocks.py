@@ -121,7 +121,6 @@ def block_rows_for(
     :class:`gpfalkon.settings.memory_budget`) for the profile's live blocks, nor ``n``.
     """
     block_rows = resolve_block_rows(block_rows)
-    budget = memory_budget_for(memory_budget, device=device)
     if block_rows is not None:
         rows = block_rows
     elif profile.target_bytes is not None:
@@ -133,6 +132,7 @@ def block_rows_for(
         rows = max(profile.min_rows, rows - rows % profile.row_multiple)
     else:
         rows = profile.default_rows
+    budget = memory_budget_for(memory_budget, device=device)
     size = profile.itemsize or itemsize
     rows = min(rows, max(1, budget // (profile.live_blocks * max(m, 1) * size)))
     return max(1, min(rows, max(int(n), 1)))

@@ -177,7 +177,9 @@ def _keep_graph(x: Tensor, centers: Tensor, ranges: list[tuple[int, int]]) -> bo
     """Whether a differentiable pass over these blocks keeps its graph: where it has one block (its
     backward pass would hold the recomputed block anyway: checkpointing it bounds no memory), or where the
     whole graph fits :data:`~gpfalkon.backend.blocks.AGGREGATE`'s share of the memory budget
-    (:func:`~gpfalkon.backend.blocks.keeps_graph`; measured in ``benchmarks/results/objective-step-whole.md``)."""
+    (:func:`~gpfalkon.backend.blocks.keeps_graph`; measured in ``benchmarks/results/objective-step-whole.md``).
+    The budget is the library's (:class:`gpfalkon.settings.memory_budget`, else the automatic one of ``x``'s
+    device): a pass receives its block height, not a model's own ``memory_budget``."""
     return len(ranges) == 1 or keeps_graph(x.shape[0], centers.shape[0], AGGREGATE, device=x.device)
 
 
