@@ -280,3 +280,25 @@ def test_release_frees_a_large_store_in_the_background_and_the_next_store_waits(
     monkeypatch.setattr(eng_mod, "BACKGROUND_FREE_BYTES", 2**62)
     again.release()
     assert eng_mod._pending_frees == []
+
+
+@pytest.mark.parametrize("m", [40, 300, 700])
+def test_whitened_gram_by_lower_rank_updates_matches_dense_and_is_symmetric(m):
+    """``A A^T`` (``A = L^{-1} K_Mn``) built from lower-triangle rank updates (blocks of 256 centers above
+    256) equals the dense product and is exactly symmetric."""
+    import gpfalkon.backend.engine as eng_mod
+
+    x, _ = make_data(900, 3)
+    centers = x[:m].clone()
+    kernel = make_kernel("scale_matern52", 3)
+    knm = dense_kernel(kernel, x, centers)
+    L = torch.linalg.cholesky(dense_kernel(kernel, centers, centers) + 1e-6 * torch.eye(m, dtype=torch.float64))
+    a = torch.linalg.solve_triangular(L, knm.T, upper=False)
+    eng = KernelEngine(kernel, x, centers, store=False, block_rows=128)
+    got = eng.whitened_gram(L)
+    torch.testing.assert_close(got, a @ a.T, rtol=1e-10, atol=1e-9)
+    assert torch.equal(got, got.T)
+    g = torch.full((m, m), 7.0, dtype=torch.float64)
+    r = torch.randn(m, 5, dtype=torch.float64)
+    eng_mod._lower_rank_update_(g, r)
+    torch.testing.assert_close(g.tril(), (7.0 + r @ r.T).tril(), rtol=1e-12, atol=1e-12)

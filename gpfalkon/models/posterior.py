@@ -27,7 +27,7 @@ class NystromPosteriorFactors:
 
     ``L L^T = K_MM`` and ``L_B L_B^T = I + A A^T / v`` with ``A = L^{-1} K_Mn`` and
     ``v = n lambda`` (docs/math.md §4). ``A A^T`` is one backend pass
-    (:meth:`~gpfalkon.backend.KernelEngine.whitened_gram`: about ``3 n M^2`` float64 flops,
+    (:meth:`~gpfalkon.backend.KernelEngine.whitened_gram`: about ``2 n M^2`` float64 flops,
     memory ``O(M^2 + block x M)``). Then for test inputs with
     ``a = L^{-1} K_M*`` and ``c = L_B^{-1} a``:
 
