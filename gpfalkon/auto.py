@@ -8,7 +8,8 @@
    ``objectives`` (SGPR bound, GCV, C-Reg, Nyström C-Reg, ...: Meanti et al. 2022 find each best
    on some datasets). Every ``eval_every`` steps the current hyperparameters are scored by the
    validation error of a FALKON fit on the subsample; after ``race_rounds`` such rounds only the
-   leading objective goes on, and whenever it stalls, or has used ``level_share`` of the learning
+   leading objective goes on (sooner where the others' best errors exceed ``1 + race_margin`` times the
+   leader's from the second round on), and whenever it stalls, or has used ``level_share`` of the learning
    time left when it started on its rows, it continues from its best point on twice
    the rows (nested subsamples; optionally more centers, ``hyper_centers_growth``), within the
    memory budget ``hyper_entries``; stalled on all the rows it may use, or stalled on more rows
@@ -418,6 +419,7 @@ def auto_fit(
     eval_every: int = 10,
     patience: int = 10,
     race_rounds: int = 5,
+    race_margin: float | None = 0.2,
     min_gain: float = 0.005,
     search_tol: float = 2e-3,
     final_growth: bool = True,
@@ -521,6 +523,10 @@ def auto_fit(
         race_rounds: after this many rounds of ``eval_every`` steps of every objective, only the
             one with the best validation error so far goes on (the others' best points stay
             candidates).
+        race_margin: from the second round on, an objective whose best validation error exceeds
+            ``1 + race_margin`` times the leader's leaves the race at once, and a leader left alone goes
+            on as after ``race_rounds`` (``None``: no early elimination). Successive elimination: a
+            clearly worse objective stops taking half of the learning share.
         min_gain: relative validation-error gain per doubling of the centers needed to keep growing
             them; a step by a factor ``f`` (less than 2 where the budget allows no doubling) needs
             ``min_gain * log2(f)``.
@@ -661,6 +667,11 @@ def auto_fit(
     eval_every = _check_count("eval_every", eval_every)
     patience = _check_count("patience", patience)
     race_rounds = _check_count("race_rounds", race_rounds)
+    if race_margin is not None:
+        if isinstance(race_margin, bool) or not isinstance(race_margin, (int, float)) or not (
+                math.isfinite(race_margin) and race_margin > 0):
+            raise ValueError(f"race_margin must be a positive number or None, got {race_margin!r}")
+        race_margin = float(race_margin)
     max_iter = _check_count("max_iter", max_iter)
     score_iter = (max(10, max_iter // 2) if score_max_iter is None
                   else _check_count("score_max_iter", score_max_iter))
@@ -808,6 +819,7 @@ def auto_fit(
             for name in objectives
         ]
         rounds = 0
+        race_decided = False  # the race ended before race_rounds (race_margin)
         rows_h = n_h
         rows_cap = n_tr if max_hyper_rows is None else min(n_tr, max_hyper_rows)
         while True:
@@ -830,17 +842,24 @@ def auto_fit(
                     if r.active:
                         r.stop("learning share of the budget used")
                 break
+            still = [r for r in runners if r.active]
             if rounds == race_rounds:  # the race: only the leader goes on
-                still = [r for r in runners if r.active]
                 if len(still) > 1:
                     leader = min(still, key=lambda r: r.rec["best_error"])
                     for r in still:
                         if r is not leader:
                             r.stop(f"dropped after {race_rounds} rounds (leader: {leader.name})")
+            elif race_margin is not None and 2 <= rounds < race_rounds and len(still) > 1:
+                leader = min(still, key=lambda r: r.rec["best_error"])
+                for r in still:
+                    if r is not leader and r.rec["best_error"] > (1.0 + race_margin) * leader.rec["best_error"]:
+                        r.stop(f"dropped after {rounds} rounds: best validation error {r.rec['best_error']:.4g} "
+                               f"> (1 + race_margin) x the leader's ({leader.name}, {leader.rec['best_error']:.4g})")
+                race_decided = len([r for r in runners if r.active]) == 1
             live = [r for r in runners if r.active]
             start = None
             rows_next = min(2 * rows_h, rows_cap)
-            lead = live[0] if rounds >= race_rounds and len(live) == 1 else None
+            lead = live[0] if (rounds >= race_rounds or race_decided) and len(live) == 1 else None
             stalled = lead is not None and lead.stalled()
             # the geometric split of the learning share: past level_share of the time left when it started
             # on these rows, the leader moves on to twice the rows (where it may)

@@ -372,6 +372,9 @@ def test_auto_fit_respects_a_small_budget():
         (dict(lengthscale_transform="exp"), "lengthscale_transform"),
         (dict(final_growth="yes"), "final_growth"),
         (dict(score_max_iter=0), "score_max_iter"),
+        (dict(race_margin=0.0), "race_margin"),
+        (dict(race_margin=float("nan")), "race_margin"),
+        (dict(race_margin=True), "race_margin"),
     ],
 )
 def test_auto_fit_bad_arguments(kwargs, match):
@@ -521,11 +524,12 @@ def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int, **extra
 
     monkeypatch.setattr(FalkonGP, "fit", fit)
     x, y, _ = _data(2000)
-    # the fake budgets below are sized to the fake seconds of a three-objective learning stage and to the
+    # the fake budgets below are sized to the fake seconds of a three-objective learning stage (the whole
+    # race: race_margin=None; early elimination is covered by test_auto_fit_race_margin_drops_...) and to the
     # selection fits of searches that extend while the error falls at all (search_tol=0; the tolerance is
     # covered by test_auto_fit_search_tol_ends_a_flat_search)
     kw = dict(SMALL, budget=budget, select_rows=400, min_centers=60, max_centers=120, search_tol=0.0,
-              objectives=("sgpr", "gcv", "nystrom-compreg"))
+              objectives=("sgpr", "gcv", "nystrom-compreg"), race_margin=None)
     kw.update(extra)
     with settings.memory_budget(memory_budget):
         model = auto_fit(x, y, **kw)
@@ -865,3 +869,28 @@ def test_scaled_fit_seconds_scales_each_part_by_its_own_power():
     assert _scaled_fit_seconds([dict(seconds=1.0, precond_seconds=0.8, apply_seconds=0.4)], 2.0) == pytest.approx(
         0.8 * 8 + 0.4 * 4)
 
+
+
+@pytest.mark.parametrize("margin", [None, 1e-9])
+def test_auto_fit_race_margin_drops_a_worse_objective_early(margin):
+    """With race_margin, the objective whose best validation error after two rounds exceeds the leader's by
+    more than the margin stops then (2 x eval_every steps) and the leader goes on alone, moving to more
+    rows as after a full race; with None the race runs its race_rounds."""
+    x, y, _ = _data(1200, noise=0.3)
+    kw = dict(SMALL, hyper_rows=100, hyper_centers=20, max_steps=60, eval_every=2, race_rounds=5,
+              objectives=("gcv", "sgpr"), race_margin=margin, level_share=1e-9)
+    rep = auto_fit(x, y, **kw).auto_report
+    racers = rep.learn[1:3]
+    assert {r["objective"] for r in racers} == {"gcv", "sgpr"}
+    dropped = [r for r in racers if r["stopped"].startswith("dropped")]
+    assert len(dropped) == 1, [(r["objective"], r["steps"], r["stopped"]) for r in racers]
+    loser = dropped[0]
+    winner = next(r for r in racers if r is not loser)
+    if margin is None:
+        assert loser["stopped"] == f"dropped after 5 rounds (leader: {winner['objective']})"
+        assert loser["steps"] == 5 * kw["eval_every"]
+    else:
+        assert loser["stopped"].startswith("dropped after 2 rounds") and "race_margin" in loser["stopped"]
+        assert loser["steps"] == 2 * kw["eval_every"]
+        # the leader, alone, moves on to twice the rows right away (level_share ~ 0), before round 5
+        assert winner["steps"] < 5 * kw["eval_every"] and "continued on 200 rows" in winner["stopped"]
