@@ -855,8 +855,11 @@ def auto_fit(
                     if r is not leader and r.rec["best_error"] > (1.0 + race_margin) * leader.rec["best_error"]:
                         r.stop(f"dropped after {rounds} rounds: best validation error {r.rec['best_error']:.4g} "
                                f"> (1 + race_margin) x the leader's ({leader.name}, {leader.rec['best_error']:.4g})")
-                race_decided = len([r for r in runners if r.active]) == 1
             live = [r for r in runners if r.active]
+            # a race of several objectives is decided once one is left after round 2 (by race_margin, or the
+            # others failed or stalled): the leader goes on as after race_rounds
+            race_decided = race_decided or (race_margin is not None and len(objectives) > 1 and rounds >= 2
+                                            and len(live) == 1)
             start = None
             rows_next = min(2 * rows_h, rows_cap)
             lead = live[0] if (rounds >= race_rounds or race_decided) and len(live) == 1 else None

@@ -262,6 +262,7 @@ def test_release_frees_a_large_store_in_the_background_and_the_next_store_waits(
     import gpfalkon.backend.engine as eng_mod
 
     monkeypatch.setattr(eng_mod, "BACKGROUND_FREE_BYTES", 1)  # every store counts as large
+    eng_mod._await_frees()  # nothing pending from earlier tests
     x, _ = make_data(300, 3)
     centers = x[:20].clone()
     kernel = make_kernel("rbf", 3)
@@ -302,3 +303,28 @@ def test_whitened_gram_by_lower_rank_updates_matches_dense_and_is_symmetric(m):
     r = torch.randn(m, 5, dtype=torch.float64)
     eng_mod._lower_rank_update_(g, r)
     torch.testing.assert_close(g.tril(), (7.0 + r @ r.T).tril(), rtol=1e-12, atol=1e-12)
+
+
+def test_release_frees_inline_when_no_thread_can_start(monkeypatch):
+    """A thread that cannot start (thread limit, interpreter shutdown) leaves nothing pending: the store is
+    dropped at once and later stores allocate as usual."""
+    import threading
+    import weakref
+
+    import gpfalkon.backend.engine as eng_mod
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(eng_mod, "BACKGROUND_FREE_BYTES", 1)
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    eng_mod._await_frees()
+    x, _ = make_data(200, 3)
+    kernel = make_kernel("rbf", 3)
+    eng = KernelEngine(kernel, x, x[:10].clone(), store=True)
+    u = torch.randn(10, 1, dtype=torch.float64)
+    first = eng.kmn_k(u)
+    stored = weakref.ref(eng._k)
+    eng.release()
+    assert stored() is None and eng_mod._pending_frees == []
+    torch.testing.assert_close(KernelEngine(kernel, x, x[:10].clone(), store=True).kmn_k(u), first)

@@ -496,3 +496,31 @@ def test_small_passes_keep_their_graph_and_match_the_checkpointed_blocks(name, r
             torch.testing.assert_close(a, b, **tol)
     if route == "solve":
         torch.testing.assert_close(results[0][0], naive(name, model, OBJECTIVES[name](model)), rtol=1e-8, atol=1e-10)
+
+
+def test_a_models_own_memory_budget_decides_whether_its_passes_keep_the_graph(monkeypatch):
+    """The objectives run their passes under the model's ``memory_budget``: a budget the graph does not fit
+    checkpoints the blocks even where the library's budget would keep them."""
+    import gpfalkon.backend.passes as passes
+    from gpfalkon.backend import AGGREGATE
+    from gpfalkon.backend.blocks import GRAPH_SHARE
+
+    calls = []
+    real = passes.checkpoint
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(passes, "checkpoint", counting)
+    model = _model()
+    n, m = model.train_inputs[0].shape[0], model.centers.shape[0]
+    model.memory_budget = n * m * AGGREGATE.graph_bytes * GRAPH_SHARE - GRAPH_SHARE
+    with settings.memory_budget(2**40):
+        value = GCV(model, block_rows=37)()
+    assert len(calls) >= 4
+    calls.clear()
+    model.memory_budget = None
+    with settings.memory_budget(2**40):
+        torch.testing.assert_close(GCV(model, block_rows=37)(), value, rtol=1e-10, atol=1e-12)
+    assert calls == []

@@ -170,8 +170,11 @@ def _release_store(store: list[Tensor]) -> None:
     """Drop the references in ``store`` (emptied): a large host tensor on a daemon thread, so that the
     caller does not wait while its pages go back to the operating system (``munmap`` of a 1.6 GB ``K_nM``
     took 0.11 s of a 2.2 s fit on a 2-core KVM host, ``benchmarks/results/fit-reference.md``); anything
-    else at once. The next store an engine allocates first waits for pending frees
-    (:func:`_await_frees`), so two stores never coexist beyond the memory budget. Written by hand: torch's
+    else at once (and at once where no thread can be started). The next store an engine allocates first
+    waits for pending frees (:func:`_await_frees`), so within one thread of engines two stores never
+    coexist beyond the memory budget (engines used from several threads at once can overlap one free with
+    another thread's new store). The destructor holds the GIL: the caller gains where it runs torch
+    operations that release it (the fit's remaining work), not pure-Python code. Written by hand: torch's
     CPU allocator returns large blocks to the OS synchronously and has no deferred free."""
     big = [t for t in store if t.device.type == "cpu" and t.untyped_storage().nbytes() >= BACKGROUND_FREE_BYTES]
     if not big:
@@ -179,9 +182,13 @@ def _release_store(store: list[Tensor]) -> None:
         return
     store.clear()
     worker = threading.Thread(target=big.clear, name="gpfalkon-free", daemon=True)
+    try:
+        worker.start()
+    except RuntimeError:  # no thread to be had (a thread limit, interpreter shutdown): free here
+        big.clear()
+        return
     with _pending_lock:
         _pending_frees.append(worker)
-    worker.start()
 
 
 def _await_frees() -> None:

@@ -178,8 +178,10 @@ def _keep_graph(x: Tensor, centers: Tensor, ranges: list[tuple[int, int]]) -> bo
     backward pass would hold the recomputed block anyway: checkpointing it bounds no memory), or where the
     whole graph fits :data:`~gpfalkon.backend.blocks.AGGREGATE`'s share of the memory budget
     (:func:`~gpfalkon.backend.blocks.keeps_graph`; measured in ``benchmarks/results/objective-step-whole.md``).
-    The budget is the library's (:class:`gpfalkon.settings.memory_budget`, else the automatic one of ``x``'s
-    device): a pass receives its block height, not a model's own ``memory_budget``."""
+    The budget is the setting (:class:`gpfalkon.settings.memory_budget`, else the automatic one of ``x``'s
+    device); the objectives set it to their model's own ``memory_budget`` while their passes run. The
+    Exact objectives run two such passes per step (aggregates and a per-block map): up to a quarter of the
+    budget together."""
     return len(ranges) == 1 or keeps_graph(x.shape[0], centers.shape[0], AGGREGATE, device=x.device)
 
 

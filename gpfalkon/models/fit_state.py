@@ -190,8 +190,7 @@ def data_fingerprint(
             sx += blk.sum(dtype=torch.float64)
             sxx += blk.to(torch.float64).square().sum()
     else:
-        # (vector_norm accumulates in float64 without a float64 copy of x)
-        sx, sxx = x.sum(dtype=torch.float64), torch.linalg.vector_norm(x, dtype=torch.float64).square()
+        sx, sxx = x.sum(dtype=torch.float64), x.to(torch.float64).square().sum()
     off = 0 if row_offset is None else int(row_offset())
     hx = _digest_rows(x, off * _words_per_row(x))
     hy = _digest_rows(y, off * _words_per_row(y))
@@ -199,7 +198,7 @@ def data_fingerprint(
     halves = [float(v) for h in (*hx, *hy) for v in (h & _P31, h >> 31)]
     sums = torch.tensor([float(x.shape[0]), 0.0, 0.0, 0.0, 0.0, *halves], dtype=torch.float64, device=x.device)
     sums[1], sums[2] = sx, sxx
-    sums[3], sums[4] = y.sum(dtype=torch.float64), torch.linalg.vector_norm(y, dtype=torch.float64).square()
+    sums[3], sums[4] = y.sum(dtype=torch.float64), y.to(torch.float64).square().sum()
     if reduce is not None:
         sums = reduce(sums)
     n = round(float(sums[0]))

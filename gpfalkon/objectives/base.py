@@ -15,6 +15,7 @@ the forward pass and about twice that for the backward pass.
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 import numbers
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import settings
 from .._validation import all_finite
 from ..backend.blocks import AGGREGATE, block_rows_for
 from ..backend.engine import kernel_block
@@ -110,9 +112,10 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
     def aggregates(self, x: Tensor, y: Tensor, L: Tensor) -> NystromAggregates:
         """``A A^T``, ``A y``, ``tr(K~)`` and ``tr(K_nn)``: one backend pass
         (:func:`~gpfalkon.backend.passes.whitened_aggregates`)."""
-        agg = self.backend_pass("whitened_aggregates")(
-            self.model.kernel, x, y, self.model.centers, L, self._rows(x.shape[0])
-        )
+        with self._pass_budget():
+            agg = self.backend_pass("whitened_aggregates")(
+                self.model.kernel, x, y, self.model.centers, L, self._rows(x.shape[0])
+            )
         yy, n = self.reduce(y.square().sum(0), torch.tensor(float(x.shape[0]), dtype=torch.float64, device=x.device))
         return NystromAggregates(
             L=L, AAt=agg.AAt, AY=agg.AY, tr_ktilde=agg.tr_ktilde, tr_knn=agg.tr_knn, yy=yy, n=int(n)
@@ -123,9 +126,17 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
     ) -> list[Tensor]:
         """Apply ``fn(A_b, start, stop)`` to every block ``A_b = L^{-1} K_Mb`` (checkpointed where the whole
         graph exceeds its share of the memory budget: :func:`~gpfalkon.backend.keeps_graph`)."""
-        return self.backend_pass("map_whitened_blocks")(
-            self.model.kernel, x, self.model.centers, L, fn, self._rows(x.shape[0])
-        )
+        with self._pass_budget():
+            return self.backend_pass("map_whitened_blocks")(
+                self.model.kernel, x, self.model.centers, L, fn, self._rows(x.shape[0])
+            )
+
+    def _pass_budget(self) -> contextlib.AbstractContextManager[Any]:
+        """The model's own ``memory_budget``, where it has one, as :class:`gpfalkon.settings.memory_budget`
+        while a pass runs: a pass gets its block height from :meth:`_rows` and decides from the setting
+        whether its whole graph fits (:func:`~gpfalkon.backend.keeps_graph`), so both follow the model's budget."""
+        budget = getattr(self.model, "memory_budget", None)
+        return settings.memory_budget(budget) if budget is not None else contextlib.nullcontext()
 
     @property
     def backend(self) -> Any | None:
