@@ -843,18 +843,20 @@ def auto_fit(
                         r.stop("learning share of the budget used")
                 break
             still = [r for r in runners if r.active]
-            if rounds == race_rounds:  # the race: only the leader goes on
-                if len(still) > 1:
-                    leader = min(still, key=lambda r: r.rec["best_error"])
-                    for r in still:
-                        if r is not leader:
-                            r.stop(f"dropped after {race_rounds} rounds (leader: {leader.name})")
-            elif race_margin is not None and 2 <= rounds < race_rounds and len(still) > 1:
+            # the race: after race_rounds only the leader goes on; from round 2, whoever trails it by more
+            # than race_margin leaves at once
+            final = rounds == race_rounds
+            if len(still) > 1 and (final or (race_margin is not None and 2 <= rounds < race_rounds)):
                 leader = min(still, key=lambda r: r.rec["best_error"])
+                best = leader.rec["best_error"]
                 for r in still:
-                    if r is not leader and r.rec["best_error"] > (1.0 + race_margin) * leader.rec["best_error"]:
+                    if r is leader:
+                        continue
+                    if final:
+                        r.stop(f"dropped after {race_rounds} rounds (leader: {leader.name})")
+                    elif r.rec["best_error"] > (1.0 + race_margin) * best:  # type: ignore[operator]
                         r.stop(f"dropped after {rounds} rounds: best validation error {r.rec['best_error']:.4g} "
-                               f"> (1 + race_margin) x the leader's ({leader.name}, {leader.rec['best_error']:.4g})")
+                               f"> (1 + race_margin) x the leader's ({leader.name}, {best:.4g})")
             live = [r for r in runners if r.active]
             # a race of several objectives is decided once one is left after round 2 (by race_margin, or the
             # others failed or stalled): the leader goes on as after race_rounds

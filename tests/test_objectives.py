@@ -459,16 +459,12 @@ def test_fit_gpytorch_mll_reaches_the_optimum_of_an_ordinary_loop():
 
 
 
-@pytest.mark.parametrize("route", ["solve", "gram"])
-@pytest.mark.parametrize("name", ["GCV", "SGPRBound", "LOOCV"])
-def test_small_passes_keep_their_graph_and_match_the_checkpointed_blocks(name, route, monkeypatch):
-    """Within its share of the memory budget (or as one block) a pass runs no torch checkpoint; beyond
-    it every block is checkpointed; value and gradients agree either way (and with the naive formula)."""
+@pytest.fixture
+def checkpoint_calls(monkeypatch):
+    """A list that gets one entry per torch checkpoint the differentiable passes run."""
     import gpfalkon.backend.passes as passes
-    from gpfalkon.backend import AGGREGATE
-    from gpfalkon.backend.blocks import GRAPH_SHARE
 
-    calls = []
+    calls: list[int] = []
     real = passes.checkpoint
 
     def counting(*args, **kwargs):
@@ -476,12 +472,29 @@ def test_small_passes_keep_their_graph_and_match_the_checkpointed_blocks(name, r
         return real(*args, **kwargs)
 
     monkeypatch.setattr(passes, "checkpoint", counting)
-    model = _model(dtype=torch.float32 if route == "gram" else torch.float64)
+    return calls
+
+
+def _budget_just_below_the_graph(model) -> int:
+    """A memory budget whose share (1 / GRAPH_SHARE) falls just short of the model's whole aggregate graph."""
+    from gpfalkon.backend import AGGREGATE
+    from gpfalkon.backend.blocks import GRAPH_SHARE
+
     n, m = model.train_inputs[0].shape[0], model.centers.shape[0]
+    return n * m * AGGREGATE.graph_bytes * GRAPH_SHARE - GRAPH_SHARE
+
+
+@pytest.mark.parametrize("route", ["solve", "gram"])
+@pytest.mark.parametrize("name", ["GCV", "SGPRBound", "LOOCV"])
+def test_small_passes_keep_their_graph_and_match_the_checkpointed_blocks(name, route, checkpoint_calls):
+    """Within its share of the memory budget (or as one block) a pass runs no torch checkpoint; beyond
+    it every block is checkpointed; value and gradients agree either way (and with the naive formula)."""
+    calls = checkpoint_calls
+    model = _model(dtype=torch.float32 if route == "gram" else torch.float64)
     params = [model.kernel.base_kernel.raw_lengthscale, model.kernel.raw_outputscale,
               model.likelihood.raw_noise, model.centers]
     results = []
-    tight = n * m * AGGREGATE.graph_bytes * GRAPH_SHARE - GRAPH_SHARE  # the graph just does not fit
+    tight = _budget_just_below_the_graph(model)
     with settings.aggregate_route(route):
         for budget, rows, checkpoints in [(None, 37, False), (tight, None, False), (tight, 37, True)]:
             calls.clear()
@@ -498,24 +511,12 @@ def test_small_passes_keep_their_graph_and_match_the_checkpointed_blocks(name, r
         torch.testing.assert_close(results[0][0], naive(name, model, OBJECTIVES[name](model)), rtol=1e-8, atol=1e-10)
 
 
-def test_a_models_own_memory_budget_decides_whether_its_passes_keep_the_graph(monkeypatch):
+def test_a_models_own_memory_budget_decides_whether_its_passes_keep_the_graph(checkpoint_calls):
     """The objectives run their passes under the model's ``memory_budget``: a budget the graph does not fit
     checkpoints the blocks even where the library's budget would keep them."""
-    import gpfalkon.backend.passes as passes
-    from gpfalkon.backend import AGGREGATE
-    from gpfalkon.backend.blocks import GRAPH_SHARE
-
-    calls = []
-    real = passes.checkpoint
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(passes, "checkpoint", counting)
+    calls = checkpoint_calls
     model = _model()
-    n, m = model.train_inputs[0].shape[0], model.centers.shape[0]
-    model.memory_budget = n * m * AGGREGATE.graph_bytes * GRAPH_SHARE - GRAPH_SHARE
+    model.memory_budget = _budget_just_below_the_graph(model)
     with settings.memory_budget(2**40):
         value = GCV(model, block_rows=37)()
     assert len(calls) >= 4

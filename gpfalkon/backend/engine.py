@@ -177,10 +177,9 @@ def _release_store(store: list[Tensor]) -> None:
     operations that release it (the fit's remaining work), not pure-Python code. Written by hand: torch's
     CPU allocator returns large blocks to the OS synchronously and has no deferred free."""
     big = [t for t in store if t.device.type == "cpu" and t.untyped_storage().nbytes() >= BACKGROUND_FREE_BYTES]
-    if not big:
-        store.clear()
-        return
     store.clear()
+    if not big:
+        return
     worker = threading.Thread(target=big.clear, name="gpfalkon-free", daemon=True)
     try:
         worker.start()
