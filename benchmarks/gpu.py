@@ -41,6 +41,9 @@ Parts (each timed with CUDA events or after ``torch.cuda.synchronize``; medians 
    forced at every d) with IEEE float32 and TF32 distances: time, the useful flops (one distance product and the
    two thin products; the kernels compute the distances twice) over time against the float32 and TF32
    matmul peaks, and the relative error of the product on the first 1e5 rows against float64.
+9. ``sums`` - ``K^T (K u + v)`` over n = 1e7 rows (d = 24, the largest ``--scale-m`` centers, ``v`` of
+   mixed sign, so the column sums cancel), with and without ``u``: torch's float32 pass and the fused
+   Triton pass against torch's float64 pass (relative error of the whole product, one timed call each).
 
 Every part runs in its own ``try``: a failure is recorded and the next part runs. Results go to
 ``<out>.json`` after each part and ``<out>.md`` at the end (``--report-only`` rebuilds the
@@ -356,9 +359,13 @@ def part_scale(dev: torch.device, smoke: bool, peaks: dict, iters: int, sizes: l
         for label, mode in (("x in GPU memory, fused pass", "auto"), ("x in GPU memory, torch pass", "off")):
             if (mode == "off" and m != sizes[0]) or (mode == "auto" and dev.type != "cuda"):
                 continue
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
             with gpfalkon.settings.triton_fly(mode):
                 secs, model = fit(xtr, ytr, rbf(ls, torch.float32, dev), m, 1e-6, iters, dev)
                 rows.append(fit_row(label, secs, model, rmse(model, xte, yte), n, m, d, iters, peak))
+            if dev.type == "cuda":  # the fit's peak of allocated GPU memory (the data included)
+                rows[-1]["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
             log(f"[scale] {rows[-1]}")
             if m == sizes[0] and dev.type == "cuda":  # the two paths' fits: coefficients and test predictions
                 pred = predictions(model, xte)
@@ -392,6 +399,44 @@ def part_scale(dev: torch.device, smoke: bool, peaks: dict, iters: int, sizes: l
         log(f"[scale] {row}")
         del model
     return dict(rows=rows, lengthscale=ls)
+
+
+def part_sums(dev: torch.device, smoke: bool, m: int) -> dict:
+    """The column sums of ``K^T w`` over n = 1e7 rows (``w = K u + v``, mixed sign, so the sums cancel):
+    the fused Triton pass and torch's float32 pass against torch's float64 pass, at ``m`` centers."""
+    from gpfalkon.backend.triton_fly import triton_fly_available
+
+    fused = _fused_mode(dev)
+    with gpfalkon.settings.triton_fly(fused):
+        ok, why = triton_fly_available(dev)
+    if not ok:
+        return dict(skipped=f"the fused Triton pass does not run here: {why}")
+    n, d = (4_000, 24) if smoke else (10_000_000, 24)
+    m = 200 if smoke else m
+    g = torch.Generator(device=dev).manual_seed(7)
+    x = torch.randn(n, d, generator=g, device=dev)
+    c = x[torch.randperm(n, device=dev, generator=g)[:m]].clone() * 1.001
+    rows = []
+    for case, with_u in (("u and v", True), ("v alone", False)):
+        u = torch.randn(m, 1, generator=g, device=dev) / math.sqrt(m) if with_u else None
+        v = torch.randn(n, 1, generator=g, device=dev)
+        with gpfalkon.settings.triton_fly("off"):
+            eng = KernelEngine(rbf(math.sqrt(d), torch.float64, dev), x.double(), c.double(), store=False)
+            t_ref, ref = timed_once(lambda eng=eng, u=u, v=v: eng.kmn_k(None if u is None else u.double(), v.double()),
+                                    dev)
+            del eng
+        for label, mode in (("torch blockwise, float32", "off"), ("fused, IEEE float32", fused)):
+            with gpfalkon.settings.triton_fly(mode):
+                eng = KernelEngine(rbf(math.sqrt(d), torch.float32, dev), x, c, store=False)
+                eng.kmn_k(u, v)  # warm-up (compiles, autotunes)
+                t, out = timed_once(lambda eng=eng, u=u, v=v: eng.kmn_k(u, v), dev)
+                del eng
+            rows.append(dict(case=case, n=n, M=m, d=d, path=label, seconds=t, float64_seconds=t_ref,
+                             rel_error_vs_float64=float((out.double() - ref).norm() / ref.norm())))
+            log(f"[sums] {rows[-1]}")
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return dict(rows=rows)
 
 
 def part_baselines(dev: torch.device, smoke: bool, budget: float, m_falkon: int, n_rows: int) -> dict:
@@ -439,7 +484,8 @@ def report(res: dict) -> str:
               "flights": "5. flights (M 5000, 20 iterations)",
               "scale": "6. n = 1e7, d = 24",
               "baselines": "7. GPyTorch SGPR / SVGP on the same GPU (rows of the scale problem)",
-              "fused": "8. The fused Triton pass against torch's blockwise pass (float32, RBF, K^T (K u))"}
+              "fused": "8. The fused Triton pass against torch's blockwise pass (float32, RBF, K^T (K u))",
+              "sums": "9. Column sums over n = 1e7 rows: K^T (K u + v) in float32 against float64"}
     for key, title in titles.items():
         part = res.get(key)
         if part is None:
@@ -469,7 +515,7 @@ def main() -> None:
     ap.add_argument("--out", type=pathlib.Path, required=True, help="path stem: writes <out>.json and <out>.md")
     ap.add_argument("--smoke", action="store_true", help="toy sizes (checks that every part runs)")
     ap.add_argument("--parts", nargs="+", default=["peaks", "engine", "fused", "tf32", "reference", "flights",
-                                                   "scale", "baselines"])
+                                                   "scale", "sums", "baselines"])
     ap.add_argument("--iters", type=int, default=20, help="CG iterations of the n = 1e7 fits")
     ap.add_argument("--scale-m", type=int, nargs="+", default=[10_000, 50_000])
     ap.add_argument("--no-scale-host", action="store_true", help="skip part 6's fits from host memory")
@@ -506,6 +552,8 @@ def main() -> None:
                 res[part] = part_flights(dev, args.smoke, peaks)
             elif part == "scale":
                 res[part] = part_scale(dev, args.smoke, peaks, args.iters, args.scale_m, not args.no_scale_host)
+            elif part == "sums":
+                res[part] = part_sums(dev, args.smoke, max(args.scale_m))
             elif part == "baselines":
                 res[part] = part_baselines(dev, args.smoke, args.baseline_budget, args.scale_m[0], args.baseline_n)
             else:

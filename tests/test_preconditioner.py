@@ -327,3 +327,89 @@ def test_cholesky_with_shift_matches_the_dense_factor_of_the_shifted_matrix(uppe
     eye_factor, j0 = jittered_cholesky(torch.zeros(5, 5, dtype=torch.float64), shift=1.0)
     assert j0 == pytest.approx(torch.finfo(torch.float64).eps * 5)
     torch.testing.assert_close(eye_factor, (1.0 + j0) ** 0.5 * torch.eye(5, dtype=torch.float64))
+
+
+def test_cholesky_in_place_with_refill_equals_the_copy_and_refills_before_each_retry():
+    """``refill=`` factors ``a`` itself (the returned factor is ``a``'s memory, no work matrix) and, where
+    the first jitter fails, writes ``a`` back through ``refill`` before each retry: the same factor, jitter
+    and warning as the copying path; a matrix it cannot factor in place is refused by name."""
+    g = torch.Generator().manual_seed(5)
+    b = torch.randn(30, 4, generator=g, dtype=torch.float64)
+    singular = b @ b.mT - 1e-11 * torch.eye(30, dtype=torch.float64)  # 26 eigenvalues at -1e-11: the first
+    # jitter (eps M x mean diagonal, ~3e-14) fails, escalation follows
+    with pytest.warns(JitterWarning):
+        ref, j_ref = jittered_cholesky(singular, upper=True)
+    calls = []
+
+    def refill(buf):
+        calls.append(1)
+        buf.copy_(singular)
+
+    a = singular.clone()
+    with pytest.warns(JitterWarning):
+        got, j = jittered_cholesky(a, upper=True, refill=refill)
+    assert j == j_ref and got.data_ptr() == a.data_ptr() and len(calls) >= 1
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    # a matrix that factors at once: no refill, the factor in place
+    pd = b @ b.mT + torch.eye(30, dtype=torch.float64)
+    a, calls = pd.clone(), []
+    got, _ = jittered_cholesky(a, upper=False, refill=refill)
+    assert not calls and got.data_ptr() == a.data_ptr()
+    torch.testing.assert_close(got @ got.mT, pd, rtol=1e-12, atol=1e-12)
+    for bad in (pd.float(), pd.mT):  # float32 (a copy would be factored), column-major strides
+        with pytest.raises(ValueError, match="refill= factors in place"):
+            jittered_cholesky(bad, refill=refill)
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_from_kernel_matrix_factors_a_in_the_grams_memory_and_matches_the_reusable_path(weights):
+    """from_kernel_matrix builds ``A`` in the factor's ``T T^T / M`` (one ``M x M`` less at its peak) and
+    gives exactly the preconditioner of ``from_factor`` on a kept factor, which is left untouched."""
+    kmm, w = _setup(m=40, weights=weights)
+    factor = FalkonPreconditioner.factor_kernel_matrix(kmm, w)
+    keep = factor.gram.clone()
+    kept = FalkonPreconditioner.from_factor(factor, 1e-3, 500)
+    assert torch.equal(factor.gram, keep)
+    once = FalkonPreconditioner.from_kernel_matrix(kmm, 1e-3, 500, weights=w)
+    torch.testing.assert_close(once.chol_a, kept.chol_a, rtol=0, atol=0)
+    torch.testing.assert_close(once.chol_t, kept.chol_t, rtol=0, atol=0)
+    consumed = FalkonPreconditioner.from_factor(factor, 1e-3, 500, overwrite_factor=True)
+    assert consumed.chol_a.data_ptr() == factor.gram.data_ptr()
+    torch.testing.assert_close(consumed.chol_a, kept.chol_a, rtol=0, atol=0)
+
+
+def test_from_factor_in_place_retry_recomputes_the_gram(monkeypatch):
+    """Where ``A``'s first try fails in place, the retry factors ``T T^T / M + lambda I`` recomputed from
+    ``T`` (not the destroyed buffer): the result equals the copying path's under the same failure."""
+    import gpfalkon.linalg.cholesky as cm
+
+    kmm, _ = _setup(m=30)
+    real = torch.linalg.cholesky_ex
+    fail = {"left": 0}
+
+    def flaky(a, *args, **kw):  # the first call after arming fails as a non-PD matrix would, after
+        out = real(a, *args, **kw)  # overwriting its input as LAPACK does
+        if fail["left"] > 0:
+            fail["left"] -= 1
+            out[1].fill_(1)
+        return out
+
+    monkeypatch.setattr(cm.torch.linalg, "cholesky_ex", flaky)
+    results = []
+    for overwrite in (False, True):
+        factor = FalkonPreconditioner.factor_kernel_matrix(kmm)
+        fail["left"] = 1
+        with pytest.warns(JitterWarning):
+            results.append(FalkonPreconditioner.from_factor(factor, 1e-3, 100, overwrite_factor=overwrite))
+    torch.testing.assert_close(results[1].chol_a, results[0].chol_a, rtol=0, atol=0)
+
+
+def test_upper_gram_writes_into_out_and_checks_it():
+    from gpfalkon.linalg import upper_gram
+
+    u = torch.randn(300, 300, dtype=torch.float64).triu()
+    out = torch.full((300, 300), float("nan"), dtype=torch.float64)
+    assert upper_gram(u, out=out) is out
+    torch.testing.assert_close(out, u @ u.mT, rtol=1e-12, atol=1e-10)
+    with pytest.raises(ValueError, match="out must be a 300 x 300"):
+        upper_gram(u, out=out.float())

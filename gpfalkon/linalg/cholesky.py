@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -20,6 +21,7 @@ def jittered_cholesky(
     jitter: float | None = None,
     max_relative_jitter: float = 1e-2,
     shift: float = 0.0,
+    refill: Callable[[Tensor], object] | None = None,
 ) -> tuple[Tensor, float]:
     """Factor ``a + (shift + j) I`` (float64) for the smallest ``j`` in an escalating schedule
     (``shift``: a known diagonal term, e.g. a penalty, added in the work matrix instead of in a copy of ``a``).
@@ -33,10 +35,19 @@ def jittered_cholesky(
     Returns ``(factor, j)`` with ``factor^T factor = a + (shift + j) I`` (upper) or
     ``factor factor^T = a + (shift + j) I`` (lower); the jitter's scale is the mean diagonal of
     ``a + shift I``.
+
+    Memory: ``a`` and one ``M x M`` work matrix. With ``refill`` (``a`` then a contiguous float64
+    matrix), ``a`` itself is factored and returned, no work matrix (peak ``M^2`` doubles instead of
+    ``2 M^2``: at M = 50,000 that is 18.6 GiB less, the difference between fitting an 80 GB GPU or not):
+    a failed try destroys ``a``, so before each retry ``refill(a)`` must write ``a``'s entries back
+    (e.g. recompute them from what ``a`` was built from).
     """
     if a.dim() != 2 or a.shape[0] != a.shape[1]:
         raise ValueError(f"{name} must be a square matrix, got shape {tuple(a.shape)}")
     a64 = a.to(torch.float64)
+    if refill is not None and (a64 is not a or not a.is_contiguous()):
+        raise ValueError(f"{name}: refill= factors in place, which needs a contiguous float64 matrix, got "
+                         f"{a.dtype} (contiguous: {a.is_contiguous()})")
     if not all_finite(a64):
         raise ValueError(f"{name} contains NaN or Inf: check the kernel hyperparameters and inputs")
     m = a64.shape[0]
@@ -55,10 +66,13 @@ def jittered_cholesky(
     # lower factor is the row-major matrix's upper one (and vice versa): factored through that view, torch
     # needs no layout copy of the output (1.1-1.36x at M = 1000-4000 on the CPU:
     # benchmarks/results/cholesky-layout.md)
-    work = torch.empty(a64.shape, dtype=torch.float64, device=a64.device)
+    work = a64 if refill is not None else torch.empty(a64.shape, dtype=torch.float64, device=a64.device)
     info = torch.empty((), dtype=torch.int32, device=a64.device)
     for k, jit in enumerate(schedule):
-        work.copy_(a64)
+        if refill is None:
+            work.copy_(a64)
+        elif k > 0:
+            refill(work)
         work.diagonal().add_(shift + jit)
         torch.linalg.cholesky_ex(work.mT, upper=not upper, out=(work.mT, info))
         factor = work.triu_() if upper else work.tril_()

@@ -19,7 +19,7 @@ def gram_block(m: int) -> int:
     return max(GRAM_MIN_BLOCK, math.ceil(m / 16))
 
 
-def upper_gram(u: Tensor) -> Tensor:
+def upper_gram(u: Tensor, out: Tensor | None = None) -> Tensor:
     """``G = U U^T`` (symmetric, ``M x M``) for an upper-triangular ``U`` (its strictly lower part must be zero).
 
     With ``U`` split into blocks of ``b`` rows and columns (``b =`` :func:`gram_block`), the block
@@ -33,15 +33,21 @@ def upper_gram(u: Tensor) -> Tensor:
     LAPACK ``lauum``), and SciPy's ``lauum`` is CPU-only and, on one BLAS thread, slower than this
     product on torch's two: the whole preconditioner build is 1.11-1.31x faster with this product at
     M = 500-8,000 (``benchmarks/results/precond-build.md``). With ``U`` requiring grad
-    it is ``U @ U.mT`` (differentiable). Cost ``O(M^3 / 3)``; memory: the result (``U`` untouched).
+    it is ``U @ U.mT`` (differentiable). Cost ``O(M^3 / 3)``; memory: the result (``U`` untouched), written
+    into ``out`` where given (an ``M x M`` tensor of ``U``'s dtype and device, not overlapping ``U``).
     """
     if u.dim() != 2 or u.shape[0] != u.shape[1]:
         raise ValueError(f"u must be a square matrix, got shape {tuple(u.shape)}")
     m = u.shape[0]
     b = gram_block(m)
     if u.requires_grad:
+        if out is not None:
+            raise ValueError("upper_gram: out= is not differentiable (u requires grad)")
         return u @ u.mT
-    g = u.new_empty(m, m)
+    if out is not None and (out.shape != (m, m) or out.dtype != u.dtype or out.device != u.device):
+        raise ValueError(f"out must be a {m} x {m} {u.dtype} tensor on {u.device}, got {tuple(out.shape)} "
+                         f"{out.dtype} on {out.device}")
+    g = u.new_empty(m, m) if out is None else out
     for i0 in range(0, m, b):
         i1 = min(m, i0 + b)
         for j0 in range(i0, m, b):

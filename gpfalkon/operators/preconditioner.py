@@ -16,6 +16,12 @@ from ..linalg import jittered_cholesky, upper_gram, upper_matmul
 __all__ = ["FactorCache", "FalkonPreconditioner", "PreconditionerFactor"]
 
 
+def _gram_refill(T: Tensor) -> Callable[[Tensor], object]:
+    """Writes ``T T^T / M`` into a given ``M x M`` buffer (:func:`jittered_cholesky`'s ``refill``)."""
+    m = T.shape[-1]
+    return lambda buf: upper_gram(T, out=buf).div_(m)
+
+
 @dataclass(frozen=True)
 class PreconditionerFactor:
     """The penalty-free part of :class:`FalkonPreconditioner`: ``T`` with ``T^T T = D K_MM D + eps M I``
@@ -92,7 +98,8 @@ class FalkonPreconditioner(LinearOperator):
         memory at large ``M``). ``jitter`` overrides the first ``eps M`` jitter.
         """
         check_penalty(penalty)
-        return cls.from_factor(cls.factor_kernel_matrix(kmm, weights, jitter=jitter), penalty, n, dtype=dtype)
+        factor = cls.factor_kernel_matrix(kmm, weights, jitter=jitter)
+        return cls.from_factor(factor, penalty, n, dtype=dtype, overwrite_factor=True)
 
     @staticmethod
     def factor_kernel_matrix(kmm: Tensor, weights: Tensor | None = None, jitter: float | None = None
@@ -123,12 +130,18 @@ class FalkonPreconditioner(LinearOperator):
         penalty: Tensor | float,
         n: int,
         dtype: torch.dtype | None = torch.float64,
+        overwrite_factor: bool = False,
     ) -> FalkonPreconditioner:
         """The preconditioner at ``penalty`` from its penalty-free ``factor``: ``A`` = Cholesky of
-        ``T T^T / M + lambda I`` (``M^3 / 3`` flops; ``factor`` is not modified)."""
+        ``T T^T / M + lambda I`` (``M^3 / 3`` flops). ``factor`` is not modified, unless
+        ``overwrite_factor``: then ``A`` is factored in the memory of ``factor.gram`` (peak ``2 M^2``
+        doubles instead of ``3 M^2``; a retry with more jitter recomputes ``T T^T / M`` there) and the
+        factor must not be used again."""
         check_penalty(penalty)
         lam = float(torch.as_tensor(penalty).detach())
-        A, _ = jittered_cholesky(factor.gram, upper=True, name="T T^T / M + lambda I", shift=lam)
+        in_place = overwrite_factor and factor.gram.is_contiguous() and factor.gram.dtype == torch.float64
+        refill = _gram_refill(factor.T) if in_place else None
+        A, _ = jittered_cholesky(factor.gram, upper=True, name="T T^T / M + lambda I", shift=lam, refill=refill)
         out_dtype = torch.float64 if dtype is None else dtype
         return cls(factor.T.to(out_dtype), A.to(out_dtype), factor.weights.to(out_dtype), n=n, jitter=factor.jitter)
 
