@@ -83,6 +83,36 @@ def test_automatic_memory_budget(monkeypatch):
     with settings.memory_budget(12345):  # a setting or an argument wins
         assert blocks.memory_budget_for() == 12345
     assert blocks.memory_budget_for(777) == 777
+    # a reserve (memory needed beside the kernel blocks) comes off the available memory, not off a given budget
+    monkeypatch.setattr(blocks, "available_memory", lambda device=None: 10 * 2**30)
+    assert blocks.memory_budget_for(reserve=4 * 2**30) == 3 * 2**30
+    assert blocks.memory_budget_for(reserve=20 * 2**30) == blocks.AUTO_BUDGET_FLOOR
+    assert blocks.memory_budget_for(777, reserve=4 * 2**30) == 777
+    with settings.memory_budget(12345):
+        assert blocks.memory_budget_for(reserve=4 * 2**30) == 12345
+
+
+def test_operator_store_leaves_the_preconditioners_matrices_free(monkeypatch):
+    """The operator's engine, on the automatic budget, stores the rows of ``K_nM`` that fit half the available
+    memory less the preconditioner's peak (``3 M^2`` doubles): with memory for all of ``K_nM`` plus a little,
+    but not for that too, it stores part; with a budget given, what that budget allows."""
+    from gpfalkon import NystromKRROperator
+    from gpfalkon.backend.engine import stored_rows_for
+    from gpfalkon.operators.preconditioner import preconditioner_bytes
+
+    n, m = 60_000, 700  # K_nM float64: 336 MB, beyond the automatic budget's 256 MiB floor
+    x = torch.randn(n, 2, dtype=torch.float64)
+    kernel = gpytorch.kernels.RBFKernel().double()
+    full = n * m * 8
+    assert preconditioner_bytes(m) == 3 * 8 * m * m
+    free = 2 * full + preconditioner_bytes(m) // 2  # half of it holds K_nM, not K_nM and the reserve
+    monkeypatch.setattr(blocks, "available_memory", lambda device=None: free)
+    op = NystromKRROperator(x, x[:m].clone(), torch.tensor(1e-3), kernel=kernel)
+    budget = (free - preconditioner_bytes(m)) // 2
+    assert op.engine.memory_budget == budget and not op.engine.stored
+    assert op.engine.stored_rows == stored_rows_for(n, m, 8, budget, op.engine.block_rows) < n
+    op2 = NystromKRROperator(x, x[:m].clone(), torch.tensor(1e-3), kernel=kernel, memory_budget=full)
+    assert op2.engine.stored and op2.engine.stored_rows == n
 
 
 def test_available_memory_reads_this_host():

@@ -179,21 +179,23 @@ def available_memory(device: torch.device | str | None = None) -> int | None:
     return None
 
 
-def default_memory_budget(device: torch.device | str | None = None) -> int:
-    """The automatic memory budget: half of :func:`available_memory`, within
+def default_memory_budget(device: torch.device | str | None = None, reserve: int = 0) -> int:
+    """The automatic memory budget: half of :func:`available_memory` less ``reserve`` bytes (memory the
+    caller will need beside the kernel blocks, e.g. the preconditioner's ``M x M`` matrices), within
     ``[AUTO_BUDGET_FLOOR, AUTO_BUDGET_CAP]``; ``AUTO_BUDGET_FALLBACK`` when it cannot be read."""
     free = available_memory(device)
     if free is None:
         return AUTO_BUDGET_FALLBACK
-    return int(min(AUTO_BUDGET_CAP, max(AUTO_BUDGET_FLOOR, free // 2)))
+    return int(min(AUTO_BUDGET_CAP, max(AUTO_BUDGET_FLOOR, (free - max(int(reserve), 0)) // 2)))
 
 
-def memory_budget_for(memory_budget: int | None = None, device: torch.device | str | None = None) -> int:
+def memory_budget_for(memory_budget: int | None = None, device: torch.device | str | None = None,
+                      reserve: int = 0) -> int:
     """``memory_budget`` in bytes, else :class:`gpfalkon.settings.memory_budget` when set, else
-    :func:`default_memory_budget` of ``device`` (the host when ``None``)."""
+    :func:`default_memory_budget` of ``device`` (the host when ``None``) with ``reserve``."""
     budget = settings.memory_budget.value() if memory_budget is None else memory_budget
     if budget is None:
-        return default_memory_budget(device)
+        return default_memory_budget(device, reserve=reserve)
     if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not math.isfinite(float(budget)) \
             or float(budget) != math.floor(float(budget)) or float(budget) < 1:
         raise ValueError(f"memory_budget must be an integer >= 1 (bytes), got {budget!r}")

@@ -17,13 +17,14 @@ from torch.autograd.function import once_differentiable
 from .. import settings
 from .._validation import check_dtype, check_inputs, check_penalty
 from ..backend.autograd import backward_params, blockwise_kernel_grad, kernel_params, kernel_product, scatter_grads
+from ..backend.blocks import memory_budget_for
 from ..backend.engine import KernelEngine, kernel_block
 from ..backend.passes import is_sharded, total_rows
 from ..errors import FalkonConvergenceError, JitterWarning
 from ..options import FalkonOptions, option_property
 from ..solvers import CGInfo, Preconditioner, PreconditionerBuilder, Solver, choose_method, falkon_solve
 from ..solvers.direct import direct_solve_whitened, whitened_factor
-from .preconditioner import FalkonPreconditioner
+from .preconditioner import FalkonPreconditioner, preconditioner_bytes
 
 __all__ = ["FLOAT32_QUIET", "FLOAT32_TOL", "HGrads", "NystromKRROperator"]
 
@@ -227,11 +228,15 @@ class NystromKRROperator(LinearOperator):
         self._refresh()
         if self._engine is None:
             build = KernelEngine if self.options.backend is None else self.options.backend
+            # the automatic budget leaves the preconditioner's M x M matrices free on the same device (at
+            # M = 50,000 they are 56 GiB: beside a 16 GiB store they would not fit an 80 GB GPU)
+            budget = memory_budget_for(self.memory_budget, device=self.centers.device,
+                                       reserve=preconditioner_bytes(self.m))
             self._engine = build(
                 self.kernel,
                 self.x,
                 self.centers,
-                memory_budget=self.memory_budget,
+                memory_budget=budget,
                 block_rows=self.block_rows,
                 store=self.store_kernel,
             )

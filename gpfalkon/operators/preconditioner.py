@@ -13,7 +13,19 @@ from torch import Tensor
 from .._validation import check_penalty
 from ..linalg import jittered_cholesky, upper_gram, upper_matmul
 
-__all__ = ["FactorCache", "FalkonPreconditioner", "PreconditionerFactor"]
+__all__ = ["PRECOND_PEAK_MATRICES", "FactorCache", "FalkonPreconditioner", "PreconditionerFactor",
+           "preconditioner_bytes"]
+
+#: float64 ``M x M`` matrices alive at the peak of building the default preconditioner: ``K_MM``, ``T`` and
+#: ``T T^T / M``, in which ``A`` is factored (:meth:`FalkonPreconditioner.from_kernel_matrix`)
+PRECOND_PEAK_MATRICES = 3
+
+
+def preconditioner_bytes(m: int) -> int:
+    """Bytes at the peak of building the default preconditioner for ``m`` centers:
+    ``PRECOND_PEAK_MATRICES`` float64 ``m x m`` matrices (the automatic memory budget of the kernel
+    engine leaves them free: :func:`gpfalkon.backend.default_memory_budget`'s ``reserve``)."""
+    return PRECOND_PEAK_MATRICES * 8 * int(m) ** 2
 
 
 def _gram_refill(T: Tensor) -> Callable[[Tensor], object]:
