@@ -82,10 +82,10 @@ class memory_budget(_setting):
     ``/proc/meminfo`` for the host, ``torch.cuda.mem_get_info`` for a GPU), capped at 16 GiB and
     at least 256 MiB; 4 GiB where the available memory cannot be read
     (:func:`gpfalkon.backend.default_memory_budget`). A FALKON operator's engine first takes the
-    preconditioner's peak (three float64 ``M x M`` matrices) off the available memory. When the whole ``n x M`` matrix ``K_nM``
-    fits in the budget it is computed once and kept for the lifetime of the engine; otherwise the
-    rows that fit (beside two ``block_rows x M`` buffers) are kept and the others recomputed block by
-    block on every product (``store_kernel=False``: all recomputed).
+    preconditioner's peak (three float64 ``M x M`` matrices) off the available memory. When the whole
+    ``n x M`` matrix ``K_nM`` fits in the budget it is computed once and kept for the lifetime of the
+    engine; otherwise the rows that fit (beside two ``block_rows x M`` buffers) are kept and the others
+    recomputed block by block on every product (``store_kernel=False``: all recomputed).
     """
 
     _default: ClassVar[int | None] = None

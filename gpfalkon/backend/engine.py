@@ -61,6 +61,7 @@ from .blocks import (
     stored_batch,
 )
 from .fused import fly_tile_rows, fused_fly_kmn_k, fused_kmn_k, fused_profile_
+from .hugepages import advise_huge_pages
 from .precision import matmul_precision
 from .prefetch import source_blocks
 from .sources import RowSource
@@ -376,11 +377,19 @@ class KernelEngine:
             tmp = self._tmp[:rows]
         return _apply_profile_(self.spec.kind, out, tmp, zero_below)
 
+    def _new_store(self, rows: int) -> Tensor:
+        """An empty ``(rows, M)`` tensor for stored rows of ``K_nM``, once any released store is freed
+        (:func:`_await_frees`), advised to huge pages on the host (:func:`advise_huge_pages`: fewer page
+        faults at its first write and release)."""
+        _await_frees()
+        k = torch.empty(rows, self.m, dtype=self.dtype, device=self.device)
+        advise_huge_pages(k)
+        return k
+
     def _ensure_stored(self) -> Tensor:
         """The stored rows ``K0[:stored_rows]``, computed on first use."""
         if self._k is None:
-            _await_frees()
-            k = torch.empty(self.stored_rows, self.m, dtype=self.dtype, device=self.device)
+            k = self._new_store(self.stored_rows)
             with torch.no_grad():
                 for start, stop, xb in self._rows(row_blocks(self.stored_rows, self.block_rows)):
                     self._compute_block(start, stop, out=k[start:stop], xb=xb)
@@ -407,8 +416,7 @@ class KernelEngine:
             if head > first:
                 if self._k is None:
                     assert first == 0, "a pass that skips rows needs the store filled"
-                    _await_frees()
-                    k = torch.empty(head, self.m, dtype=self.dtype, device=self.device)
+                    k = self._new_store(head)
                     for start, stop, xb in self._rows(row_blocks(head, self.block_rows)):
                         yield start, stop, self._compute_block(start, stop, out=k[start:stop], xb=xb)
                     self._k = k
@@ -539,9 +547,7 @@ class KernelEngine:
             return True  # CUDA float32 (or Triton's interpreter): gpfalkon.backend.triton_fly
         if self.device.type != "cpu":
             return False
-        if fill:
-            _await_frees()
-        store = torch.empty(head, self.m, dtype=self.dtype, device=self.device) if fill else None
+        store = self._new_store(head) if fill else None
         tile = fly_tile_rows(self.m, torch.finfo(self.dtype).bits // 8, cap=self.block_rows)
         done = fused_fly_kmn_k(acc, self._xa[rows], self._ca_t, self._x_sq[rows], u_t, v_t, self.spec.kind,
                                floor, self._c_sq_max, tile, store=store)
