@@ -61,7 +61,6 @@ from .blocks import (
     stored_batch,
 )
 from .fused import fly_tile_rows, fused_fly_kmn_k, fused_kmn_k, fused_profile_
-from .hugepages import advise_huge_pages
 from .precision import matmul_precision
 from .prefetch import source_blocks
 from .sources import RowSource
@@ -379,12 +378,11 @@ class KernelEngine:
 
     def _new_store(self, rows: int) -> Tensor:
         """An empty ``(rows, M)`` tensor for stored rows of ``K_nM``, once any released store is freed
-        (:func:`_await_frees`), advised to huge pages on the host (:func:`advise_huge_pages`: fewer page
-        faults at its first write and release)."""
+        (:func:`_await_frees`). Plain pages: transparent huge pages (``madvise``) were measured and left out
+        (``benchmarks/results/hugepages.md``: a process's first advised store paid 1.8-2.1 s of memory
+        compaction against 0.35-0.4 s of page faults)."""
         _await_frees()
-        k = torch.empty(rows, self.m, dtype=self.dtype, device=self.device)
-        advise_huge_pages(k)
-        return k
+        return torch.empty(rows, self.m, dtype=self.dtype, device=self.device)
 
     def _ensure_stored(self) -> Tensor:
         """The stored rows ``K0[:stored_rows]``, computed on first use."""
