@@ -72,7 +72,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, n, args.allocations)))
         return
-    env = environment_lines() + [f"- transparent huge pages: `{thp_mode()}`"]
+    env = [*environment_lines(), f"- transparent huge pages: `{thp_mode()}`"]
     runs: dict[str, list[list[tuple[float, float]]]] = {v: [] for v in MADV}
     for p in range(args.processes):
         for variant in (list(MADV) if p % 2 == 0 else list(MADV)[::-1]):
