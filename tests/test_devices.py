@@ -2,9 +2,9 @@
 present or ``GPFALKON_TEST_DEVICE`` names one), against float64 dense references on the CPU.
 
 Covers: the backend (products, stored and on the fly, fast and generic kernels), the
-operator (matmul, FALKON solve and its gradients), FalkonGP (fit, posterior mean and
-variance), the objectives (exact and stochastic, with gradients), center selection
-(uniform and leverage), and the BoTorch posterior.
+preconditioner (built in place, and its retry), the operator (matmul, FALKON solve and its
+gradients), FalkonGP (fit, posterior mean and variance), the objectives (exact and stochastic,
+with gradients), center selection (uniform and leverage), and the BoTorch posterior.
 """
 from __future__ import annotations
 
@@ -290,3 +290,40 @@ def test_float32_kernel_blocks_ignore_torchs_tf32_flag(device):
         flags.allow_tf32 = before
     with pytest.raises(ValueError, match="tf32"):
         gpfalkon.settings.tf32(1)
+
+
+def test_preconditioner_in_place_and_its_retry_on_the_device(device, monkeypatch):
+    """``from_kernel_matrix`` (``A`` factored in the memory of ``T T^T / M``) gives the preconditioner of a kept
+    factor on the device, equal to the CPU float64 one; a forced failure of ``A``'s first try recomputes
+    ``T T^T / M`` from ``T`` there (``upper_gram(out=)`` on the device) and equals the copying path."""
+    import gpfalkon.linalg.cholesky as cm
+    from gpfalkon import FalkonPreconditioner, JitterWarning
+
+    x, _ = make_data(300, d=3)
+    c = x[::5].clone()
+    kmm = dense_kernel(make_kernel("rbf", 3), c, c).detach()
+    ref = FalkonPreconditioner.from_kernel_matrix(kmm, 1e-4, 300)
+    got = FalkonPreconditioner.from_kernel_matrix(kmm.to(device), 1e-4, 300)
+    assert got.chol_a.device.type == device.type
+    torch.testing.assert_close(got.chol_a.cpu(), ref.chol_a, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(got.chol_t.cpu(), ref.chol_t, rtol=1e-9, atol=1e-12)
+    real = torch.linalg.cholesky_ex
+    armed = {"left": 0}
+
+    def flaky(a, *args, **kw):  # the armed call fails as a non-PD matrix would, after overwriting its input
+        out = real(a, *args, **kw)
+        if armed["left"] > 0:
+            armed["left"] -= 1
+            out[1].fill_(1)
+        return out
+
+    monkeypatch.setattr(cm.torch.linalg, "cholesky_ex", flaky)
+    results = []
+    for overwrite in (False, True):
+        factor = FalkonPreconditioner.factor_kernel_matrix(kmm.to(device))
+        armed["left"] = 1
+        with pytest.warns(JitterWarning):
+            results.append(FalkonPreconditioner.from_factor(factor, 1e-4, 300, overwrite_factor=overwrite))
+    exact = device.type == "cpu"  # (a GPU's matmul need not be bitwise reproducible)
+    torch.testing.assert_close(results[1].chol_a, results[0].chol_a, rtol=0 if exact else 1e-12,
+                               atol=0 if exact else 1e-14)
