@@ -61,13 +61,14 @@ from torch import Tensor
 
 from ._validation import check_inputs, check_targets
 from .backend import KernelEngine, stored_rows_for
-from .backend.blocks import memory_budget_for
+from .backend.blocks import available_memory, memory_budget_for
 from .centers import NestedLeverageCenters, dictionary_leverage_scores, leverage_centers, nested_leverage_centers
 from .errors import CGNotConvergedWarning
 from .models import FalkonGP
 from .models.defaults import log_positive
 from .objectives import GCV, LOOCV, CompReg, NystromCompReg, SGPRBound, StochasticNystromCompReg
 from .operators import FactorCache
+from .operators.preconditioner import preconditioner_bytes
 from .options import FalkonOptions
 
 __all__ = ["CENTER_SAMPLING", "KERNEL_FAMILIES", "LENGTHSCALE_TRANSFORMS", "OBJECTIVES", "AutoFitReport", "auto_fit"]
@@ -800,9 +801,15 @@ def auto_fit(
         # recomputes the rows of K_nM it cannot store at each CG iteration: learning ends early enough to
         # leave 1.5x its predicted time
         m_first = min(n_tr, max(min_centers, hyper_centers), max_centers)
-        budget_bytes = memory_budget_for(None, device=dev)  # read once: every fit of this call sees it
+        free_bytes = available_memory(dev)  # read once: every prediction of this call sees it
+
+        def budget_at(m: int) -> int:
+            """The memory budget of the final fit's engine at ``m`` centers (the automatic one leaves the
+            preconditioner's ``M x M`` matrices free: ``NystromKRROperator.engine``)."""
+            return memory_budget_for(None, device=dev, reserve=preconditioner_bytes(m), available=free_bytes)
+
         itemsize = torch.finfo(dtype).bits // 8
-        head_first = stored_rows_for(n_final, m_first, itemsize, budget_bytes, device=dev)
+        head_first = stored_rows_for(n_final, m_first, itemsize, budget_at(m_first), device=dev)
         if head_first < n_final:
             rows0 = min(n_tr, select_rows)
             t_pass = _onthefly_pass_seconds(k0, xt_z[:rows0],
@@ -1037,7 +1044,7 @@ def auto_fit(
             base = m if base is None else base
             ratio = max(1.0, n_final / n_s)
             cost = predicted_fit_seconds(base, m, ratio)
-            head = stored_rows_for(n_final, m, itemsize, budget_bytes, device=dev)
+            head = stored_rows_for(n_final, m, itemsize, budget_at(m), device=dev)
             if head < n_final:
                 recompute = (max_iter + 2) * onthefly_pass_seconds(m) * (n_final - head) / n_s
                 cost = max(cost, cost * head / n_final + recompute + predicted_fit_seconds(base, m))
@@ -1117,7 +1124,7 @@ def auto_fit(
             left = clock.left()
             m_g = growth_cap(m)
             while m_g >= 1.25 * m:
-                if (stored_rows_for(n_final, m_g, itemsize, budget_bytes, device=dev) >= n_final
+                if (stored_rows_for(n_final, m_g, itemsize, budget_at(m_g), device=dev) >= n_final
                         and 1.2 * final_cost(m_g, base=m) <= 0.5 * left):
                     return m_g
                 m_g = int(m_g / 1.15)

@@ -327,3 +327,20 @@ def test_preconditioner_in_place_and_its_retry_on_the_device(device, monkeypatch
     exact = device.type == "cpu"  # (a GPU's matmul need not be bitwise reproducible)
     torch.testing.assert_close(results[1].chol_a, results[0].chol_a, rtol=0 if exact else 1e-12,
                                atol=0 if exact else 1e-14)
+
+
+def test_available_memory_counts_the_caching_allocators_free_blocks(device):
+    """On CUDA the memory available to a new engine is the driver's free memory plus what torch's caching
+    allocator holds unused (a previous fit's freed tensors); on the host ``MemAvailable``."""
+    from gpfalkon.backend import blocks
+
+    if device.type != "cuda":
+        assert blocks.available_memory(device) == blocks.available_memory()
+        return
+    x = torch.empty(64 * 2**20, dtype=torch.float32, device=device)  # 256 MiB, then freed into the cache
+    del x
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    assert cached >= 256 * 2**20
+    got = blocks.available_memory(device)
+    free = torch.cuda.mem_get_info(device)[0]
+    assert got == free + cached

@@ -90,6 +90,9 @@ def test_automatic_memory_budget(monkeypatch):
     assert blocks.memory_budget_for(777, reserve=4 * 2**30) == 777
     with settings.memory_budget(12345):
         assert blocks.memory_budget_for(reserve=4 * 2**30) == 12345
+        assert blocks.memory_budget_for(reserve=4 * 2**30, available=8 * 2**30) == 12345
+    # an availability read earlier (auto_fit's predictions read it once) instead of reading it now
+    assert blocks.memory_budget_for(reserve=2 * 2**30, available=8 * 2**30) == 3 * 2**30
 
 
 def test_operator_store_leaves_the_preconditioners_matrices_free(monkeypatch):
@@ -113,6 +116,10 @@ def test_operator_store_leaves_the_preconditioners_matrices_free(monkeypatch):
     assert op.engine.stored_rows == stored_rows_for(n, m, 8, budget, op.engine.block_rows) < n
     op2 = NystromKRROperator(x, x[:m].clone(), torch.tensor(1e-3), kernel=kernel, memory_budget=full)
     assert op2.engine.stored and op2.engine.stored_rows == n
+    # store_kernel=True asks for all of K_nM: the automatic budget then keeps no reserve (half the available
+    # memory holds K_nM here, so it is stored rather than refused)
+    op3 = NystromKRROperator(x, x[:m].clone(), torch.tensor(1e-3), kernel=kernel, store_kernel=True)
+    assert op3.engine.memory_budget == free // 2 and op3.engine.stored and op3.engine.stored_rows == n
 
 
 def test_available_memory_reads_this_host():

@@ -159,12 +159,15 @@ AUTO_BUDGET_FALLBACK = 4 * 2**30
 
 
 def available_memory(device: torch.device | str | None = None) -> int | None:
-    """Bytes available now on ``device``: free GPU memory (``torch.cuda.mem_get_info``) for a CUDA
-    device, ``MemAvailable`` of ``/proc/meminfo`` for the host; ``None`` where it cannot be read."""
+    """Bytes available now on ``device``: for a CUDA device the free GPU memory
+    (``torch.cuda.mem_get_info``) plus what torch's caching allocator holds without using it
+    (``memory_reserved - memory_allocated``: freed tensors, e.g. a previous fit's, that it hands out again);
+    ``MemAvailable`` of ``/proc/meminfo`` for the host; ``None`` where it cannot be read."""
     dev = torch.device("cpu") if device is None else torch.device(device)
     if dev.type == "cuda":
         try:
-            return int(torch.cuda.mem_get_info(dev)[0])
+            cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+            return int(torch.cuda.mem_get_info(dev)[0]) + max(int(cached), 0)
         except (RuntimeError, AssertionError):
             return None
     if dev.type != "cpu":
@@ -179,23 +182,26 @@ def available_memory(device: torch.device | str | None = None) -> int | None:
     return None
 
 
-def default_memory_budget(device: torch.device | str | None = None, reserve: int = 0) -> int:
-    """The automatic memory budget: half of :func:`available_memory` less ``reserve`` bytes (memory the
-    caller will need beside the kernel blocks, e.g. the preconditioner's ``M x M`` matrices), within
+def default_memory_budget(device: torch.device | str | None = None, reserve: int = 0,
+                          available: int | None = None) -> int:
+    """The automatic memory budget: ``(available - reserve) / 2``, with ``available`` the bytes of
+    :func:`available_memory` (read now unless given) and ``reserve`` the bytes the caller will need beside
+    the kernel blocks (e.g. the preconditioner's ``M x M`` matrices), within
     ``[AUTO_BUDGET_FLOOR, AUTO_BUDGET_CAP]``; ``AUTO_BUDGET_FALLBACK`` when it cannot be read."""
-    free = available_memory(device)
+    free = available_memory(device) if available is None else int(available)
     if free is None:
         return AUTO_BUDGET_FALLBACK
     return int(min(AUTO_BUDGET_CAP, max(AUTO_BUDGET_FLOOR, (free - max(int(reserve), 0)) // 2)))
 
 
 def memory_budget_for(memory_budget: int | None = None, device: torch.device | str | None = None,
-                      reserve: int = 0) -> int:
+                      reserve: int = 0, available: int | None = None) -> int:
     """``memory_budget`` in bytes, else :class:`gpfalkon.settings.memory_budget` when set, else
-    :func:`default_memory_budget` of ``device`` (the host when ``None``) with ``reserve``."""
+    :func:`default_memory_budget` of ``device`` (the host when ``None``) with ``reserve`` and
+    ``available``."""
     budget = settings.memory_budget.value() if memory_budget is None else memory_budget
     if budget is None:
-        return default_memory_budget(device, reserve=reserve)
+        return default_memory_budget(device, reserve=reserve, available=available)
     if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not math.isfinite(float(budget)) \
             or float(budget) != math.floor(float(budget)) or float(budget) < 1:
         raise ValueError(f"memory_budget must be an integer >= 1 (bytes), got {budget!r}")

@@ -40,7 +40,8 @@ def jittered_cholesky(
     matrix), ``a`` itself is factored and returned, no work matrix (peak ``M^2`` doubles instead of
     ``2 M^2``: at M = 50,000 that is 18.6 GiB less, the difference between fitting an 80 GB GPU or not):
     a failed try destroys ``a``, so before each retry ``refill(a)`` must write ``a``'s entries back
-    (e.g. recompute them from what ``a`` was built from).
+    (e.g. recompute them from what ``a`` was built from); after :class:`NotPSDError` ``a`` is left
+    overwritten.
     """
     if a.dim() != 2 or a.shape[0] != a.shape[1]:
         raise ValueError(f"{name} must be a square matrix, got shape {tuple(a.shape)}")

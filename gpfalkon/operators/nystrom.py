@@ -229,9 +229,10 @@ class NystromKRROperator(LinearOperator):
         if self._engine is None:
             build = KernelEngine if self.options.backend is None else self.options.backend
             # the automatic budget leaves the preconditioner's M x M matrices free on the same device (at
-            # M = 50,000 they are 56 GiB: beside a 16 GiB store they would not fit an 80 GB GPU)
-            budget = memory_budget_for(self.memory_budget, device=self.centers.device,
-                                       reserve=preconditioner_bytes(self.m))
+            # M = 50,000 they are 56 GiB: beside a 16 GiB store they would not fit an 80 GB GPU); not where
+            # the whole K_nM is asked to be stored (store_kernel=True), which the budget then must hold
+            reserve = 0 if self.store_kernel is True else preconditioner_bytes(self.m)
+            budget = memory_budget_for(self.memory_budget, device=self.centers.device, reserve=reserve)
             self._engine = build(
                 self.kernel,
                 self.x,

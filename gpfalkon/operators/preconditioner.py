@@ -17,14 +17,16 @@ __all__ = ["PRECOND_PEAK_MATRICES", "FactorCache", "FalkonPreconditioner", "Prec
            "preconditioner_bytes"]
 
 #: float64 ``M x M`` matrices alive at the peak of building the default preconditioner: ``K_MM``, ``T`` and
-#: ``T T^T / M``, in which ``A`` is factored (:meth:`FalkonPreconditioner.from_kernel_matrix`)
+#: ``T T^T / M``, in which ``A`` is factored (:meth:`FalkonPreconditioner.from_kernel_matrix`, float64
+#: storage; a :class:`FactorCache` keeps a fourth, and ``dtype=float32`` storage adds two halves at the end)
 PRECOND_PEAK_MATRICES = 3
 
 
 def preconditioner_bytes(m: int) -> int:
     """Bytes at the peak of building the default preconditioner for ``m`` centers:
-    ``PRECOND_PEAK_MATRICES`` float64 ``m x m`` matrices (the automatic memory budget of the kernel
-    engine leaves them free: :func:`gpfalkon.backend.default_memory_budget`'s ``reserve``)."""
+    ``PRECOND_PEAK_MATRICES`` float64 ``m x m`` matrices (the automatic memory budget of a
+    :class:`~gpfalkon.NystromKRROperator`'s kernel engine leaves them free:
+    :func:`gpfalkon.backend.default_memory_budget`'s ``reserve``)."""
     return PRECOND_PEAK_MATRICES * 8 * int(m) ** 2
 
 
