@@ -378,32 +378,6 @@ def test_from_kernel_matrix_factors_a_in_the_grams_memory_and_matches_the_reusab
     torch.testing.assert_close(consumed.chol_a, kept.chol_a, rtol=0, atol=0)
 
 
-def test_from_factor_in_place_retry_recomputes_the_gram(monkeypatch):
-    """Where ``A``'s first try fails in place, the retry factors ``T T^T / M + lambda I`` recomputed from
-    ``T`` (not the destroyed buffer): the result equals the copying path's under the same failure."""
-    import gpfalkon.linalg.cholesky as cm
-
-    kmm, _ = _setup(m=30)
-    real = torch.linalg.cholesky_ex
-    fail = {"left": 0}
-
-    def flaky(a, *args, **kw):  # the first call after arming fails as a non-PD matrix would, after
-        out = real(a, *args, **kw)  # overwriting its input as LAPACK does
-        if fail["left"] > 0:
-            fail["left"] -= 1
-            out[1].fill_(1)
-        return out
-
-    monkeypatch.setattr(cm.torch.linalg, "cholesky_ex", flaky)
-    results = []
-    for overwrite in (False, True):
-        factor = FalkonPreconditioner.factor_kernel_matrix(kmm)
-        fail["left"] = 1
-        with pytest.warns(JitterWarning):
-            results.append(FalkonPreconditioner.from_factor(factor, 1e-3, 100, overwrite_factor=overwrite))
-    torch.testing.assert_close(results[1].chol_a, results[0].chol_a, rtol=0, atol=0)
-
-
 def test_upper_gram_writes_into_out_and_checks_it():
     from gpfalkon.linalg import upper_gram
 
