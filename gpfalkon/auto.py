@@ -537,7 +537,8 @@ def auto_fit(
             validation rows, and a further fit there costs what the next number of centers could use).
             ``0``: extend while the error falls at all (the behaviour before this option).
         final_growth: when stage 2 stopped growing the centers for time (not for lack of gain, nor at
-            ``max_centers`` or the pool's size), and the chosen level is the largest one, the final
+            ``max_centers`` or the pool's size; with it, a next size short of doubling is not searched, its
+            time goes to the grown final fit), and the chosen level is the largest one, the final
             fit takes more nested centers than that level, as many as the
             time left pays for (at most twice the level's, at least 1.25 times), with the level's
             noise and multiplier (not re-searched: that is what the time left cannot pay for; at a
@@ -1277,6 +1278,14 @@ def auto_fit(
                 m_try = max(int(m_try / 1.25), smallest) if m_try > smallest else m
             if m_try <= m:
                 report.notes.append(f"centers stopped at M={m}: M={m_next} would not fit the remaining budget")
+                stopped_by_budget = True
+                break
+            if final_growth and m_try < m_next:
+                # a partial step (its searches and final fit fit, doubling's do not): the time it would spend on
+                # searches at m_try goes to a final fit grown from m at m's noise and multiplier instead (up to
+                # 2 m, as the time left pays for it: grown_level; `benchmarks/results/auto-ab-partial-s*.md`)
+                report.notes.append(f"centers stopped at M={m}: M={m_next} would not fit the remaining budget; the "
+                                    f"final fit grows from M={m} rather than searching at M={m_try}")
                 stopped_by_budget = True
                 break
             m = m_try

@@ -609,6 +609,25 @@ def test_auto_fit_final_growth_spends_the_time_a_next_size_could_not(monkeypatch
     assert spent <= 0.03 * 1.05
 
 
+def test_auto_fit_grows_the_final_fit_instead_of_a_partial_step(monkeypatch):
+    """On the fake clock a budget of 0.07 s pays for the searches at M = 60 and for a partial step (its four
+    selection fits and its final fit) short of doubling, not for M = 120's: with final_growth the partial
+    step's searches are not run and that time goes to a final fit grown from M = 60 at its noise and
+    multiplier (at most 2 x), within the budget; without it the partial step is a level of its own."""
+    kw = dict(memory_budget=2**40, max_centers=400)
+    on, spent = _fake_clock_auto_fit(monkeypatch, budget=0.07, **kw)
+    rep = on.auto_report
+    assert [lv["M"] for lv in rep.chosen["levels"]] == [60], rep.notes
+    assert any(n.startswith("centers stopped at M=60: M=120 would not fit the remaining budget; the final fit "
+                            "grows from M=60 rather than searching at M=") for n in rep.notes), rep.notes
+    assert rep.chosen["grown_from"] == 60 and 75 <= rep.chosen["num_centers"] <= 120, rep.notes
+    assert not any(r["M"] > 60 for r in rep.search)  # no selection fit past the first size
+    assert spent <= 0.07 * 1.05, (spent, rep.stages)
+    off, _ = _fake_clock_auto_fit(monkeypatch, budget=0.07, final_growth=False, **kw)
+    ms = [lv["M"] for lv in off.auto_report.chosen["levels"]]
+    assert len(ms) == 2 and ms[0] == 60 and 60 < ms[1] < 120, off.auto_report.notes
+
+
 def test_auto_fit_first_size_searches_keep_time_for_a_grown_final_fit(monkeypatch):
     """With final_growth, the first size's noise and multiplier searches stop where the time left still pays
     for a grown final fit (up to 2 M, 1.2 x its prediction, at most half the time left when they start);
