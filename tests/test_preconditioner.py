@@ -387,3 +387,5 @@ def test_upper_gram_writes_into_out_and_checks_it():
     torch.testing.assert_close(out, u @ u.mT, rtol=1e-12, atol=1e-10)
     with pytest.raises(ValueError, match="out must be a 300 x 300"):
         upper_gram(u, out=out.float())
+    with pytest.raises(ValueError, match="out must not share memory with u"):
+        upper_gram(u, out=u)

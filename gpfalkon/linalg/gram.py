@@ -47,6 +47,8 @@ def upper_gram(u: Tensor, out: Tensor | None = None) -> Tensor:
     if out is not None and (out.shape != (m, m) or out.dtype != u.dtype or out.device != u.device):
         raise ValueError(f"out must be a {m} x {m} {u.dtype} tensor on {u.device}, got {tuple(out.shape)} "
                          f"{out.dtype} on {out.device}")
+    if out is not None and out.untyped_storage().data_ptr() == u.untyped_storage().data_ptr():
+        raise ValueError("out must not share memory with u (the product reads u while it writes out)")
     g = u.new_empty(m, m) if out is None else out
     for i0 in range(0, m, b):
         i1 = min(m, i0 + b)
