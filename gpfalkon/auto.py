@@ -61,14 +61,14 @@ from torch import Tensor
 
 from ._validation import check_inputs, check_targets
 from .backend import KernelEngine, stored_rows_for
-from .backend.blocks import available_memory, memory_budget_for
+from .backend.blocks import available_memory
 from .centers import NestedLeverageCenters, dictionary_leverage_scores, leverage_centers, nested_leverage_centers
 from .errors import CGNotConvergedWarning
 from .models import FalkonGP
 from .models.defaults import log_positive
 from .objectives import GCV, LOOCV, CompReg, NystromCompReg, SGPRBound, StochasticNystromCompReg
 from .operators import FactorCache
-from .operators.preconditioner import preconditioner_bytes
+from .operators.preconditioner import engine_memory_budget
 from .options import FalkonOptions
 
 __all__ = ["CENTER_SAMPLING", "KERNEL_FAMILIES", "LENGTHSCALE_TRANSFORMS", "OBJECTIVES", "AutoFitReport", "auto_fit"]
@@ -807,7 +807,7 @@ def auto_fit(
         def budget_at(m: int) -> int:
             """The memory budget of the final fit's engine at ``m`` centers (the automatic one leaves the
             preconditioner's ``M x M`` matrices free: ``NystromKRROperator.engine``)."""
-            return memory_budget_for(None, device=dev, reserve=preconditioner_bytes(m), available=free_bytes)
+            return engine_memory_budget(m, dev, available=free_bytes)
 
         itemsize = torch.finfo(dtype).bits // 8
         head_first = stored_rows_for(n_final, m_first, itemsize, budget_at(m_first), device=dev)
@@ -1255,37 +1255,36 @@ def auto_fit(
             # the next size needs about four selection fits (the noise and multiplier searches) and then the
             # final fit, each predicted from the fits measured at m by _scaled_fit_seconds (the M^3
             # factorisations, the M^2 triangular solves and the rest, each scaled by its own power of the
-            # growth factor). When doubling does not fit the remaining budget, the largest factor >= 1.25
-            # that does is taken: first the largest the stored-K_nM prediction allows (a bisection on that
-            # closed form), then the candidate's own prediction: 4 selection fits and 1.2 x its final fit
-            # must fit the time left. Where the final rows' K_nM crosses the memory budget between m and
+            # growth factor): 4 selection fits and 1.2 x its final fit must fit the time left, the stored-K_nM
+            # closed form checked first. Where the final rows' K_nM crosses the memory budget between m and
             # the candidate, the final fit changes regime (the rows of K_nM past the budget recomputed at
             # each CG iteration) and the scaling from m says nothing about it: the candidate's on-the-fly
-            # pass is measured (one pass over the selection rows). Smaller candidates down to 1.25 m are
-            # tried before the growth stops.
+            # pass is measured (one pass over the selection rows). With final_growth only doubling is tried:
+            # where it does not fit, the time a smaller step's searches would take goes to a final fit grown
+            # from m (up to 2 m: grown_level; `benchmarks/results/auto-ab-partial-s*.md`). Without it, the
+            # largest factor >= 1.25 that fits is taken: first the largest the stored-K_nM prediction allows
+            # (a bisection on that closed form), then smaller candidates down to 1.25 m on their own prediction.
             left = clock.left()
-            m_try = m_next
-            if stored_growth_need(m, m_next) > left:
-                lo_m, hi_m = m, m_next  # the need at hi_m exceeds what is left; at lo_m it does not (or lo_m == m)
-                while hi_m - lo_m > max(1, m // 100):
-                    mid = (lo_m + hi_m) // 2
-                    lo_m, hi_m = (mid, hi_m) if stored_growth_need(m, mid) <= left else (lo_m, mid)
-                m_try = lo_m if lo_m >= min(math.ceil(1.25 * m), m_next) else m
-            while m_try > m:
-                if 4 * predicted_fit_seconds(m, m_try) + 1.2 * final_cost(m_try, base=m) <= clock.left():
-                    break
-                smallest = math.ceil(1.25 * m)
-                m_try = max(int(m_try / 1.25), smallest) if m_try > smallest else m
+
+            def step_fits(m_new: int, m_from: int = m) -> bool:
+                return 4 * predicted_fit_seconds(m_from, m_new) + 1.2 * final_cost(m_new, base=m_from) <= clock.left()
+
+            if final_growth:
+                m_try = m_next if stored_growth_need(m, m_next) <= left and step_fits(m_next) else m
+            else:
+                m_try = m_next
+                if stored_growth_need(m, m_next) > left:
+                    lo_m, hi_m = m, m_next  # the need at hi_m exceeds what is left; at lo_m it does not
+                    while hi_m - lo_m > max(1, m // 100):
+                        mid = (lo_m + hi_m) // 2
+                        lo_m, hi_m = (mid, hi_m) if stored_growth_need(m, mid) <= left else (lo_m, mid)
+                    m_try = lo_m if lo_m >= min(math.ceil(1.25 * m), m_next) else m
+                while m_try > m and not step_fits(m_try):
+                    smallest = math.ceil(1.25 * m)
+                    m_try = max(int(m_try / 1.25), smallest) if m_try > smallest else m
             if m_try <= m:
-                report.notes.append(f"centers stopped at M={m}: M={m_next} would not fit the remaining budget")
-                stopped_by_budget = True
-                break
-            if final_growth and m_try < m_next:
-                # a partial step (its searches and final fit fit, doubling's do not): the time it would spend on
-                # searches at m_try goes to a final fit grown from m at m's noise and multiplier instead (up to
-                # 2 m, as the time left pays for it: grown_level; `benchmarks/results/auto-ab-partial-s*.md`)
-                report.notes.append(f"centers stopped at M={m}: M={m_next} would not fit the remaining budget; the "
-                                    f"final fit grows from M={m} rather than searching at M={m_try}")
+                grows = f"; the final fit grows from M={m} instead of a smaller step" if final_growth else ""
+                report.notes.append(f"centers stopped at M={m}: M={m_next} would not fit the remaining budget{grows}")
                 stopped_by_budget = True
                 break
             m = m_try

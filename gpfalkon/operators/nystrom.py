@@ -17,14 +17,13 @@ from torch.autograd.function import once_differentiable
 from .. import settings
 from .._validation import check_dtype, check_inputs, check_penalty
 from ..backend.autograd import backward_params, blockwise_kernel_grad, kernel_params, kernel_product, scatter_grads
-from ..backend.blocks import memory_budget_for
 from ..backend.engine import KernelEngine, kernel_block
 from ..backend.passes import is_sharded, total_rows
 from ..errors import FalkonConvergenceError, JitterWarning
 from ..options import FalkonOptions, option_property
 from ..solvers import CGInfo, Preconditioner, PreconditionerBuilder, Solver, choose_method, falkon_solve
 from ..solvers.direct import direct_solve_whitened, whitened_factor
-from .preconditioner import FalkonPreconditioner, preconditioner_bytes
+from .preconditioner import FalkonPreconditioner, engine_memory_budget
 
 __all__ = ["FLOAT32_QUIET", "FLOAT32_TOL", "HGrads", "NystromKRROperator"]
 
@@ -231,8 +230,8 @@ class NystromKRROperator(LinearOperator):
             # the automatic budget leaves the preconditioner's M x M matrices free on the same device (at
             # M = 50,000 they are 56 GiB: beside a 16 GiB store they would not fit an 80 GB GPU); not where
             # the whole K_nM is asked to be stored (store_kernel=True), which the budget then must hold
-            reserve = 0 if self.store_kernel is True else preconditioner_bytes(self.m)
-            budget = memory_budget_for(self.memory_budget, device=self.centers.device, reserve=reserve)
+            budget = engine_memory_budget(self.m, self.centers.device, self.memory_budget,
+                                          store_kernel=self.store_kernel)
             self._engine = build(
                 self.kernel,
                 self.x,

@@ -11,10 +11,11 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from .._validation import check_penalty
+from ..backend.blocks import memory_budget_for
 from ..linalg import jittered_cholesky, upper_gram, upper_matmul
 
 __all__ = ["PRECOND_PEAK_MATRICES", "FactorCache", "FalkonPreconditioner", "PreconditionerFactor",
-           "preconditioner_bytes"]
+           "engine_memory_budget", "preconditioner_bytes"]
 
 #: float64 ``M x M`` matrices alive at the peak of building the default preconditioner: ``K_MM``, ``T`` and
 #: ``T T^T / M``, in which ``A`` is factored (:meth:`FalkonPreconditioner.from_kernel_matrix`, float64
@@ -28,6 +29,16 @@ def preconditioner_bytes(m: int) -> int:
     :class:`~gpfalkon.NystromKRROperator`'s kernel engine leaves them free:
     :func:`gpfalkon.backend.default_memory_budget`'s ``reserve``)."""
     return PRECOND_PEAK_MATRICES * 8 * int(m) ** 2
+
+
+def engine_memory_budget(m: int, device: torch.device | str | None, memory_budget: int | None = None, *,
+                         store_kernel: bool | None = None, available: int | None = None) -> int:
+    """The memory budget of a FALKON operator's kernel engine for ``m`` centers: ``memory_budget``, else the
+    setting, else the automatic budget with :func:`preconditioner_bytes` reserved beside the kernel blocks
+    (none with ``store_kernel=True``: the budget must then hold the whole ``K_nM``), from ``available`` bytes
+    where given (:func:`gpfalkon.backend.blocks.memory_budget_for`)."""
+    reserve = 0 if store_kernel is True else preconditioner_bytes(m)
+    return memory_budget_for(memory_budget, device=device, reserve=reserve, available=available)
 
 
 def _gram_refill(T: Tensor) -> Callable[[Tensor], object]:
