@@ -29,7 +29,8 @@
 3. **Refit** on all rows (training rows plus the held-out rows, unless ``val_x`` was given) with
    the chosen kernel, noise and number of centers; where stage 2 stopped growing the centers for
    time (another size with its selection fits would not fit the budget), the refit takes as many
-   more nested centers as the time left pays for (``final_growth``, up to twice as many).
+   more nested centers as the time left pays for (``final_growth``, up to ``final_growth_factor`` = 4 times as
+   many, past twice as many within half the final rows).
 
 Inputs and targets are standardised internally, ``z = (x - mu) / s`` per feature and
 ``u = (y - m) / r``, and mapped back exactly: for a stationary ARD kernel
@@ -254,6 +255,17 @@ def _scaled_fit_seconds(records: Sequence[dict[str, Any]], factor: float, rows_r
     return pre * factor**3 + apply * factor**2 + rest * factor * rows_ratio
 
 
+def _growth_cap(m: int, factor: float, n_final: int, limit: int) -> int:
+    """The most centers ``final_growth`` gives a level of ``m``: ``factor m`` (at least ``ceil(1.25 m)``), past ``2 m``
+    only up to ``n_final // 2`` (never below ``2 m`` for that bound), and at most ``limit`` (the pool, ``max_centers``,
+    the final rows). Toward ``M = n`` the grown fit nears the full kernel estimator at a noise chosen for ``m``
+    centers, whose projection also regularised (docs/math.md §8 "Final growth")."""
+    top = max(int(factor * m), math.ceil(1.25 * m))
+    if top > 2 * m:
+        top = max(2 * m, min(top, n_final // 2))
+    return min(top, limit)
+
+
 def _fit_quiet(model: FalkonGP, time_limit: float | None = None) -> tuple[FalkonGP, bool]:
     """Fit, recording (not printing) CG's cap warning; returns (model, converged)."""
     with warnings.catch_warnings(record=True) as caught:
@@ -424,6 +436,7 @@ def auto_fit(
     min_gain: float = 0.005,
     search_tol: float = 2e-3,
     final_growth: bool = True,
+    final_growth_factor: float = 4.0,
     center_sampling: str = "auto",
     leverage_check: bool = False,
     max_iter: int = 50,
@@ -540,15 +553,20 @@ def auto_fit(
             ``max_centers`` or the pool's size; with it, a next size short of doubling is not searched, its
             time goes to the grown final fit), and the chosen level is the largest one, the final
             fit takes more nested centers than that level, as many as the
-            time left pays for (at most twice the level's, at least 1.25 times), with the level's
-            noise and multiplier (not re-searched: that is what the time left cannot pay for; at a
+            time left pays for (at least 1.25 times the level's, at most ``final_growth_factor`` times), with
+            the level's noise and multiplier (not re-searched: that is what the time left cannot pay for; at a
             fixed noise, nested centers lower the minimum of the regularised least-squares objective
-            toward the full kernel model's, and the noise chosen at fewer centers errs toward more
-            regularisation; docs/math.md §8 "Final growth"). The first size's noise and multiplier
-            searches stop early enough to pay for such a grown final fit (up to twice the first size, at
-            most half the time left when they start), so a budget the searches would use up still buys
-            more centers. Recorded in ``report.chosen`` (``grown_from``) and the notes. ``False``: the
+            toward the full kernel model's; docs/math.md §8 "Final growth"). The first size's noise and
+            multiplier searches stop early enough to pay for such a grown final fit (up to twice the first
+            size, at most half the time left when they start), so a budget the searches would use up still
+            buys more centers. Recorded in ``report.chosen`` (``grown_from``) and the notes. ``False``: the
             final fit uses the level's centers, and the searches keep time for that fit only.
+        final_growth_factor: the most ``final_growth`` multiplies the level's centers by; past twice the
+            level's, the grown size also stays within half the final rows (toward ``M = n`` the grown fit
+            nears the full kernel estimator at a noise chosen for ``M`` centers, whose projection also
+            regularised: on the development sets with ``n`` below 10,000 such growth raised the test error
+            in some runs, while on the larger sets four times the level's centers at its noise lowered it,
+            ``benchmarks/results/auto-growth-check.md``).
         center_sampling: how the nested centers of stages 2-3 are drawn from the selection rows:
             ``"uniform"`` (a random permutation's prefixes); ``"leverage"`` (prefixes of one stream of
             ridge-leverage-score draws, :func:`~gpfalkon.nested_leverage_centers`, with the
@@ -637,6 +655,9 @@ def auto_fit(
         raise ValueError(f"search_tol must be a number in [0, 1), got {search_tol!r}")
     if not isinstance(final_growth, bool):
         raise TypeError(f"final_growth must be True or False, got {final_growth!r}")
+    if isinstance(final_growth_factor, bool) or not (isinstance(final_growth_factor, (int, float))
+                                                     and 1.25 <= final_growth_factor < math.inf):
+        raise ValueError(f"final_growth_factor must be a finite number >= 1.25, got {final_growth_factor!r}")
     if center_sampling not in CENTER_SAMPLING:
         raise ValueError(f"center_sampling must be one of {CENTER_SAMPLING}, got {center_sampling!r}")
     if center_sampling == "leverage" and learn_centers:
@@ -1106,10 +1127,10 @@ def auto_fit(
             measurement, unlike :func:`final_cost` past the memory budget)."""
             return 4 * predicted_fit_seconds(m, m_new) + 1.2 * predicted_fit_seconds(m, m_new, max(1.0, n_final / n_s))
 
-        def growth_cap(m: int) -> int:
-            """The most centers ``final_growth`` gives a level at ``m``: twice ``m``, within the pool, ``max_centers``
-            and the final rows."""
-            return min(2 * m, pool_limit(), max_centers, x_fin.shape[0])
+        def growth_cap(m: int, factor: float = 2.0) -> int:
+            """The most centers ``final_growth`` gives a level at ``m`` (:func:`_growth_cap`), within the pool,
+            ``max_centers`` and the final rows."""
+            return _growth_cap(m, factor, x_fin.shape[0], min(pool_limit(), max_centers, x_fin.shape[0]))
 
         def reserve_size(m: int) -> int:
             """The final fit's size the first size's searches (at ``m``) keep time for: with ``final_growth``,
@@ -1123,7 +1144,7 @@ def auto_fit(
             if not final_growth:
                 return m
             left = clock.left()
-            m_g = growth_cap(m)
+            m_g = growth_cap(m, min(2.0, final_growth_factor))
             while m_g >= 1.25 * m:
                 if (stored_rows_for(n_final, m_g, itemsize, budget_at(m_g), device=dev) >= n_final
                         and 1.2 * final_cost(m_g, base=m) <= 0.5 * left):
@@ -1156,7 +1177,7 @@ def auto_fit(
             if why is not None:
                 report.notes.append(f"final growth skipped: {why}")
                 return level
-            m_cap = growth_cap(m_b)
+            m_cap = growth_cap(m_b, final_growth_factor)
             if m_cap < 1.25 * m_b:
                 cap = ("max_centers" if m_cap == max_centers else "the final rows" if m_cap == x_fin.shape[0]
                        else f"the pool's {pool_limit()} centers")
@@ -1165,6 +1186,12 @@ def auto_fit(
             m_try = m_cap
             predicted = math.inf
             while m_try >= 1.25 * m_b:
+                if pass_cache and m_try not in pass_cache:
+                    # a candidate whose final K_nM exceeds the memory budget needs an on-the-fly pass: scaled
+                    # from the nearest measured one (a pass is linear in M: 2 n M d flops, n M kernel values),
+                    # so the candidates down from the cap cost one measurement, not one each
+                    ref = min(pass_cache, key=lambda k: abs(math.log(k / m_try)))
+                    pass_cache[m_try] = pass_cache[ref] * m_try / ref
                 predicted = final_cost(m_try, base=m_b)
                 if 1.2 * predicted <= clock.left():
                     break

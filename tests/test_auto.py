@@ -371,6 +371,9 @@ def test_auto_fit_respects_a_small_budget():
         (dict(hyper_centers_growth=1.5), "hyper_centers_growth"),
         (dict(lengthscale_transform="exp"), "lengthscale_transform"),
         (dict(final_growth="yes"), "final_growth"),
+        (dict(final_growth_factor=1.0), "final_growth_factor"),
+        (dict(final_growth_factor=float("inf")), "final_growth_factor"),
+        (dict(final_growth_factor=True), "final_growth_factor"),
         (dict(score_max_iter=0), "score_max_iter"),
         (dict(race_margin=0.0), "race_margin"),
         (dict(race_margin=float("nan")), "race_margin"),
@@ -613,19 +616,44 @@ def test_auto_fit_grows_the_final_fit_instead_of_a_partial_step(monkeypatch):
     """On the fake clock a budget of 0.07 s pays for the searches at M = 60 and for a partial step (its four
     selection fits and its final fit) short of doubling, not for M = 120's: with final_growth the partial
     step's searches are not run and that time goes to a final fit grown from M = 60 at its noise and
-    multiplier (at most 2 x), within the budget; without it the partial step is a level of its own."""
+    multiplier (here past 2 x: ``final_growth_factor`` 4 allows up to 4 x), within the budget; without it the
+    partial step is a level of its own. With ``final_growth_factor=2`` the same level grows to at most 2 x,
+    nested in the 4 x model's centers."""
     kw = dict(memory_budget=2**40, max_centers=400)
     on, spent = _fake_clock_auto_fit(monkeypatch, budget=0.07, **kw)
     rep = on.auto_report
     assert [lv["M"] for lv in rep.chosen["levels"]] == [60], rep.notes
     assert ("centers stopped at M=60: M=120 would not fit the remaining budget; the final fit grows from M=60 "
             "instead of a smaller step") in rep.notes, rep.notes
-    assert rep.chosen["grown_from"] == 60 and 75 <= rep.chosen["num_centers"] <= 120, rep.notes
+    assert rep.chosen["grown_from"] == 60 and 120 < rep.chosen["num_centers"] <= 240, rep.notes
     assert not any(r["M"] > 60 for r in rep.search)  # no selection fit past the first size
     assert spent <= 0.07 * 1.05, (spent, rep.stages)
+    two, spent = _fake_clock_auto_fit(monkeypatch, budget=0.07, final_growth_factor=2.0, **kw)
+    assert two.auto_report.chosen["grown_from"] == 60 and 75 <= two.auto_report.chosen["num_centers"] <= 120
+    assert spent <= 0.07 * 1.05
+    torch.testing.assert_close(on.centers[: two.centers.shape[0]], two.centers)
     off, _ = _fake_clock_auto_fit(monkeypatch, budget=0.07, final_growth=False, **kw)
     ms = [lv["M"] for lv in off.auto_report.chosen["levels"]]
     assert len(ms) == 2 and ms[0] == 60 and 60 < ms[1] < 120, off.auto_report.notes
+
+
+@pytest.mark.parametrize(
+    ("m", "factor", "n_final", "limit", "expected"),
+    [
+        (1000, 4.0, 40_000, 50_000, 4000),  # 4 M, far below half the rows
+        (1000, 4.0, 6_000, 50_000, 3000),  # past 2 M only up to n / 2
+        (2000, 4.0, 6_000, 50_000, 4000),  # n / 2 below 2 M: 2 M (the bound applies past 2 M only)
+        (2000, 4.0, 8_611, 50_000, 4305),
+        (1000, 2.0, 1_000, 50_000, 2000),  # factor 2: the bound does not apply
+        (1000, 3.0, 40_000, 2_500, 2500),  # the limit (pool, max_centers, final rows) caps all
+        (61, 1.25, 10_000, 1_000, 77),  # at least ceil(1.25 M)
+        (1000, 1.5, 40_000, 50_000, 1500),
+    ],
+)
+def test_growth_cap_closed_form(m, factor, n_final, limit, expected):
+    from gpfalkon.auto import _growth_cap
+
+    assert _growth_cap(m, factor, n_final, limit) == expected
 
 
 def test_auto_fit_first_size_searches_keep_time_for_a_grown_final_fit(monkeypatch):
