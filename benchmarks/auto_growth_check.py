@@ -31,6 +31,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import gpfalkon  # noqa: E402
+
 from _common import environment_lines, markdown_table, write_result  # noqa: E402
 from compare import load_dataset  # noqa: E402
 
@@ -57,7 +58,7 @@ def run_one(spec: str, seed: int, factors: list[float], noise_factors: list[floa
                auto_M=int(chosen["num_centers"]), level_M=m_level, noise=chosen["noise"],
                multiplier=chosen["multiplier"], level_centers=chosen["centers"], refits=[])
     for f in factors:
-        m = min(int(round(f * m_level)), x_fin.shape[0])
+        m = min(round(f * m_level), x_fin.shape[0])
         for nf in (noise_factors if f in noise_at else [1.0]):
             t = time.perf_counter()
             refit = gpfalkon.FalkonGP(x_fin, y_fin, kernel=copy.deepcopy(model.kernel), centers=x_fin[perm[:m]],
