@@ -1186,12 +1186,6 @@ def auto_fit(
             m_try = m_cap
             predicted = math.inf
             while m_try >= 1.25 * m_b:
-                if pass_cache and m_try not in pass_cache:
-                    # a candidate whose final K_nM exceeds the memory budget needs an on-the-fly pass: scaled
-                    # from the nearest measured one (a pass is linear in M: 2 n M d flops, n M kernel values),
-                    # so the candidates down from the cap cost one measurement, not one each
-                    ref = min(pass_cache, key=lambda k: abs(math.log(k / m_try)))
-                    pass_cache[m_try] = pass_cache[ref] * m_try / ref
                 predicted = final_cost(m_try, base=m_b)
                 if 1.2 * predicted <= clock.left():
                     break

@@ -563,35 +563,6 @@ def test_auto_fit_does_not_grow_centers_past_a_final_fit_it_cannot_afford(monkey
     assert model.auto_report.chosen["num_centers"] == 60 and model.fitted
 
 
-def test_auto_fit_final_growth_past_the_memory_budget_measures_one_pass(monkeypatch):
-    """Where every grown size's final K_nM exceeds the memory budget (here past M = 60 of the 2000 final rows,
-    float64), the candidates down from the 4 M cap need an on-the-fly pass each: they are scaled from the
-    nearest measured pass (a pass is linear in M), not measured one by one (each measurement costs a pass
-    of the time left; before this rule a growth from 120 measured six candidates here). The call keeps its
-    budget."""
-    import gpfalkon.auto as auto_module
-
-    calls: list[int] = []
-    real = auto_module._onthefly_pass_seconds
-
-    def counted(kernel, x, centers):
-        calls.append(int(centers.shape[0]))
-        return real(kernel, x, centers)
-
-    monkeypatch.setattr(auto_module, "_onthefly_pass_seconds", counted)
-    boundary = 2000 * 60 * 8
-    budget = 30.0
-    model, spent = _fake_clock_auto_fit(monkeypatch, budget=budget, memory_budget=boundary, max_centers=400)
-    rep = model.auto_report
-    levels = [lv["M"] for lv in rep.chosen["levels"]]
-    m_b, m_fin = rep.chosen["grown_from"], rep.chosen["num_centers"]
-    assert m_b == levels[-1] and 1.25 * m_b <= m_fin <= 400, rep.notes
-    # measured: stage 2's sizes and the doubling it checked; none of the final growth's candidates
-    assert set(calls) <= set(levels) | {2 * m for m in levels}, (calls, levels)
-    assert m_fin not in calls
-    assert spent <= budget * 1.05, (spent, rep.stages)
-
-
 def test_auto_fit_final_growth_spends_the_time_a_next_size_could_not(monkeypatch):
     """On the fake clock, a budget of 0.04 s pays for the first size (M = 60) but not for the selection
     fits of M = 120: the final fit then takes more nested centers (at most 2 x, at least 1.25 x) at the
