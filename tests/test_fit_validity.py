@@ -230,3 +230,41 @@ def test_a_model_pickled_before_digests_saves_a_state_that_loads_fitted(fitted):
     fresh = _model(m.train_inputs[0].clone(), m.train_targets.clone())
     assert _load(fresh, sd) == []
     assert bool(fresh.fitted)
+
+
+@pytest.mark.parametrize("offset", [0, 5, 2**20 + 3, 2**40 + 7])
+def test_cpu_digest_kernel_equals_the_torch_definition(offset):
+    """The C++ digest (one pass) gives the same integers as the torch definition for every word width, sizes
+    around the kernel's eight lanes and torch's blocks, non-contiguous input and large word offsets."""
+    from gpfalkon.backend import fused
+    from gpfalkon.models.fit_state import _digest_tensor
+
+    ok, why = fused.fused_available()
+    if not ok:
+        pytest.skip(f"C++ kernels unavailable: {why}")
+    g = torch.Generator().manual_seed(offset % 97)
+    cases = [torch.randn(1000, 3, generator=g), torch.randn(17, dtype=torch.float64, generator=g),
+             torch.randn(9, generator=g).to(torch.float16), torch.randn(4, generator=g).to(torch.bfloat16),
+             torch.randint(0, 255, (13,), generator=g, dtype=torch.uint8), torch.rand(33, generator=g) > 0.5,
+             torch.randint(-2**31, 2**31 - 1, (2**20 + 11,), generator=g, dtype=torch.int32),
+             torch.full((71,), -1, dtype=torch.int32), torch.empty(0), torch.randn(5, 3, generator=g).mT,
+             torch.randint(-100, 100, (8,), generator=g, dtype=torch.int8)]
+    for t in cases:
+        fast = _digest_tensor(t, offset)
+        fused.set_enabled(False)
+        try:
+            slow = _digest_tensor(t, offset)
+        finally:
+            fused.set_enabled(None)
+        assert fast == slow, (t.dtype, tuple(t.shape))
+
+
+def test_fingerprint_sums_match_float64_sums():
+    """The summary's sums and norms (taken chunk by chunk) equal the float64 sums of the whole tensors."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3 * 2**18 + 5, 4, generator=g)  # more than one chunk of 2^20 values
+    y = torch.randn(3 * 2**18 + 5, generator=g)
+    summary, _ = data_fingerprint(x, y)
+    x64, y64 = x.double(), y.double()
+    want = torch.tensor([x.shape[0], 4, x64.sum(), x64.norm(), y64.sum(), y64.norm()], dtype=torch.float64)
+    torch.testing.assert_close(summary, want, rtol=1e-12, atol=1e-9)

@@ -65,12 +65,14 @@ def test_float32_residual_rise_returns_best_iterate():
 
 
 def test_float32_without_data_dtype_jitter_breaks_down(monkeypatch):
-    """The reference behaviour the jitter fixes (so the test above can fail)."""
+    """The reference behaviour the jitter fixes (so the test above can fail): without it CG either loses
+    positive definiteness or its residual diverges (which of the two comes first within the 20 iterations
+    depends on the rounding of the triangular solves: LAPACK's or the CPU kernel's)."""
     monkeypatch.setattr(NystromKRROperator, "_precond_jitter", lambda self: None)
-    with pytest.raises(FalkonConvergenceError, match="lost positive definiteness"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", CGNotConvergedWarning)
-            _fit_rmse(torch.float32, 1e-2, 2000)
+    with pytest.raises((FalkonConvergenceError, CGNotConvergedWarning),
+                       match=r"lost positive definiteness|no progress|diverged"), warnings.catch_warnings():
+        warnings.simplefilter("error", CGNotConvergedWarning)
+        _fit_rmse(torch.float32, 1e-2, 2000)
 
 
 @pytest.mark.parametrize("skew,diverges,rise", [(1e-4, False, None), (3e-4, True, 2.0), (1e-3, True, 10.0)])

@@ -300,3 +300,91 @@ def test_fused_profile_matches_the_closed_form_and_aten(dtype, kind):
     assert not fused.fused_profile_(t.clone(), "periodic", zero_below)
     rbf = -t.abs()
     assert not fused.fused_profile_(rbf, "rbf") and torch.equal(rbf, -t.abs())
+
+
+# ----------------------------------------------------------------------------- triangular solve
+def _upper_factor(m: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A well-conditioned upper-triangular factor: the Cholesky factor of an RBF Gram matrix plus I."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 3, generator=g, dtype=torch.float64)
+    gram = torch.exp(-0.5 * torch.cdist(x, x).square()) + torch.eye(m, dtype=torch.float64)
+    return torch.linalg.cholesky(gram, upper=True).to(dtype).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("k", [1, 3, fused.MAX_SOLVE_K])
+@pytest.mark.parametrize("m", [1, 7, fused.SOLVE_BLOCK, fused.SOLVE_BLOCK + 1, 3 * fused.SOLVE_BLOCK + 45])
+def test_upper_solve_matches_lapack(dtype, k, m, monkeypatch):
+    """``U^{-1} B`` and ``U^{-T} B`` against ``torch.linalg.solve_triangular`` across the block boundaries,
+    with the strictly lower triangle full of NaN (the kernel must not read it) and ``B`` a non-contiguous
+    view left unchanged (small factors admitted: ``SOLVE_MIN_M`` lowered)."""
+    _need_kernel()
+    monkeypatch.setattr(fused, "SOLVE_MIN_M", 1)
+    u = _upper_factor(m, dtype, m * 7 + k)
+    poisoned = u.clone()
+    poisoned[torch.ones(m, m, dtype=torch.bool).tril(-1)] = float("nan")
+    b_full = torch.randn(k, m + 5, dtype=dtype, generator=torch.Generator().manual_seed(k)).mT  # (m + 5, k)
+    b = b_full[2 : 2 + m]
+    before = b.clone()
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for transpose in (False, True):
+        want = torch.linalg.solve_triangular(u.mT if transpose else u, b, upper=not transpose)
+        got = fused.upper_solve(poisoned, b, transpose)
+        assert got is not None and got.shape == (m, k)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
+        assert torch.equal(b, before)
+
+
+def test_upper_solve_declines_what_it_does_not_handle(monkeypatch):
+    """Cases outside the kernel return None (the preconditioner then calls LAPACK)."""
+    _need_kernel()
+    u = _upper_factor(9, torch.float64, 0)
+    b = torch.randn(9, 1, dtype=torch.float64)
+    assert fused.upper_solve(u, b) is None  # below SOLVE_MIN_M
+    monkeypatch.setattr(fused, "SOLVE_MIN_M", 9)
+    assert fused.upper_solve(u, b) is not None
+    assert fused.upper_solve(u, torch.randn(9, fused.MAX_SOLVE_K + 1, dtype=torch.float64)) is None  # k too large
+    assert fused.upper_solve(u, b.float()) is None  # dtypes differ
+    assert fused.upper_solve(u.half(), b.half()) is None  # float16
+    assert fused.upper_solve(u.mT.contiguous().mT, b) is None  # not row-major
+    assert fused.upper_solve(u, b.squeeze(1)) is None  # not (M, k)
+    assert fused.upper_solve(u, torch.randn(9, 1, dtype=torch.float64, requires_grad=True)) is None
+    assert fused.upper_solve(u.requires_grad_(), b) is None
+    fused.set_enabled(False)
+    try:
+        assert fused.upper_solve(u.detach(), b) is None
+    finally:
+        fused.set_enabled(None)
+
+
+def test_preconditioner_same_with_and_without_the_solve_kernel(monkeypatch):
+    """B, B^T and the CG operator W of a FALKON preconditioner through the kernel equal LAPACK's."""
+    _need_kernel()
+    import gpfalkon.operators.preconditioner as precond_module
+    from gpfalkon import FalkonPreconditioner
+
+    m = fused.SOLVE_MIN_M + fused.SOLVE_BLOCK // 2 + 9
+    x = torch.randn(m, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    kmm = torch.exp(-0.5 * torch.cdist(x, x).square() / 4.0)
+    pre = FalkonPreconditioner.from_kernel_matrix(kmm, 1e-4, 1000)
+    v = torch.randn(m, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    data = torch.randn(m, m, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    gram = data @ data.mT
+
+    def outputs():
+        return (pre.apply_b(v), pre.apply_bt(v), pre.w_matmul(v, lambda w: gram @ w, 1000 * 1e-4))
+
+    ran: list[bool] = []
+
+    def spy(*args, **kwargs):
+        out = fused.upper_solve(*args, **kwargs)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(precond_module, "upper_solve", spy)
+    fast = outputs()
+    assert ran and all(ran)  # every solve went through the kernel
+    monkeypatch.setattr(precond_module, "upper_solve", lambda *a, **k: None)
+    slow = outputs()
+    for a, b in zip(fast, slow, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10 * float(b.abs().max()))

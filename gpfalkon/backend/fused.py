@@ -1,5 +1,7 @@
 """Fused CPU kernels for ``K^T (K U + V)``: a single-read product for a stored ``K_nM``
-(:func:`fused_kmn_k`), and the on-the-fly pass in cache-sized tiles (:func:`fused_fly_kmn_k`).
+(:func:`fused_kmn_k`), and the on-the-fly pass in cache-sized tiles (:func:`fused_fly_kmn_k`); with them,
+the preconditioner's triangular solve on torch's threads (:func:`upper_solve`) and the fit's content digest
+in one pass (:func:`word_digest`).
 
 One CG iteration of FALKON with a stored ``K_nM`` computes ``w = K_nM^T (K_nM u)``: a memory-bound
 pass whose floor is one read of ``K_nM`` (``n M`` values). Two BLAS calls (``K u``, then
@@ -49,8 +51,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["FLUSH_ROWS", "FLY_TILE_BYTES", "MAX_K", "fly_tile_rows", "fused_available", "fused_fly_kmn_k",
-           "fused_kmn_k", "fused_profile_", "set_enabled"]
+__all__ = ["FLUSH_ROWS", "FLY_TILE_BYTES", "MAX_K", "MAX_SOLVE_K", "SOLVE_BLOCK", "SOLVE_MIN_M", "fly_tile_rows",
+           "fused_available", "fused_fly_kmn_k", "fused_kmn_k", "fused_profile_", "set_enabled", "upper_solve",
+           "word_digest"]
 
 #: rows a thread accumulates in the data dtype before adding to its float64 accumulator
 FLUSH_ROWS = 256
@@ -60,6 +63,14 @@ MAX_K = 16
 #: share of the cache, so the profile pass and both products re-read the tile from it
 #: (``benchmarks/results/engine-fused-fly.md`` measures 1, 2 and 4 MiB)
 FLY_TILE_BYTES = 2 * 2**20
+#: rows of the blocks of :func:`upper_solve` (64-512 measured alike at M = 2,000;
+#: ``benchmarks/results/triangular-solve.md``)
+SOLVE_BLOCK = 128
+#: right-hand sides :func:`upper_solve` takes (more: LAPACK's blocked solve, compute-bound then)
+MAX_SOLVE_K = 16
+#: the smallest factor :func:`upper_solve` takes: below it LAPACK's solve is as fast (at M = 1,000: 0.95-1.06x;
+#: at 2,000: 1.17-1.41x slower than the kernel, ``benchmarks/results/triangular-solve.md``)
+SOLVE_MIN_M = 1536
 _KINDS = {"rbf": 0, "matern12": 1, "matern32": 2, "matern52": 3}
 
 _SOURCE = r"""
@@ -354,6 +365,176 @@ void fly_kmn_k(torch::Tensor acc, torch::Tensor xa, torch::Tensor ca, torch::Ten
     });
   });
 }
+// The triangular solves of the FALKON preconditioner, in place on X (k, M) contiguous: row c of X becomes
+// U^{-1} X_c (transpose false) or U^{-T} X_c (transpose true), for U (M, M) row-major upper triangular (its
+// strictly lower part is never read). Blocks of bs rows: U^{-1} backwards by block rows (the rows' products
+// with the solved part, x_I -= U[I, I1:] x[I1:], split between the threads by rows, then the diagonal block
+// in one thread); U^{-T} forwards (the diagonal block in one thread, then x[I1:] -= U[I, I1:]^T x_I split
+// between the threads by columns, four rows at a time). Each value of the triangle is read once, by
+// contiguous row segments.
+template <typename T>
+static void upper_solve_rows(const T* U, int64_t M, T* X, int64_t k, bool transpose, int64_t bs) {
+  const int64_t nb = (M + bs - 1) / bs;
+  if (!transpose) {
+    for (int64_t b = nb - 1; b >= 0; --b) {
+      const int64_t i0 = b * bs, i1 = std::min(M, i0 + bs);
+      if (i1 < M) {
+        at::parallel_for(i0, i1, 8, [&](int64_t r0, int64_t r1) {
+          for (int64_t i = r0; i < r1; ++i) {
+            const T* row = U + i * M;
+            for (int64_t c = 0; c < k; ++c) {
+              const T* x = X + c * M;
+              T s = T(0);
+#pragma omp simd reduction(+ : s)
+              for (int64_t j = i1; j < M; ++j) s += row[j] * x[j];
+              X[c * M + i] -= s;
+            }
+          }
+        });
+      }
+      for (int64_t i = i1 - 1; i >= i0; --i) {
+        const T* row = U + i * M;
+        for (int64_t c = 0; c < k; ++c) {
+          T* x = X + c * M;
+          T s = T(0);
+#pragma omp simd reduction(+ : s)
+          for (int64_t j = i + 1; j < i1; ++j) s += row[j] * x[j];
+          x[i] = (x[i] - s) / row[i];
+        }
+      }
+    }
+    return;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t i0 = b * bs, i1 = std::min(M, i0 + bs);
+    for (int64_t i = i0; i < i1; ++i) {
+      const T* row = U + i * M;
+      for (int64_t c = 0; c < k; ++c) {
+        T* x = X + c * M;
+        const T xi = x[i] / row[i];
+        x[i] = xi;
+#pragma omp simd
+        for (int64_t j = i + 1; j < i1; ++j) x[j] -= row[j] * xi;
+      }
+    }
+    if (i1 < M) {
+      at::parallel_for(i1, M, 512, [&](int64_t c0, int64_t c1) {
+        int64_t i = i0;
+        for (; i + 4 <= i1; i += 4) {
+          const T* r0 = U + i * M;
+          const T* r1 = r0 + M;
+          const T* r2 = r1 + M;
+          const T* r3 = r2 + M;
+          for (int64_t c = 0; c < k; ++c) {
+            T* x = X + c * M;
+            const T x0 = x[i], x1 = x[i + 1], x2 = x[i + 2], x3 = x[i + 3];
+#pragma omp simd
+            for (int64_t j = c0; j < c1; ++j) x[j] -= (r0[j] * x0 + r1[j] * x1) + (r2[j] * x2 + r3[j] * x3);
+          }
+        }
+        for (; i < i1; ++i) {
+          const T* r0 = U + i * M;
+          for (int64_t c = 0; c < k; ++c) {
+            T* x = X + c * M;
+            const T x0 = x[i];
+#pragma omp simd
+            for (int64_t j = c0; j < c1; ++j) x[j] -= r0[j] * x0;
+          }
+        }
+      });
+    }
+  }
+}
+
+void upper_solve_(torch::Tensor U, torch::Tensor X, bool transpose, int64_t bs) {
+  TORCH_CHECK(U.dim() == 2 && U.size(0) == U.size(1) && U.is_contiguous(), "U must be a contiguous square matrix");
+  TORCH_CHECK(X.dim() == 2 && X.size(1) == U.size(0) && X.is_contiguous(), "X must be contiguous (k, M)");
+  TORCH_CHECK(X.scalar_type() == U.scalar_type(), "X must have U's dtype");
+  TORCH_CHECK(bs >= 1, "bs must be positive");
+  AT_DISPATCH_FLOATING_TYPES(U.scalar_type(), "upper_solve_", [&] {
+    upper_solve_rows<scalar_t>(U.data_ptr<scalar_t>(), U.size(0), X.data_ptr<scalar_t>(), X.size(0), transpose, bs);
+  });
+}
+// sum_i w_i (g^(offset + i) mod p) mod q for p = 2^31 - 1, q = 2^61 - 1, the words w_i of `words` (int32, int16 or
+// uint8, read as unsigned) and two roots g (gpfalkon.models.fit_state's content digest); exact integer arithmetic,
+// so the result does not depend on the threads. The weights advance by g^8 in eight lanes (independent chains
+// that the compiler vectorises: every product is of two values below 2^32); each lane's sum is folded modulo q
+// after every product (a sum below 2^61 + 8 plus a product below 2^63 stays below 2^64).
+static inline uint64_t mod_p31(uint64_t x) {  // x < 2^62
+  const uint64_t p = 0x7FFFFFFFull;
+  x = (x & p) + (x >> 31);
+  x = (x & p) + (x >> 31);
+  return x >= p ? x - p : x;
+}
+
+static uint64_t pow_p31(uint64_t g, uint64_t e) {
+  uint64_t r = 1, b = mod_p31(g);
+  e %= 0x7FFFFFFEull;  // g^(p - 1) = 1
+  while (e) {
+    if (e & 1) r = mod_p31(r * b);
+    b = mod_p31(b * b);
+    e >>= 1;
+  }
+  return r;
+}
+
+template <typename W>
+static void digest_range(const W* w, int64_t begin, int64_t end, uint64_t offset, const uint64_t* g,
+                         uint64_t* acc) {
+  constexpr int L = 8;
+  const uint64_t q = (1ull << 61) - 1;
+  for (int r = 0; r < 2; ++r) {
+    const uint64_t step = pow_p31(g[r], L);
+    uint64_t m[L], s[L];
+    for (int l = 0; l < L; ++l) {
+      m[l] = pow_p31(g[r], offset + static_cast<uint64_t>(begin + l));
+      s[l] = 0;
+    }
+    int64_t i = begin;
+    for (; i + L <= end; i += L) {
+#pragma omp simd
+      for (int l = 0; l < L; ++l) {
+        const uint64_t t = s[l] + static_cast<uint64_t>(w[i + l]) * m[l];  // < 2^61 + 8 + 2^63
+        s[l] = (t & q) + (t >> 61);
+        m[l] = mod_p31(m[l] * step);
+      }
+    }
+    uint64_t total = 0;
+    for (int l = 0; i < end; ++i, ++l) {
+      const uint64_t t = s[l] + static_cast<uint64_t>(w[i]) * m[l];
+      s[l] = (t & q) + (t >> 61);
+    }
+    for (int l = 0; l < L; ++l) total = (total + s[l] % q) % q;
+    acc[r] = (acc[r] + total) % q;
+  }
+}
+
+// returns [h_1, h_2] (int64)
+torch::Tensor digest_words(torch::Tensor words, int64_t offset, int64_t g1, int64_t g2) {
+  TORCH_CHECK(words.dim() == 1 && words.is_contiguous(), "words must be a contiguous 1-D tensor");
+  TORCH_CHECK(offset >= 0 && g1 > 0 && g2 > 0, "offset must be >= 0 and the roots > 0");
+  const uint64_t g[2] = {static_cast<uint64_t>(g1), static_cast<uint64_t>(g2)};
+  const uint64_t q = (1ull << 61) - 1;
+  std::mutex lock;
+  uint64_t total[2] = {0, 0};
+  const int64_t n = words.numel();
+  auto run = [&](auto* w) {
+    at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
+      uint64_t acc[2] = {0, 0};
+      digest_range(w, begin, end, static_cast<uint64_t>(offset), g, acc);
+      std::lock_guard<std::mutex> guard(lock);
+      for (int r = 0; r < 2; ++r) total[r] = (total[r] + acc[r]) % q;
+    });
+  };
+  if (words.scalar_type() == torch::kInt32) run(reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()));
+  else if (words.scalar_type() == torch::kInt16) run(reinterpret_cast<const uint16_t*>(words.data_ptr<int16_t>()));
+  else if (words.scalar_type() == torch::kUInt8) run(words.data_ptr<uint8_t>());
+  else TORCH_CHECK(false, "words must be int32, int16 or uint8");
+  auto out = torch::empty({2}, torch::kInt64);
+  out[0] = static_cast<int64_t>(total[0]);
+  out[1] = static_cast<int64_t>(total[1]);
+  return out;
+}
 """
 
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
@@ -442,7 +623,7 @@ def _load() -> Any:
                 _state["module"] = load_inline(
                     name=name,
                     cpp_sources=[_SOURCE],
-                    functions=["fused_kmn_k", "fly_kmn_k", "profile_"],
+                    functions=["fused_kmn_k", "fly_kmn_k", "profile_", "upper_solve_", "digest_words"],
                     extra_cflags=list(_FLAGS),
                     extra_ldflags=["-fopenmp"],
                     build_directory=directory,
@@ -582,3 +763,65 @@ def fused_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: Te
     _state["module"].fly_kmn_k(acc, xa, ca_t, x_sq, *args, xa.new_empty(0) if store is None else store,
                                _KINDS[kind], float(m12_floor), float(c_sq_max), int(tile), FLUSH_ROWS)
     return True
+
+
+def upper_solve(u: Tensor, rhs: Tensor, transpose: bool = False) -> Tensor | None:
+    """``U^{-1} rhs`` (or ``U^{-T} rhs`` with ``transpose``) for an upper-triangular ``U``, reading only its
+    upper triangle, once, on torch's threads.
+
+    Each CG iteration of FALKON applies four triangular solves with the preconditioner's ``M x M``
+    factors to one vector: a memory-bound pass over a triangle (``M^2 / 2`` values) each. LAPACK's solve
+    (``torch.linalg.solve_triangular``; MKL on the CPU) runs it on one thread; this kernel splits each block
+    of rows between the threads: backwards by block rows for ``U^{-1}`` (the rows' products with the part
+    already solved, by rows, then the diagonal block on one thread), forwards for ``U^{-T}`` (the diagonal
+    block, then the update of the rows below it, by columns). Same floating-point operations in another
+    order (backward stable, as LAPACK's). Cost ``M^2 k`` flops, ``M^2 / 2`` values read;
+    ``benchmarks/results/triangular-solve.md`` measures it against LAPACK's.
+
+    Args:
+        u: ``(M, M)`` contiguous, float32 or float64, on the CPU, ``M >=`` :data:`SOLVE_MIN_M`; its strictly
+            lower part is not read.
+        rhs: ``(M, k)`` in ``u``'s dtype, ``1 <= k <=`` :data:`MAX_SOLVE_K`; not modified.
+        transpose: solve with ``U^T`` instead of ``U``.
+
+    Returns:
+        The ``(M, k)`` solution (a new tensor), or ``None`` where the kernel does not apply (not CPU, another
+        dtype, a smaller factor, more right-hand sides, a non-contiguous ``u``, a tensor requiring grad, or the
+        kernels unavailable): the caller then uses LAPACK's.
+    """
+    if (u.device.type != "cpu" or u.dtype not in (torch.float32, torch.float64) or rhs.dtype != u.dtype
+            or rhs.device != u.device or u.dim() != 2 or u.shape[0] != u.shape[1] or rhs.dim() != 2
+            or rhs.shape[0] != u.shape[0] or not 1 <= rhs.shape[1] <= MAX_SOLVE_K or not u.is_contiguous()
+            or u.shape[0] < SOLVE_MIN_M
+            or u.requires_grad or rhs.requires_grad or not fused_available()[0]):
+        return None
+    x = rhs.mT.clone(memory_format=torch.contiguous_format)
+    _state["module"].upper_solve_(u, x, bool(transpose), SOLVE_BLOCK)
+    return x.mT
+
+
+def word_digest(words: Tensor, offset: int, roots: tuple[int, int]) -> tuple[int, int] | None:
+    """``sum_i w_i (g^(offset + i) mod (2^31 - 1)) mod (2^61 - 1)`` for both ``g`` in ``roots``, ``w_i`` the
+    words of ``words`` read as unsigned integers: the content digest of
+    :func:`gpfalkon.models.fit_state.content_digest`, in one pass on torch's threads.
+
+    The torch definition takes about a dozen elementwise int64 passes over each block of words (the
+    weights, two reductions modulo the primes, the tree of sums); here each word is read once and its
+    weight advanced by one modular product (eight interleaved chains per root, vectorised), the sums folded
+    modulo ``2^61 - 1`` as they go. Equal, integer for integer, to the torch definition (exact arithmetic: no
+    dependence on the threads). Cost ``O(len(words))``, no extra memory.
+
+    Args:
+        words: contiguous 1-D ``int32``, ``int16`` or ``uint8`` tensor on the CPU.
+        offset: the position of the first word (``>= 0``).
+        roots: the two multipliers ``g`` (primitive roots of ``2^31 - 1``).
+
+    Returns:
+        ``(h_1, h_2)``, or ``None`` where it does not apply (another device or dtype, or the kernels
+        unavailable): the caller then computes the torch definition.
+    """
+    if (words.device.type != "cpu" or words.dim() != 1 or not words.is_contiguous()
+            or words.dtype not in (torch.int32, torch.int16, torch.uint8) or offset < 0 or not fused_available()[0]):
+        return None
+    out = _state["module"].digest_words(words, int(offset), int(roots[0]), int(roots[1])).tolist()
+    return int(out[0]), int(out[1])

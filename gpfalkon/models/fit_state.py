@@ -26,7 +26,8 @@ when an integer combination of pseudo-random weights vanishes, about ``2^-31`` p
 weights repeat every ``p - 1`` words (8 GiB): a swap of two words exactly a multiple of that
 apart is not seen. Cost: ``O(n d)`` integer operations on the data's device, in blocks of
 ``2^20`` words (a few reads of the data against the ``O(n M d)`` of one FALKON data pass;
-``benchmarks/fingerprint.py`` measures it).
+``benchmarks/fingerprint.py`` measures it). On the CPU, where the C++ kernels build, the same sum is
+taken in one pass (:func:`gpfalkon.backend.fused.word_digest`).
 
 Written here because neither torch nor hashlib hashes a tensor on its device in a way that is
 additive over shards: ``hashlib`` needs the bytes on the host.
@@ -40,6 +41,7 @@ import torch
 from torch import Tensor
 
 from .._validation import is_row_source
+from ..backend.fused import word_digest
 
 __all__ = ["FIT_GROUPS", "FitTracker", "content_digest", "data_fingerprint", "hyper_digest"]
 
@@ -61,18 +63,22 @@ def dtype_code(dtype: torch.dtype) -> int:
     return zlib.crc32(str(dtype).encode())
 
 
-def _words(t: Tensor) -> Tensor:
-    """The bytes of ``t`` as non-negative int64 words (32-bit words; 16- or 8-bit for smaller dtypes)."""
+def _raw_words(t: Tensor) -> tuple[Tensor, int]:
+    """The bytes of ``t`` as a flat view of 32-bit words (16- or 8-bit for smaller dtypes), and the word's bits."""
     flat = t.detach().contiguous().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     size = flat.element_size()
     if size >= 4:
-        w, bits = flat.view(torch.int32), 32
-    elif size == 2:
-        w, bits = flat.view(torch.int16), 16
-    else:
-        w, bits = flat.view(torch.uint8), 8
+        return flat.view(torch.int32), 32
+    if size == 2:
+        return flat.view(torch.int16), 16
+    return flat.view(torch.uint8), 8
+
+
+def _words(t: Tensor) -> Tensor:
+    """The bytes of ``t`` as non-negative int64 words (32-bit words; 16- or 8-bit for smaller dtypes)."""
+    w, bits = _raw_words(t)
     return w.to(torch.int64) & ((1 << bits) - 1)
 
 
@@ -111,6 +117,9 @@ def _add(h: tuple[int, int], g: tuple[int, int]) -> tuple[int, int]:
 def _digest_tensor(t: Tensor, word_offset: int) -> tuple[int, int]:
     """Digest of the bytes of tensor ``t`` from ``word_offset``, converted block by block (no int64
     copy of the whole tensor)."""
+    fast = word_digest(_raw_words(t)[0], word_offset, _ROOTS)  # one pass in C++ on the CPU, where built
+    if fast is not None:
+        return fast
     h = (0, 0)
     flat = t.detach().contiguous().reshape(-1)
     per = _words_per_element(flat.dtype)
@@ -167,6 +176,20 @@ def hyper_digest(groups: Sequence[Sequence[Tensor]]) -> list[int]:
     return out
 
 
+def _sums(t: Tensor) -> tuple[Tensor, Tensor]:
+    """``(sum t, sum t^2)`` in float64, over chunks of ``2^20`` values converted one at a time (torch's
+    ``sum(dtype=float64)`` of a large float32 tensor and a float64 copy of the whole of ``t`` both cost
+    fresh memory: at 10^8 values 800 MB, 5-10x the time of this loop)."""
+    flat = t.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    squares = torch.zeros((), dtype=torch.float64, device=t.device)
+    for blk in flat.split(1 << 20):
+        b64 = blk.to(torch.float64)
+        total += b64.sum()
+        squares += torch.dot(b64, b64)
+    return total, squares
+
+
 def data_fingerprint(
     x: Tensor,
     y: Tensor,
@@ -187,10 +210,11 @@ def data_fingerprint(
         sx = torch.zeros((), dtype=torch.float64, device=x.device)
         sxx = torch.zeros((), dtype=torch.float64, device=x.device)
         for _, _, blk in x.blocks(65536):
-            sx += blk.sum(dtype=torch.float64)
-            sxx += blk.to(torch.float64).square().sum()
+            bx, bxx = _sums(blk)
+            sx += bx
+            sxx += bxx
     else:
-        sx, sxx = x.sum(dtype=torch.float64), x.to(torch.float64).square().sum()
+        sx, sxx = _sums(x)
     off = 0 if row_offset is None else int(row_offset())
     hx = _digest_rows(x, off * _words_per_row(x))
     hy = _digest_rows(y, off * _words_per_row(y))
@@ -198,7 +222,7 @@ def data_fingerprint(
     halves = [float(v) for h in (*hx, *hy) for v in (h & _P31, h >> 31)]
     sums = torch.tensor([float(x.shape[0]), 0.0, 0.0, 0.0, 0.0, *halves], dtype=torch.float64, device=x.device)
     sums[1], sums[2] = sx, sxx
-    sums[3], sums[4] = y.sum(dtype=torch.float64), y.to(torch.float64).square().sum()
+    sums[3], sums[4] = _sums(y)
     if reduce is not None:
         sums = reduce(sums)
     n = round(float(sums[0]))

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .._validation import check_penalty
 from ..backend.blocks import memory_budget_for
+from ..backend.fused import upper_solve
 from ..linalg import jittered_cholesky, upper_gram, upper_matmul
 
 __all__ = ["PRECOND_PEAK_MATRICES", "FactorCache", "FalkonPreconditioner", "PreconditionerFactor",
@@ -172,6 +173,9 @@ class FalkonPreconditioner(LinearOperator):
 
     # ------------------------------------------------------------- application
     def _solve_upper(self, M: Tensor, rhs: Tensor, transpose: bool) -> Tensor:
+        fast = upper_solve(M, rhs, transpose)  # the CPU kernel on torch's threads, where it applies
+        if fast is not None:
+            return fast
         if transpose:
             return torch.linalg.solve_triangular(M.mT, rhs, upper=False)
         return torch.linalg.solve_triangular(M, rhs, upper=True)
