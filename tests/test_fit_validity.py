@@ -232,12 +232,12 @@ def test_a_model_pickled_before_digests_saves_a_state_that_loads_fitted(fitted):
     assert bool(fresh.fitted)
 
 
-@pytest.mark.parametrize("offset", [0, 5, 2**20 + 3, 2**40 + 7])
+@pytest.mark.parametrize("offset", [0, 5, 2**20 + 3, 2**40 + 7, 2**62 + 11])
 def test_cpu_digest_kernel_equals_the_torch_definition(offset):
     """The C++ digest (one pass) gives the same integers as the torch definition for every word width, sizes
     around the kernel's eight lanes and torch's blocks, non-contiguous input and large word offsets."""
     from gpfalkon.backend import fused
-    from gpfalkon.models.fit_state import _digest_tensor
+    from gpfalkon.models.fit_state import _ROOTS, _digest_tensor, _raw_words
 
     ok, why = fused.fused_available()
     if not ok:
@@ -250,6 +250,7 @@ def test_cpu_digest_kernel_equals_the_torch_definition(offset):
              torch.full((71,), -1, dtype=torch.int32), torch.empty(0), torch.randn(5, 3, generator=g).mT,
              torch.randint(-100, 100, (8,), generator=g, dtype=torch.int8)]
     for t in cases:
+        assert fused.word_digest(_raw_words(t)[0], offset, _ROOTS) is not None  # the kernel path runs
         fast = _digest_tensor(t, offset)
         fused.set_enabled(False)
         try:
@@ -268,3 +269,18 @@ def test_fingerprint_sums_match_float64_sums():
     x64, y64 = x.double(), y.double()
     want = torch.tensor([x.shape[0], 4, x64.sum(), x64.norm(), y64.sum(), y64.norm()], dtype=torch.float64)
     torch.testing.assert_close(summary, want, rtol=1e-12, atol=1e-9)
+
+
+def test_fingerprint_legacy_sums_are_the_old_expressions():
+    """A state saved before content digests is compared by its summary at rtol 1e-12: with ``legacy_sums`` the
+    sums are the whole-tensor expressions such states were saved with, bit for bit (standardised float64
+    targets, whose sum is near zero: another summation order changes its leading digits)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2**20 + 5, 1, generator=g, dtype=torch.float64)
+    y = torch.randn(2**20 + 5, generator=g, dtype=torch.float64)
+    y = (y - y.mean()) / y.std()
+    summary, _ = data_fingerprint(x, y, legacy_sums=True)
+    assert float(summary[2]) == float(x.sum(dtype=torch.float64))
+    assert float(summary[3]) == float(x.to(torch.float64).square().sum().sqrt())
+    assert float(summary[4]) == float(y.sum(dtype=torch.float64))
+    assert float(summary[5]) == float(y.to(torch.float64).square().sum().sqrt())

@@ -313,11 +313,12 @@ def _upper_factor(m: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("k", [1, 3, fused.MAX_SOLVE_K])
-@pytest.mark.parametrize("m", [1, 7, fused.SOLVE_BLOCK, fused.SOLVE_BLOCK + 1, 3 * fused.SOLVE_BLOCK + 45])
+@pytest.mark.parametrize("m", [1, 7, fused.SOLVE_BLOCK, fused.SOLVE_BLOCK + 1, 3 * fused.SOLVE_BLOCK + 45, 1100])
 def test_upper_solve_matches_lapack(dtype, k, m, monkeypatch):
     """``U^{-1} B`` and ``U^{-T} B`` against ``torch.linalg.solve_triangular`` across the block boundaries,
     with the strictly lower triangle full of NaN (the kernel must not read it) and ``B`` a non-contiguous
-    view left unchanged (small factors admitted: ``SOLVE_MIN_M`` lowered)."""
+    view left unchanged (small factors admitted: ``SOLVE_MIN_M`` lowered; at M = 1,100 both parallel updates are
+    split between threads)."""
     _need_kernel()
     monkeypatch.setattr(fused, "SOLVE_MIN_M", 1)
     u = _upper_factor(m, dtype, m * 7 + k)

@@ -749,7 +749,8 @@ class FalkonGP(gpytorch.models.GP):
         elif legacy:
             # one data pass: the sums and norms are checked against the saved ones, and the digests recorded
             summary, digest = module._fit_tracker.mark(module._fit_dependencies(), module._fit_data(),
-                                                       reduce=module._row_sum, row_offset=module._row_offset)
+                                                       reduce=module._row_sum, row_offset=module._row_offset,
+                                                       legacy_sums=True)
             saved = module.data_fingerprint.to(torch.float64)
             if torch.allclose(summary.to(saved.device), saved, rtol=1e-12, atol=0.0):
                 module.fit_digest = module._digest_now(digest)

@@ -117,9 +117,10 @@ def _add(h: tuple[int, int], g: tuple[int, int]) -> tuple[int, int]:
 def _digest_tensor(t: Tensor, word_offset: int) -> tuple[int, int]:
     """Digest of the bytes of tensor ``t`` from ``word_offset``, converted block by block (no int64
     copy of the whole tensor)."""
-    fast = word_digest(_raw_words(t)[0], word_offset, _ROOTS)  # one pass in C++ on the CPU, where built
-    if fast is not None:
-        return fast
+    if t.device.type == "cpu":
+        fast = word_digest(_raw_words(t)[0], word_offset, _ROOTS)  # one pass in C++, where built
+        if fast is not None:
+            return fast
     h = (0, 0)
     flat = t.detach().contiguous().reshape(-1)
     per = _words_per_element(flat.dtype)
@@ -176,10 +177,14 @@ def hyper_digest(groups: Sequence[Sequence[Tensor]]) -> list[int]:
     return out
 
 
-def _sums(t: Tensor) -> tuple[Tensor, Tensor]:
+def _sums(t: Tensor, legacy: bool = False) -> tuple[Tensor, Tensor]:
     """``(sum t, sum t^2)`` in float64, over chunks of ``2^20`` values converted one at a time (torch's
     ``sum(dtype=float64)`` of a large float32 tensor and a float64 copy of the whole of ``t`` both cost
-    fresh memory: at 10^8 values 800 MB, 5-10x the time of this loop)."""
+    fresh memory: at 10^8 values 800 MB, 5-10x the time of this loop). ``legacy``: by the whole-tensor
+    expressions of states saved before content digests, whose summaries are compared at ``rtol = 1e-12``
+    (another summation order can miss that for a sum near zero, e.g. of standardised float64 targets)."""
+    if legacy:
+        return t.sum(dtype=torch.float64), t.to(torch.float64).square().sum()
     flat = t.reshape(-1)
     total = torch.zeros((), dtype=torch.float64, device=t.device)
     squares = torch.zeros((), dtype=torch.float64, device=t.device)
@@ -196,6 +201,7 @@ def data_fingerprint(
     device: torch.device | None = None,
     reduce: Reduce | None = None,
     row_offset: Callable[[], int] | None = None,
+    legacy_sums: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``(summary, digest)`` of the training data.
 
@@ -203,18 +209,19 @@ def data_fingerprint(
     before digests existed); ``digest = [x_1, x_2, y_1, y_2]`` (int64): :func:`content_digest`-style
     digests of ``x`` and ``y`` with their global shapes and dtypes. ``reduce`` completes row sums over
     the shards of a distributed data set (one collective) and ``row_offset`` gives this shard's first
-    global row, so a sharded model's fingerprint is that of all its rows.
+    global row, so a sharded model's fingerprint is that of all its rows. ``legacy_sums``: the summary's
+    sums as states saved before digests computed them (:func:`_sums`), for comparing with such a state.
     """
     x, y = x.detach(), y.detach()
     if is_row_source(x):  # one streamed pass
         sx = torch.zeros((), dtype=torch.float64, device=x.device)
         sxx = torch.zeros((), dtype=torch.float64, device=x.device)
         for _, _, blk in x.blocks(65536):
-            bx, bxx = _sums(blk)
+            bx, bxx = _sums(blk, legacy_sums)
             sx += bx
             sxx += bxx
     else:
-        sx, sxx = _sums(x)
+        sx, sxx = _sums(x, legacy_sums)
     off = 0 if row_offset is None else int(row_offset())
     hx = _digest_rows(x, off * _words_per_row(x))
     hy = _digest_rows(y, off * _words_per_row(y))
@@ -222,7 +229,7 @@ def data_fingerprint(
     halves = [float(v) for h in (*hx, *hy) for v in (h & _P31, h >> 31)]
     sums = torch.tensor([float(x.shape[0]), 0.0, 0.0, 0.0, 0.0, *halves], dtype=torch.float64, device=x.device)
     sums[1], sums[2] = sx, sxx
-    sums[3], sums[4] = _sums(y)
+    sums[3], sums[4] = _sums(y, legacy_sums)
     if reduce is not None:
         sums = reduce(sums)
     n = round(float(sums[0]))
@@ -252,12 +259,12 @@ class FitTracker:
         self.data_key: tuple | None = None
 
     def mark(self, hyper: Sequence[Tensor], data: tuple[Tensor, Tensor], reduce: Reduce | None = None,
-             row_offset: Callable[[], int] | None = None) -> tuple[Tensor, Tensor]:
+             row_offset: Callable[[], int] | None = None, legacy_sums: bool = False) -> tuple[Tensor, Tensor]:
         """Record the current state as fitted; returns the data's ``(summary, digest)`` to store
-        (``reduce``, ``row_offset``: see :func:`data_fingerprint`)."""
+        (``reduce``, ``row_offset``, ``legacy_sums``: see :func:`data_fingerprint`)."""
         self.snapshot = [t.detach().clone() for t in hyper]
         self.data_key = _identity(data)
-        return data_fingerprint(*data, reduce=reduce, row_offset=row_offset)
+        return data_fingerprint(*data, reduce=reduce, row_offset=row_offset, legacy_sums=legacy_sums)
 
     def forget(self) -> None:
         """Nothing is known to be fitted."""
@@ -280,7 +287,8 @@ class FitTracker:
         digest)``; ``digest=None`` (a state saved before digests existed) compares the summary."""
         if self.data_key is not None and self.data_key == _identity(data):
             return []
-        summary, digest = data_fingerprint(*data, device=stored[0].device, reduce=reduce, row_offset=row_offset)
+        summary, digest = data_fingerprint(*data, device=stored[0].device, reduce=reduce, row_offset=row_offset,
+                                           legacy_sums=stored[1] is None)
         if stored[1] is None:
             same = torch.allclose(summary, stored[0].to(torch.float64), rtol=1e-12, atol=0.0)
             changed = [] if same else ["train_x or train_y (sums and norms)"]
