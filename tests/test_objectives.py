@@ -525,3 +525,27 @@ def test_a_models_own_memory_budget_decides_whether_its_passes_keep_the_graph(ch
     with settings.memory_budget(2**40):
         torch.testing.assert_close(GCV(model, block_rows=37)(), value, rtol=1e-10, atol=1e-12)
     assert calls == []
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_gram_projection_backward_matches_autograd(t):
+    """The Gram route's ``(K^T K, K^T y)`` with its hand-written backward (the rank-one update for one column):
+    gradcheck, and the gradients of autograd's own products for each output alone and for both."""
+    from gpfalkon.backend.passes import _GramProjection
+
+    g = torch.Generator().manual_seed(t)
+    kb = torch.randn(7, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    yb = torch.randn(7, t, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(_GramProjection.apply, (kb, yb))
+    wg, wp = torch.randn(5, 5, generator=g, dtype=torch.float64), torch.randn(5, t, generator=g, dtype=torch.float64)
+    for use_gram, use_proj in ((True, True), (True, False), (False, True)):
+        gram, proj = _GramProjection.apply(kb, yb)
+        loss = sum([(gram * wg).sum()] * use_gram + [(proj * wp).sum()] * use_proj)
+        ours = torch.autograd.grad(loss, (kb, yb), allow_unused=True)
+        loss_ref = sum([((kb.mT @ kb) * wg).sum()] * use_gram + [((kb.mT @ yb) * wp).sum()] * use_proj)
+        ref = torch.autograd.grad(loss_ref, (kb, yb), allow_unused=True)
+        for a, b in zip(ours, ref, strict=True):
+            if b is None or not b.abs().sum():
+                assert a is None or not a.abs().sum()
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
