@@ -63,8 +63,7 @@ MAX_K = 16
 #: share of the cache, so the profile pass and both products re-read the tile from it
 #: (``benchmarks/results/engine-fused-fly.md`` measures 1, 2 and 4 MiB)
 FLY_TILE_BYTES = 2 * 2**20
-#: rows of the blocks of :func:`upper_solve` (64-512 measured alike at M = 2,000;
-#: ``benchmarks/results/triangular-solve.md``)
+#: rows of the blocks of :func:`upper_solve` (the block size's measurement: ``benchmarks/results/triangular-solve.md``)
 SOLVE_BLOCK = 128
 #: right-hand sides :func:`upper_solve` takes (more: LAPACK's blocked solve, compute-bound then)
 MAX_SOLVE_K = 16
