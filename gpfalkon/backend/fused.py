@@ -67,9 +67,8 @@ FLY_TILE_BYTES = 2 * 2**20
 SOLVE_BLOCK = 128
 #: right-hand sides :func:`upper_solve` takes (more: LAPACK's blocked solve, compute-bound then)
 MAX_SOLVE_K = 16
-#: the smallest factor :func:`upper_solve` takes: below it LAPACK's solve is as fast or faster (its time over the
-#: kernel's, ``benchmarks/results/triangular-solve.md``: M = 300-600 0.48-0.93, M = 1,000 0.84-1.13, M = 1,500
-#: 0.94-1.59, M >= 2,000 1.23-1.57; float32 factors cross over later than float64 ones)
+#: the smallest factor :func:`upper_solve` takes: below it LAPACK's solve is as fast or faster
+#: (``benchmarks/results/triangular-solve.md``)
 SOLVE_MIN_M = 1536
 _KINDS = {"rbf": 0, "matern12": 1, "matern32": 2, "matern52": 3}
 

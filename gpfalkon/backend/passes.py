@@ -134,10 +134,8 @@ class _GramProjection(torch.autograd.Function):
     """``(G, g) = (K^T K, K^T y)`` with the backward ``dK = K (dG + dG^T) + y dg^T``, ``dy = K dg``:
     one GEMM for ``dG`` where autograd's ``mm`` backward takes two (a gradient for each of the two
     operands, which here are one tensor), and for one target column the rank-one ``y dg^T`` added by a
-    broadcast product into ``dK`` instead of autograd's ``(rows, 1) x (1, M)`` GEMM (2 ms of a 35-45 ms
-    objective step at 2,000 x 300 on the CPU): the value and backward of GCV / SGPRBound 1.00-1.17x faster,
-    geometric mean 1.047 over 12 cases (``benchmarks/results/gram-projection.md``), the same gradients bit for
-    bit.
+    broadcast product into ``dK`` instead of autograd's ``(rows, 1) x (1, M)`` GEMM, which MKL runs far
+    below its GEMM rate (``benchmarks/results/gram-projection.md``); the same gradients bit for bit.
     Written by hand because torch has no symmetric-rank-k product with autograd."""
 
     @staticmethod
