@@ -61,7 +61,7 @@ def main() -> None:
     start = time.perf_counter()
     flush_buf = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB
     fast = precond_module.upper_solve
-    min_m = fused.SOLVE_MIN_M
+    min_m = dict(fused.SOLVE_MIN_M)
     rows = []
     for m in args.m:
         kmm = kernel_matrix(m, m)
@@ -71,7 +71,7 @@ def main() -> None:
             v = torch.randn(m, 1, dtype=dtype, generator=torch.Generator().manual_seed(1))
             times: dict[str, list[float]] = {"lapack": [], "kernel": [], "floor": [], "lapack warm": [],
                                              "kernel warm": []}
-            fused.SOLVE_MIN_M = 1  # every size through the kernel in its arm (restored below)
+            fused.SOLVE_MIN_M = {torch.float64: 1, torch.float32: 1}  # every size through the kernel (restored below)
             results = {}
             try:
                 for _ in range(args.repeats):

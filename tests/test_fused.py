@@ -320,7 +320,7 @@ def test_upper_solve_matches_lapack(dtype, k, m, monkeypatch):
     view left unchanged (small factors admitted: ``SOLVE_MIN_M`` lowered; at M = 1,100 both parallel updates are
     split between threads)."""
     _need_kernel()
-    monkeypatch.setattr(fused, "SOLVE_MIN_M", 1)
+    monkeypatch.setattr(fused, "SOLVE_MIN_M", {torch.float64: 1, torch.float32: 1})
     u = _upper_factor(m, dtype, m * 7 + k)
     poisoned = u.clone()
     poisoned[torch.ones(m, m, dtype=torch.bool).tril(-1)] = float("nan")
@@ -342,7 +342,8 @@ def test_upper_solve_declines_what_it_does_not_handle(monkeypatch):
     u = _upper_factor(9, torch.float64, 0)
     b = torch.randn(9, 1, dtype=torch.float64)
     assert fused.upper_solve(u, b) is None  # below SOLVE_MIN_M
-    monkeypatch.setattr(fused, "SOLVE_MIN_M", 9)
+    monkeypatch.setattr(fused, "SOLVE_MIN_M", {torch.float64: 9, torch.float32: 10})
+    assert fused.upper_solve(u.float(), b.float()) is None  # float32's threshold is 10
     assert fused.upper_solve(u, b) is not None
     assert fused.upper_solve(u, torch.randn(9, fused.MAX_SOLVE_K + 1, dtype=torch.float64)) is None  # k too large
     assert fused.upper_solve(u, b.float()) is None  # dtypes differ
@@ -364,7 +365,7 @@ def test_preconditioner_same_with_and_without_the_solve_kernel(monkeypatch):
     import gpfalkon.operators.preconditioner as precond_module
     from gpfalkon import FalkonPreconditioner
 
-    m = fused.SOLVE_MIN_M + fused.SOLVE_BLOCK // 2 + 9
+    m = fused.SOLVE_MIN_M[torch.float64] + fused.SOLVE_BLOCK // 2 + 9
     x = torch.randn(m, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     kmm = torch.exp(-0.5 * torch.cdist(x, x).square() / 4.0)
     pre = FalkonPreconditioner.from_kernel_matrix(kmm, 1e-4, 1000)

@@ -67,9 +67,9 @@ FLY_TILE_BYTES = 2 * 2**20
 SOLVE_BLOCK = 128
 #: right-hand sides :func:`upper_solve` takes (more: LAPACK's blocked solve, compute-bound then)
 MAX_SOLVE_K = 16
-#: the smallest factor :func:`upper_solve` takes: below it LAPACK's solve is as fast or faster
-#: (``benchmarks/results/triangular-solve.md``)
-SOLVE_MIN_M = 1536
+#: the smallest factor :func:`upper_solve` takes, per dtype: below it LAPACK's solve is as fast or faster
+#: (``benchmarks/results/triangular-solve.md``: float32 factors cross over later than float64 ones)
+SOLVE_MIN_M: dict[torch.dtype, int] = {torch.float64: 1024, torch.float32: 1536}
 _KINDS = {"rbf": 0, "matern12": 1, "matern32": 2, "matern52": 3}
 
 _SOURCE = r"""
@@ -778,8 +778,8 @@ def upper_solve(u: Tensor, rhs: Tensor, transpose: bool = False) -> Tensor | Non
     ``benchmarks/results/triangular-solve.md`` measures it against LAPACK's.
 
     Args:
-        u: ``(M, M)`` contiguous, float32 or float64, on the CPU, ``M >=`` :data:`SOLVE_MIN_M`; its strictly
-            lower part is not read.
+        u: ``(M, M)`` contiguous, float32 or float64, on the CPU, ``M >=`` :data:`SOLVE_MIN_M` of its dtype; its
+            strictly lower part is not read.
         rhs: ``(M, k)`` in ``u``'s dtype, ``1 <= k <=`` :data:`MAX_SOLVE_K`; not modified.
         transpose: solve with ``U^T`` instead of ``U``.
 
@@ -791,7 +791,7 @@ def upper_solve(u: Tensor, rhs: Tensor, transpose: bool = False) -> Tensor | Non
     if (u.device.type != "cpu" or u.dtype not in (torch.float32, torch.float64) or rhs.dtype != u.dtype
             or rhs.device != u.device or u.dim() != 2 or u.shape[0] != u.shape[1] or rhs.dim() != 2
             or rhs.shape[0] != u.shape[0] or not 1 <= rhs.shape[1] <= MAX_SOLVE_K or not u.is_contiguous()
-            or u.shape[0] < SOLVE_MIN_M
+            or u.shape[0] < SOLVE_MIN_M[u.dtype]
             or u.requires_grad or rhs.requires_grad or not fused_available()[0]):
         return None
     x = rhs.mT.clone(memory_format=torch.contiguous_format)
