@@ -266,6 +266,19 @@ def _growth_cap(m: int, factor: float, n_final: int, limit: int) -> int:
     return min(top, limit)
 
 
+def _rows_within(cost: Callable[[int], float], lo: int, hi: int, seconds: float) -> int:
+    """The most rows ``r`` in ``[lo, hi]`` with ``cost(r) <= seconds`` for a ``cost`` that does not fall as the rows
+    grow (a bisection, to 0.1 % of the rows); ``lo`` when even it costs more, ``hi`` when it fits."""
+    if cost(hi) <= seconds or hi <= lo:
+        return hi
+    if cost(lo) > seconds:
+        return lo
+    while hi - lo > max(1, lo // 1000):
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if cost(mid) <= seconds else (lo, mid)
+    return lo
+
+
 def _fit_quiet(model: FalkonGP, time_limit: float | None = None) -> tuple[FalkonGP, bool]:
     """Fit, recording (not printing) CG's cap warning; returns (model, converged)."""
     with warnings.catch_warnings(record=True) as caught:
@@ -423,6 +436,7 @@ def auto_fit(
     hyper_centers_growth: float = 0.0,
     score_centers: int | None = None,
     select_rows: int = 50_000,
+    grow_select_rows: bool = True,
     min_centers: int = 1_000,
     max_centers: int = 50_000,
     learn_share: float = 0.5,
@@ -528,7 +542,20 @@ def auto_fit(
             min_centers)``, the size stage 2 starts from, so stage 1 picks the hyperparameters that
             are best where they are used; ``hyper_centers`` (or less) scores with the objective's own
             centers (the behaviour before this option).
-        select_rows: rows of the stage-2 selection fits.
+        select_rows: rows of the stage-2 selection fits at the first number of centers.
+        grow_select_rows: where the training rows outnumber ``select_rows``, each larger number of
+            centers is scored on as many more nested training rows as its centers grew (the first size's
+            rows per center, at most all training rows), and the final fit takes at least the chosen
+            size's selection rows (plus the held-out rows put back) and as many more as 1.2 x its
+            predicted time leaves within the budget, up to all of them (``report.chosen["final_rows"]``).
+            A size is grown to when its selection fits and its final fit on those fewest rows fit the
+            time left; the noise and multiplier searches still keep time for a final fit on all rows.
+            When a fit on all rows does not fit the time, rows and centers are traded for each other:
+            with FALKON's cost linear in ``rows x M``, more centers on fewer rows can lower the error
+            where a few centers on all rows leave the error at the Nystrom approximation's
+            (``benchmarks/results/auto-notes.md``, "Selection rows that grow with the centers").
+            ``False``: every size is scored on ``select_rows`` rows and every decision keeps time for a
+            final fit on all rows (the behaviour before this option).
         min_centers, max_centers: the first and the largest number of centers of stage 2.
         lr, max_steps, eval_every, patience: Adam learning rate, cap on Adam steps per objective,
             validation period and early-stopping patience of stage 1. (Stage 1 is Adam only: an
@@ -653,6 +680,8 @@ def auto_fit(
         raise ValueError(f"min_gain must be >= 0, got {min_gain!r}")
     if isinstance(search_tol, bool) or not (isinstance(search_tol, (int, float)) and 0.0 <= search_tol < 1.0):
         raise ValueError(f"search_tol must be a number in [0, 1), got {search_tol!r}")
+    if not isinstance(grow_select_rows, bool):
+        raise TypeError(f"grow_select_rows must be True or False, got {grow_select_rows!r}")
     if not isinstance(final_growth, bool):
         raise TypeError(f"final_growth must be True or False, got {final_growth!r}")
     if isinstance(final_growth_factor, bool) or not (isinstance(final_growth_factor, (int, float))
@@ -942,9 +971,35 @@ def auto_fit(
         # ------------------------------------------------------------ stage 2: select
         t_stage = time.perf_counter()
         n_s = min(n_tr, select_rows)
-        s_idx = torch.randperm(n_tr, generator=gen, device=dev)[:n_s]
+        # the selection rows of every size are prefixes of one permutation of the training rows (nested)
+        s_order = torch.randperm(n_tr, generator=gen, device=dev)
+        s_idx = s_order[:n_s]
         xs, ys = xt_z[s_idx], yt_z[s_idx]
         learned_c = best_state["centers"]
+        m_first = min(n_s, max(min_centers, int(learned_c.shape[0]) if learn_centers else m_h), max_centers)
+        grow_rows = grow_select_rows and n_tr > n_s
+        n_back = xv.shape[0] if (val_x is None and refit_on_all) else 0  # held-out rows the final fit puts back
+        level_rows: dict[int, tuple[Tensor, Tensor]] = {n_s: (xs, ys)}
+
+        def rows_at(m: int) -> int:
+            """Selection rows of the fits at ``m`` centers: ``n_s`` at the first size; with ``grow_rows``, as many
+            more nested rows as the centers grew (the first size's rows per center), at most the training rows."""
+            if not grow_rows or m <= m_first:
+                return n_s
+            return min(n_tr, round(n_s * m / m_first))
+
+        def rows_of(m: int) -> tuple[Tensor, Tensor]:
+            """The standardised selection rows (inputs, targets) of the fits at ``m`` centers."""
+            r = rows_at(m)
+            if r not in level_rows:
+                level_rows[r] = (xt_z[s_order[:r]], yt_z[s_order[:r]])
+            return level_rows[r]
+
+        def fewest_final_rows(m: int) -> int:
+            """The fewest rows a final fit at ``m`` centers takes: every final row, or with ``grow_rows`` the
+            size's selection rows plus the held-out rows put back (what its validation error was measured on,
+            and the validation rows)."""
+            return min(n_final, rows_at(m) + n_back) if grow_rows else n_final
         # nested centers: the learned / stage-1 centers first, then random selection rows
         s_perm = torch.randperm(n_s, generator=gen, device=dev)
         extra = xs[s_perm]
@@ -982,8 +1037,9 @@ def auto_fit(
                 k = copy.deepcopy(base_kernel)
                 _scale_lengthscales(k, mult)
                 c_m, w_m = centers_at(m, kind)
-                mod, conv = _fit_quiet(FalkonGP(xs, ys, kernel=k, centers=c_m, center_weights=w_m,
-                                                penalty=noise / n_s, max_iter=score_iter, tol=tol,
+                x_m, y_m = rows_of(m)
+                mod, conv = _fit_quiet(FalkonGP(x_m, y_m, kernel=k, centers=c_m, center_weights=w_m,
+                                                penalty=noise / x_m.shape[0], max_iter=score_iter, tol=tol,
                                                 options=select_options))
                 err = _val_mse(mod, xv_z, yv_z)
                 info = mod.fit_info
@@ -1000,7 +1056,8 @@ def auto_fit(
                 report.notes.append(f"selection fit M={m} noise={noise:.3g} mult={mult:.3g} failed: {exc}")
             sec = time.perf_counter() - t
             cache[key] = err
-            report.search.append(dict(M=m, noise=noise, multiplier=mult, error=err, seconds=sec, converged=conv,
+            report.search.append(dict(M=m, rows=rows_at(m), noise=noise, multiplier=mult, error=err, seconds=sec,
+                                      converged=conv,
                                       iterations=iters, centers=kind, precond_seconds=pre_s,
                                       apply_seconds=apply_s, direct=direct))
             clock.tick(f"select M={m}", val_rmse=f"{math.sqrt(err):.4f}" if math.isfinite(err) else "inf")
@@ -1052,25 +1109,35 @@ def auto_fit(
                 pass_cache[m] = _onthefly_pass_seconds(base_kernel, xs, centers_at(m)[0])
             return pass_cache[m]
 
-        def predicted_fit_seconds(m: int, m_new: int, rows_ratio: float = 1.0) -> float:
-            """A fit at ``m_new`` centers on ``rows_ratio`` times the selection rows, predicted from the
-            selection fits measured at ``m`` by :func:`_scaled_fit_seconds`."""
-            return _scaled_fit_seconds([r for r in report.search if r["M"] == m], m_new / m, rows_ratio)
+        def predicted_fit_seconds(m: int, m_new: int, rows_ratio: float | None = None) -> float:
+            """A fit at ``m_new`` centers on ``rows_ratio`` times the rows of the selection fits measured at
+            ``m`` (default: on the selection rows of ``m_new``), predicted from those fits by
+            :func:`_scaled_fit_seconds`."""
+            ratio = rows_at(m_new) / rows_at(m) if rows_ratio is None else rows_ratio
+            return _scaled_fit_seconds([r for r in report.search if r["M"] == m], m_new / m, ratio)
 
-        def final_cost(m: int, base: int | None = None) -> float:
-            # the final fit at m predicted from the selection fits at ``base`` (default m itself) scaled to
-            # the final rows (FALKON's passes are linear in the rows, its factorisations and triangular
-            # solves independent of them) while K_nM of the final rows fits the memory budget (stored, as
-            # it was in the selection fits); beyond it the engine stores the rows that fit and every CG
-            # iteration recomputes the others: max_iter + 2 measured on-the-fly passes over those rows on top
-            base = m if base is None else base
-            ratio = max(1.0, n_final / n_s)
-            cost = predicted_fit_seconds(base, m, ratio)
-            head = stored_rows_for(n_final, m, itemsize, budget_at(m), device=dev)
-            if head < n_final:
-                recompute = (max_iter + 2) * onthefly_pass_seconds(m) * (n_final - head) / n_s
-                cost = max(cost, cost * head / n_final + recompute + predicted_fit_seconds(base, m))
+        def fit_cost(m: int, base: int, rows: int, iterations: int) -> float:
+            """A fit at ``m`` centers on ``rows`` rows with at most ``iterations`` CG iterations, predicted
+            from the selection fits at ``base``: scaled to the rows (FALKON's passes are linear in the rows,
+            its factorisations and triangular solves independent of them) while its ``K_nM`` fits the memory
+            budget (stored, as it was in the selection fits); beyond it the engine stores the rows that fit
+            and every CG iteration recomputes the others: ``iterations + 2`` measured on-the-fly passes over
+            those rows on top."""
+            cost = predicted_fit_seconds(base, m, max(1.0, rows / rows_at(base)))
+            head = stored_rows_for(rows, m, itemsize, budget_at(m), device=dev)
+            if head < rows:
+                recompute = (iterations + 2) * onthefly_pass_seconds(m) * (rows - head) / n_s
+                cost = max(cost, cost * head / rows + recompute + predicted_fit_seconds(base, m))
             return cost
+
+        def final_cost(m: int, base: int | None = None, rows: int | None = None) -> float:
+            """The final fit at ``m`` on ``rows`` final rows (default: all of them), predicted from the
+            selection fits at ``base`` (default ``m`` itself) by :func:`fit_cost`."""
+            return fit_cost(m, m if base is None else base, n_final if rows is None else rows, max_iter)
+
+        def select_cost(m_new: int, m: int) -> float:
+            """One selection fit at ``m_new`` centers (on its selection rows), predicted from those at ``m``."""
+            return fit_cost(m_new, m, rows_at(m_new), score_iter)
 
         if val_x is None and refit_on_all:
             x_fin, y_fin = torch.cat([xt, xv], 0), torch.cat([yt, yv], 0)
@@ -1080,11 +1147,18 @@ def auto_fit(
         y_fin_t = y_fin.to(dtype)
 
         def build_final(level: dict[str, Any], time_limit: float | None = None,
-                        centers: Tensor | None = None, weights: Tensor | None = None) -> tuple[FalkonGP, bool]:
+                        centers: Tensor | None = None, weights: Tensor | None = None,
+                        rows: int | None = None) -> tuple[FalkonGP, bool]:
             """The model of a selection level on the final rows, in raw units, fitted; (model, converged).
             ``time_limit`` bounds the fit's wall time (CG stops at the clock, see ``FalkonGP.fit``);
-            ``centers`` (standardised units) and their preconditioner ``weights`` replace the level's."""
-            m_fin = min(level["M"], x_fin.shape[0])
+            ``centers`` (standardised units) and their preconditioner ``weights`` replace the level's;
+            ``rows`` (default: all final rows) takes the first ``rows - n_back`` selection-order training
+            rows (every size's selection rows come first) and the held-out rows put back."""
+            x_use, y_use = x_fin_t, y_fin_t
+            if rows is not None and rows < x_fin.shape[0]:
+                idx = torch.cat([s_order[: rows - n_back], torch.arange(n_tr, n_tr + n_back, device=dev)])
+                x_use, y_use = x_fin_t[idx], y_fin_t[idx]
+            m_fin = min(level["M"], x_use.shape[0])
             fin_kernel = copy.deepcopy(base_kernel)
             _scale_lengthscales(fin_kernel, level["multiplier"])
             # back to raw units: x = mu + sd * z, so an ARD lengthscale l on z is l * sd on x; y = y_mu + y_sd * z
@@ -1104,8 +1178,8 @@ def auto_fit(
             chosen_c = centers
             centers_raw = (chosen_c.to(torch.float64) * x_sd + x_mu).to(dtype)
             noise_raw = level["noise"] * float(y_sd) ** 2
-            model = FalkonGP(x_fin_t, y_fin_t, kernel=fin_kernel, centers=centers_raw,
-                             penalty=noise_raw / x_fin.shape[0], mean_constant=float(y_mu), max_iter=max_iter, tol=tol,
+            model = FalkonGP(x_use, y_use, kernel=fin_kernel, centers=centers_raw,
+                             penalty=noise_raw / x_use.shape[0], mean_constant=float(y_mu), max_iter=max_iter, tol=tol,
                              center_weights=weights)
             return _fit_quiet(model, time_limit=time_limit)
 
@@ -1123,9 +1197,10 @@ def auto_fit(
 
         def stored_growth_need(m: int, m_new: int) -> float:
             """Seconds a growth from ``m`` to ``m_new`` needs with every ``K_nM`` stored: four selection fits
-            and 1.2 x the final fit at ``m_new``, predicted from the fits at ``m`` (a closed form: no
-            measurement, unlike :func:`final_cost` past the memory budget)."""
-            return 4 * predicted_fit_seconds(m, m_new) + 1.2 * predicted_fit_seconds(m, m_new, max(1.0, n_final / n_s))
+            and 1.2 x the final fit at ``m_new`` on its fewest rows (:func:`fewest_final_rows`), predicted from the
+            fits at ``m`` (a closed form: no measurement, unlike :func:`fit_cost` past the memory budget)."""
+            return 4 * predicted_fit_seconds(m, m_new) + 1.2 * predicted_fit_seconds(
+                m, m_new, max(1.0, fewest_final_rows(m_new) / rows_at(m)))
 
         def growth_cap(m: int, factor: float = 2.0) -> int:
             """The most centers ``final_growth`` gives a level at ``m`` (:func:`_growth_cap`), within the pool,
@@ -1249,7 +1324,7 @@ def auto_fit(
                                    distinct=nested.size, seconds=time.perf_counter() - t_lev, chosen=pool["kind"])
             clock.tick(f"leverage M={m}", val_rmse=f"{math.sqrt(err):.4f}" if math.isfinite(err) else "inf")
 
-        m = min(n_s, max(min_centers, int(learned_c.shape[0]) if learn_centers else m_h), max_centers)
+        m = m_first
         point = dict(noise=float(best_state["noise"]), multiplier=1.0)
         point["error"] = score(m, point["noise"], point["multiplier"])
         # coordinate search at the first size: noise, multiplier, noise again (finer)
@@ -1288,7 +1363,8 @@ def auto_fit(
             left = clock.left()
 
             def step_fits(m_new: int, m_from: int = m) -> bool:
-                return 4 * predicted_fit_seconds(m_from, m_new) + 1.2 * final_cost(m_new, base=m_from) <= clock.left()
+                return (4 * select_cost(m_new, m_from)
+                        + 1.2 * final_cost(m_new, base=m_from, rows=fewest_final_rows(m_new)) <= clock.left())
 
             if final_growth:
                 m_try = m_next if stored_growth_need(m, m_next) <= left and step_fits(m_next) else m
@@ -1332,12 +1408,15 @@ def auto_fit(
         # (the first level always counts: a model is returned whatever the budget); of those, the best
         # validation error
         grace = 0.05 * budget
-        affordable = [levels[0]] + [r for r in levels[1:] if final_cost(r["M"]) <= clock.left() + grace]
+        # (on its fewest rows, fewest_final_rows: with grow_rows the final fit takes as many more as the time pays for)
+        affordable = [levels[0]] + [r for r in levels[1:]
+                                    if final_cost(r["M"], rows=fewest_final_rows(r["M"])) <= clock.left() + grace]
         best_level = min(affordable, key=lambda r: (r["error"], r["M"]))
         better = min(levels, key=lambda r: (r["error"], r["M"]))
         if better is not best_level:
             report.notes.append(f"level M={better['M']} (validation error {better['error']:.4g}) skipped: its final "
-                                f"fit is predicted at {final_cost(better['M']):.0f} s, {clock.left():.0f} s were left")
+                                f"fit is predicted at {final_cost(better['M'], rows=fewest_final_rows(better['M'])):.0f} s, "
+                                f"{clock.left():.0f} s were left")
         lev_centers: Tensor | None = None
         lev_weights: Tensor | None = None
         centers_kind = best_level["centers"]
@@ -1360,13 +1439,15 @@ def auto_fit(
                         warnings.simplefilter("always")
                         # BLESS's dictionary capped at the number of centers drawn (and BLESS's default
                         # 2048): its cost is O(n_s J^2) per level; the fit is skipped if it left no time
-                        sel = leverage_centers(xs, m_b, k_lev, best_level["noise"] / n_s, generator=gen,
+                        x_b, y_b = rows_of(m_b)
+                        sel = leverage_centers(x_b, m_b, k_lev, best_level["noise"] / x_b.shape[0], generator=gen,
                                                max_dictionary_size=min(max(m_b, 128), 2048))
                         if clock.left() < 1.2 * final_cost(m_b) + 1.5 * last_fit_seconds(m_b):
                             raise TimeoutError(f"the scores took {time.perf_counter() - t_lev:.1f} s; "
                                                "no time is left for the fit with their centers")
-                        mod, _ = _fit_quiet(FalkonGP(xs, ys, kernel=k_lev, centers=sel.centers,
-                                                     center_weights=sel.weights, penalty=best_level["noise"] / n_s,
+                        mod, _ = _fit_quiet(FalkonGP(x_b, y_b, kernel=k_lev, centers=sel.centers,
+                                                     center_weights=sel.weights,
+                                                     penalty=best_level["noise"] / x_b.shape[0],
                                                      max_iter=max_iter, tol=tol))
                         err_lev = _val_mse(mod, xv_z, yv_z)
                         del mod
@@ -1393,14 +1474,24 @@ def auto_fit(
         factors.clear()
         t_stage = time.perf_counter()
         clock.tick("final fit", M=final_level["M"])
+        # the final rows: all of them, or with grow_rows as many as 1.2 x the predicted fit leaves within the
+        # time left, at least the level's selection rows and the held-out ones (a grown level was sized on all)
+        m_final = int(final_level["M"])
+        rows_final = n_final
+        if "final_predicted" not in final_level:
+            rows_final = _rows_within(lambda r: 1.2 * final_cost(m_final, rows=r), fewest_final_rows(m_final), n_final,
+                                      clock.left())
+            if rows_final < n_final:
+                report.notes.append(f"final fit on {rows_final:,} of the {n_final:,} rows: on all of them M={m_final} "
+                                    f"is predicted at {final_cost(m_final):.3g} s, {clock.left():.3g} s were left")
         # the grown level carries the prediction its size was chosen by; a level's is its measured fits'
         final_predicted = (final_level["final_predicted"] if "final_predicted" in final_level
-                           else final_cost(final_level["M"]))
+                           else final_cost(m_final, rows=rows_final))
         # the budget's remainder (and the grace) bounds the final CG: a backstop for a prediction that was
         # low. Never below 1.2 x the prediction: a final CG cut to a few iterations returns a useless model
         final, converged = build_final(final_level, time_limit=max(clock.left() + grace, 1.2 * final_predicted, 1e-3),
                                        centers=lev_centers,
-                                       weights=lev_weights)
+                                       weights=lev_weights, rows=rows_final)
         report.stages["final fit"] = time.perf_counter() - t_stage
         if final.fit_info is not None and final.fit_info.extra.get("time_limit"):
             report.notes.append(f"final CG stopped by the budget after {final.fit_info.iterations} iterations "
@@ -1422,12 +1513,12 @@ def auto_fit(
             num_centers=m_fin,
             noise=best_level["noise"],
             noise_raw=noise_raw,
-            penalty=noise_raw / x_fin.shape[0],
+            penalty=noise_raw / rows_final,
             multiplier=best_level["multiplier"],
             val_error=best_level["error"],
             val_rmse=math.sqrt(best_level["error"]) * float(y_sd),
             levels=[dict(r) for r in levels],
-            final_rows=x_fin.shape[0],
+            final_rows=rows_final,
             final_iterations=final.fit_info.iterations if final.fit_info is not None else None,
             final_predicted_seconds=final_predicted,
             centers=centers_kind,

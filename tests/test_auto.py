@@ -371,6 +371,7 @@ def test_auto_fit_respects_a_small_budget():
         (dict(hyper_centers_growth=1.5), "hyper_centers_growth"),
         (dict(lengthscale_transform="exp"), "lengthscale_transform"),
         (dict(final_growth="yes"), "final_growth"),
+        (dict(grow_select_rows=1), "grow_select_rows"),
         (dict(final_growth_factor=1.0), "final_growth_factor"),
         (dict(final_growth_factor=float("inf")), "final_growth_factor"),
         (dict(final_growth_factor=True), "final_growth_factor"),
@@ -531,8 +532,11 @@ def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int, **extra
     # race: race_margin=None; early elimination is covered by test_auto_fit_race_margin_drops_...) and to the
     # selection fits of searches that extend while the error falls at all (search_tol=0; the tolerance is
     # covered by test_auto_fit_search_tol_ends_a_flat_search)
+    # grow_select_rows off: the selection rows (400) are below the 1,600 training rows, and the tests of this
+    # harness size their budgets to every decision keeping time for a final fit on all rows (the option is
+    # covered by test_auto_fit_grows_the_selection_rows_with_the_centers)
     kw = dict(SMALL, budget=budget, select_rows=400, min_centers=60, max_centers=120, search_tol=0.0,
-              objectives=("sgpr", "gcv", "nystrom-compreg"), race_margin=None)
+              objectives=("sgpr", "gcv", "nystrom-compreg"), race_margin=None, grow_select_rows=False)
     kw.update(extra)
     with settings.memory_budget(memory_budget):
         model = auto_fit(x, y, **kw)
@@ -635,6 +639,69 @@ def test_auto_fit_grows_the_final_fit_instead_of_a_partial_step(monkeypatch):
     off, _ = _fake_clock_auto_fit(monkeypatch, budget=0.07, final_growth=False, **kw)
     ms = [lv["M"] for lv in off.auto_report.chosen["levels"]]
     assert len(ms) == 2 and ms[0] == 60 and 60 < ms[1] < 120, off.auto_report.notes
+
+
+def test_auto_fit_grows_the_selection_rows_with_the_centers(monkeypatch):
+    """``grow_select_rows`` (1,600 training rows, ``select_rows`` 400): M = 120 is scored on 800 nested rows (the
+    first size's 400 rows per 60 centers). The memory budget stores ``K_nM`` at M = 120 for up to 1,500 rows:
+    on all 2,000 final rows every CG iteration would recompute a quarter of it (20x dearer passes on the fake
+    clock), so the final fit takes the 1,500 rows that fit the budget (at least the level's 800 plus the 400
+    held-out ones), within the call's budget, and is the dense Nystrom solution on exactly those rows at
+    lambda = noise / rows. Off, every decision keeps time for a final fit on all rows: the same budget stops at
+    M = 60, scores every size on 400 rows, and still runs over it."""
+    budget = 0.1
+    memory = 1500 * 120 * 8  # float64 K_nM of 1,500 rows x 120 centers
+    on, spent = _fake_clock_auto_fit(monkeypatch, budget=budget, memory_budget=memory, grow_select_rows=True)
+    rep = on.auto_report
+    assert {r["M"] for r in rep.search} == {60, 120}, rep.notes
+    for r in rep.search:
+        assert r["rows"] == min(1600, round(400 * r["M"] / 60)), r
+    rows = rep.chosen["final_rows"]
+    assert rep.chosen["num_centers"] == 120 and 1450 <= rows <= 1500, (rep.chosen, rep.notes)
+    assert on.train_inputs[0].shape[0] == rows
+    assert any(n.startswith(f"final fit on {rows:,} of the 2,000 rows") for n in rep.notes), rep.notes
+    assert float(on.penalty.detach()) * rows == pytest.approx(rep.chosen["noise_raw"], rel=1e-9)
+    assert spent <= budget * 1.05, (spent, rep.stages)
+    # the final rows are distinct rows of the data
+    x, _, _ = _data(2000)
+    xs = {tuple(v) for v in x.double().tolist()}
+    fin = [tuple(v) for v in on.train_inputs[0].double().tolist()]
+    assert len(set(fin)) == rows and all(v in xs for v in fin)
+    # the dense Nystrom KRR solution on those rows
+    xt, _, _ = _data(200, seed=3)
+    alpha = _dense_alpha(on, on.train_targets - on.mean_constant)
+    ref = on.mean_constant + dense_kernel(on.kernel, xt, on.centers).detach() @ alpha.detach()
+    on.eval()
+    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
+        pred = on(xt).mean
+    assert float((pred - ref).abs().max()) < 1e-3 * float(ref.std())
+    # off: the same budget, every size on the 400 selection rows, the final fit on all rows
+    off, spent_off = _fake_clock_auto_fit(monkeypatch, budget=budget, memory_budget=memory)
+    rep = off.auto_report
+    assert all(r["rows"] == 400 for r in rep.search)
+    assert rep.chosen["final_rows"] == 2000 and off.train_inputs[0].shape[0] == 2000
+    assert [lv["M"] for lv in rep.chosen["levels"]] == [60], rep.notes
+    assert spent_off > budget * 1.05 > spent
+
+
+@pytest.mark.parametrize("seconds, expected", [(0.5, 100), (1.0, 100), (3.0, 2_000), (10.0, 9_000), (1e9, 10_000)])
+def test_rows_within_is_the_largest_affordable_row_count(seconds, expected):
+    """``_rows_within`` on ``cost(r) = 1 + r / 1000`` over ``[100, 10,000]``: the largest ``r`` with
+    ``cost(r) <= seconds`` to within 0.1 % (never above it), the low end when even it does not fit, the high
+    end when it does."""
+    from gpfalkon.auto import _rows_within
+
+    calls: list[int] = []
+
+    def cost(r: int) -> float:
+        calls.append(r)
+        return 1.0 + r / 1000
+
+    got = _rows_within(cost, 100, 10_000, seconds)
+    assert cost(got) <= seconds or got == 100
+    assert expected * 0.999 <= got <= expected
+    assert len(calls) <= 3 + math.ceil(math.log2(10_000)) + 1
+    assert _rows_within(cost, 500, 500, 0.0) == 500  # an empty interval: its one point
 
 
 @pytest.mark.parametrize(
