@@ -625,8 +625,9 @@ def auto_fit(
         verbose: a tqdm bar (seconds of the budget) naming the stage.
         level_callback: called after each number of centers of stage 2 with the level (``M``,
             ``noise``, ``multiplier``, validation ``error``, ``elapsed`` seconds of the call) and a
-            function that builds and fits the model the call would return if it stopped there, with
-            the level's own centers (no ``final_growth``; for time-to-error curves:
+            function that builds and fits the level's model on all final rows with its own centers
+            (the model the call would return if it stopped there, without ``final_growth`` and without
+            ``grow_select_rows``' cut of the final rows for time; for time-to-error curves:
             ``benchmarks/compare.py`` scores it on test data). Its time is not counted against ``budget``.
 
     Returns:
@@ -1414,9 +1415,9 @@ def auto_fit(
         best_level = min(affordable, key=lambda r: (r["error"], r["M"]))
         better = min(levels, key=lambda r: (r["error"], r["M"]))
         if better is not best_level:
+            t_better = final_cost(better["M"], rows=fewest_final_rows(better["M"]))
             report.notes.append(f"level M={better['M']} (validation error {better['error']:.4g}) skipped: its final "
-                                f"fit is predicted at {final_cost(better['M'], rows=fewest_final_rows(better['M'])):.0f} s, "
-                                f"{clock.left():.0f} s were left")
+                                f"fit is predicted at {t_better:.0f} s, {clock.left():.0f} s were left")
         lev_centers: Tensor | None = None
         lev_weights: Tensor | None = None
         centers_kind = best_level["centers"]
