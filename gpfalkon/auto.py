@@ -990,9 +990,12 @@ def auto_fit(
             return min(n_tr, round(n_s * m / m_first))
 
         def rows_of(m: int) -> tuple[Tensor, Tensor]:
-            """The standardised selection rows (inputs, targets) of the fits at ``m`` centers."""
+            """The standardised selection rows (inputs, targets) of the fits at ``m`` centers (the first size's
+            and the latest other size's are kept; an earlier one is gathered again)."""
             r = rows_at(m)
             if r not in level_rows:
+                for old in [k for k in level_rows if k != n_s]:
+                    del level_rows[old]
                 level_rows[r] = (xt_z[s_order[:r]], yt_z[s_order[:r]])
             return level_rows[r]
 
@@ -1128,7 +1131,8 @@ def auto_fit(
             head = stored_rows_for(rows, m, itemsize, budget_at(m), device=dev)
             if head < rows:
                 recompute = (iterations + 2) * onthefly_pass_seconds(m) * (rows - head) / n_s
-                cost = max(cost, cost * head / rows + recompute + predicted_fit_seconds(base, m))
+                # plus a fit on the first size's n_s rows: the parts that do not grow with the rows
+                cost = max(cost, cost * head / rows + recompute + predicted_fit_seconds(base, m, n_s / rows_at(base)))
             return cost
 
         def final_cost(m: int, base: int | None = None, rows: int | None = None) -> float:
@@ -1137,8 +1141,10 @@ def auto_fit(
             return fit_cost(m, m if base is None else base, n_final if rows is None else rows, max_iter)
 
         def select_cost(m_new: int, m: int) -> float:
-            """One selection fit at ``m_new`` centers (on its selection rows), predicted from those at ``m``."""
-            return fit_cost(m_new, m, rows_at(m_new), score_iter)
+            """One selection fit at ``m_new`` centers (on its selection rows), predicted from those at ``m``: with
+            ``grow_rows`` by :func:`fit_cost` (its rows may cross the memory budget), else the stored-``K_nM``
+            closed form (the ``n_s`` rows stay as they were)."""
+            return fit_cost(m_new, m, rows_at(m_new), score_iter) if grow_rows else predicted_fit_seconds(m, m_new)
 
         if val_x is None and refit_on_all:
             x_fin, y_fin = torch.cat([xt, xv], 0), torch.cat([yt, yv], 0)
@@ -1439,7 +1445,7 @@ def auto_fit(
                     with warnings.catch_warnings(record=True) as caught:
                         warnings.simplefilter("always")
                         # BLESS's dictionary capped at the number of centers drawn (and BLESS's default
-                        # 2048): its cost is O(n_s J^2) per level; the fit is skipped if it left no time
+                        # 2048): its cost is O(rows J^2) per level; the fit is skipped if it left no time
                         x_b, y_b = rows_of(m_b)
                         sel = leverage_centers(x_b, m_b, k_lev, best_level["noise"] / x_b.shape[0], generator=gen,
                                                max_dictionary_size=min(max(m_b, 128), 2048))
@@ -1473,6 +1479,7 @@ def auto_fit(
 
         # ------------------------------------------------------------ stage 3: refit
         factors.clear()
+        level_rows.clear()
         t_stage = time.perf_counter()
         clock.tick("final fit", M=final_level["M"])
         # the final rows: all of them, or with grow_rows as many as 1.2 x the predicted fit leaves within the
