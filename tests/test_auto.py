@@ -494,6 +494,18 @@ def test_auto_fit_learning_stops_when_more_rows_gain_nothing():
     assert 2 * runs[-1]["rows"] <= rep.n_train  # it stopped with rows to spare: the rule, not the cap
 
 
+def _assert_dense_nystrom(model: FalkonGP) -> None:
+    """``model``'s posterior mean at 200 fresh points is the dense Nystrom KRR solution with its centers and rows
+    (to 1e-3 of the reference's spread)."""
+    xt, _, _ = _data(200, seed=3)
+    alpha = _dense_alpha(model, model.train_targets - model.mean_constant)
+    ref = model.mean_constant + dense_kernel(model.kernel, xt, model.centers).detach() @ alpha.detach()
+    model.eval()
+    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
+        pred = model(xt).mean
+    assert float((pred - ref).abs().max()) < 1e-3 * float(ref.std())
+
+
 def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int, **extra) -> tuple[FalkonGP, float]:
     """auto_fit on a fake clock that only data passes advance: ``1e-6 s x rows x M`` per pass, a
     twentieth of that where ``K_nM`` is stored (a memory read instead of kernel evaluations). Returns
@@ -588,13 +600,7 @@ def test_auto_fit_final_growth_spends_the_time_a_next_size_could_not(monkeypatch
     torch.testing.assert_close(model.centers[:60], off.centers)
     assert float(model.noise.detach()) == pytest.approx(float(off.noise.detach()), rel=1e-12)
     # the grown model is the dense Nystrom KRR solution with its centers
-    xt, _, _ = _data(200, seed=3)
-    alpha = _dense_alpha(model, model.train_targets - model.mean_constant)
-    ref = model.mean_constant + dense_kernel(model.kernel, xt, model.centers).detach() @ alpha.detach()
-    model.eval()
-    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
-        pred = model(xt).mean
-    assert float((pred - ref).abs().max()) < 1e-3 * float(ref.std())
+    _assert_dense_nystrom(model)
     # stopped for lack of gain: no growth
     model, _ = _fake_clock_auto_fit(monkeypatch, budget=0.15, memory_budget=2**40, max_centers=400)
     rep = model.auto_report
@@ -668,13 +674,7 @@ def test_auto_fit_grows_the_selection_rows_with_the_centers(monkeypatch):
     fin = [tuple(v) for v in on.train_inputs[0].double().tolist()]
     assert len(set(fin)) == rows and all(v in xs for v in fin)
     # the dense Nystrom KRR solution on those rows
-    xt, _, _ = _data(200, seed=3)
-    alpha = _dense_alpha(on, on.train_targets - on.mean_constant)
-    ref = on.mean_constant + dense_kernel(on.kernel, xt, on.centers).detach() @ alpha.detach()
-    on.eval()
-    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
-        pred = on(xt).mean
-    assert float((pred - ref).abs().max()) < 1e-3 * float(ref.std())
+    _assert_dense_nystrom(on)
     # off: the same budget, every size on the 400 selection rows, the final fit on all rows
     off, spent_off = _fake_clock_auto_fit(monkeypatch, budget=budget, memory_budget=memory)
     rep = off.auto_report
