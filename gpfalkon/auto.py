@@ -60,6 +60,7 @@ import torch
 from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from torch import Tensor
 
+from ._optim import Adam
 from ._validation import check_inputs, check_targets
 from .backend import KernelEngine, stored_rows_for
 from .backend.blocks import available_memory
@@ -330,7 +331,7 @@ class _ObjectiveRun:
         self.score_pool = score_pool
         self.obj = OBJECTIVES[name](model)
         params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.Adam(params, lr=lr)
+        self.opt = Adam(params, lr=lr)  # torch.optim.Adam's update without its first-use import (_optim)
         self.eval_every = eval_every
         self.t0 = time.perf_counter()
         self.step = 0  # Adam steps
@@ -1301,7 +1302,25 @@ def auto_fit(
                 k_lev = copy.deepcopy(base_kernel)
                 _scale_lengthscales(k_lev, level["multiplier"])
                 m_j = min(m, LEVERAGE_DICTIONARY)
-                scores = dictionary_leverage_scores(xs, k_lev, level["noise"] / n_s, s_perm[:m_j], m_j / n_s)
+
+                def lev_scores(rows: Tensor) -> Tensor:
+                    return dictionary_leverage_scores(xs, k_lev, level["noise"] / n_s, s_perm[:m_j], m_j / n_s,
+                                                      rows=rows)
+
+                # the first quarter of the rows is scored and timed; the rest (linear in the rows) is scored only
+                # where it and a fit at m fit before the deadline (else the pass would be spent for nothing)
+                head = max(1, n_s // 4)
+                scores = lev_scores(torch.arange(head, device=dev))
+                if head < n_s:
+                    spent = time.perf_counter() - t_lev
+                    rest = spent * (n_s - head) / head
+                    if time.perf_counter() + rest + last_fit_seconds(m) > deadline:
+                        report.notes.append(
+                            f"leverage-score centers not tried: the scores of {head:,} of the {n_s:,} selection rows "
+                            f"took {spent:.2f} s; the rest ({rest:.1f} s predicted) and a fit at M={m} would not "
+                            f"end before the final fit's reserve")
+                        return
+                    scores = torch.cat([scores, lev_scores(torch.arange(head, n_s, device=dev))])
                 nested = nested_leverage_centers(scores, min(n_s, max_centers), generator=gen)
             except Exception as exc:
                 report.notes.append(f"leverage-score centers failed: {type(exc).__name__}: {exc}")

@@ -540,8 +540,9 @@ def dictionary_leverage_scores(
     inclusion: float | Tensor,
     *,
     block_rows: int | None = None,
+    rows: Tensor | None = None,
 ) -> Tensor:
-    r"""Ridge leverage scores of every row of ``x`` estimated from a given dictionary ``J``:
+    r"""Ridge leverage scores of the rows of ``x`` estimated from a given dictionary ``J``:
 
         l~_i = ( K_ii - K_iJ (K_JJ + n lambda A)^{-1} K_Ji ) / (n lambda),   A = diag(a_j),
 
@@ -564,9 +565,13 @@ def dictionary_leverage_scores(
         dictionary: ``(M_J,)`` distinct row indices of ``x``.
         inclusion: ``a_j`` in ``(0, 1]``, a number or an ``(M_J,)`` tensor.
         block_rows: rows per kernel block (default: about 8 MiB of float64 values).
+        rows: 1-D integer indices of the rows to score (default: all): the same values as the full
+            result's entries at ``rows`` (``n``, ``lambda`` and ``tr K`` stay those of all of ``x``),
+            for the pass's ``O(|rows| M_J (M_J + d))`` part; the ``O(M_J^3)`` factorisation and the
+            ``O(n d)`` diagonal are computed again at each call.
 
     Returns:
-        ``(n,)`` float64 scores.
+        ``(n,)`` float64 scores, or ``(len(rows),)`` with ``rows``.
     """
     check_inputs("x", x)
     check_kernel(kernel)
@@ -587,6 +592,12 @@ def dictionary_leverage_scores(
         raise ValueError(f"inclusion must be a number or have shape {tuple(dictionary.shape)}, got {tuple(a.shape)}")
     if not bool(torch.isfinite(a).all()) or bool((a <= 0).any()) or bool((a > 1).any()):
         raise ValueError("inclusion: probabilities must lie in (0, 1]")
+    if rows is not None:
+        if not isinstance(rows, Tensor) or rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
+            raise TypeError("rows must be a 1-D integer tensor of row indices")
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
+            raise ValueError(f"rows: row indices must lie in [0, {n}), got [{int(rows.min())}, {int(rows.max())}]")
+        rows = rows.to(x.device).long()
     lam = float(torch.as_tensor(penalty).detach())
     k64 = _kernel64(kernel)
     with torch.no_grad():
@@ -597,7 +608,7 @@ def dictionary_leverage_scores(
         if trace == 0.0:
             raise ValueError("kernel: k(x_i, x_i) = 0 for every row of x, so all leverage scores are 0")
         return _Dictionary(dictionary.to(x.device).long(), a.clone()).scores(
-            k64, x, None, lam * n, diag, trace, block_rows)
+            k64, x, rows, lam * n, diag, trace, block_rows)
 
 
 @dataclass

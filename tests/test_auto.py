@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 
 import gpytorch
 import pytest
@@ -333,8 +334,6 @@ def test_auto_fit_lengthscale_transform_sets_the_constraint(transform, family):
 
 def test_auto_fit_respects_a_small_budget():
     x, y, _ = _data(3000)
-    import time
-
     t = time.perf_counter()
     m = auto_fit(x, y, budget=3.0, hyper_rows=500, hyper_centers=50, min_centers=100)
     took = time.perf_counter() - t
@@ -903,6 +902,46 @@ def test_auto_fit_leverage_pool_skips_and_failures(monkeypatch, branch):
     assert any(want in note for note in rep.notes), rep.notes
     assert rep.chosen["centers"] == "uniform" and model.center_weights is None
     assert all(lv["centers"] == "uniform" for lv in rep.chosen["levels"])
+    assert model.fitted and torch.isfinite(model.alpha).all()
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_auto_fit_leverage_scores_a_timed_quarter_first(monkeypatch, slow):
+    """The leverage scores are computed on the first quarter of the selection rows, timed, and on the rest only
+    where the rest (predicted linearly in the rows) and a fit at M end before the deadline. A clock that jumps
+    3,000 s during the first quarter (of a 10,000 s budget) predicts 9,000 s more: the pass stops there, with a
+    note, and the uniform pool stays; without the jump both parts are scored, in row order."""
+    import types
+
+    import gpfalkon.auto as auto_module
+
+    offset = [0.0]
+    monkeypatch.setattr(auto_module, "time", types.SimpleNamespace(perf_counter=lambda: time.perf_counter()
+                                                                   + offset[0]))
+    real = auto_module.dictionary_leverage_scores
+    calls = []
+
+    def scores(*args, rows=None, **kwargs):
+        calls.append(rows)
+        out = real(*args, rows=rows, **kwargs)
+        if slow:
+            offset[0] += 3000.0
+        return out
+
+    monkeypatch.setattr(auto_module, "dictionary_leverage_scores", scores)
+    x, y, _ = _data(600)
+    model = auto_fit(x, y, center_sampling="auto", **SMALL)
+    rep = model.auto_report
+    n_s = SMALL["select_rows"]  # 480 training rows, 400 selection rows
+    if slow:
+        assert len(calls) == 1 and torch.equal(calls[0], torch.arange(n_s // 4))
+        assert any(n.startswith(f"leverage-score centers not tried: the scores of {n_s // 4:,} of the {n_s:,} "
+                                "selection rows took") for n in rep.notes), rep.notes
+        assert rep.sampling == {} and rep.chosen["centers"] == "uniform" and model.center_weights is None
+    else:
+        assert [(int(c[0]), int(c[-1])) for c in calls] == [(0, n_s // 4 - 1), (n_s // 4, n_s - 1)]
+        assert rep.sampling["M"] == rep.chosen["levels"][0]["M"]
+        assert not any("leverage-score centers not tried" in n for n in rep.notes)
     assert model.fitted and torch.isfinite(model.alpha).all()
 
 

@@ -518,6 +518,15 @@ def test_dictionary_scores_exact_with_all_rows_and_dense_formula_with_a_subset()
     # per-point inclusion probabilities: a tensor
     per_point = dictionary_leverage_scores(x, k, lam, j, torch.full((80,), 80 / 300, dtype=torch.float64))
     assert torch.allclose(per_point, dictionary_leverage_scores(x, k, lam, j, 80 / 300))
+    # rows=: the dense reference's entries at those rows (n, lambda and tr K still of all 300 rows, so the
+    # clipping bounds are the full problem's), whatever their order, and pieces that add up to the whole
+    rows = torch.randperm(300, generator=_gen(2))[:70]
+    part = dictionary_leverage_scores(x.to(torch.float32), k.to(torch.float32), lam, j, 80 / 300, rows=rows)
+    assert part.shape == (70,) and torch.allclose(part, ref[rows], rtol=1e-4, atol=1e-7)
+    pieces = [dictionary_leverage_scores(x, k, lam, j, 80 / 300, rows=torch.arange(a, b))
+              for a, b in ((0, 75), (75, 300))]
+    torch.testing.assert_close(torch.cat(pieces), dictionary_leverage_scores(x, k, lam, j, 80 / 300))
+    assert dictionary_leverage_scores(x, k, lam, j, 80 / 300, rows=torch.arange(0)).shape == (0,)
 
 
 def test_dictionary_scores_validation():
@@ -535,6 +544,12 @@ def test_dictionary_scores_validation():
         dictionary_leverage_scores(x, k, 1e-3, torch.tensor([3, 4]), torch.ones(3))
     with pytest.raises(ValueError, match="penalty"):
         dictionary_leverage_scores(x, k, -1.0, torch.tensor([3, 4]), 0.5)
+    with pytest.raises(TypeError, match="rows"):
+        dictionary_leverage_scores(x, k, 1e-3, torch.tensor([3, 4]), 0.5, rows=[0, 1])
+    with pytest.raises(TypeError, match="rows"):
+        dictionary_leverage_scores(x, k, 1e-3, torch.tensor([3, 4]), 0.5, rows=torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match=r"rows: row indices must lie in \[0, 50\)"):
+        dictionary_leverage_scores(x, k, 1e-3, torch.tensor([3, 4]), 0.5, rows=torch.tensor([0, 50]))
 
 
 # ----------------------------------------------------------------- nested leverage-score centers
