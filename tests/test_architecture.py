@@ -2,7 +2,7 @@
 
 Layers, lowest first (a module may import from its own layer or below, never above):
 
-    foundation   errors, settings, _validation, linalg, heuristics
+    foundation   errors, settings, _validation, _optim, linalg, heuristics
     backend      backend/ (row blocks, kernel engine, blockwise gradients), options
     kernels      kernels/ (Fastfood; re-exports the engine names)
     solvers      solvers/ (CG, preconditioned CG, the Preconditioner / Solver protocols)
@@ -27,7 +27,7 @@ import gpfalkon
 ROOT = pathlib.Path(gpfalkon.__file__).parent
 
 LAYERS = [
-    {"errors", "settings", "_validation", "linalg", "heuristics"},
+    {"errors", "settings", "_validation", "_optim", "linalg", "heuristics"},
     {"backend", "options"},
     {"kernels"},
     {"solvers"},
