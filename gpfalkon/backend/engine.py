@@ -167,20 +167,23 @@ _pending_lock = threading.Lock()
 
 
 def _release_store(store: list[Tensor]) -> None:
-    """Drop the references in ``store`` (emptied): a large host tensor on a daemon thread, so that the
+    """Drop the references in ``store`` (emptied): a large host tensor on a background thread, so that the
     caller does not wait while its pages go back to the operating system (``munmap`` of a 1.6 GB ``K_nM``
     took 0.11 s of a 2.2 s fit on a 2-core KVM host, ``benchmarks/results/fit-reference.md``); anything
     else at once (and at once where no thread can be started). The next store an engine allocates first
     waits for pending frees (:func:`_await_frees`), so within one thread of engines two stores never
     coexist beyond the memory budget (engines used from several threads at once can overlap one free with
     another thread's new store). The destructor holds the GIL: the caller gains where it runs torch
-    operations that release it (the fit's remaining work), not pure-Python code. Written by hand: torch's
-    CPU allocator returns large blocks to the OS synchronously and has no deferred free."""
+    operations that release it (the fit's remaining work), not pure-Python code. The thread is not a daemon:
+    the interpreter joins it before it shuts down (a daemon thread still freeing a tensor when the process
+    exited aborted it: ``terminate called without an active exception``, exit status 134, in 10 of 12 runs of a
+    script that ended right after a fit). Written by hand: torch's CPU allocator returns large blocks to the OS
+    synchronously and has no deferred free."""
     big = [t for t in store if t.device.type == "cpu" and t.untyped_storage().nbytes() >= BACKGROUND_FREE_BYTES]
     store.clear()
     if not big:
         return
-    worker = threading.Thread(target=big.clear, name="gpfalkon-free", daemon=True)
+    worker = threading.Thread(target=big.clear, name="gpfalkon-free", daemon=False)
     try:
         worker.start()
     except RuntimeError:  # no thread to be had (a thread limit, interpreter shutdown): free here
