@@ -64,6 +64,7 @@ from ._optim import Adam
 from ._validation import check_inputs, check_targets
 from .backend import KernelEngine, stored_rows_for
 from .backend.blocks import available_memory
+from .backend.engine import reuse_stores
 from .centers import NestedLeverageCenters, dictionary_leverage_scores, leverage_centers, nested_leverage_centers
 from .errors import CGNotConvergedWarning
 from .models import FalkonGP
@@ -733,6 +734,9 @@ def auto_fit(
         raise ValueError(f"train_x: auto_fit needs at least 10 rows to hold some out for validation, got {n_all}")
 
     clock = _Clock(budget, verbose)
+    # the selection fits of one size reuse one K_nM store instead of faulting in a fresh one each
+    store_reuse = reuse_stores()
+    store_reuse.__enter__()
     try:
         dev = train_x.device
         gen = torch.Generator(device=dev).manual_seed(int(seed))  # draws on the data's device
@@ -1554,4 +1558,5 @@ def auto_fit(
         final.auto_report = report
         return final
     finally:
+        store_reuse.__exit__(None, None, None)
         clock.close()

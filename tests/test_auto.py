@@ -945,6 +945,36 @@ def test_auto_fit_leverage_scores_a_timed_quarter_first(monkeypatch, slow):
     assert model.fitted and torch.isfinite(model.alpha).all()
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_auto_fit_reuses_stores_only_within_the_call(monkeypatch, fails):
+    """auto_fit runs inside reuse_stores(): its fits hand K_nM stores on; when it returns (or raises, here from
+    the level callback) nothing is kept and no block is left open."""
+    import gpfalkon.backend.engine as eng_mod
+
+    monkeypatch.setattr(eng_mod, "BACKGROUND_FREE_BYTES", 1)  # the small test stores count as large
+    taken = []
+    real = eng_mod._take_pooled
+
+    def take(*args):
+        out = real(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(eng_mod, "_take_pooled", take)
+
+    def callback(level, build):
+        raise RuntimeError("callback failed")
+
+    x, y, _ = _data(600)
+    if fails:
+        with pytest.raises(RuntimeError, match="callback failed"):
+            auto_fit(x, y, level_callback=callback, **SMALL)
+    else:
+        model = auto_fit(x, y, **SMALL)
+        assert model.fitted and any(taken)  # the selection fits of one size reused a store
+    assert eng_mod._pooled() == [] and eng_mod._reuse_depth() == 0
+
+
 def test_auto_fit_leverage_with_learned_centers_is_an_error():
     x, y, _ = _data(300)
     with pytest.raises(ValueError, match="center_sampling='leverage' needs learn_centers=False"):

@@ -66,7 +66,7 @@ from .prefetch import source_blocks
 from .sources import RowSource
 from .triton_fly import triton_fly_kmn_k
 
-__all__ = ["KernelEngine", "StationarySpec", "kernel_block", "stationary_spec", "stored_rows_for"]
+__all__ = ["KernelEngine", "StationarySpec", "kernel_block", "reuse_stores", "stationary_spec", "stored_rows_for"]
 
 
 @dataclass
@@ -166,7 +166,72 @@ _pending_frees: list[threading.Thread] = []
 _pending_lock = threading.Lock()
 
 
-def _release_store(store: list[Tensor]) -> None:
+#: per thread: the store kept for reuse inside :func:`reuse_stores` blocks (``pooled``, at most one) and how
+#: many such blocks are open (``depth``)
+_reuse = threading.local()
+
+
+def _reuse_depth() -> int:
+    return int(getattr(_reuse, "depth", 0))
+
+
+def _pooled() -> list[Tensor]:
+    if not hasattr(_reuse, "pooled"):
+        _reuse.pooled = []
+    return _reuse.pooled
+
+
+def _sole_owner(t: Tensor) -> bool:
+    """Whether ``t`` is the only tensor on its storage (no view of it survives elsewhere): a store is reused
+    only then. ``False`` where torch offers no use count (then nothing is reused)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    storage = t.untyped_storage()
+    # references: t's own and the `storage` handle taken here
+    return bool(use_count(storage._cdata) <= 2)
+
+
+@contextlib.contextmanager
+def reuse_stores() -> Iterator[None]:
+    """Within the block, the largest host store an engine releases is kept (not freed) and the next engine
+    whose store needs between 2/3 and all of its bytes, in the same dtype and device, writes its ``K_nM`` rows
+    into it: a run of fits of about one size (``auto_fit``'s selection fits: a noise or lengthscale search at
+    one number of centers) then pays the page faults of a fresh store once, not once per fit (such fits
+    1.14-1.23x faster at 36k-44k rows and ``M`` 1,000-2,000 on the development host, the same coefficients,
+    ``benchmarks/results/store-reuse.md``). A store that another tensor still views, or a store of another
+    size, is freed as outside the block, and a store that does not fit first frees the kept one, so the
+    engines never hold more than one store beyond what they would hold without the block. The kept store is
+    freed when the outermost block exits. Per thread: the block covers the stores its own thread releases and
+    allocates. Written by hand: torch's CPU allocator keeps no freed blocks (large ones are unmapped at once)
+    and has no caching allocator to ask."""
+    _reuse.depth = _reuse_depth() + 1
+    try:
+        yield
+    finally:
+        _reuse.depth = _reuse_depth() - 1
+        if _reuse.depth == 0:
+            drop = list(_pooled())
+            _pooled().clear()
+            _release_store(drop)
+
+
+def _take_pooled(rows: int, m: int, dtype: torch.dtype, device: torch.device) -> Tensor | None:
+    """A kept store (:func:`reuse_stores`) viewed as ``(rows, m)``, where one fits; else ``None``, after
+    freeing any kept store (so that the fresh allocation does not coexist with it)."""
+    need = rows * m
+    kept = _pooled().pop() if _pooled() else None
+    if kept is None:
+        return None
+    capacity = kept.untyped_storage().nbytes() // kept.element_size()
+    fits = 0 < need <= capacity and 3 * need >= 2 * capacity
+    if fits and kept.dtype == dtype and kept.device == torch.device(device):
+        return torch.empty(0, dtype=dtype, device=kept.device).set_(kept.untyped_storage(), 0, (rows, m), (m, 1))
+    _release_store([kept], keep=False)
+    return None
+
+
+def _release_store(store: list[Tensor], keep: bool = True) -> None:
     """Drop the references in ``store`` (emptied): a large host tensor on a background thread, so that the
     caller does not wait while its pages go back to the operating system (``munmap`` of a 1.6 GB ``K_nM``
     took 0.11 s of a 2.2 s fit on a 2-core KVM host, ``benchmarks/results/fit-reference.md``); anything
@@ -177,10 +242,18 @@ def _release_store(store: list[Tensor]) -> None:
     operations that release it (the fit's remaining work), not pure-Python code. The thread is not a daemon:
     the interpreter joins it before it shuts down (a daemon thread still freeing a tensor when the process
     exited aborted it: ``terminate called without an active exception``, exit status 134, in 10 of 12 runs of a
-    script that ended right after a fit). Written by hand: torch's CPU allocator returns large blocks to the OS
-    synchronously and has no deferred free."""
+    script that ended right after a fit). Inside :func:`reuse_stores` the largest one is kept for the next
+    store instead (``keep=False``: freed in any case). Written by hand: torch's CPU allocator returns large
+    blocks to the OS synchronously and has no deferred free."""
     big = [t for t in store if t.device.type == "cpu" and t.untyped_storage().nbytes() >= BACKGROUND_FREE_BYTES]
     store.clear()
+    if keep and big and _reuse_depth() > 0:  # inside reuse_stores(): keep the largest sole-owned one
+        big.sort(key=lambda t: t.untyped_storage().nbytes())
+        if _sole_owner(big[-1]):
+            largest = big.pop()
+            pooled = _pooled()
+            big += pooled  # the store kept before is freed
+            pooled[:] = [largest]
     if not big:
         return
     worker = threading.Thread(target=big.clear, name="gpfalkon-free", daemon=False)
@@ -383,7 +456,12 @@ class KernelEngine:
         """An empty ``(rows, M)`` tensor for stored rows of ``K_nM``, once any released store is freed
         (:func:`_await_frees`). Plain pages: transparent huge pages (``madvise``) were measured and left out
         (``benchmarks/results/hugepages.md``: a process's first advised store paid 1.8-2.1 s of memory
-        compaction against 0.35-0.4 s of page faults)."""
+        compaction against 0.35-0.4 s of page faults). Inside :func:`reuse_stores`, a kept store of about
+        the size is reused instead."""
+        if _reuse_depth() > 0:
+            kept = _take_pooled(rows, self.m, self.dtype, self.device)
+            if kept is not None:
+                return kept
         _await_frees()
         return torch.empty(rows, self.m, dtype=self.dtype, device=self.device)
 
