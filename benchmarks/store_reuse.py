@@ -18,9 +18,10 @@ import statistics
 import subprocess
 import sys
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _common import environment_lines, log, markdown_table, write_result
+
+HERE = pathlib.Path(__file__).resolve().parent
 
 NOISES = (0.01, 0.0025, 0.04, 0.01, 0.005, 0.02, 0.03, 0.001)
 
@@ -33,11 +34,12 @@ def child(name: str, m: int, rows: int, reuse: bool) -> dict:
 
     import torch
 
-    from compare import load_dataset
     from gpfalkon import FalkonGP, FalkonOptions
     from gpfalkon.auto import KERNEL_FAMILIES
     from gpfalkon.backend.engine import reuse_stores
     from gpfalkon.operators import FactorCache
+
+    from compare import load_dataset
 
     d = load_dataset(name)
     x = torch.as_tensor(d["xtr"]).double()

@@ -418,6 +418,7 @@ class _ObjectiveRun:
             self.stop("max_steps")
 
 
+@reuse_stores()  # the selection fits of one size share one K_nM store instead of faulting in a fresh one each
 def auto_fit(
     train_x: Tensor,
     train_y: Tensor,
@@ -734,9 +735,6 @@ def auto_fit(
         raise ValueError(f"train_x: auto_fit needs at least 10 rows to hold some out for validation, got {n_all}")
 
     clock = _Clock(budget, verbose)
-    # the selection fits of one size reuse one K_nM store instead of faulting in a fresh one each
-    store_reuse = reuse_stores()
-    store_reuse.__enter__()
     try:
         dev = train_x.device
         gen = torch.Generator(device=dev).manual_seed(int(seed))  # draws on the data's device
@@ -1558,5 +1556,4 @@ def auto_fit(
         final.auto_report = report
         return final
     finally:
-        store_reuse.__exit__(None, None, None)
         clock.close()

@@ -565,8 +565,9 @@ def dictionary_leverage_scores(
         dictionary: ``(M_J,)`` distinct row indices of ``x``.
         inclusion: ``a_j`` in ``(0, 1]``, a number or an ``(M_J,)`` tensor.
         block_rows: rows per kernel block (default: about 8 MiB of float64 values).
-        rows: 1-D integer indices of the rows to score (default: all): the same values as the full
-            result's entries at ``rows`` (``n``, ``lambda`` and ``tr K`` stay those of all of ``x``),
+        rows: 1-D integer indices of the rows to score (default: all): the full result's entries at
+            ``rows``, up to rounding (``n``, ``lambda`` and ``tr K`` stay those of all of ``x``; the blocks of
+            the pass may differ),
             for the pass's ``O(|rows| M_J (M_J + d))`` part; the ``O(M_J^3)`` factorisation and the
             ``O(n d)`` diagonal are computed again at each call.
 

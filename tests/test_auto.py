@@ -972,7 +972,7 @@ def test_auto_fit_reuses_stores_only_within_the_call(monkeypatch, fails):
     else:
         model = auto_fit(x, y, **SMALL)
         assert model.fitted and any(taken)  # the selection fits of one size reused a store
-    assert eng_mod._pooled() == [] and eng_mod._reuse_depth() == 0
+    assert eng_mod.kept_stores() == [] and eng_mod.reuse_depth() == 0
 
 
 def test_auto_fit_leverage_with_learned_centers_is_an_error():

@@ -283,14 +283,19 @@ def test_release_frees_a_large_store_in_the_background_and_the_next_store_waits(
     assert eng_mod._pending_frees == []
 
 
-def test_reuse_stores_hands_a_released_store_to_the_next_engine_of_about_its_size(monkeypatch):
-    """Inside reuse_stores() a released store is kept and the next engine whose K_nM needs 2/3 to all of its
-    bytes (same dtype) computes into it: same memory, products exact against the dense kernel of the new
-    engine's own kernel. A store of another size first frees the kept one; a store that another tensor still
-    views is never kept (the view's values stay); the block's exit frees what it kept."""
+def test_reuse_stores_hands_a_released_store_to_the_next_engine_of_its_size(monkeypatch):
+    """Inside reuse_stores() a released store is kept and the next engine whose K_nM has exactly its size and
+    dtype computes into it: same memory, products exact against the dense kernel of the new engine's own
+    kernel. A store of another size first frees the kept one; a store that another tensor still views is never
+    kept (the view's values stay); the kept bytes count as available memory; the block's exit frees them."""
+    import io
+
+    import gpfalkon.backend.blocks as blocks_mod
     import gpfalkon.backend.engine as eng_mod
 
     monkeypatch.setattr(eng_mod, "BACKGROUND_FREE_BYTES", 1)  # every store counts as large
+    monkeypatch.setattr(blocks_mod, "open", lambda *a, **k: io.StringIO("MemTotal: 9 kB\nMemAvailable: 1000 kB\n"),
+                        raising=False)
     eng_mod._await_frees()
     x, _ = make_data(300, 3)
     centers = x[:20].clone()
@@ -302,43 +307,42 @@ def test_reuse_stores_hands_a_released_store_to_the_next_engine_of_about_its_siz
         knm = dense_kernel(kernel, xs, cs)
         return knm.T @ (knm @ v)
 
+    assert blocks_mod.available_memory("cpu") == 1000 * 1024
     with eng_mod.reuse_stores():
         e1 = KernelEngine(k1, x, centers, store=True)
         e1.kmn_k(u)
         ptr = e1._k.data_ptr()
         e1.release()
-        assert len(eng_mod._pooled()) == 1
+        assert len(eng_mod.kept_stores()) == 1
+        assert blocks_mod.available_memory("cpu") == 1000 * 1024 + 300 * 20 * 8  # the kept store counts
         e2 = KernelEngine(k2, x, centers, store=True)  # same size, another kernel
         torch.testing.assert_close(e2.kmn_k(u), exact(k2, x, centers, u))
-        assert e2._k.data_ptr() == ptr and eng_mod._pooled() == []
+        assert e2._k.data_ptr() == ptr and eng_mod.kept_stores() == []
         e2.release()
-        e3 = KernelEngine(k1, x[:250], centers, store=True)  # 250 / 300 of the bytes: reused
+        e3 = KernelEngine(k1, x[:250], centers, store=True)  # another size: a fresh store, the kept one freed
         torch.testing.assert_close(e3.kmn_k(u), exact(k1, x[:250], centers, u))
-        assert e3._k.data_ptr() == ptr
+        assert eng_mod.kept_stores() == []
         e3.release()
-        e4 = KernelEngine(k1, x[:150], centers, store=True)  # half the bytes: a fresh store, the kept one freed
-        torch.testing.assert_close(e4.kmn_k(u), exact(k1, x[:150], centers, u))
-        assert eng_mod._pooled() == []
-        e4.release()
-        assert len(eng_mod._pooled()) == 1  # e4's store kept now
+        assert len(eng_mod.kept_stores()) == 1 and eng_mod.kept_stores()[0].shape == (250, 20)
         # a store still viewed elsewhere is not kept
-        e5 = KernelEngine(k2, x, centers, store=True)
-        e5.kmn_k(u)
-        view = e5._k[:5]
+        e4 = KernelEngine(k2, x, centers, store=True)
+        e4.kmn_k(u)
+        view = e4._k[:5]
         before = view.clone()
-        e5.release()
-        assert eng_mod._pooled() == []  # e4's kept store was handed out or freed for e5, e5's is still viewed
-        e6 = KernelEngine(k1, x, centers, store=True)
-        torch.testing.assert_close(e6.kmn_k(u), exact(k1, x, centers, u))
+        e4.release()
+        assert eng_mod.kept_stores() == []  # e3's kept store was freed for e4 (other size), e4's is still viewed
+        e5 = KernelEngine(k1, x, centers, store=True)
+        torch.testing.assert_close(e5.kmn_k(u), exact(k1, x, centers, u))
         assert torch.equal(view, before)
-        e6.release()
-        assert len(eng_mod._pooled()) == 1
-    assert eng_mod._pooled() == [] and eng_mod._reuse_depth() == 0
+        e5.release()
+        assert len(eng_mod.kept_stores()) == 1
+    assert eng_mod.kept_stores() == [] and eng_mod.reuse_depth() == 0
+    assert blocks_mod.available_memory("cpu") == 1000 * 1024
     # outside the block nothing is kept
-    e7 = KernelEngine(k1, x, centers, store=True)
-    e7.kmn_k(u)
-    e7.release()
-    assert eng_mod._pooled() == []
+    e6 = KernelEngine(k1, x, centers, store=True)
+    e6.kmn_k(u)
+    e6.release()
+    assert eng_mod.kept_stores() == []
     eng_mod._await_frees()
 
 
@@ -359,18 +363,18 @@ def test_reuse_stores_is_per_thread(monkeypatch):
         e = KernelEngine(kernel, x, x[:10].clone(), store=True)
         e.kmn_k(u)
         e.release()
-        seen.append((eng_mod._reuse_depth(), len(eng_mod._pooled())))
+        seen.append((eng_mod.reuse_depth(), len(eng_mod.kept_stores())))
 
     with eng_mod.reuse_stores():
         worker = threading.Thread(target=other)
         worker.start()
         worker.join()
-        assert seen == [(0, 0)] and eng_mod._pooled() == []
+        assert seen == [(0, 0)] and eng_mod.kept_stores() == []
         e = KernelEngine(kernel, x, x[:10].clone(), store=True)
         e.kmn_k(u)
         e.release()
-        assert len(eng_mod._pooled()) == 1
-    assert eng_mod._pooled() == []
+        assert len(eng_mod.kept_stores()) == 1
+    assert eng_mod.kept_stores() == []
     eng_mod._await_frees()
 
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -60,8 +61,10 @@ __all__ = [
     "BlockProfile",
     "block_rows_for",
     "keeps_graph",
+    "kept_stores",
     "memory_budget_for",
     "resolve_block_rows",
+    "reuse_depth",
     "row_blocks",
     "stored_batch",
 ]
@@ -158,11 +161,29 @@ AUTO_BUDGET_CAP = 16 * 2**30
 AUTO_BUDGET_FALLBACK = 4 * 2**30
 
 
+#: per thread: the host store kept for reuse inside :func:`gpfalkon.backend.engine.reuse_stores` blocks
+#: (``kept``, at most one) and how many such blocks are open (``depth``)
+_reuse = threading.local()
+
+
+def reuse_depth() -> int:
+    """How many :func:`~gpfalkon.backend.engine.reuse_stores` blocks this thread has open."""
+    return int(getattr(_reuse, "depth", 0))
+
+
+def kept_stores() -> list[torch.Tensor]:
+    """This thread's store kept for reuse (a list of at most one tensor; the list itself, to update)."""
+    if not hasattr(_reuse, "kept"):
+        _reuse.kept = []
+    return _reuse.kept
+
+
 def available_memory(device: torch.device | str | None = None) -> int | None:
     """Bytes available now on ``device``: for a CUDA device the free GPU memory
     (``torch.cuda.mem_get_info``) plus what torch's caching allocator holds without using it
     (``memory_reserved - memory_allocated``: freed tensors, e.g. a previous fit's, that it hands out again);
-    ``MemAvailable`` of ``/proc/meminfo`` for the host; ``None`` where it cannot be read."""
+    ``MemAvailable`` of ``/proc/meminfo`` for the host, plus the bytes of the store this thread keeps for
+    reuse (:func:`kept_stores`: the next store takes it or frees it); ``None`` where it cannot be read."""
     dev = torch.device("cpu") if device is None else torch.device(device)
     if dev.type == "cuda":
         try:
@@ -176,7 +197,8 @@ def available_memory(device: torch.device | str | None = None) -> int | None:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    kept = sum(t.untyped_storage().nbytes() for t in kept_stores() if t.device.type == "cpu")
+                    return int(line.split()[1]) * 1024 + kept
     except (OSError, ValueError, IndexError):
         return None
     return None

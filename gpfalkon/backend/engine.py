@@ -51,12 +51,15 @@ import torch
 from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from torch import Tensor
 
+from . import blocks as _blocks
 from .blocks import (
     PRODUCT,
     STORED,
     block_rows_for,
+    kept_stores,
     memory_budget_for,
     resolve_block_rows,
+    reuse_depth,
     row_blocks,
     stored_batch,
 )
@@ -166,21 +169,6 @@ _pending_frees: list[threading.Thread] = []
 _pending_lock = threading.Lock()
 
 
-#: per thread: the store kept for reuse inside :func:`reuse_stores` blocks (``pooled``, at most one) and how
-#: many such blocks are open (``depth``)
-_reuse = threading.local()
-
-
-def _reuse_depth() -> int:
-    return int(getattr(_reuse, "depth", 0))
-
-
-def _pooled() -> list[Tensor]:
-    if not hasattr(_reuse, "pooled"):
-        _reuse.pooled = []
-    return _reuse.pooled
-
-
 def _sole_owner(t: Tensor) -> bool:
     """Whether ``t`` is the only tensor on its storage (no view of it survives elsewhere): a store is reused
     only then. ``False`` where torch offers no use count (then nothing is reused)."""
@@ -194,40 +182,43 @@ def _sole_owner(t: Tensor) -> bool:
 
 @contextlib.contextmanager
 def reuse_stores() -> Iterator[None]:
-    """Within the block, the largest host store an engine releases is kept (not freed) and the next engine
-    whose store needs between 2/3 and all of its bytes, in the same dtype and device, writes its ``K_nM`` rows
-    into it: a run of fits of about one size (``auto_fit``'s selection fits: a noise or lengthscale search at
-    one number of centers) then pays the page faults of a fresh store once, not once per fit (such fits
-    1.14-1.23x faster at 36k-44k rows and ``M`` 1,000-2,000 on the development host, the same coefficients,
-    ``benchmarks/results/store-reuse.md``). A store that another tensor still views, or a store of another
-    size, is freed as outside the block, and a store that does not fit first frees the kept one, so the
-    engines never hold more than one store beyond what they would hold without the block. The kept store is
-    freed when the outermost block exits. Per thread: the block covers the stores its own thread releases and
-    allocates. Written by hand: torch's CPU allocator keeps no freed blocks (large ones are unmapped at once)
-    and has no caching allocator to ask."""
-    _reuse.depth = _reuse_depth() + 1
+    """Within the block (or the function it decorates), the largest host store of at least
+    :data:`BACKGROUND_FREE_BYTES` that an engine releases is kept, not freed, and the next engine whose stored
+    ``K_nM`` has exactly its size, dtype and device writes its rows into it: a run of fits of one size
+    (``auto_fit``'s selection fits: the noise and lengthscale searches at one number of centers) then pays the
+    page faults of a fresh store once, not once per fit (such fits 1.14-1.23x faster at 36k-44k rows and
+    ``M`` 1,000-2,000 on the development host, the same coefficients, ``benchmarks/results/store-reuse.md``).
+    At most one store is kept: a release keeps the larger-or-newer one and frees the other, and an engine
+    whose store does not match frees the kept one before allocating its own. A store that another tensor still
+    views is never kept. The kept bytes count as available to the engines' automatic memory budgets
+    (:func:`~gpfalkon.backend.blocks.available_memory`), so a budget is the one it would be had the store been
+    freed. The kept store is freed when the outermost block exits. Per thread: the block covers the stores its
+    own thread releases and allocates. Written by hand: torch's CPU allocator keeps no freed blocks (large
+    ones are unmapped at once) and has no caching allocator to ask."""
+    _blocks._reuse.depth = reuse_depth() + 1
     try:
         yield
     finally:
-        _reuse.depth = _reuse_depth() - 1
-        if _reuse.depth == 0:
-            drop = list(_pooled())
-            _pooled().clear()
+        _blocks._reuse.depth = reuse_depth() - 1
+        if reuse_depth() == 0:
+            kept = kept_stores()
+            drop = list(kept)
+            kept.clear()
             _release_store(drop)
 
 
 def _take_pooled(rows: int, m: int, dtype: torch.dtype, device: torch.device) -> Tensor | None:
-    """A kept store (:func:`reuse_stores`) viewed as ``(rows, m)``, where one fits; else ``None``, after
-    freeing any kept store (so that the fresh allocation does not coexist with it)."""
-    need = rows * m
-    kept = _pooled().pop() if _pooled() else None
-    if kept is None:
+    """The kept store (:func:`reuse_stores`) viewed as ``(rows, m)`` where it has exactly that size, dtype and
+    device; else ``None``, after freeing any kept store (so that the fresh allocation does not coexist
+    with it)."""
+    kept = kept_stores()
+    store = kept.pop() if kept else None
+    if store is None:
         return None
-    capacity = kept.untyped_storage().nbytes() // kept.element_size()
-    fits = 0 < need <= capacity and 3 * need >= 2 * capacity
-    if fits and kept.dtype == dtype and kept.device == torch.device(device):
-        return torch.empty(0, dtype=dtype, device=kept.device).set_(kept.untyped_storage(), 0, (rows, m), (m, 1))
-    _release_store([kept], keep=False)
+    fits = store.untyped_storage().nbytes() == rows * m * store.element_size() and rows * m > 0
+    if fits and store.dtype == dtype and store.device == torch.device(device):
+        return torch.empty(0, dtype=dtype, device=store.device).set_(store.untyped_storage(), 0, (rows, m), (m, 1))
+    _release_store([store], keep=False)
     return None
 
 
@@ -247,13 +238,13 @@ def _release_store(store: list[Tensor], keep: bool = True) -> None:
     blocks to the OS synchronously and has no deferred free."""
     big = [t for t in store if t.device.type == "cpu" and t.untyped_storage().nbytes() >= BACKGROUND_FREE_BYTES]
     store.clear()
-    if keep and big and _reuse_depth() > 0:  # inside reuse_stores(): keep the largest sole-owned one
+    if keep and big and reuse_depth() > 0:  # inside reuse_stores(): keep the largest sole-owned one
         big.sort(key=lambda t: t.untyped_storage().nbytes())
         if _sole_owner(big[-1]):
             largest = big.pop()
-            pooled = _pooled()
-            big += pooled  # the store kept before is freed
-            pooled[:] = [largest]
+            kept = kept_stores()
+            big += kept  # the store kept before is freed
+            kept[:] = [largest]
     if not big:
         return
     worker = threading.Thread(target=big.clear, name="gpfalkon-free", daemon=False)
@@ -458,7 +449,7 @@ class KernelEngine:
         (``benchmarks/results/hugepages.md``: a process's first advised store paid 1.8-2.1 s of memory
         compaction against 0.35-0.4 s of page faults). Inside :func:`reuse_stores`, a kept store of about
         the size is reused instead."""
-        if _reuse_depth() > 0:
+        if reuse_depth() > 0:
             kept = _take_pooled(rows, self.m, self.dtype, self.device)
             if kept is not None:
                 return kept
