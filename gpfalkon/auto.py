@@ -636,6 +636,10 @@ def auto_fit(
     Returns:
         A fitted ``FalkonGP`` on ``train_x`` (plus held-out rows) in ``dtype``, with
         ``model.auto_report`` (:class:`AutoFitReport`).
+
+    The call runs inside :func:`gpfalkon.backend.engine.reuse_stores`: between two fits of one size it keeps the
+    released ``K_nM`` store (host memory, counted as available to the fits' memory budgets) and frees it on
+    return.
     """
     # ------------------------------------------------------------------ validation
     budget = _check_budget("budget", budget)

@@ -188,7 +188,7 @@ def reuse_stores() -> Iterator[None]:
     (``auto_fit``'s selection fits: the noise and lengthscale searches at one number of centers) then pays the
     page faults of a fresh store once, not once per fit (such fits 1.14-1.23x faster at 36k-44k rows and
     ``M`` 1,000-2,000 on the development host, the same coefficients, ``benchmarks/results/store-reuse.md``).
-    At most one store is kept: a release keeps the larger-or-newer one and frees the other, and an engine
+    At most one store is kept: a release keeps its largest store and frees the one kept before, and an engine
     whose store does not match frees the kept one before allocating its own. A store that another tensor still
     views is never kept. The kept bytes count as available to the engines' automatic memory budgets
     (:func:`~gpfalkon.backend.blocks.available_memory`), so a budget is the one it would be had the store been
