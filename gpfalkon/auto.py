@@ -9,7 +9,8 @@
    on some datasets). Every ``eval_every`` steps the current hyperparameters are scored by the
    validation error of a FALKON fit on the subsample; after ``race_rounds`` such rounds only the
    leading objective goes on (sooner where the others' best errors exceed ``1 + race_margin`` times the
-   leader's from the second round on), and whenever it stalls, or has used ``level_share`` of the learning
+   leader's from the second round on, or once the race has used ``race_share`` of the learning time),
+   and whenever it stalls, or has used ``level_share`` of the learning
    time left when it started on its rows, it continues from its best point on twice
    the rows (nested subsamples; optionally more centers, ``hyper_centers_growth``), within the
    memory budget ``hyper_entries``; stalled on all the rows it may use, or stalled on more rows
@@ -450,6 +451,7 @@ def auto_fit(
     patience: int = 10,
     race_rounds: int = 5,
     race_margin: float | None = 0.2,
+    race_share: float | None = 0.5,
     min_gain: float = 0.005,
     search_tol: float = 2e-3,
     final_growth: bool = True,
@@ -571,6 +573,10 @@ def auto_fit(
             ``1 + race_margin`` times the leader's leaves the race at once, and a leader left alone goes
             on as after ``race_rounds`` (``None``: no early elimination). Successive elimination: a
             clearly worse objective stops taking half of the learning share.
+        race_share: the race ends, and the leader goes on alone, after the first round that ends past this
+            share of the learning stage's time (``None``: only ``race_rounds`` and ``race_margin`` end it). At
+            small budgets ``race_rounds`` rounds of every objective would take the whole learning share on
+            the first subsample.
         min_gain: relative validation-error gain per doubling of the centers needed to keep growing
             them; a step by a factor ``f`` (less than 2 where the budget allows no doubling) needs
             ``min_gain * log2(f)``.
@@ -732,6 +738,10 @@ def auto_fit(
                 math.isfinite(race_margin) and race_margin > 0):
             raise ValueError(f"race_margin must be a positive number or None, got {race_margin!r}")
         race_margin = float(race_margin)
+    if race_share is not None:
+        if isinstance(race_share, bool) or not isinstance(race_share, (int, float)) or not (0.0 < race_share <= 1.0):
+            raise ValueError(f"race_share must be a number in (0, 1] or None, got {race_share!r}")
+        race_share = float(race_share)
     max_iter = _check_count("max_iter", max_iter)
     score_iter = (max(10, max_iter // 2) if score_max_iter is None
                   else _check_count("score_max_iter", score_max_iter))
@@ -911,23 +921,29 @@ def auto_fit(
             still = [r for r in runners if r.active]
             # the race: after race_rounds only the leader goes on; from round 2, whoever trails it by more
             # than race_margin leaves at once
-            final = rounds == race_rounds
+            by_share = (race_share is not None and rounds < race_rounds
+                        and time.perf_counter() - t_stage >= race_share * (learn_deadline - t_stage))
+            final = rounds == race_rounds or by_share
             if len(still) > 1 and (final or (race_margin is not None and 2 <= rounds < race_rounds)):
                 leader = min(still, key=lambda r: r.rec["best_error"])
                 best = leader.rec["best_error"]
                 for r in still:
                     if r is leader:
                         continue
-                    if final:
-                        r.stop(f"dropped after {race_rounds} rounds (leader: {leader.name})")
-                    elif r.rec["best_error"] > (1.0 + race_margin) * best:  # type: ignore[operator]
+                    if (race_margin is not None and 2 <= rounds < race_rounds
+                            and r.rec["best_error"] > (1.0 + race_margin) * best):
                         r.stop(f"dropped after {rounds} rounds: best validation error {r.rec['best_error']:.4g} "
                                f"> (1 + race_margin) x the leader's ({leader.name}, {best:.4g})")
+                    elif by_share:
+                        r.stop(f"dropped after {rounds} rounds: the race used race_share ({race_share:g}) of the "
+                               f"learning stage (leader: {leader.name})")
+                    elif final:
+                        r.stop(f"dropped after {race_rounds} rounds (leader: {leader.name})")
             live = [r for r in runners if r.active]
             # a race of several objectives is decided once one is left after round 2 (by race_margin, or the
             # others failed or stalled): the leader goes on as after race_rounds
             race_decided = race_decided or (race_margin is not None and len(objectives) > 1 and rounds >= 2
-                                            and len(live) == 1)
+                                            and len(live) == 1) or (by_share and len(live) == 1)
             start = None
             rows_next = min(2 * rows_h, rows_cap)
             lead = live[0] if (rounds >= race_rounds or race_decided) and len(live) == 1 else None

@@ -540,14 +540,16 @@ def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int, **extra
     monkeypatch.setattr(FalkonGP, "fit", fit)
     x, y, _ = _data(2000)
     # the fake budgets below are sized to the fake seconds of a three-objective learning stage (the whole
-    # race: race_margin=None; early elimination is covered by test_auto_fit_race_margin_drops_...) and to the
+    # race: race_margin=None, race_share=None; early ends are covered by test_auto_fit_race_margin_drops_...
+    # and test_auto_fit_race_share_ends_...) and to the
     # selection fits of searches that extend while the error falls at all (search_tol=0; the tolerance is
     # covered by test_auto_fit_search_tol_ends_a_flat_search)
     # grow_select_rows off: the selection rows (400) are below the 1,600 training rows, and the tests of this
     # harness size their budgets to every decision keeping time for a final fit on all rows (the option is
     # covered by test_auto_fit_grows_the_selection_rows_with_the_centers)
     kw = dict(SMALL, budget=budget, select_rows=400, min_centers=60, max_centers=120, search_tol=0.0,
-              objectives=("sgpr", "gcv", "nystrom-compreg"), race_margin=None, grow_select_rows=False)
+              objectives=("sgpr", "gcv", "nystrom-compreg"), race_margin=None, race_share=None,
+              grow_select_rows=False)
     kw.update(extra)
     with settings.memory_budget(memory_budget):
         model = auto_fit(x, y, **kw)
@@ -1052,6 +1054,39 @@ def test_scaled_fit_seconds_scales_each_part_by_its_own_power():
     assert _scaled_fit_seconds([dict(seconds=1.0, precond_seconds=0.8, apply_seconds=0.4)], 2.0) == pytest.approx(
         0.8 * 8 + 0.4 * 4)
 
+
+
+@pytest.mark.parametrize("share", [None, 1e-9])
+def test_auto_fit_race_share_ends_the_race_after_its_share_of_the_learning_time(share):
+    """With race_share, the race ends after the first round that ends past that share of the learning stage's
+    time (here: the first round) and the leader goes on alone, moving to more rows as after a full race; with
+    None (and no race_margin) the race runs its race_rounds."""
+    x, y, _ = _data(1200, noise=0.3)
+    kw = dict(SMALL, hyper_rows=100, hyper_centers=20, max_steps=60, eval_every=2, race_rounds=5,
+              objectives=("gcv", "sgpr"), race_margin=None, race_share=share, level_share=1e-9)
+    rep = auto_fit(x, y, **kw).auto_report
+    racers = rep.learn[1:3]
+    assert {r["objective"] for r in racers} == {"gcv", "sgpr"}
+    dropped = [r for r in racers if r["stopped"].startswith("dropped")]
+    assert len(dropped) == 1, [(r["objective"], r["steps"], r["stopped"]) for r in racers]
+    loser = dropped[0]
+    winner = next(r for r in racers if r is not loser)
+    assert loser["best_error"] >= winner["best_error"]
+    if share is None:
+        assert loser["stopped"] == f"dropped after 5 rounds (leader: {winner['objective']})"
+        assert loser["steps"] == 5 * kw["eval_every"]
+    else:
+        assert loser["stopped"] == (f"dropped after 1 rounds: the race used race_share (1e-09) of the learning "
+                                    f"stage (leader: {winner['objective']})")
+        assert loser["steps"] == kw["eval_every"]
+        assert winner["steps"] < 5 * kw["eval_every"] and "continued on 200 rows" in winner["stopped"]
+
+
+@pytest.mark.parametrize("share", [0.0, 1.5, True, "half"])
+def test_auto_fit_rejects_a_bad_race_share(share):
+    x, y, _ = _data(200)
+    with pytest.raises(ValueError, match="race_share"):
+        auto_fit(x, y, race_share=share, **SMALL)
 
 
 @pytest.mark.parametrize("margin", [None, 1e-9])
