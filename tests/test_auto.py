@@ -1056,30 +1056,34 @@ def test_scaled_fit_seconds_scales_each_part_by_its_own_power():
 
 
 
+def _race(**race: object) -> tuple[int, dict, dict]:
+    """A two-objective race on a small subsample (eval_every 2, 5 rounds, the leader moving on at once):
+    ``(eval_every, the dropped objective's record, the other's)``."""
+    x, y, _ = _data(1200, noise=0.3)
+    kw = dict(SMALL, hyper_rows=100, hyper_centers=20, max_steps=60, eval_every=2, race_rounds=5,
+              objectives=("gcv", "sgpr"), level_share=1e-9, **race)
+    racers = auto_fit(x, y, **kw).auto_report.learn[1:3]
+    assert {r["objective"] for r in racers} == {"gcv", "sgpr"}
+    dropped = [r for r in racers if r["stopped"].startswith("dropped")]
+    assert len(dropped) == 1, [(r["objective"], r["steps"], r["stopped"]) for r in racers]
+    return kw["eval_every"], dropped[0], next(r for r in racers if r is not dropped[0])
+
+
 @pytest.mark.parametrize("share", [None, 1e-9])
 def test_auto_fit_race_share_ends_the_race_after_its_share_of_the_learning_time(share):
     """With race_share, the race ends after the first round that ends past that share of the learning stage's
     time (here: the first round) and the leader goes on alone, moving to more rows as after a full race; with
     None (and no race_margin) the race runs its race_rounds."""
-    x, y, _ = _data(1200, noise=0.3)
-    kw = dict(SMALL, hyper_rows=100, hyper_centers=20, max_steps=60, eval_every=2, race_rounds=5,
-              objectives=("gcv", "sgpr"), race_margin=None, race_share=share, level_share=1e-9)
-    rep = auto_fit(x, y, **kw).auto_report
-    racers = rep.learn[1:3]
-    assert {r["objective"] for r in racers} == {"gcv", "sgpr"}
-    dropped = [r for r in racers if r["stopped"].startswith("dropped")]
-    assert len(dropped) == 1, [(r["objective"], r["steps"], r["stopped"]) for r in racers]
-    loser = dropped[0]
-    winner = next(r for r in racers if r is not loser)
+    every, loser, winner = _race(race_margin=None, race_share=share)
     assert loser["best_error"] >= winner["best_error"]
     if share is None:
         assert loser["stopped"] == f"dropped after 5 rounds (leader: {winner['objective']})"
-        assert loser["steps"] == 5 * kw["eval_every"]
+        assert loser["steps"] == 5 * every
     else:
         assert loser["stopped"] == (f"dropped after 1 rounds: the race used race_share (1e-09) of the learning "
                                     f"stage (leader: {winner['objective']})")
-        assert loser["steps"] == kw["eval_every"]
-        assert winner["steps"] < 5 * kw["eval_every"] and "continued on 200 rows" in winner["stopped"]
+        assert loser["steps"] == every
+        assert winner["steps"] < 5 * every and "continued on 200 rows" in winner["stopped"]
 
 
 @pytest.mark.parametrize("share", [0.0, 1.5, True, "half"])
@@ -1094,21 +1098,12 @@ def test_auto_fit_race_margin_drops_a_worse_objective_early(margin):
     """With race_margin, the objective whose best validation error after two rounds exceeds the leader's by
     more than the margin stops then (2 x eval_every steps) and the leader goes on alone, moving to more
     rows as after a full race; with None the race runs its race_rounds."""
-    x, y, _ = _data(1200, noise=0.3)
-    kw = dict(SMALL, hyper_rows=100, hyper_centers=20, max_steps=60, eval_every=2, race_rounds=5,
-              objectives=("gcv", "sgpr"), race_margin=margin, level_share=1e-9)
-    rep = auto_fit(x, y, **kw).auto_report
-    racers = rep.learn[1:3]
-    assert {r["objective"] for r in racers} == {"gcv", "sgpr"}
-    dropped = [r for r in racers if r["stopped"].startswith("dropped")]
-    assert len(dropped) == 1, [(r["objective"], r["steps"], r["stopped"]) for r in racers]
-    loser = dropped[0]
-    winner = next(r for r in racers if r is not loser)
+    every, loser, winner = _race(race_margin=margin)
     if margin is None:
         assert loser["stopped"] == f"dropped after 5 rounds (leader: {winner['objective']})"
-        assert loser["steps"] == 5 * kw["eval_every"]
+        assert loser["steps"] == 5 * every
     else:
         assert loser["stopped"].startswith("dropped after 2 rounds") and "race_margin" in loser["stopped"]
-        assert loser["steps"] == 2 * kw["eval_every"]
+        assert loser["steps"] == 2 * every
         # the leader, alone, moves on to twice the rows right away (level_share ~ 0), before round 5
-        assert winner["steps"] < 5 * kw["eval_every"] and "continued on 200 rows" in winner["stopped"]
+        assert winner["steps"] < 5 * every and "continued on 200 rows" in winner["stopped"]
