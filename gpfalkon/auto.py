@@ -924,14 +924,14 @@ def auto_fit(
             by_share = (race_share is not None and rounds < race_rounds
                         and time.perf_counter() - t_stage >= race_share * (learn_deadline - t_stage))
             final = rounds == race_rounds or by_share
-            if len(still) > 1 and (final or (race_margin is not None and 2 <= rounds < race_rounds)):
+            by_margin = race_margin is not None and 2 <= rounds < race_rounds
+            if len(still) > 1 and (final or by_margin):
                 leader = min(still, key=lambda r: r.rec["best_error"])
                 best = leader.rec["best_error"]
                 for r in still:
                     if r is leader:
                         continue
-                    if (race_margin is not None and 2 <= rounds < race_rounds
-                            and r.rec["best_error"] > (1.0 + race_margin) * best):
+                    if by_margin and r.rec["best_error"] > (1.0 + race_margin) * best:  # type: ignore[operator]
                         r.stop(f"dropped after {rounds} rounds: best validation error {r.rec['best_error']:.4g} "
                                f"> (1 + race_margin) x the leader's ({leader.name}, {best:.4g})")
                     elif by_share:

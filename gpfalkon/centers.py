@@ -532,6 +532,14 @@ def approximate_leverage_scores(
     return scores
 
 
+def _check_row_indices(name: str, idx: object, n: int) -> None:
+    """Raise unless ``idx`` is a 1-D integer tensor of row indices in ``[0, n)`` (``name`` in the message)."""
+    if not isinstance(idx, Tensor) or idx.dim() != 1 or idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be a 1-D integer tensor of row indices")
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        raise ValueError(f"{name}: row indices must lie in [0, {n}), got [{int(idx.min())}, {int(idx.max())}]")
+
+
 def dictionary_leverage_scores(
     x: Tensor,
     kernel: Kernel,
@@ -578,12 +586,7 @@ def dictionary_leverage_scores(
     check_kernel(kernel)
     check_penalty(penalty)
     n = int(x.shape[0])
-    if not isinstance(dictionary, Tensor) or dictionary.dim() != 1 or dictionary.dtype not in (torch.int32,
-                                                                                                torch.int64):
-        raise TypeError("dictionary must be a 1-D integer tensor of row indices")
-    if dictionary.numel() and (int(dictionary.min()) < 0 or int(dictionary.max()) >= n):
-        raise ValueError(f"dictionary: row indices must lie in [0, {n}), got [{int(dictionary.min())}, "
-                         f"{int(dictionary.max())}]")
+    _check_row_indices("dictionary", dictionary, n)
     if int(torch.unique(dictionary).numel()) != int(dictionary.numel()):
         raise ValueError("dictionary: row indices must be distinct")
     a = torch.as_tensor(inclusion, dtype=torch.float64, device=x.device).detach()
@@ -594,10 +597,7 @@ def dictionary_leverage_scores(
     if not bool(torch.isfinite(a).all()) or bool((a <= 0).any()) or bool((a > 1).any()):
         raise ValueError("inclusion: probabilities must lie in (0, 1]")
     if rows is not None:
-        if not isinstance(rows, Tensor) or rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
-            raise TypeError("rows must be a 1-D integer tensor of row indices")
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
-            raise ValueError(f"rows: row indices must lie in [0, {n}), got [{int(rows.min())}, {int(rows.max())}]")
+        _check_row_indices("rows", rows, n)
         rows = rows.to(x.device).long()
     lam = float(torch.as_tensor(penalty).detach())
     k64 = _kernel64(kernel)
