@@ -6,6 +6,12 @@ AMSGrad), for parameters ``p`` with gradients ``g`` at step ``t``:
     m <- beta1 m + (1 - beta1) g,    v <- beta2 v + (1 - beta2) g^2,
     p <- p - (lr / (1 - beta1^t)) m / (sqrt(v / (1 - beta2^t)) + eps).
 
+For a tensor named in ``shared`` the denominator is one number for all its entries, from the largest
+second moment among them (``max_i v_i`` in place of each ``v_i``): the entry with the largest gradients
+steps by about ``lr`` and the others in proportion to their gradients, as in gradient descent, where
+Adam's own per-entry denominator moves every entry by about ``lr`` from the first steps on, whatever the
+size of its gradient (docs/math.md §8, "Lengthscale steps").
+
 Cost ``O(P)`` time and ``2 P`` extra memory for ``P`` parameter values.
 
 Why by hand: ``torch.optim``'s optimizers import ``torch._dynamo`` the first time one is built (every
@@ -35,13 +41,20 @@ class Adam:
         lr: step size (finite, > 0).
         betas: the moments' decay rates, each in ``[0, 1)``.
         eps: added to the denominator (>= 0).
+        shared: tensors of ``params`` whose entries share one denominator, from their largest second
+            moment (module docstring); empty (the default): Adam's update for every tensor.
     """
 
     def __init__(self, params: Iterable[Tensor], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8) -> None:
+                 eps: float = 1e-8, shared: Iterable[Tensor] = ()) -> None:
         self.params = list(params)
         if not all(isinstance(p, Tensor) for p in self.params):
             raise TypeError("params must be tensors")
+        shared = list(shared)
+        known = {id(p) for p in self.params}
+        if not all(isinstance(p, Tensor) and id(p) in known for p in shared):
+            raise ValueError("shared must name tensors of params")
+        self.shared = [any(p is q for q in shared) for p in self.params]
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
             raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
@@ -74,5 +87,6 @@ class Adam:
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             step_size = self.lr / (1 - beta1**t)
-            denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(self.eps)
+            v_hat = v.amax().expand_as(v) if self.shared[i] and v.numel() > 0 else v
+            denom = (v_hat.sqrt() / math.sqrt(1 - beta2**t)).add_(self.eps)
             p.addcdiv_(m, denom, value=-step_size)

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from gpytorch.constraints import Positive
 from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from torch import Tensor
 
@@ -196,17 +197,33 @@ def _scale_lengthscales(kernel: Kernel, factor: Tensor | float) -> None:
 
 #: how :func:`auto_fit` parametrises a family kernel's lengthscales (``lengthscale_transform=``)
 LENGTHSCALE_TRANSFORMS: tuple[str, ...] = ("softplus", "log")
+#: how stage 1's Adam scales the steps of a lengthscale vector (``lengthscale_step=``)
+LENGTHSCALE_STEPS: tuple[str, ...] = ("shared", "adam")
 
 
-def _log_lengthscales(kernel: Kernel) -> None:
+def _log_lengthscales(kernel: Kernel) -> list[str]:
     """Put ``kernel``'s lengthscales behind GPyTorch's ``Positive`` constraint through ``exp``/``log`` (the
     values kept): an optimiser step ``h`` on the raw parameter then scales a lengthscale by ``exp(h)``
     at every scale. Under GPyTorch's default ``softplus`` (the identity for values >> 1) the same
-    step moves a lengthscale ``l >> 1`` by about ``h``, that is ``h / l`` relative."""
-    for mod in _lengthscale_modules(kernel):
+    step moves a lengthscale ``l >> 1`` by about ``h``, that is ``h / l`` relative.
+
+    Only that default constraint (``Positive`` through softplus) is replaced; a module whose lengthscale
+    has another one (bounds chosen by the user: ``Interval``, ``GreaterThan(a > 0)``, ...) keeps it.
+    Returns the names of the modules kept so."""
+    kept = []
+    for name, mod in kernel.named_modules():
+        if not (isinstance(mod, Kernel) and getattr(mod, "has_lengthscale", False)):
+            continue
+        c = mod.raw_lengthscale_constraint
+        t = getattr(c, "_transform", None)
+        if type(c) is not Positive or not (isinstance(t, torch.nn.Softplus) or t is torch.nn.functional.softplus
+                                           or t is torch.exp):
+            kept.append(name or type(mod).__name__)
+            continue
         value = mod.lengthscale.detach().clone()
         mod.register_constraint("raw_lengthscale", log_positive())
         mod.lengthscale = value
+    return kept
 
 
 def _val_mse(model: FalkonGP, xv: Tensor, yv: Tensor) -> float:
@@ -326,14 +343,18 @@ class _ObjectiveRun:
     """One objective of stage 1: its model (on the subsample), optimiser and validation record."""
 
     def __init__(self, name: str, model: FalkonGP, lr: float, eval_every: int,
-                 start_error: float, score_pool: Tensor | None = None) -> None:
+                 start_error: float, score_pool: Tensor | None = None, lengthscale_step: str = "adam") -> None:
         rows = model.n
         self.name = name
         self.model = model
         self.score_pool = score_pool
         self.obj = OBJECTIVES[name](model)
         params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = Adam(params, lr=lr)  # torch.optim.Adam's update without its first-use import (_optim)
+        # "shared": each lengthscale vector steps with one denominator (its largest second moment)
+        shared = ([m.raw_lengthscale for m in _lengthscale_modules(model.kernel) if m.raw_lengthscale.requires_grad]
+                  if lengthscale_step == "shared" else [])
+        # torch.optim.Adam's update without its first-use import (_optim)
+        self.opt = Adam(params, lr=lr, shared=shared)
         self.eval_every = eval_every
         self.t0 = time.perf_counter()
         self.step = 0  # Adam steps
@@ -430,7 +451,8 @@ def auto_fit(
     kernel: str | Kernel = "matern52",
     objectives: Sequence[str] = ("sgpr", "gcv"),
     learn_centers: bool = False,
-    lengthscale_transform: str = "softplus",
+    lengthscale_transform: str = "log",
+    lengthscale_step: str = "shared",
     val_fraction: float = 0.2,
     max_val_rows: int = 20_000,
     hyper_rows: int = 2_000,
@@ -505,17 +527,23 @@ def auto_fit(
         learn_centers: also learn the ``hyper_centers`` centers in stage 1 (used as the first
             centers of stages 2-3).
         lengthscale_transform: how the kernel's lengthscales are parametrised for Adam
-            (:data:`LENGTHSCALE_TRANSFORMS`). ``"softplus"``: the kernel's own constraint (GPyTorch's
-            default softplus for the families): from the median
-            heuristic's start (about ``sqrt(2 d)`` on standardised inputs) a step moves a lengthscale
-            by about ``lr`` in absolute terms, so shrinking it tenfold takes tens of steps; ``"log"``
-            (``Positive`` through ``exp``/``log``, as the noise is): a step scales it by about
-            ``exp(lr)`` at every scale. On the development sets ``"log"`` gave 0.15-0.6x the test error
-            where a few lengthscales must shrink far (parkinsons) and 1.3x where weakly relevant
-            features were switched off by its fast early growth and did not recover (pumadyn32nm), so
-            the default stays ``"softplus"`` (``benchmarks/results/auto-lengthscale-transform.md``).
-            ``"log"`` replaces a given ``Kernel``'s lengthscale constraints too (values kept; the
-            returned model keeps the log parametrisation).
+            (:data:`LENGTHSCALE_TRANSFORMS`). ``"log"`` (the default; ``Positive`` through
+            ``exp``/``log``, as the noise is): a step scales a lengthscale by about ``exp(lr)`` at every
+            scale. ``"softplus"``: the kernel's own constraint (GPyTorch's default softplus): from the
+            median heuristic's start (about ``sqrt(2 d)`` on standardised inputs) a step moves a
+            lengthscale by about ``lr`` in absolute terms, so shrinking it tenfold takes tens of steps.
+            ``"log"`` replaces a given ``Kernel``'s lengthscale constraint where it is GPyTorch's default
+            ``Positive`` (values kept; the returned model keeps the log parametrisation); other
+            constraints (bounds the user chose) are kept, with a note in the report.
+        lengthscale_step: how Adam scales the steps of a lengthscale vector (:data:`LENGTHSCALE_STEPS`).
+            ``"shared"`` (the default): its entries share one denominator, their largest second moment
+            (docs/math.md §8 "Lengthscale steps"), so the lengthscale with the largest gradient moves by
+            about ``lr`` per step and the others in proportion to their gradients; ``"adam"``: Adam's
+            per-entry denominator, which moves every lengthscale by about ``lr`` per step from the first
+            steps on. In log space that made weakly relevant features' lengthscales grow ~10 % per step
+            with the irrelevant ones' until their gradients vanished (pumadyn32nm: 1.3x the test error of
+            ``"softplus"``); with ``"shared"`` they do not, and the fast shrinking of the relevant
+            ones is kept (``benchmarks/results/auto-notes.md``, "Lengthscale steps").
         hyper_rows, hyper_centers: subsample and number of centers of stage 1.
         max_hyper_rows: when the leading objective stalls (no new best in 3 validation scores, or
             less than 1% gain over 5), it goes on from its best point on twice the rows (nested
@@ -709,6 +737,8 @@ def auto_fit(
     if lengthscale_transform not in LENGTHSCALE_TRANSFORMS:
         raise ValueError(f"lengthscale_transform must be one of {LENGTHSCALE_TRANSFORMS}, "
                          f"got {lengthscale_transform!r}")
+    if lengthscale_step not in LENGTHSCALE_STEPS:
+        raise ValueError(f"lengthscale_step must be one of {LENGTHSCALE_STEPS}, got {lengthscale_step!r}")
     if not isinstance(leverage_check, bool):
         raise TypeError(f"leverage_check must be True or False, got {leverage_check!r}")
     if not (isinstance(lr, (int, float)) and lr > 0):
@@ -841,7 +871,10 @@ def auto_fit(
                 k0.base_kernel.lengthscale = torch.full((1, d), ls0, dtype=dtype, device=dev)
                 k0.outputscale = torch.tensor(1.0, dtype=dtype, device=dev)
         if lengthscale_transform == "log":
-            _log_lengthscales(k0)
+            kept = _log_lengthscales(k0)
+            if kept:
+                report.notes.append("lengthscale_transform='log' kept the kernel's own lengthscale constraint on "
+                                    + ", ".join(kept) + " (not GPyTorch's default Positive)")
         noise0 = 0.1
         best_state: dict[str, Any] = dict(
             kernel=copy.deepcopy(k0), noise=noise0, centers=centers0, objective="initial", step=0, error=math.inf,
@@ -891,7 +924,7 @@ def auto_fit(
                                     f"({n_final - head_first:,} rows of K_nM recomputed at every iteration)")
         runners = [
             _ObjectiveRun(name, h_model(copy.deepcopy(k0), noise0, centers0.clone(), learn_centers), lr,
-                          eval_every, best_state["error"], score_extra(m_h))
+                          eval_every, best_state["error"], score_extra(m_h), lengthscale_step)
             for name in objectives
         ]
         rounds = 0
@@ -983,7 +1016,7 @@ def auto_fit(
                 runners.append(_ObjectiveRun(
                     old.name, h_model(copy.deepcopy(start["kernel"]), float(start["noise"]), centers_next,
                                       learn_centers, rows=rows_h),
-                    lr, eval_every, best_state["error"], score_extra(centers_next.shape[0])))
+                    lr, eval_every, best_state["error"], score_extra(centers_next.shape[0]), lengthscale_step))
         for r in runners:
             r.rec["steps"] = r.step
             if r.failed:

@@ -2,6 +2,7 @@
 learning stage does not import ``torch._dynamo`` (the reason the class exists)."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -50,6 +51,58 @@ def test_adam_matches_torch(device, dtype, lr, betas, eps) -> None:
     assert opt.steps == [40, 40, 0]
     opt.zero_grad()
     assert all(p.grad is None for p in ours)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_adam_shared_steps_by_the_largest_second_moment(dtype) -> None:
+    """``shared``: a tensor's entries share one denominator, its largest second moment. Reference: the update
+    written out entry by entry in float64 (Python floats); the tensor not shared stays torch's Adam."""
+    ours, a, b = _problem("cpu", dtype)
+    ref = [p.detach().clone().requires_grad_() for p in ours]
+    lr, (b1, b2), eps = 0.05, (0.9, 0.99), 1e-8
+    opt = Adam(ours, lr=lr, betas=(b1, b2), eps=eps, shared=[ours[0]])
+    opt_ref = torch.optim.Adam(ref[1:], lr=lr, betas=(b1, b2), eps=eps, foreach=False)  # the scalar c
+    w = [float(v) for v in ref[0].detach()]
+    m, v = [0.0] * len(w), [0.0] * len(w)
+    for t in range(1, 31):
+        opt.zero_grad()
+        _loss(ours, a, b).backward()
+        opt.step()
+        opt_ref.zero_grad()
+        ref[0].grad = None
+        _loss(ref, a, b).backward()
+        opt_ref.step()
+        g = [float(x) for x in ref[0].grad]
+        m = [b1 * mi + (1 - b1) * gi for mi, gi in zip(m, g, strict=True)]
+        v = [b2 * vi + (1 - b2) * gi * gi for vi, gi in zip(v, g, strict=True)]
+        denom = math.sqrt(max(v) / (1 - b2**t)) + eps
+        w = [wi - lr / (1 - b1**t) * mi / denom for wi, mi in zip(w, m, strict=True)]
+        with torch.no_grad():
+            ref[0].copy_(torch.tensor(w, dtype=dtype))
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(ours[0].detach(), ref[0].detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(ours[1].detach(), ref[1].detach(), rtol=tol, atol=tol)
+
+
+def test_adam_shared_moves_in_proportion_to_constant_gradients() -> None:
+    """Closed form: under a constant gradient ``g`` (bias-corrected moments ``g`` and ``g^2`` exactly, eps 0)
+    a shared tensor moves by ``lr g / max|g|`` per step, Adam's own update by ``lr sign(g)``."""
+    g = torch.tensor([4.0, -1.0, 0.01, 0.0], dtype=torch.float64)
+    p, q = torch.zeros(4, dtype=torch.float64, requires_grad=True), torch.zeros(4, dtype=torch.float64,
+                                                                                requires_grad=True)
+    opt, plain = Adam([p], lr=0.1, eps=0.0, shared=[p]), Adam([q], lr=0.1, eps=1e-300)
+    for _ in range(7):
+        p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        plain.step()
+    torch.testing.assert_close(p.detach(), -7 * 0.1 * g / 4.0, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(q.detach(), -7 * 0.1 * torch.sign(g), rtol=1e-12, atol=1e-15)
+
+
+def test_adam_rejects_shared_tensors_outside_params() -> None:
+    p = torch.zeros(2, requires_grad=True)
+    with pytest.raises(ValueError, match="shared"):
+        Adam([p], lr=0.1, shared=[torch.zeros(2, requires_grad=True)])
 
 
 @pytest.mark.parametrize("kwargs,match", [
