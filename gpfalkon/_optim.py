@@ -6,11 +6,11 @@ AMSGrad), for parameters ``p`` with gradients ``g`` at step ``t``:
     m <- beta1 m + (1 - beta1) g,    v <- beta2 v + (1 - beta2) g^2,
     p <- p - (lr / (1 - beta1^t)) m / (sqrt(v / (1 - beta2^t)) + eps).
 
-For a tensor named in ``shared`` the denominator is one number for all its entries, from the largest
-second moment among them (``max_i v_i`` in place of each ``v_i``): the entry with the largest gradients
-steps by about ``lr`` and the others in proportion to their gradients, as in gradient descent, where
-Adam's own per-entry denominator moves every entry by about ``lr`` from the first steps on, whatever the
-size of its gradient (docs/math.md §8, "Lengthscale steps").
+For a tensor named in ``shared`` each entry's second moment is floored at the mean of its tensor's
+(``max(v_i, mean_j v_j)`` in place of ``v_i``): the entries whose gradients are at least the tensor's RMS
+gradient step by about ``lr``, as in Adam, and the others in proportion to their gradients, as in gradient
+descent, where Adam's own per-entry denominator moves every entry by about ``lr`` from the first steps on,
+whatever the size of its gradient (docs/math.md §8, "Lengthscale steps").
 
 Cost ``O(P)`` time and ``2 P`` extra memory for ``P`` parameter values.
 
@@ -41,8 +41,8 @@ class Adam:
         lr: step size (finite, > 0).
         betas: the moments' decay rates, each in ``[0, 1)``.
         eps: added to the denominator (>= 0).
-        shared: tensors of ``params`` whose entries share one denominator, from their largest second
-            moment (module docstring); empty (the default): Adam's update for every tensor.
+        shared: tensors of ``params`` whose entries' second moments are floored at their tensor's mean
+            (module docstring); empty (the default): Adam's update for every tensor.
     """
 
     def __init__(self, params: Iterable[Tensor], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -87,6 +87,6 @@ class Adam:
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
             step_size = self.lr / (1 - beta1**t)
-            v_hat = v.amax().expand_as(v) if self.shared[i] and v.numel() > 0 else v
+            v_hat = torch.maximum(v, v.mean()) if self.shared[i] and v.numel() > 0 else v
             denom = (v_hat.sqrt() / math.sqrt(1 - beta2**t)).add_(self.eps)
             p.addcdiv_(m, denom, value=-step_size)

@@ -350,7 +350,7 @@ class _ObjectiveRun:
         self.score_pool = score_pool
         self.obj = OBJECTIVES[name](model)
         params = [p for p in model.parameters() if p.requires_grad]
-        # "shared": each lengthscale vector steps with one denominator (its largest second moment)
+        # "shared": each lengthscale vector's second moments floored at their mean (small gradients, small steps)
         shared = ([m.raw_lengthscale for m in _lengthscale_modules(model.kernel) if m.raw_lengthscale.requires_grad]
                   if lengthscale_step == "shared" else [])
         # torch.optim.Adam's update without its first-use import (_optim)
@@ -536,9 +536,9 @@ def auto_fit(
             ``Positive`` (values kept; the returned model keeps the log parametrisation); other
             constraints (bounds the user chose) are kept, with a note in the report.
         lengthscale_step: how Adam scales the steps of a lengthscale vector (:data:`LENGTHSCALE_STEPS`).
-            ``"shared"`` (the default): its entries share one denominator, their largest second moment
-            (docs/math.md §8 "Lengthscale steps"), so the lengthscale with the largest gradient moves by
-            about ``lr`` per step and the others in proportion to their gradients; ``"adam"``: Adam's
+            ``"shared"`` (the default): each entry's second moment is floored at the vector's mean
+            (docs/math.md §8 "Lengthscale steps"), so the lengthscales whose gradients are at least the
+            vector's RMS move by about ``lr`` per step and the others in proportion to their gradients; ``"adam"``: Adam's
             per-entry denominator, which moves every lengthscale by about ``lr`` per step from the first
             steps on. In log space that made weakly relevant features' lengthscales grow ~10 % per step
             with the irrelevant ones' until their gradients vanished (pumadyn32nm: 1.3x the test error of
