@@ -3,7 +3,8 @@
 :func:`auto_fit` turns ``(x, y, budget)`` into a fitted :class:`~gpfalkon.FalkonGP`, in three stages
 (every choice lands in ``model.auto_report``):
 
-1. **Learn** ARD lengthscales, outputscale and the penalty (optionally the centers) on a subsample
+1. **Learn** ARD lengthscales (in log space, small gradients taking small steps), outputscale and the
+   penalty (optionally the centers) on a subsample
    of ``hyper_rows`` rows with ``hyper_centers`` centers, by Adam on each objective in
    ``objectives`` (SGPR bound, GCV, C-Reg, Nyström C-Reg, ...: Meanti et al. 2022 find each best
    on some datasets). Every ``eval_every`` steps the current hyperparameters are scored by the
@@ -343,7 +344,7 @@ class _ObjectiveRun:
     """One objective of stage 1: its model (on the subsample), optimiser and validation record."""
 
     def __init__(self, name: str, model: FalkonGP, lr: float, eval_every: int,
-                 start_error: float, score_pool: Tensor | None = None, lengthscale_step: str = "adam") -> None:
+                 start_error: float, score_pool: Tensor | None = None, lengthscale_step: str = "shared") -> None:
         rows = model.n
         self.name = name
         self.model = model
@@ -538,12 +539,12 @@ def auto_fit(
         lengthscale_step: how Adam scales the steps of a lengthscale vector (:data:`LENGTHSCALE_STEPS`).
             ``"shared"`` (the default): each entry's second moment is floored at the vector's mean
             (docs/math.md §8 "Lengthscale steps"), so the lengthscales whose gradients are at least the
-            vector's RMS move by about ``lr`` per step and the others in proportion to their gradients; ``"adam"``: Adam's
-            per-entry denominator, which moves every lengthscale by about ``lr`` per step from the first
-            steps on. In log space that made weakly relevant features' lengthscales grow ~10 % per step
-            with the irrelevant ones' until their gradients vanished (pumadyn32nm: 1.3x the test error of
-            ``"softplus"``); with ``"shared"`` they do not, and the fast shrinking of the relevant
-            ones is kept (``benchmarks/results/auto-notes.md``, "Lengthscale steps").
+            vector's RMS move by about ``lr`` per step and the others in proportion to their gradients;
+            ``"adam"``: Adam's per-entry denominator, which moves every lengthscale by about ``lr`` per
+            step from the first steps on. In log space that made weakly relevant features' lengthscales
+            grow ~10 % per step with the irrelevant ones' until their gradients vanished (pumadyn32nm:
+            1.3x the test error of ``"softplus"``); ``"shared"`` keeps the fast shrinking of the relevant
+            ones without that (``benchmarks/results/auto-notes.md``, "Lengthscale steps").
         hyper_rows, hyper_centers: subsample and number of centers of stage 1.
         max_hyper_rows: when the leading objective stalls (no new best in 3 validation scores, or
             less than 1% gain over 5), it goes on from its best point on twice the rows (nested
