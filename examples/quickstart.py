@@ -51,11 +51,11 @@ def main() -> None:
         print(f"auto_fit: {time.perf_counter() - t0:.1f} s")
         print(model.auto_report.summary())
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad():  # the lazy mean and variance are computed here too, without a graph
             pred = model.likelihood(model(xte))
-        rmse = float(((pred.mean - yte) ** 2).mean().sqrt())
-        nlpd = float((0.5 * torch.log(2 * math.pi * pred.variance)
-                      + 0.5 * (yte - pred.mean) ** 2 / pred.variance).mean())
+            rmse = float(((pred.mean - yte) ** 2).mean().sqrt())
+            nlpd = float((0.5 * torch.log(2 * math.pi * pred.variance)
+                          + 0.5 * (yte - pred.mean) ** 2 / pred.variance).mean())
         base = float(((ym - yte) ** 2).mean().sqrt())
         print(f"test RMSE {rmse:.4f} (predicting the training mean: {base:.4f}), NLPD {nlpd:.4f}")
         return
