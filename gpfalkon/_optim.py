@@ -50,11 +50,10 @@ class Adam:
         self.params = list(params)
         if not all(isinstance(p, Tensor) for p in self.params):
             raise TypeError("params must be tensors")
-        shared = list(shared)
-        known = {id(p) for p in self.params}
-        if not all(isinstance(p, Tensor) and id(p) in known for p in shared):
+        shared_ids = {id(q) for q in shared}
+        if not shared_ids <= {id(p) for p in self.params}:
             raise ValueError("shared must name tensors of params")
-        self.shared = [any(p is q for q in shared) for p in self.params]
+        self.shared = [id(p) in shared_ids for p in self.params]
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
             raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):

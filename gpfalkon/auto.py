@@ -186,8 +186,13 @@ class _Clock:
             self.bar.close()
 
 
+def _named_lengthscale_modules(kernel: Kernel) -> list[tuple[str, Kernel]]:
+    return [(name, m) for name, m in kernel.named_modules()
+            if isinstance(m, Kernel) and getattr(m, "has_lengthscale", False)]
+
+
 def _lengthscale_modules(kernel: Kernel) -> list[Kernel]:
-    return [m for m in kernel.modules() if isinstance(m, Kernel) and getattr(m, "has_lengthscale", False)]
+    return [m for _, m in _named_lengthscale_modules(kernel)]
 
 
 def _scale_lengthscales(kernel: Kernel, factor: Tensor | float) -> None:
@@ -212,9 +217,7 @@ def _log_lengthscales(kernel: Kernel) -> list[str]:
     has another one (bounds chosen by the user: ``Interval``, ``GreaterThan(a > 0)``, ...) keeps it.
     Returns the names of the modules kept so."""
     kept = []
-    for name, mod in kernel.named_modules():
-        if not (isinstance(mod, Kernel) and getattr(mod, "has_lengthscale", False)):
-            continue
+    for name, mod in _named_lengthscale_modules(kernel):
         c = mod.raw_lengthscale_constraint
         t = getattr(c, "_transform", None)
         if type(c) is not Positive or not (isinstance(t, torch.nn.Softplus) or t is torch.nn.functional.softplus

@@ -447,8 +447,8 @@ class KernelEngine:
         """An empty ``(rows, M)`` tensor for stored rows of ``K_nM``, once any released store is freed
         (:func:`_await_frees`). Plain pages: transparent huge pages (``madvise``) were measured and left out
         (``benchmarks/results/hugepages.md``: a process's first advised store paid 1.8-2.1 s of memory
-        compaction against 0.35-0.4 s of page faults). Inside :func:`reuse_stores`, a kept store of about
-        the size is reused instead."""
+        compaction against 0.35-0.4 s of page faults). Inside :func:`reuse_stores`, a kept store of exactly
+        this size, dtype and device is reused instead."""
         if reuse_depth() > 0:
             kept = _take_pooled(rows, self.m, self.dtype, self.device)
             if kept is not None:
