@@ -71,9 +71,10 @@ from .backend.engine import reuse_stores
 from .centers import NestedLeverageCenters, dictionary_leverage_scores, leverage_centers, nested_leverage_centers
 from .errors import CGNotConvergedWarning
 from .models import FalkonGP
+from .models.calibration import preconditioned_variances, variance_scale
 from .models.defaults import log_positive
 from .objectives import GCV, LOOCV, CompReg, NystromCompReg, SGPRBound, StochasticNystromCompReg
-from .operators import FactorCache
+from .operators import FactorCache, FalkonPreconditioner
 from .operators.preconditioner import engine_memory_budget
 from .options import FalkonOptions
 
@@ -81,6 +82,10 @@ __all__ = ["CENTER_SAMPLING", "KERNEL_FAMILIES", "LENGTHSCALE_TRANSFORMS", "OBJE
 
 #: largest dictionary :func:`auto_fit` estimates leverage scores from (``O(n M_J^2)`` per pass)
 LEVERAGE_DICTIONARY = 2048
+
+#: most held-out rows :func:`auto_fit`'s variance calibration uses; fewer at large ``M`` (see
+#: :func:`_calibration_rows`)
+CALIBRATION_ROWS = 2000
 
 #: how :func:`auto_fit` draws the nested centers of stages 2-3 (``center_sampling=``)
 CENTER_SAMPLING: tuple[str, ...] = ("auto", "uniform", "leverage")
@@ -143,7 +148,8 @@ class AutoFitReport:
             f"  objective {c.get('objective')} (step {c.get('step')}), kernel {self.kernel}, "
             f"M {c.get('num_centers')} ({c.get('centers')} centers), "
             f"noise {c.get('noise', float('nan')):.4g} (standardised), "
-            f"lengthscale multiplier {c.get('multiplier', float('nan')):.3g}",
+            f"lengthscale multiplier {c.get('multiplier', float('nan')):.3g}, "
+            f"variance scale {c.get('variance_scale', float('nan')):.3g}",
             f"  validation RMSE {c.get('val_rmse', float('nan')):.5g}; stages "
             + ", ".join(f"{k} {v:.1f} s" for k, v in self.stages.items()),
         ]
@@ -228,6 +234,30 @@ def _log_lengthscales(kernel: Kernel) -> list[str]:
         mod.register_constraint("raw_lengthscale", log_positive())
         mod.lengthscale = value
     return kept
+
+
+class _KeptPreconditioner:
+    """A :class:`~gpfalkon.solvers.PreconditionerBuilder` that builds FALKON's preconditioner as the default
+    does (:meth:`FalkonPreconditioner.from_kernel_matrix`) and keeps the last one, so the variance calibration
+    can read the final fit's factors after the fit (they live as long as the fit anyway: no extra peak
+    memory, only a later release)."""
+
+    def __init__(self) -> None:
+        self.last: FalkonPreconditioner | None = None
+
+    def __call__(self, kmm: Tensor, penalty: Tensor | float, n: int, weights: Tensor | None = None,
+                 dtype: torch.dtype | None = torch.float64, jitter: float | None = None) -> FalkonPreconditioner:
+        self.last = None  # a rebuild (more jitter) frees the old factors first
+        self.last = FalkonPreconditioner.from_kernel_matrix(kmm, penalty, n, weights=weights, dtype=dtype,
+                                                            jitter=jitter)
+        return self.last
+
+
+def _calibration_rows(m: int, available: int) -> int:
+    """Held-out rows the variance calibration scores at ``m`` centers: :data:`CALIBRATION_ROWS`, fewer where
+    its two triangular solves (``2 rows M^2`` flops) would pass ``1e10`` flops, never below 256 (the
+    estimate ``mean(r^2 / v)``'s relative spread is about ``sqrt(2 / rows)``), at most ``available``."""
+    return max(1, min(available, max(256, min(CALIBRATION_ROWS, int(5e9 / max(m, 1) ** 2)))))
 
 
 def _val_mse(model: FalkonGP, xv: Tensor, yv: Tensor) -> float:
@@ -488,6 +518,7 @@ def auto_fit(
     score_max_iter: int | None = None,
     tol: float = 1e-4,
     refit_on_all: bool = True,
+    calibrate_variance: bool = True,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     verbose: bool = False,
@@ -512,8 +543,10 @@ def auto_fit(
             prediction fits the time left plus a grace of 5 % of the budget, and the final CG stops
             at that point or at 1.2 x its prediction, whichever is later
             (``FalkonGP.fit(time_limit=...)``; ``auto_report.notes`` says so). The call can run over by
-            the grace, the final fit's ``K_Mn y`` pass and its last CG iteration, or where the first
-            number of centers alone does not fit (the first level is always returned).
+            the grace, the final fit's ``K_Mn y`` pass and its last CG iteration, the variance
+            calibration after it (``calibrate_variance``: at most about ``1e10`` flops, 0.15-0.2 s at
+            ``M`` = 2,000-4,500 on 2 CPU cores), or where the first number of centers alone does not fit (the
+            first level is always returned).
         val_x, val_y: validation data for every choice; default: ``val_fraction`` of the rows
             (at most ``max_val_rows``) are held out, and put back for the final fit when
             ``refit_on_all``.
@@ -660,6 +693,19 @@ def auto_fit(
             2's selection fits), which only rank hyperparameters and sizes; default ``max(10, max_iter // 2)``.
             The final fit keeps ``max_iter``.
         refit_on_all: fit the final model on training plus held-out rows.
+        calibrate_variance: multiply the returned model's outputscale and noise by one factor
+            ``c = mean(r^2 / v)`` over up to :data:`CALIBRATION_ROWS` held-out rows
+            (:meth:`FalkonGP.scale_prior <gpfalkon.FalkonGP.scale_prior>`: the posterior mean is unchanged,
+            the predictive variances become ``c v``; docs/math.md §8 "Variance calibration"). The noise is
+            chosen for the mean's validation error, as a regulariser, and often sits far below the data's
+            noise, so the uncalibrated variances can be 10-100x too small. ``v``: the final model's
+            predictive variances at those rows through its preconditioner
+            (:func:`~gpfalkon.models.calibration.preconditioned_variances`, ``2 rows M^2`` flops);
+            ``r``: the final model's residuals there where the held-out rows are not refit (``val_x``
+            given or ``refit_on_all=False``), else those of the selection fit that scored the chosen level
+            (before the held-out rows joined its training rows: its larger error makes ``c`` err high,
+            the safe side). ``auto_report.chosen["variance_scale"]`` is ``c`` (1 when off or skipped, with
+            a note).
         dtype: dtype of the data passes (float32 by default: half the time; CG, Cholesky factors
             and predictions stay float64 inside FALKON).
         seed: seeds subsampling, splits and centers.
@@ -745,6 +791,8 @@ def auto_fit(
         raise ValueError(f"lengthscale_step must be one of {LENGTHSCALE_STEPS}, got {lengthscale_step!r}")
     if not isinstance(leverage_check, bool):
         raise TypeError(f"leverage_check must be True or False, got {leverage_check!r}")
+    if not isinstance(calibrate_variance, bool):
+        raise TypeError(f"calibrate_variance must be True or False, got {calibrate_variance!r}")
     if not (isinstance(lr, (int, float)) and lr > 0):
         raise ValueError(f"lr must be > 0, got {lr!r}")
     if not (isinstance(tol, (int, float)) and tol >= 0):
@@ -1078,6 +1126,12 @@ def auto_fit(
         # Cholesky instead of M^3 (bit for bit the same fit); freed before the final fit
         factors = FactorCache()
         select_options = FalkonOptions(preconditioner=factors)
+        # the variance calibration's held-out rows (a draw of its own: the other draws stay as they were); where
+        # the final fit takes them back, each selection fit's residuals there are kept (CALIBRATION_ROWS
+        # float64 values a fit) for the chosen level's
+        cal_idx = torch.randperm(xv.shape[0], generator=torch.Generator(device=dev).manual_seed(int(seed) + 1),
+                                 device=dev)[:CALIBRATION_ROWS]
+        cal_residuals: dict[tuple[int, float, float, str], Tensor] = {}
 
         def centers_at(m: int, kind: str | None = None) -> tuple[Tensor, Tensor | None]:
             """The ``m`` nested centers of the pool ``kind`` (default: the current one) and their weights."""
@@ -1106,6 +1160,9 @@ def auto_fit(
                                                 penalty=noise / x_m.shape[0], max_iter=score_iter, tol=tol,
                                                 options=select_options))
                 err = _val_mse(mod, xv_z, yv_z)
+                if calibrate_variance and n_back > 0 and math.isfinite(err):
+                    cal_residuals[key] = (yv_z[cal_idx].to(torch.float64)
+                                          - mod.posterior_mean(xv_z[cal_idx]).to(torch.float64))
                 info = mod.fit_info
                 iters = info.iterations if info is not None else None
                 extra_info = info.extra if info is not None else {}
@@ -1215,12 +1272,14 @@ def auto_fit(
 
         def build_final(level: dict[str, Any], time_limit: float | None = None,
                         centers: Tensor | None = None, weights: Tensor | None = None,
-                        rows: int | None = None) -> tuple[FalkonGP, bool]:
+                        rows: int | None = None, keeper: _KeptPreconditioner | None = None
+                        ) -> tuple[FalkonGP, bool]:
             """The model of a selection level on the final rows, in raw units, fitted; (model, converged).
             ``time_limit`` bounds the fit's wall time (CG stops at the clock, see ``FalkonGP.fit``);
             ``centers`` (standardised units) and their preconditioner ``weights`` replace the level's;
             ``rows`` (default: all final rows) takes the first ``rows - n_back`` selection-order training
-            rows (every size's selection rows come first) and the held-out rows put back."""
+            rows (every size's selection rows come first) and the held-out rows put back; ``keeper`` builds the
+            fit's preconditioner and keeps it."""
             x_use, y_use = x_fin_t, y_fin_t
             if rows is not None and rows < x_fin.shape[0]:
                 idx = torch.cat([s_order[: rows - n_back], torch.arange(n_tr, n_tr + n_back, device=dev)])
@@ -1247,8 +1306,32 @@ def auto_fit(
             noise_raw = level["noise"] * float(y_sd) ** 2
             model = FalkonGP(x_use, y_use, kernel=fin_kernel, centers=centers_raw,
                              penalty=noise_raw / x_use.shape[0], mean_constant=float(y_mu), max_iter=max_iter, tol=tol,
-                             center_weights=weights)
+                             center_weights=weights,
+                             options=None if keeper is None else FalkonOptions(preconditioner=keeper))
             return _fit_quiet(model, time_limit=time_limit)
+
+        def calibration_scale(final: FalkonGP, precond: FalkonPreconditioner | None) -> float:
+            """``c = mean(r^2 / v)`` on the calibration rows (raw units; see ``calibrate_variance``)."""
+            rows = _calibration_rows(int(final.centers.shape[0]), int(cal_idx.shape[0]))
+            idx = cal_idx[:rows]
+            x_c = xv[idx].to(dtype)
+            if n_back > 0:
+                key = (int(best_level["M"]), round(math.log(best_level["noise"]), 6),
+                       round(math.log(best_level["multiplier"]), 6), best_level["centers"])
+                if key not in cal_residuals:
+                    raise LookupError("the chosen level's selection residuals were not kept")
+                r = cal_residuals[key][:rows] * float(y_sd)
+            else:
+                with torch.no_grad():
+                    r = yv[idx] - final.posterior_mean(x_c).to(torch.float64)
+            if precond is None:  # a direct solve builds no preconditioner (it is chosen at small M only)
+                with torch.no_grad():
+                    precond = FalkonPreconditioner.from_kernel_matrix(
+                        final.nystrom_operator(store_kernel=False).kmm, final.penalty.detach(), final.n,
+                        weights=final.center_weights)
+            v = preconditioned_variances(final.kernel, x_c, final.centers.detach(), precond,
+                                         float(final.noise.detach()))
+            return variance_scale(r, v)
 
         callback_seconds = [0.0]
 
@@ -1575,17 +1658,31 @@ def auto_fit(
                            else final_cost(m_final, rows=rows_final))
         # the budget's remainder (and the grace) bounds the final CG: a backstop for a prediction that was
         # low. Never below 1.2 x the prediction: a final CG cut to a few iterations returns a useless model
+        keeper = _KeptPreconditioner() if calibrate_variance else None
         final, converged = build_final(final_level, time_limit=max(clock.left() + grace, 1.2 * final_predicted, 1e-3),
                                        centers=lev_centers,
-                                       weights=lev_weights, rows=rows_final)
+                                       weights=lev_weights, rows=rows_final, keeper=keeper)
         report.stages["final fit"] = time.perf_counter() - t_stage
+        variance_c = 1.0
+        if keeper is not None:
+            t_cal = time.perf_counter()
+            try:
+                c_cal = calibration_scale(final, keeper.last)
+                final.scale_prior(c_cal)
+                variance_c = c_cal
+            except (ValueError, LookupError, RuntimeError) as exc:
+                report.notes.append(f"variance calibration skipped: {type(exc).__name__}: {exc}")
+            finally:
+                keeper.last = None  # the factors are released with the builder
+                final.options = final.options.replace(preconditioner=None)
+            report.stages["calibration"] = time.perf_counter() - t_cal
         if final.fit_info is not None and final.fit_info.extra.get("time_limit"):
             report.notes.append(f"final CG stopped by the budget after {final.fit_info.iterations} iterations "
                                 f"(relative residual {float(final.fit_info.final_residual.max()):.3g})")
         elif not converged:
             report.notes.append(f"final CG stopped at max_iter={max_iter} before tol={tol:g}")
         m_fin = int(final.centers.shape[0])
-        noise_raw = best_level["noise"] * float(y_sd) ** 2
+        noise_raw = float(final.noise.detach())  # the selected noise in raw units, times the variance scale
 
         best_obj = next((r for r in report.learn if r["objective"] == best_state["objective"]
                          and r.get("rows") == best_state["rows"]), {})
@@ -1598,6 +1695,7 @@ def auto_fit(
             y_scale=float(y_sd),
             num_centers=m_fin,
             noise=best_level["noise"],
+            variance_scale=variance_c,
             noise_raw=noise_raw,
             penalty=noise_raw / rows_final,
             multiplier=best_level["multiplier"],

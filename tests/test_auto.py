@@ -165,7 +165,8 @@ def test_auto_fit_final_model_is_the_dense_nystrom_solution(fitted):
     # the noise is chosen for validation error (with few centers it may sit well below the data's), reported in
     # standardised units and carried to raw units by the targets' variance
     ch = model.auto_report.chosen
-    assert math.isclose(float(model.noise.detach()), ch["noise"] * ch["y_scale"] ** 2, rel_tol=1e-6)
+    assert math.isclose(float(model.noise.detach()), ch["noise"] * ch["y_scale"] ** 2 * ch["variance_scale"],
+                        rel_tol=1e-6)
     assert math.isclose(float(model.penalty.detach()) * model.n, ch["noise_raw"], rel_tol=1e-6)
     # the validation RMSE (raw units) is near the data's noise std 50 * 0.05 = 2.5, never below half of it
     assert 1.25 < ch["val_rmse"] < 2.5 * 2, ch["val_rmse"]
@@ -184,6 +185,40 @@ def test_auto_fit_choices_are_the_validation_minimum(fitted):
     for rec in rep.learn[1:]:
         steps = [s for s, _, _ in rec["curve"]]
         assert steps == sorted(steps) and rec["steps"] <= SMALL["max_steps"]
+
+
+@pytest.mark.parametrize("given_val", [False, True])
+def test_auto_fit_calibrates_its_predictive_variances(given_val):
+    """The noise chosen for the mean's validation error makes raw variances far too small here (the data's noise
+    std is 2.5); the calibrated ones explain independent test residuals: mean(r^2 / v) near 1 (closed form of the
+    best scale, docs/math.md §8), while the mean is that of the uncalibrated model."""
+    x, y, _ = _data(500)
+    xt, yt, _ = _data(400, seed=1)
+    kw = dict(SMALL)
+    if given_val:
+        xv, yv, _ = _data(200, seed=2)
+        kw.update(val_x=xv, val_y=yv)
+    on = auto_fit(x, y, **kw)
+    off = auto_fit(x, y, calibrate_variance=False, **kw)
+    c = on.auto_report.chosen["variance_scale"]
+    assert off.auto_report.chosen["variance_scale"] == 1.0
+    assert "calibration" in on.auto_report.stages and "calibration" not in off.auto_report.stages
+    assert not any("calibration" in note for note in on.auto_report.notes)
+    on.eval()
+    off.eval()
+    with torch.no_grad():
+        p_on, p_off = on.likelihood(on(xt)), off.likelihood(off(xt))
+    torch.testing.assert_close(p_on.mean, p_off.mean, rtol=1e-6, atol=1e-6 * float(p_off.mean.abs().max()))
+    torch.testing.assert_close(p_on.variance, c * p_off.variance, rtol=1e-5, atol=0.0)
+    ratio_on = float(((yt - p_on.mean) ** 2 / p_on.variance).mean())
+    ratio_off = float(((yt - p_off.mean) ** 2 / p_off.variance).mean())
+    assert 0.5 < ratio_on < 2.0, (ratio_on, ratio_off, c)
+    assert abs(math.log(ratio_on)) < abs(math.log(ratio_off))
+    # the returned model holds no builder (nor the factors it kept)
+    assert on.options.preconditioner is None
+    ch = on.auto_report.chosen
+    assert math.isclose(ch["noise_raw"], float(on.noise.detach()), rel_tol=1e-12)
+    assert "variance scale" in on.auto_report.summary()
 
 
 def test_auto_fit_invariant_to_affine_rescaling():
@@ -425,6 +460,7 @@ def test_auto_fit_respects_a_small_budget():
         (dict(race_margin=0.0), "race_margin"),
         (dict(race_margin=float("nan")), "race_margin"),
         (dict(race_margin=True), "race_margin"),
+        (dict(calibrate_variance=1), "calibrate_variance"),
     ],
 )
 def test_auto_fit_bad_arguments(kwargs, match):
@@ -649,7 +685,10 @@ def test_auto_fit_final_growth_spends_the_time_a_next_size_could_not(monkeypatch
                                   final_growth=False)
     assert off.auto_report.chosen["num_centers"] == 60 and off.auto_report.chosen["grown_from"] is None
     torch.testing.assert_close(model.centers[:60], off.centers)
-    assert float(model.noise.detach()) == pytest.approx(float(off.noise.detach()), rel=1e-12)
+    # the same selected noise (each model's then carries its own variance calibration)
+    assert model.auto_report.chosen["noise"] == off.auto_report.chosen["noise"]
+    assert float(model.noise.detach()) / model.auto_report.chosen["variance_scale"] == pytest.approx(
+        float(off.noise.detach()) / off.auto_report.chosen["variance_scale"], rel=1e-9)
     # the grown model is the dense Nystrom KRR solution with its centers
     _assert_dense_nystrom(model)
     # stopped for lack of gain: no growth

@@ -12,7 +12,7 @@ from typing import Any, cast
 import gpytorch
 import torch
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
-from gpytorch.kernels import Kernel
+from gpytorch.kernels import Kernel, ScaleKernel
 from gpytorch.likelihoods import Likelihood
 from gpytorch.utils.warnings import GPInputWarning
 from linear_operator.operators import (
@@ -485,6 +485,51 @@ class FalkonGP(gpytorch.models.GP):
             raise ValueError(
                 f"penalty={float(value):g} (noise {float(noise):g}) violates the likelihood's noise constraint: {exc}"
             ) from exc
+
+    def scale_prior(self, factor: float) -> FalkonGP:
+        r"""Multiply the kernel's ``outputscale`` and the noise by ``factor`` (``c > 0``), keeping the fit.
+
+        ``K -> c K`` with ``sigma^2 = n lambda -> c sigma^2`` turns ``H = K_Mn K_nM + n lambda K_MM`` into
+        ``c^2 H`` and ``K_Mn y`` into ``c K_Mn y``: ``alpha / c`` solves the new system and the posterior
+        mean ``mu + K_*M alpha`` is unchanged, while every term of the posterior covariance and of the
+        predictive variance (docs/math.md §4) is multiplied by ``c``. So a fitted model stays fitted with
+        no data pass: ``alpha`` is rescaled, and the variance factors with it (``L -> c^{1/2} L``; ``L_B``
+        does not change). ``c`` is applied as the ratio of the stored outputscale after and before (the
+        parameter's rounding), so the mean is kept to that rounding. :func:`~gpfalkon.auto_fit` uses this to
+        calibrate its predictive variances (docs/math.md §8, "Variance calibration").
+
+        The kernel must be a ``ScaleKernel``; ``ValueError`` (nothing changed) where ``factor`` is not a
+        finite number > 0 or a constraint (the outputscale's, the likelihood's noise) cannot hold the new
+        value. A model that is not fitted, or whose fit is stale, only has the two values changed.
+        Returns ``self``.
+        """
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not (
+                math.isfinite(float(factor)) and float(factor) > 0):
+            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
+        if not isinstance(self.kernel, ScaleKernel):
+            raise ValueError(f"scale_prior needs a ScaleKernel (its outputscale carries the factor), got "
+                             f"{type(self.kernel).__name__}")
+        was_valid = bool(self.fitted) and not self._hyper_changed()
+        old_scale = self.kernel.outputscale.detach().clone()
+        old_noise = self.noise.detach().to(torch.float64).clone()
+        try:
+            with torch.no_grad():
+                self.kernel.outputscale = old_scale * float(factor)
+            ratio = float(self.kernel.outputscale.detach().to(torch.float64).sum() / old_scale.to(torch.float64).sum())
+            self.penalty = old_noise * ratio / self.n
+        except (RuntimeError, ValueError) as exc:
+            with torch.no_grad():
+                self.kernel.outputscale = old_scale
+                self.likelihood.noise = old_noise.to(self.likelihood.raw_noise.dtype)
+            raise ValueError(f"scale_prior(factor={float(factor):g}): {exc}") from exc
+        if was_valid:
+            self.alpha = self.alpha / ratio
+            if self._factors is not None:
+                self._factors = NystromPosteriorFactors(self._factors.L * math.sqrt(ratio), self._factors.LB)
+            self._mark_fitted()
+        else:
+            self._factors = None
+        return self
 
     # the FalkonOptions fields, readable and assignable as attributes (as before FalkonOptions)
     max_iter = option_property("max_iter", settable=True)
