@@ -255,9 +255,9 @@ class _KeptPreconditioner:
 
 def _calibration_rows(m: int, available: int) -> int:
     """Held-out rows the variance calibration scores at ``m`` centers: :data:`CALIBRATION_ROWS`, fewer where
-    its two triangular solves (``2 rows M^2`` flops) would pass ``1e10`` flops, never below 256 (the
+    its two triangular solves (``2 rows M^2`` flops) would pass ``4e9`` flops, never below 256 (the
     estimate ``mean(r^2 / v)``'s relative spread is about ``sqrt(2 / rows)``), at most ``available``."""
-    return max(1, min(available, max(256, min(CALIBRATION_ROWS, int(5e9 / max(m, 1) ** 2)))))
+    return max(1, min(available, max(256, min(CALIBRATION_ROWS, int(2e9 / max(m, 1) ** 2)))))
 
 
 def _val_mse(model: FalkonGP, xv: Tensor, yv: Tensor) -> float:
@@ -544,9 +544,9 @@ def auto_fit(
             at that point or at 1.2 x its prediction, whichever is later
             (``FalkonGP.fit(time_limit=...)``; ``auto_report.notes`` says so). The call can run over by
             the grace, the final fit's ``K_Mn y`` pass and its last CG iteration, the variance
-            calibration after it (``calibrate_variance``: at most about ``1e10`` flops, 0.15-0.2 s at
-            ``M`` = 2,000-4,500 on 2 CPU cores), or where the first number of centers alone does not fit (the
-            first level is always returned).
+            calibration after it (``calibrate_variance``: at most ``max(4e9, 512 M^2)`` flops, about
+            0.05 s up to ``M`` = 2,800 and 0.1 s at ``M`` = 4,000 on 2 CPU cores), or where the first number
+            of centers alone does not fit (the first level is always returned).
         val_x, val_y: validation data for every choice; default: ``val_fraction`` of the rows
             (at most ``max_val_rows``) are held out, and put back for the final fit when
             ``refit_on_all``.
@@ -703,8 +703,8 @@ def auto_fit(
             (:func:`~gpfalkon.models.calibration.preconditioned_variances`, ``2 rows M^2`` flops);
             ``r``: the final model's residuals there where the held-out rows are not refit (``val_x``
             given or ``refit_on_all=False``), else those of the selection fit that scored the chosen level
-            (before the held-out rows joined its training rows: its larger error makes ``c`` err high,
-            the safe side). ``auto_report.chosen["variance_scale"]`` is ``c`` (1 when off or skipped, with
+            (before the held-out rows joined its training rows: its error, usually the larger, tends to make
+            ``c`` err high, the safe side). ``auto_report.chosen["variance_scale"]`` is ``c`` (1 when off or skipped, with
             a note).
         dtype: dtype of the data passes (float32 by default: half the time; CG, Cholesky factors
             and predictions stay float64 inside FALKON).
