@@ -180,3 +180,53 @@ def test_variance_scale_is_the_gaussian_likelihood_maximiser():
 def test_variance_scale_rejects_bad_input(r, v, match):
     with pytest.raises(ValueError, match=match):
         variance_scale(r, v)
+
+
+# ------------------------------------------------------------------------------ calibrate_variance
+@pytest.mark.parametrize("t", [None, 2])
+def test_calibrate_variance_returns_the_closed_form_scale_and_applies_it(t):
+    """A penalty far from the data's noise (noise 1e-5 against residuals ~0.1): ``c`` is ``mean(r^2 / v)`` of the
+    model's own predictive variances (recomputed here by the dense formulas of docs/math.md §4), the mean is
+    unchanged, and after it the same rows give ``mean(r^2 / v) = 1``."""
+    x, y = make_data(400, 3, t=t)
+    xv, yv = make_data(150, 3, t=t, seed=11)
+    k = make_kernel("scale_matern52", 3)
+    model = FalkonGP(x, y, kernel=k, num_centers=40, penalty=1e-5 / 400, tol=1e-12, max_iter=1000).fit()
+    model.eval()
+    with torch.no_grad():
+        mean0 = model(xv).mean.clone()
+    # the dense reference: v = sigma^2 + K_** - Q_** + sigma^2 K_*M H^{-1} K_M*
+    k.requires_grad_(False)
+    c_, s2 = model.centers.detach(), float(model.noise.detach())
+    kmm, kvm = dense_kernel(k, c_, c_), dense_kernel(k, xv, c_)
+    knm = dense_kernel(k, x, c_)
+    h = knm.T @ knm + s2 * kmm
+    var = s2 + dense_kernel(k, xv, xv).diagonal() - (kvm * torch.linalg.solve(kmm, kvm.T).T).sum(1) \
+        + s2 * (kvm * torch.linalg.solve(h, kvm.T).T).sum(1)
+    var = var if t is None else var.unsqueeze(-1).expand(-1, t)
+    c_ref = float(((yv - mean0) ** 2 / var).mean())
+    c = model.calibrate_variance(xv, yv)
+    assert c > 5  # the variances were far too small
+    assert math.isclose(c, c_ref, rel_tol=1e-6)
+    with torch.no_grad():
+        p = model.likelihood(model(xv))
+    torch.testing.assert_close(p.mean, mean0, rtol=1e-9, atol=1e-9)
+    assert math.isclose(float(((yv - p.mean) ** 2 / p.variance).mean()), 1.0, rel_tol=1e-9)
+    assert model.training is False
+
+
+def test_calibrate_variance_rejects_bad_input():
+    model = _fitted()
+    x = model.train_inputs[0]
+    xv, yv = make_data(20, 3, seed=4)
+    with pytest.raises(ValueError, match="val_y must have shape"):
+        model.calibrate_variance(xv, yv[:-1])
+    with pytest.raises(ValueError, match="NaN"):
+        model.calibrate_variance(xv, torch.full_like(yv, float("nan")))
+    with pytest.raises(ValueError, match="held-out"):
+        model.calibrate_variance(x, model.train_targets)
+    with pytest.raises(TypeError, match="val_y"):
+        model.calibrate_variance(xv, yv.tolist())
+    model.train()
+    model.calibrate_variance(xv, yv)
+    assert model.training  # the mode is restored

@@ -41,6 +41,7 @@ from ..options import FalkonOptions, option_property
 from ..solvers import CGInfo
 from .defaults import check_likelihood, default_kernel, default_likelihood
 from .fit_state import FIT_GROUPS, FitTracker, dtype_code, hyper_digest
+from .calibration import variance_scale
 from .posterior import (
     NystromPosteriorCovariance,
     NystromPosteriorFactors,
@@ -530,6 +531,44 @@ class FalkonGP(gpytorch.models.GP):
         else:
             self._factors = None
         return self
+
+    def calibrate_variance(self, val_x: Tensor, val_y: Tensor) -> float:
+        r"""Scale the prior so that the predictive variances best explain held-out residuals; returns the
+        factor ``c``.
+
+        ``c = mean(r^2 / v)`` over the rows of ``(val_x, val_y)`` (``r = y - mean``, ``v`` this model's
+        predictive variances with the noise, all outputs pooled), the maximiser of the Gaussian likelihood of
+        the residuals under variances ``c v``; then :meth:`scale_prior` ``(c)``: the mean is unchanged and
+        the variances become ``c v``. For a penalty chosen by validation error (a grid, a
+        :mod:`gpfalkon.tuning` search, cross-validation), where nothing ties the noise ``n lambda`` to the
+        data's and the variances can be off by orders of magnitude (docs/math.md §8 "Variance
+        calibration"). The rows must not be training rows. Cost: the variance factors if not formed yet
+        (``O(n M^2)``, kept) and ``O(q M (M + d))``.
+        """
+        x = self._test_inputs(val_x)
+        if not isinstance(val_y, Tensor):
+            raise TypeError(f"val_y must be a torch.Tensor, got {type(val_y).__name__}")
+        expected = (*x.shape[:-1],) if self._num_outputs == 1 else (*x.shape[:-1], self._num_outputs)
+        if tuple(val_y.shape) != expected:
+            raise ValueError(f"val_y must have shape {expected} for val_x of shape {tuple(x.shape)}, got "
+                             f"{tuple(val_y.shape)}")
+        if not bool(torch.isfinite(val_y).all()):
+            raise ValueError("val_y contains NaN or Inf values")
+        if self._is_training_input(x):
+            raise ValueError("val_x is the training inputs: calibrate on held-out rows (training residuals are "
+                             "smaller than test residuals, so the variances would come out too small)")
+        was_training = self.training
+        self.eval()
+        try:
+            with torch.no_grad():
+                pred = self.likelihood(self(x))
+                r = val_y.to(torch.float64) - pred.mean.to(torch.float64)
+                v = pred.variance.to(torch.float64)
+        finally:
+            self.train(was_training)
+        c = variance_scale(r, v)
+        self.scale_prior(c)
+        return c
 
     # the FalkonOptions fields, readable and assignable as attributes (as before FalkonOptions)
     max_iter = option_property("max_iter", settable=True)
