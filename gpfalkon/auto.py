@@ -704,8 +704,8 @@ def auto_fit(
             ``r``: the final model's residuals there where the held-out rows are not refit (``val_x``
             given or ``refit_on_all=False``), else those of the selection fit that scored the chosen level
             (before the held-out rows joined its training rows: its error, usually the larger, tends to make
-            ``c`` err high, the safe side). ``auto_report.chosen["variance_scale"]`` is ``c`` (1 when off or skipped, with
-            a note).
+            ``c`` err high, the safe side). ``auto_report.chosen["variance_scale"]`` is ``c`` (1 when off
+            or skipped, with a note).
         dtype: dtype of the data passes (float32 by default: half the time; CG, Cholesky factors
             and predictions stay float64 inside FALKON).
         seed: seeds subsampling, splits and centers.

@@ -39,9 +39,9 @@ from ..errors import FalkonConvergenceError, NotFittedError
 from ..operators import NystromKRROperator
 from ..options import FalkonOptions, option_property
 from ..solvers import CGInfo
+from .calibration import variance_scale
 from .defaults import check_likelihood, default_kernel, default_likelihood
 from .fit_state import FIT_GROUPS, FitTracker, dtype_code, hyper_digest
-from .calibration import variance_scale
 from .posterior import (
     NystromPosteriorCovariance,
     NystromPosteriorFactors,
