@@ -85,7 +85,7 @@ LEVERAGE_DICTIONARY = 2048
 
 #: most held-out rows :func:`auto_fit`'s variance calibration uses; fewer at large ``M`` (see
 #: :func:`_calibration_rows`)
-CALIBRATION_ROWS = 2000
+CALIBRATION_ROWS = 1000
 
 #: how :func:`auto_fit` draws the nested centers of stages 2-3 (``center_sampling=``)
 CENTER_SAMPLING: tuple[str, ...] = ("auto", "uniform", "leverage")
@@ -255,9 +255,9 @@ class _KeptPreconditioner:
 
 def _calibration_rows(m: int, available: int) -> int:
     """Held-out rows the variance calibration scores at ``m`` centers: :data:`CALIBRATION_ROWS`, fewer where
-    its two triangular solves (``2 rows M^2`` flops) would pass ``4e9`` flops, never below 256 (the
+    its two triangular solves (``2 rows M^2`` flops) would pass ``2e9`` flops, never below 256 (the
     estimate ``mean(r^2 / v)``'s relative spread is about ``sqrt(2 / rows)``), at most ``available``."""
-    return max(1, min(available, max(256, min(CALIBRATION_ROWS, int(2e9 / max(m, 1) ** 2)))))
+    return max(1, min(available, max(256, min(CALIBRATION_ROWS, int(1e9 / max(m, 1) ** 2)))))
 
 
 def _val_mse(model: FalkonGP, xv: Tensor, yv: Tensor) -> float:
@@ -544,8 +544,8 @@ def auto_fit(
             at that point or at 1.2 x its prediction, whichever is later
             (``FalkonGP.fit(time_limit=...)``; ``auto_report.notes`` says so). The call can run over by
             the grace, the final fit's ``K_Mn y`` pass and its last CG iteration, the variance
-            calibration after it (``calibrate_variance``: at most ``max(4e9, 512 M^2)`` flops, about
-            0.05 s up to ``M`` = 2,800 and 0.1 s at ``M`` = 4,000 on 2 CPU cores), or where the first number
+            calibration after it (``calibrate_variance``: at most ``max(2e9, 512 M^2)`` flops, about
+            0.05 s up to ``M`` = 2,000 and 0.1-0.2 s at ``M`` = 4,000 on 2 CPU cores), or where the first number
             of centers alone does not fit (the first level is always returned).
         val_x, val_y: validation data for every choice; default: ``val_fraction`` of the rows
             (at most ``max_val_rows``) are held out, and put back for the final fit when
