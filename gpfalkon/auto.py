@@ -1324,11 +1324,14 @@ def auto_fit(
             else:
                 with torch.no_grad():
                     r = yv[idx] - final.posterior_mean(x_c).to(torch.float64)
-            if precond is None:  # a direct solve builds no preconditioner (it is chosen at small M only)
+            if precond is None:  # a direct solve builds no preconditioner (it is chosen at small M only): the
+                # operator builds the one CG would have used (its jitter for the data's dtype)
                 with torch.no_grad():
-                    precond = FalkonPreconditioner.from_kernel_matrix(
-                        final.nystrom_operator(store_kernel=False).kmm, final.penalty.detach(), final.n,
-                        weights=final.center_weights)
+                    op = final.nystrom_operator(store_kernel=False)
+                    precond = op.preconditioner
+                    op.engine.release()
+                if not isinstance(precond, FalkonPreconditioner):
+                    raise TypeError(f"the preconditioner is a {type(precond).__name__}, not FALKON's")
             v = preconditioned_variances(final.kernel, x_c, final.centers.detach(), precond,
                                          float(final.noise.detach()))
             return variance_scale(r, v)
@@ -1670,7 +1673,7 @@ def auto_fit(
                 c_cal = calibration_scale(final, keeper.last)
                 final.scale_prior(c_cal)
                 variance_c = c_cal
-            except (ValueError, LookupError, RuntimeError) as exc:
+            except (ValueError, LookupError, RuntimeError, TypeError) as exc:
                 report.notes.append(f"variance calibration skipped: {type(exc).__name__}: {exc}")
             finally:
                 keeper.last = None  # the factors are released with the builder

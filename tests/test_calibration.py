@@ -94,6 +94,26 @@ def test_scale_prior_needs_a_scale_kernel_and_keeps_state_when_a_constraint_refu
     model(make_data(3, 3)[0])  # still fitted
 
 
+def test_scale_prior_restores_the_raw_values_when_the_noise_constraint_refuses():
+    x, y = make_data(200, 3)
+    lik = gpytorch.likelihoods.GaussianLikelihood(noise_constraint=gpytorch.constraints.Interval(1e-4, 0.5)).double()
+    lik.noise = 0.02
+    model = FalkonGP(x, y, kernel=make_kernel("scale_matern52", 3), num_centers=20, likelihood=lik, tol=1e-12,
+                     max_iter=1000).fit()
+    raw_s = model.kernel.raw_outputscale.detach().clone()
+    raw_n = model.likelihood.raw_noise.detach().clone()
+    xv = make_data(5, 3, seed=3)[0]
+    model.eval()
+    with torch.no_grad():
+        mean0 = model(xv).mean
+    with pytest.raises(ValueError, match="scale_prior"):
+        model.scale_prior(1e4)  # noise 0.02 -> 200, outside (1e-4, 0.5); the outputscale would have taken it
+    assert torch.equal(model.kernel.raw_outputscale.detach(), raw_s)
+    assert torch.equal(model.likelihood.raw_noise.detach(), raw_n)
+    with torch.no_grad():
+        torch.testing.assert_close(model(xv).mean, mean0)  # still fitted, the same model
+
+
 # ------------------------------------------------------------------------ preconditioned_variances
 @pytest.mark.parametrize("weighted", [False, True])
 def test_preconditioned_variances_equal_their_dense_formula(weighted):

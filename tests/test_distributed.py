@@ -204,7 +204,9 @@ def _two_node_torchrun(torchrun: str, root: str, log_dir: pathlib.Path, deadline
     t_end = time.monotonic() + deadline_s
     timed_out = False
     try:
-        while any(p.poll() is None for p in nodes):
+        # poll every launcher on each pass (a generator in any() would stop at the first still running one,
+        # leave a failed second launcher unpolled, and so never start its peer's grace period)
+        while any([p.poll() is None for p in nodes]):
             if any(p.returncode not in (None, 0) for p in nodes):
                 t_end = min(t_end, time.monotonic() + grace_s)
             if time.monotonic() > t_end:
@@ -227,9 +229,10 @@ def test_two_node_torchrun_on_loopback_fits_the_single_process_alpha(tmp_path):
 
     torch 2.13 occasionally aborts a worker at exit, after the example's last barrier and
     ``destroy_process_group`` ("terminate called without an active exception", in a fresh-clone CI
-    run on 2026-11-26, after the check had passed), and the other launcher then waits for its gone
-    peer. That run is repeated once (a fresh rendezvous); any other failure, or the same one twice,
-    fails the test."""
+    run on 2026-11-26, after the check had passed; twice in a row in the fresh-clone CI run of
+    2026-11-27 07:24, then 7 of 7 runs of this test alone passed), and the other launcher then waits for its
+    gone peer. That run is repeated (a fresh rendezvous) up to twice; any other failure, or the same one three
+    times, fails the test."""
     import re
     import shutil
 
@@ -237,12 +240,13 @@ def test_two_node_torchrun_on_loopback_fits_the_single_process_alpha(tmp_path):
     if torchrun is None:
         pytest.skip("torchrun is not on PATH")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for attempt in range(2):
+    attempts = 3
+    for attempt in range(attempts):
         outs, codes, timed_out = _two_node_torchrun(torchrun, root, tmp_path)
         text = "\n----\n".join(outs)
         teardown_abort = ("terminate called without an active exception" in text
                           and "max |alpha - single-process alpha|" in text)
-        if (timed_out or any(c != 0 for c in codes)) and teardown_abort and attempt == 0:
+        if (timed_out or any(c != 0 for c in codes)) and teardown_abort and attempt < attempts - 1:
             continue
         break
     if timed_out:  # show what each launcher printed, not just "timed out"

@@ -36,10 +36,13 @@ def preconditioned_variances(kernel: Kernel, x: Tensor, centers: Tensor, precond
         raise ValueError(f"noise must be a finite number > 0, got {noise!r}")
     t, a = precond.chol_t, precond.chol_a
     with torch.no_grad():
-        kmx = kernel(centers, x).to_dense().to(t.dtype)  # (M, q)
+        # kernel values in float64 (as the posterior's own variances): a float32 k_Mx's rounding would be
+        # amplified by (D K_MM D + j I)^{-1} in ||z||^2, which k(x, x) - ||z||^2 subtracts
+        x64 = x.to(torch.float64)
+        kmx = kernel(centers.to(torch.float64), x64).to_dense().to(t.dtype)  # (M, q)
         z = torch.linalg.solve_triangular(t.mT, precond.weights.to(t.dtype).unsqueeze(-1) * kmx, upper=False)
         h = torch.linalg.solve_triangular(a.mT, z, upper=False)
-        kxx = kernel(x, diag=True).to(torch.float64)
+        kxx = kernel(x64, diag=True).to(torch.float64)
         q = z.to(torch.float64).square().sum(0)
         coef = h.to(torch.float64).square().sum(0) / precond.n
         return float(noise) + (kxx - q).clamp_min(0.0) + float(noise) * coef

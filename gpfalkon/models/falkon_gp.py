@@ -513,6 +513,9 @@ class FalkonGP(gpytorch.models.GP):
         was_valid = bool(self.fitted) and not self._hyper_changed()
         old_scale = self.kernel.outputscale.detach().clone()
         old_noise = self.noise.detach().to(torch.float64).clone()
+        # the raw parameters, restored bit for bit on failure (a constraint's inverse transform need not
+        # give back the same raw value, and the fit's validity is checked on the raw values)
+        raw = [self.kernel.raw_outputscale.detach().clone(), self.likelihood.raw_noise.detach().clone()]
         try:
             with torch.no_grad():
                 self.kernel.outputscale = old_scale * float(factor)
@@ -520,14 +523,18 @@ class FalkonGP(gpytorch.models.GP):
             self.penalty = old_noise * ratio / self.n
         except (RuntimeError, ValueError) as exc:
             with torch.no_grad():
-                self.kernel.outputscale = old_scale
-                self.likelihood.noise = old_noise.to(self.likelihood.raw_noise.dtype)
+                self.kernel.raw_outputscale.copy_(raw[0])
+                self.likelihood.raw_noise.copy_(raw[1])
             raise ValueError(f"scale_prior(factor={float(factor):g}): {exc}") from exc
         if was_valid:
             self.alpha = self.alpha / ratio
             if self._factors is not None:
                 self._factors = NystromPosteriorFactors(self._factors.L * math.sqrt(ratio), self._factors.LB)
-            self._mark_fitted()
+            if self._legacy_state:
+                self._mark_fitted()
+            else:  # the data are those of the fit (checked above): only the hyperparameters' record changes
+                self._fit_tracker.adopt(self._fit_dependencies(), self._fit_data())
+                self.fit_digest = self._digest_now(self.fit_digest[:4])
         else:
             self._factors = None
         return self
