@@ -1328,10 +1328,11 @@ def auto_fit(
                 # operator builds the one CG would have used (its jitter for the data's dtype)
                 with torch.no_grad():
                     op = final.nystrom_operator(store_kernel=False)
-                    precond = op.preconditioner
+                    built = op.preconditioner
                     op.engine.release()
-                if not isinstance(precond, FalkonPreconditioner):
-                    raise TypeError(f"the preconditioner is a {type(precond).__name__}, not FALKON's")
+                if not isinstance(built, FalkonPreconditioner):
+                    raise TypeError(f"the preconditioner is a {type(built).__name__}, not FALKON's")
+                precond = built
             v = preconditioned_variances(final.kernel, x_c, final.centers.detach(), precond,
                                          float(final.noise.detach()))
             return variance_scale(r, v)

@@ -241,7 +241,7 @@ def test_auto_fit_calibration_reads_the_final_fits_preconditioner_or_builds_it(m
 
         monkeypatch.setattr(auto_module._KeptPreconditioner, "__call__", spy)
         monkeypatch.setattr(auto_module, "FalkonOptions",
-                            lambda **kw: FalkonOptions(solve_method=method, **kw) if "preconditioner" in kw
+                            lambda _m=method, **kw: FalkonOptions(solve_method=_m, **kw) if "preconditioner" in kw
                             and isinstance(kw["preconditioner"], auto_module._KeptPreconditioner)
                             else FalkonOptions(**kw))
         model = auto_fit(x, y, **SMALL)

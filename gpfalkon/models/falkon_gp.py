@@ -533,8 +533,7 @@ class FalkonGP(gpytorch.models.GP):
             if self._legacy_state:
                 self._mark_fitted()
             else:  # the data are those of the fit (checked above): only the hyperparameters' record changes
-                self._fit_tracker.adopt(self._fit_dependencies(), self._fit_data())
-                self.fit_digest = self._digest_now(self.fit_digest[:4])
+                self._mark_hyper_fitted()
         else:
             self._factors = None
         return self
@@ -720,6 +719,12 @@ class FalkonGP(gpytorch.models.GP):
                                                  row_offset=self._row_offset)
         self.data_fingerprint = summary.to(self.data_fingerprint.device)
         self.fit_digest = self._digest_now(digest)
+
+    def _mark_hyper_fitted(self) -> None:
+        """Record the current hyperparameters as fitted, keeping the data's digests (no data pass): for a
+        change that keeps ``alpha`` valid on the same data (:meth:`scale_prior`)."""
+        self._fit_tracker.adopt(self._fit_dependencies(), self._fit_data())
+        self.fit_digest = self._digest_now(self.fit_digest[:4])
 
     def _row_sum(self, t: Tensor) -> Tensor:
         """Sums over this process's rows completed over all shards (identity in one process)."""
