@@ -179,9 +179,11 @@ class _Clock:
     def tick(self, stage: str, **postfix: Any) -> None:
         if self.bar is None:
             return
-        now = min(self.elapsed(), self.budget)
-        self.bar.update(round(now - self._shown, 1))
-        self._shown = round(now, 1)
+        # the position is set, not accumulated: summed rounded increments drift past the total (tqdm then
+        # warns "clamping frac to range [0, 1]")
+        now = min(round(self.elapsed(), 1), self.bar.total)
+        self.bar.n = now
+        self._shown = now
         self.bar.set_description(f"auto_fit [{stage}]")
         if postfix:
             self.bar.set_postfix(**postfix, refresh=False)

@@ -1227,3 +1227,24 @@ def test_auto_fit_race_margin_drops_a_worse_objective_early(margin):
         assert loser["steps"] == 2 * every
         # the leader, alone, moves on to twice the rows right away (level_share ~ 0), before round 5
         assert winner["steps"] < 5 * every and "continued on 200 rows" in winner["stopped"]
+
+
+def test_clock_bar_never_passes_its_total(monkeypatch):
+    """The verbose bar's position is the elapsed time (rounded, at most the budget), set each tick: summed
+    rounded increments drifted past the total and tqdm warned ("clamping frac to range [0, 1]")."""
+    import types
+    import warnings
+
+    import gpfalkon.auto as auto_module
+
+    now = [0.0]
+    monkeypatch.setattr(auto_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    clock = auto_module._Clock(2.0, verbose=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for k in range(1, 40):
+            now[0] = 0.07 * k + 1e-12 * k  # steps that do not add up exactly in binary
+            clock.tick("stage", step=k)
+            assert clock.bar.n <= clock.bar.total
+        clock.close()
+    assert clock.bar.n == clock.bar.total == 2.0
