@@ -1134,6 +1134,12 @@ def auto_fit(
         cal_idx = torch.randperm(xv.shape[0], generator=torch.Generator(device=dev).manual_seed(int(seed) + 1),
                                  device=dev)[:CALIBRATION_ROWS]
         cal_residuals: dict[tuple[int, float, float, str], Tensor] = {}
+        # the calibration rows gathered once (standardised), not at every selection fit
+        xv_cal, yv_cal = xv_z[cal_idx], yv_z[cal_idx].to(torch.float64)
+
+        def score_key(m: int, noise: float, mult: float, kind: str) -> tuple[int, float, float, str]:
+            """The key of a selection fit (its cached error and its calibration residuals)."""
+            return (int(m), round(math.log(noise), 6), round(math.log(mult), 6), kind)
 
         def centers_at(m: int, kind: str | None = None) -> tuple[Tensor, Tensor | None]:
             """The ``m`` nested centers of the pool ``kind`` (default: the current one) and their weights."""
@@ -1149,7 +1155,7 @@ def auto_fit(
 
         def score(m: int, noise: float, mult: float, kind: str | None = None) -> float:
             kind = pool["kind"] if kind is None else kind
-            key = (m, round(math.log(noise), 6), round(math.log(mult), 6), kind)
+            key = score_key(m, noise, mult, kind)
             if key in cache:
                 return cache[key]
             t = time.perf_counter()
@@ -1163,8 +1169,7 @@ def auto_fit(
                                                 options=select_options))
                 err = _val_mse(mod, xv_z, yv_z)
                 if calibrate_variance and n_back > 0 and math.isfinite(err):
-                    cal_residuals[key] = (yv_z[cal_idx].to(torch.float64)
-                                          - mod.posterior_mean(xv_z[cal_idx]).to(torch.float64))
+                    cal_residuals[key] = yv_cal - mod.posterior_mean(xv_cal).to(torch.float64)
                 info = mod.fit_info
                 iters = info.iterations if info is not None else None
                 extra_info = info.extra if info is not None else {}
@@ -1318,8 +1323,7 @@ def auto_fit(
             idx = cal_idx[:rows]
             x_c = xv[idx].to(dtype)
             if n_back > 0:
-                key = (int(best_level["M"]), round(math.log(best_level["noise"]), 6),
-                       round(math.log(best_level["multiplier"]), 6), best_level["centers"])
+                key = score_key(best_level["M"], best_level["noise"], best_level["multiplier"], best_level["centers"])
                 if key not in cal_residuals:
                     raise LookupError("the chosen level's selection residuals were not kept")
                 r = cal_residuals[key][:rows] * float(y_sd)
