@@ -7,11 +7,11 @@
    penalty (optionally the centers) on a subsample
    of ``hyper_rows`` rows with ``hyper_centers`` centers, by Adam on each objective in
    ``objectives`` (SGPR bound, GCV, C-Reg, Nyström C-Reg, ...: Meanti et al. 2022 find each best
-   on some datasets). Every ``eval_every`` steps the current hyperparameters are scored by the
-   validation error of a FALKON fit on the subsample; after ``race_rounds`` such rounds only the
-   leading objective goes on (sooner where the others' best errors exceed ``1 + race_margin`` times the
-   leader's from the second round on, or once the race has used ``race_share`` of the learning time),
-   and whenever it stalls, or has used ``level_share`` of the learning
+   on some datasets; an objective may race at several learning rates). Every ``eval_every`` steps the
+   current hyperparameters are scored by the validation error of a FALKON fit on the subsample; after
+   ``race_rounds`` such rounds only the leading objective goes on (sooner where the others' best errors
+   exceed ``1 + race_margin`` times the leader's from the second round on, or once the race has used
+   ``race_share`` of the learning time), and whenever it stalls, or has used ``level_share`` of the learning
    time left when it started on its rows, it continues from its best point on twice
    the rows (nested subsamples; optionally more centers, ``hyper_centers_growth``), within the
    memory budget ``hyper_entries``; stalled on all the rows it may use, or stalled on more rows
@@ -145,7 +145,7 @@ class AutoFitReport:
         lines = [
             f"auto_fit: {self.seconds:.1f} s of a {self.budget:g} s budget; n_train {self.n_train:,}, "
             f"validation {self.n_val:,} rows ({self.val_source})",
-            f"  objective {c.get('objective')} (step {c.get('step')}), kernel {self.kernel}, "
+            f"  objective {c.get('objective')} (lr {c.get('lr')}, step {c.get('step')}), kernel {self.kernel}, "
             f"M {c.get('num_centers')} ({c.get('centers')} centers), "
             f"noise {c.get('noise', float('nan')):.4g} (standardised), "
             f"lengthscale multiplier {c.get('multiplier', float('nan')):.3g}, "
@@ -363,6 +363,32 @@ def _scoring_fit(model: FalkonGP, extra: Tensor | None) -> FalkonGP:
     return _fit_quiet(scorer)[0]
 
 
+def _racers(objectives: Any, lr: float) -> list[tuple[str, float, str]]:
+    """``objectives=`` as ``(name, lr, label)`` racers: a name runs at ``lr`` (label: the name), a
+    ``(name, lr)`` pair at its own learning rate (label ``"name@lr"``)."""
+    if isinstance(objectives, str) or not isinstance(objectives, Sequence) or not objectives:
+        raise ValueError("objectives must be a non-empty sequence of names from "
+                         f"{sorted(OBJECTIVES)} or (name, lr) pairs, got {objectives!r}")
+    out: list[tuple[str, float, str]] = []
+    for spec in objectives:
+        if isinstance(spec, str):
+            name, rate, label = spec, lr, spec
+        elif isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str):
+            name, rate = spec
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (math.isfinite(rate) and rate > 0):
+                raise ValueError(f"objectives: the learning rate of {spec!r} must be a finite number > 0")
+            rate = float(rate)
+            label = f"{name}@{rate:g}"
+        else:
+            raise ValueError(f"objectives: each entry must be a name or a (name, lr) pair, got {spec!r}")
+        if name not in OBJECTIVES:
+            raise ValueError(f"objectives: unknown {name!r}; known: {sorted(OBJECTIVES)}")
+        if any(o[0] == name and o[1] == rate for o in out):
+            raise ValueError(f"objectives: {name!r} at learning rate {rate:g} is named twice")
+        out.append((name, rate, label))
+    return out
+
+
 def _check_budget(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -379,9 +405,12 @@ class _ObjectiveRun:
     """One objective of stage 1: its model (on the subsample), optimiser and validation record."""
 
     def __init__(self, name: str, model: FalkonGP, lr: float, eval_every: int,
-                 start_error: float, score_pool: Tensor | None = None, lengthscale_step: str = "shared") -> None:
+                 start_error: float, score_pool: Tensor | None = None, lengthscale_step: str = "shared",
+                 label: str | None = None) -> None:
         rows = model.n
         self.name = name
+        self.lr = float(lr)
+        self.label = name if label is None else label  # the racer's name: the objective, and its lr if given
         self.model = model
         self.score_pool = score_pool
         self.obj = OBJECTIVES[name](model)
@@ -398,7 +427,8 @@ class _ObjectiveRun:
         self.active = True
         self.failed: str | None = None
         self.best: dict[str, Any] | None = None
-        self.rec: dict[str, Any] = dict(objective=name, rows=rows, centers=int(model.centers.shape[0]),
+        self.rec: dict[str, Any] = dict(objective=name, racer=self.label, lr=self.lr, rows=rows,
+                                        centers=int(model.centers.shape[0]),
                                         score_centers=int(model.centers.shape[0])
                                         + (0 if score_pool is None else int(score_pool.shape[0])), steps=0,
                                         best_step=0, best_error=start_error,
@@ -466,8 +496,8 @@ class _ObjectiveRun:
             self.since_best = 0
             m = self.model
             self.best = dict(kernel=copy.deepcopy(m.kernel), noise=float(m.noise.detach()),
-                             centers=m.centers.detach().clone(), objective=self.name, step=self.step, error=err,
-                             rows=self.rec["rows"])
+                             centers=m.centers.detach().clone(), objective=self.name, racer=self.label,
+                             lr=self.lr, step=self.step, error=err, rows=self.rec["rows"])
         else:
             self.since_best += 1
         if self.since_best >= patience:
@@ -485,7 +515,7 @@ def auto_fit(
     val_x: Tensor | None = None,
     val_y: Tensor | None = None,
     kernel: str | Kernel = "matern52",
-    objectives: Sequence[str] = ("sgpr", "gcv"),
+    objectives: Sequence[str | tuple[str, float]] = ("sgpr", "gcv", ("gcv", 0.2)),
     learn_centers: bool = False,
     lengthscale_transform: str = "log",
     lengthscale_step: str = "shared",
@@ -557,12 +587,19 @@ def auto_fit(
             (used on the inputs as given, its own initial values; lengthscales found through
             ``has_lengthscale`` are what the multiplier scales; a kernel that is not a
             ``ScaleKernel`` is wrapped in one to carry the target scale).
-        objectives: names in :data:`OBJECTIVES` learned in stage 1 (together within
-            ``learn_share * budget``; each stops early after ``patience`` evaluations without a
-            better validation error). The default races the SGPR bound and GCV: ``"nystrom-compreg"``
-            was in it up to 0.2.0 and supplied the chosen hyperparameters in none of 266 recorded runs
-            on 12 datasets (GCV 211, SGPR 44, the initial point 11), while taking a third of the race's
-            steps (``benchmarks/results/auto-notes.md``, round 13). Every name stays available.
+        objectives: the racers of stage 1 (together within ``learn_share * budget``; each stops early
+            after ``patience`` evaluations without a better validation error): names in
+            :data:`OBJECTIVES`, each learned by Adam at ``lr``, or ``(name, lr)`` pairs, an objective at
+            its own learning rate (the report's ``racer`` is then ``"name@lr"``). The race is won on
+            validation error, so it chooses the learning rate as it chooses the objective, and the
+            winner keeps its rate on the larger subsamples (``report.chosen["lr"]``). The default races
+            the SGPR bound and GCV at ``lr`` and GCV at 0.2: a larger step reaches a lengthscale
+            that must shrink tenfold (one dominant feature) in half the steps but overshoots where
+            all features are relevant, and which case holds shows in the first round's validation
+            errors (``benchmarks/results/auto-notes.md``, "A learning-rate racer"). ``"nystrom-compreg"``
+            was in the race up to 0.2.0 and supplied the chosen hyperparameters in none of 266
+            recorded runs on 12 datasets (GCV 211, SGPR 44, the initial point 11), while taking a third
+            of the race's steps (round 13). Every name stays available.
         learn_centers: also learn the ``hyper_centers`` centers in stage 1 (used as the first
             centers of stages 2-3).
         lengthscale_transform: how the kernel's lengthscales are parametrised for Adam
@@ -629,10 +666,10 @@ def auto_fit(
             ``False``: every size is scored on ``select_rows`` rows and every decision keeps time for a
             final fit on all rows (the behaviour before this option).
         min_centers, max_centers: the first and the largest number of centers of stage 2.
-        lr, max_steps, eval_every, patience: Adam learning rate, cap on Adam steps per objective,
-            validation period and early-stopping patience of stage 1. (Stage 1 is Adam only: an
-            L-BFGS option was removed after it diverged or reached degenerate optima on three of the
-            four development sets, ``benchmarks/results/auto-notes.md`` round 5.)
+        lr, max_steps, eval_every, patience: Adam learning rate (of the racers named without one), cap on
+            Adam steps per racer, validation period and early-stopping patience of stage 1. (Stage 1 is Adam
+            only: an L-BFGS option was removed after it diverged or reached degenerate optima on three of
+            the four development sets, ``benchmarks/results/auto-notes.md`` round 5.)
         race_rounds: after this many rounds of ``eval_every`` steps of every objective, only the
             one with the best validation error so far goes on (the others' best points stay
             candidates).
@@ -759,11 +796,9 @@ def auto_fit(
             raise ValueError(f"kernel must be one of {sorted(KERNEL_FAMILIES)} or a gpytorch Kernel, got {kernel!r}")
     elif not isinstance(kernel, Kernel):
         raise TypeError(f"kernel must be a family name or a gpytorch.kernels.Kernel, got {type(kernel).__name__}")
-    if isinstance(objectives, str) or not objectives:
-        raise ValueError(f"objectives must be a non-empty sequence of names from {sorted(OBJECTIVES)}")
-    unknown = [o for o in objectives if o not in OBJECTIVES]
-    if unknown:
-        raise ValueError(f"objectives: unknown {unknown}; known: {sorted(OBJECTIVES)}")
+    if not (isinstance(lr, (int, float)) and lr > 0):
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    racers = _racers(objectives, float(lr))
     if not (isinstance(val_fraction, float) and 0.0 < val_fraction < 1.0):
         raise ValueError(f"val_fraction must be a float in (0, 1), got {val_fraction!r}")
     if not (isinstance(learn_share, (int, float)) and 0.0 <= learn_share < 1.0):
@@ -795,8 +830,6 @@ def auto_fit(
         raise TypeError(f"leverage_check must be True or False, got {leverage_check!r}")
     if not isinstance(calibrate_variance, bool):
         raise TypeError(f"calibrate_variance must be True or False, got {calibrate_variance!r}")
-    if not (isinstance(lr, (int, float)) and lr > 0):
-        raise ValueError(f"lr must be > 0, got {lr!r}")
     if not (isinstance(tol, (int, float)) and tol >= 0):
         raise ValueError(f"tol must be >= 0, got {tol!r}")
     max_val_rows = _check_count("max_val_rows", max_val_rows)
@@ -977,9 +1010,9 @@ def auto_fit(
                                     f"{n_final:,} rows is predicted at >= {final_floor:.0f} s "
                                     f"({n_final - head_first:,} rows of K_nM recomputed at every iteration)")
         runners = [
-            _ObjectiveRun(name, h_model(copy.deepcopy(k0), noise0, centers0.clone(), learn_centers), lr,
-                          eval_every, best_state["error"], score_extra(m_h), lengthscale_step)
-            for name in objectives
+            _ObjectiveRun(name, h_model(copy.deepcopy(k0), noise0, centers0.clone(), learn_centers), lr_r,
+                          eval_every, best_state["error"], score_extra(m_h), lengthscale_step, label)
+            for name, lr_r, label in racers
         ]
         rounds = 0
         race_decided = False  # the race ended before race_rounds (race_margin)
@@ -990,7 +1023,7 @@ def auto_fit(
             if not active:
                 break
             for r in active:
-                clock.tick(f"learn {r.name}", step=r.step)
+                clock.tick(f"learn {r.label}", step=r.step)
                 r.advance(max_steps, learn_deadline)
                 if r.active:
                     r.evaluate(xv_z, yv_z, patience, max_steps)
@@ -998,7 +1031,7 @@ def auto_fit(
                     best_state.update(r.best)
                 if r.rec["curve"]:
                     err = r.rec["curve"][-1][2]
-                    clock.tick(f"learn {r.name}", step=r.step, val_rmse=f"{math.sqrt(err):.4f}")
+                    clock.tick(f"learn {r.label}", step=r.step, val_rmse=f"{math.sqrt(err):.4f}")
             rounds += 1
             if time.perf_counter() >= learn_deadline or clock.left() <= 0:
                 for r in runners:
@@ -1020,16 +1053,16 @@ def auto_fit(
                         continue
                     if by_margin and r.rec["best_error"] > (1.0 + race_margin) * best:  # type: ignore[operator]
                         r.stop(f"dropped after {rounds} rounds: best validation error {r.rec['best_error']:.4g} "
-                               f"> (1 + race_margin) x the leader's ({leader.name}, {best:.4g})")
+                               f"> (1 + race_margin) x the leader's ({leader.label}, {best:.4g})")
                     elif by_share:
                         r.stop(f"dropped after {rounds} rounds: the race used race_share ({race_share:g}) of the "
-                               f"learning stage (leader: {leader.name})")
+                               f"learning stage (leader: {leader.label})")
                     elif final:
-                        r.stop(f"dropped after {race_rounds} rounds (leader: {leader.name})")
+                        r.stop(f"dropped after {race_rounds} rounds (leader: {leader.label})")
             live = [r for r in runners if r.active]
             # a race of several objectives is decided once one is left after round 2 (by race_margin, or the
             # others failed or stalled): the leader goes on as after race_rounds
-            race_decided = race_decided or (race_margin is not None and len(objectives) > 1 and rounds >= 2
+            race_decided = race_decided or (race_margin is not None and len(racers) > 1 and rounds >= 2
                                             and len(live) == 1) or (by_share and len(live) == 1)
             start = None
             rows_next = min(2 * rows_h, rows_cap)
@@ -1041,7 +1074,7 @@ def auto_fit(
                           and rows_next * lead.model.centers.shape[0] <= hyper_entries
                           and time.perf_counter() - lead.t0 >= level_share * (learn_deadline - lead.t0))
             if stalled or level_over:
-                start = best_state if best_state["objective"] == live[0].name else (live[0].best or best_state)
+                start = best_state if best_state.get("racer") == live[0].label else (live[0].best or best_state)
                 if rows_next <= rows_h or rows_next * start["centers"].shape[0] > hyper_entries:
                     # stalled on as many rows as it may use: more steps here buy little; the rest of the
                     # learning share goes to the selection stage
@@ -1070,11 +1103,12 @@ def auto_fit(
                 runners.append(_ObjectiveRun(
                     old.name, h_model(copy.deepcopy(start["kernel"]), float(start["noise"]), centers_next,
                                       learn_centers, rows=rows_h),
-                    lr, eval_every, best_state["error"], score_extra(centers_next.shape[0]), lengthscale_step))
+                    old.lr, eval_every, best_state["error"], score_extra(centers_next.shape[0]), lengthscale_step,
+                    old.label))
         for r in runners:
             r.rec["steps"] = r.step
             if r.failed:
-                report.notes.append(f"objective {r.name} stopped: {r.failed}")
+                report.notes.append(f"objective {r.label} stopped: {r.failed}")
             report.learn.append(r.rec)
         del runners
         report.stages["learn"] = time.perf_counter() - t_stage
@@ -1694,10 +1728,11 @@ def auto_fit(
         m_fin = int(final.centers.shape[0])
         noise_raw = float(final.noise.detach())  # the selected noise in raw units, times the variance scale
 
-        best_obj = next((r for r in report.learn if r["objective"] == best_state["objective"]
+        best_obj = next((r for r in report.learn if r.get("racer") == best_state.get("racer")
                          and r.get("rows") == best_state["rows"]), {})
         report.chosen = dict(
             objective=best_state["objective"],
+            lr=best_state.get("lr"),
             step=best_state["step"],
             learn_error=best_state["error"],
             objective_steps=best_obj.get("steps"),

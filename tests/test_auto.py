@@ -465,6 +465,13 @@ def test_auto_fit_respects_a_small_budget():
         (dict(objectives=("sgpr", "nope")), "objectives"),
         (dict(objectives=()), "objectives"),
         (dict(objectives="sgpr"), "objectives"),
+        (dict(objectives=("sgpr", ("gcv", 0.0))), "objectives"),
+        (dict(objectives=(("gcv", float("nan")),)), "objectives"),
+        (dict(objectives=(("gcv", True),)), "objectives"),
+        (dict(objectives=(("gcv", "fast"),)), "objectives"),
+        (dict(objectives=(("nope", 0.2),)), "objectives"),
+        (dict(objectives=(("gcv", 0.2, 1),)), "objectives"),
+        (dict(objectives=("gcv", ("gcv", 0.1))), "named twice"),
         (dict(val_fraction=1.5), "val_fraction"),
         (dict(hyper_rows=1), "hyper_rows"),
         (dict(max_steps=-1), "max_steps"),
@@ -1248,3 +1255,54 @@ def test_clock_bar_never_passes_its_total(monkeypatch):
             assert clock.bar.n <= clock.bar.total
         clock.close()
     assert clock.bar.n == clock.bar.total == 2.0
+
+
+def test_auto_fit_a_racer_with_its_own_lr_is_the_objective_at_that_lr():
+    """An ``(name, lr)`` racer is the objective run by Adam at that learning rate: alone, it learns exactly
+    what the plain name does with ``lr=`` set to it (same curve, same choice), and its records name it."""
+    x, y, _ = _data(600, noise=0.3)
+    kw = dict(SMALL, hyper_rows=150, hyper_centers=20, max_steps=20, eval_every=5)
+    pair = auto_fit(x, y, objectives=(("gcv", 0.3),), **kw).auto_report
+    plain = auto_fit(x, y, objectives=("gcv",), lr=0.3, **kw).auto_report
+    assert [r["racer"] for r in pair.learn[1:]] == ["gcv@0.3"] * (len(pair.learn) - 1)
+    assert [r["racer"] for r in plain.learn[1:]] == ["gcv"] * (len(plain.learn) - 1)
+    assert all(r["lr"] == 0.3 for r in pair.learn[1:] + plain.learn[1:])
+    strip = [[(s, e) for s, _t, e in r["curve"]] for r in pair.learn[1:]]
+    assert strip == [[(s, e) for s, _t, e in r["curve"]] for r in plain.learn[1:]] and strip
+    assert pair.chosen["lr"] == plain.chosen["lr"] == 0.3
+    assert pair.chosen["step"] == plain.chosen["step"] and pair.chosen["learn_error"] == plain.chosen["learn_error"]
+    assert "lr 0.3" in pair.summary()
+
+
+def test_auto_fit_races_learning_rates_and_the_winner_keeps_its_rate():
+    """Two racers of one objective at two learning rates: after the race the one with the lower best
+    validation error goes on alone, on every larger subsample at its own rate (its records and Adam), and
+    the chosen point's rate is reported."""
+    from gpfalkon.auto import _ObjectiveRun
+
+    x, y, _ = _data(1200, noise=0.3)
+    kw = dict(SMALL, hyper_rows=100, hyper_centers=20, max_steps=60, eval_every=2, race_rounds=2,
+              race_margin=None, race_share=None, level_share=1e-9)
+    seen: list[tuple[str, float]] = []
+    init = _ObjectiveRun.__init__
+
+    def spy(self, *a, **k):  # the Adam each racer (and each continuation) really steps with
+        init(self, *a, **k)
+        seen.append((self.label, self.opt.lr))
+
+    _ObjectiveRun.__init__ = spy
+    try:
+        # lr (the rate of racers named without one) is neither racer's: a continuation that fell back to it shows
+        rep = auto_fit(x, y, objectives=(("gcv", 0.1), ("gcv", 0.5)), lr=0.05, **kw).auto_report
+    finally:
+        _ObjectiveRun.__init__ = init
+    first = rep.learn[1:3]
+    assert [(r["racer"], r["lr"]) for r in first] == [("gcv@0.1", 0.1), ("gcv@0.5", 0.5)]
+    winner = min(first, key=lambda r: r["best_error"])
+    loser = next(r for r in first if r is not winner)
+    assert loser["stopped"] == f"dropped after 2 rounds (leader: {winner['racer']})" and loser["steps"] == 4
+    after = rep.learn[3:]
+    assert after and all((r["racer"], r["lr"]) == (winner["racer"], winner["lr"]) for r in after)
+    assert seen == [("gcv@0.1", 0.1), ("gcv@0.5", 0.5)] + [(winner["racer"], winner["lr"])] * len(after)
+    best = min((r for r in rep.learn[1:] if r["best_step"] > 0), key=lambda r: r["best_error"])
+    assert rep.chosen["learn_error"] == best["best_error"] and rep.chosen["lr"] == best["lr"]
