@@ -160,6 +160,24 @@ def test_a_build_lock_is_not_waited_on(monkeypatch, tmp_path):
     assert not lock.exists() and len(calls) == 1 and calls[0]["build_directory"] == str(tmp_path / name)
 
 
+def test_build_directory_is_torchs_extension_root_without_importing_cpp_extension():
+    """The build directory is ``get_default_build_root()/gpfalkon/<name>`` as torch computes it, and a process
+    that finds the kernel built loads it without importing ``torch.utils.cpp_extension`` (which imports
+    setuptools: 0.2 s of a first fit)."""
+    import os
+    import subprocess
+    import sys
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    assert fused._build_directory("abc") == os.path.join(get_default_build_root(), "gpfalkon", "abc")
+    _need_kernel()  # built (or loaded) in this process: a fresh one now finds it built
+    code = ("import sys; from gpfalkon.backend import fused; ok, why = fused.fused_available(); "
+            "print(ok, 'torch.utils.cpp_extension' in sys.modules, 'setuptools' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split() == ["True", "False", "False"], out.stdout + out.stderr
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("kind", ["rbf", "matern12", "matern32", "scale_matern52"])
 @pytest.mark.parametrize("store", [False, None, True])

@@ -578,9 +578,21 @@ def _enabled() -> bool:
 
 
 def _build_directory(name: str) -> str:
-    from torch.utils.cpp_extension import get_default_build_root
+    """``<torch extensions root>/gpfalkon/<name>``, the root being
+    ``torch.utils.cpp_extension.get_default_build_root()``, computed as that function computes it (the
+    realpath of ``torch._appdirs.user_cache_dir("torch_extensions")``) without importing
+    ``torch.utils.cpp_extension``, which imports setuptools: 0.2 s of every process's first fit (of a few
+    seconds' ``auto_fit`` budget) to find an extension that is already built. The import is paid only
+    where torch lacks ``_appdirs`` and where the extension is built."""
+    try:
+        from torch._appdirs import user_cache_dir
 
-    return os.path.join(get_default_build_root(), "gpfalkon", name)
+        root = os.path.realpath(user_cache_dir(appname="torch_extensions"))
+    except (ImportError, AttributeError, TypeError):
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = get_default_build_root()
+    return os.path.join(root, "gpfalkon", name)
 
 
 def _import_built(name: str, path: str) -> Any:
