@@ -848,7 +848,8 @@ def run_auto(data: dict, budget: float, label: str = "gpfalkon auto_fit") -> lis
     rep = model.auto_report
     c = rep.chosen
     grown = f", grown from {c['grown_from']}" if c.get("grown_from") else ""
-    info = (f"objective {c['objective']} (step {c['step']}), M {c['num_centers']} ({c['centers']}{grown}), "
+    rate = f"lr {c['lr']:g}, " if c.get("lr") is not None else ""
+    info = (f"objective {c['objective']} ({rate}step {c['step']}), M {c['num_centers']} ({c['centers']}{grown}), "
             f"noise {c['noise']:.3g}, multiplier {c['multiplier']:.3g}; "
             + ", ".join(f"{k} {v:.1f} s" for k, v in rep.stages.items()))
     return [dict(method=label, budget=budget, M=c["num_centers"], n_used=len(xtr), fit_s=fit_s,
