@@ -63,7 +63,8 @@ def _worker(spec: str, out: str, seed: int) -> None:
 
 def _learn_end(rec: dict) -> tuple:
     c = rec["chosen"]
-    return c.get("objective"), c.get("learn_rows"), c.get("step"), round(float(c.get("learn_error", math.nan)), 8)
+    return (c.get("objective"), c.get("lr"), c.get("learn_rows"), c.get("step"),
+            round(float(c.get("learn_error", math.nan)), 8))
 
 
 def _table(rows: list[dict]) -> str:

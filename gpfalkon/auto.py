@@ -16,7 +16,7 @@
    the rows (nested subsamples; optionally more centers, ``hyper_centers_growth``), within the
    memory budget ``hyper_entries``; stalled on all the rows it may use, or stalled on more rows
    without beating its best point on fewer, it stops. The best
-   (objective, rows, step) over the whole race wins, so the objective *and* the stopping point
+   (racer, rows, step) over the whole race wins, so the objective *and* the stopping point
    are chosen on validation data.
 2. **Select** on at most ``select_rows`` training rows: a coordinate search over the noise
    ``sigma^2 = n lambda`` and a common lengthscale multiplier, each a log-spaced 1-D grid around
@@ -40,7 +40,7 @@ Inputs and targets are standardised internally, ``z = (x - mu) / s`` per feature
 the model on raw ``y`` has outputscale ``r^2 sigma_f^2``, noise ``r^2 sigma_n^2`` (so the same
 ``alpha`` up to the factor ``r``) and the constant prior mean ``m`` (``FalkonGP(mean_constant=m)``).
 The returned model takes and predicts raw data. Cost: stage 1
-``O(steps hyper_rows hyper_centers^2)`` per objective; stages 2-3
+``O(steps hyper_rows hyper_centers^2)`` per racer; stages 2-3
 FALKON fits, ``O(n M t + M^3)`` each; ``budget`` bounds the sum (measured, not predicted, except
 for the final fit whose time is extrapolated from the measured selection fits).
 
@@ -114,8 +114,9 @@ class AutoFitReport:
     """What :func:`auto_fit` tried and chose (attached to the model as ``model.auto_report``).
 
     Errors are validation mean squared errors on standardised targets (``val_rmse`` in the
-    targets' units). ``stages`` holds the seconds spent per stage; ``learn`` one record per
-    objective (its validation-error trajectory); ``search`` every selection fit
+    targets' units). ``stages`` holds the seconds spent per stage; ``learn`` the starting point's
+    record, then one per racer and subsample (its ``objective``, ``racer``, ``lr``, rows and
+    validation-error trajectory); ``search`` every selection fit
     ``(M, noise, multiplier, error, seconds)``; ``chosen`` the final choices; ``leverage`` the
     leverage-score check of the chosen level (``leverage_check=True``: its validation ``error``
     against the uniform centers', the distinct centers drawn, its seconds); ``sampling`` the choice of
@@ -145,7 +146,9 @@ class AutoFitReport:
         lines = [
             f"auto_fit: {self.seconds:.1f} s of a {self.budget:g} s budget; n_train {self.n_train:,}, "
             f"validation {self.n_val:,} rows ({self.val_source})",
-            f"  objective {c.get('objective')} (lr {c.get('lr')}, step {c.get('step')}), kernel {self.kernel}, "
+            f"  objective {c.get('objective')} ("
+            + (f"lr {c['lr']:g}, " if c.get("lr") is not None else "")
+            + f"step {c.get('step')}), kernel {self.kernel}, "
             f"M {c.get('num_centers')} ({c.get('centers')} centers), "
             f"noise {c.get('noise', float('nan')):.4g} (standardised), "
             f"lengthscale multiplier {c.get('multiplier', float('nan')):.3g}, "
@@ -363,9 +366,23 @@ def _scoring_fit(model: FalkonGP, extra: Tensor | None) -> FalkonGP:
     return _fit_quiet(scorer)[0]
 
 
+def _positive_rate(value: Any) -> float | None:
+    """``value`` as a float when it is a finite number > 0 (not a bool), else ``None``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        rate = float(value)
+    except OverflowError:
+        return None
+    return rate if math.isfinite(rate) and rate > 0 else None
+
+
 def _racers(objectives: Any, lr: float) -> list[tuple[str, float, str]]:
     """``objectives=`` as ``(name, lr, label)`` racers: a name runs at ``lr`` (label: the name), a
-    ``(name, lr)`` pair at its own learning rate (label ``"name@lr"``)."""
+    ``(name, lr)`` pair (any two-item sequence) at its own learning rate (label ``"name@lr"``); ``None``:
+    the default, the SGPR bound and GCV at ``lr`` and GCV at ``2 lr``."""
+    if objectives is None:
+        objectives = ("sgpr", "gcv", ("gcv", 2.0 * lr))
     if isinstance(objectives, str) or not isinstance(objectives, Sequence) or not objectives:
         raise ValueError("objectives must be a non-empty sequence of names from "
                          f"{sorted(OBJECTIVES)} or (name, lr) pairs, got {objectives!r}")
@@ -373,11 +390,12 @@ def _racers(objectives: Any, lr: float) -> list[tuple[str, float, str]]:
     for spec in objectives:
         if isinstance(spec, str):
             name, rate, label = spec, lr, spec
-        elif isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[0], str):
-            name, rate = spec
-            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (math.isfinite(rate) and rate > 0):
+        elif isinstance(spec, Sequence) and not isinstance(spec, str) and len(spec) == 2 \
+                and isinstance(spec[0], str):
+            name, given = spec
+            rate = _positive_rate(given)  # type: ignore[assignment]
+            if rate is None:
                 raise ValueError(f"objectives: the learning rate of {spec!r} must be a finite number > 0")
-            rate = float(rate)
             label = f"{name}@{rate:g}"
         else:
             raise ValueError(f"objectives: each entry must be a name or a (name, lr) pair, got {spec!r}")
@@ -385,6 +403,8 @@ def _racers(objectives: Any, lr: float) -> list[tuple[str, float, str]]:
             raise ValueError(f"objectives: unknown {name!r}; known: {sorted(OBJECTIVES)}")
         if any(o[0] == name and o[1] == rate for o in out):
             raise ValueError(f"objectives: {name!r} at learning rate {rate:g} is named twice")
+        if any(o[2] == label for o in out):
+            label = f"{name}@{rate!r}"  # two rates that print alike: the exact one tells them apart
         out.append((name, rate, label))
     return out
 
@@ -515,7 +535,7 @@ def auto_fit(
     val_x: Tensor | None = None,
     val_y: Tensor | None = None,
     kernel: str | Kernel = "matern52",
-    objectives: Sequence[str | tuple[str, float]] = ("sgpr", "gcv", ("gcv", 0.2)),
+    objectives: Sequence[str | tuple[str, float]] | None = None,
     learn_centers: bool = False,
     lengthscale_transform: str = "log",
     lengthscale_step: str = "shared",
@@ -592,11 +612,12 @@ def auto_fit(
             :data:`OBJECTIVES`, each learned by Adam at ``lr``, or ``(name, lr)`` pairs, an objective at
             its own learning rate (the report's ``racer`` is then ``"name@lr"``). The race is won on
             validation error, so it chooses the learning rate as it chooses the objective, and the
-            winner keeps its rate on the larger subsamples (``report.chosen["lr"]``). The default races
-            the SGPR bound and GCV at ``lr`` and GCV at 0.2: a larger step reaches a lengthscale
-            that must shrink tenfold (one dominant feature) in half the steps but overshoots where
-            all features are relevant, and which case holds shows in the first round's validation
-            errors (``benchmarks/results/auto-notes.md``, "A learning-rate racer"). ``"nystrom-compreg"``
+            winner keeps its rate on the larger subsamples (``report.chosen["lr"]``). ``None`` (the
+            default): the SGPR bound and GCV at ``lr``, and GCV at ``2 lr`` (0.2): a larger step reaches a
+            lengthscale that must shrink tenfold (one dominant feature) in half the steps but overshoots
+            where all features are relevant, and which case holds shows in the race's validation errors
+            (at small budgets the first round's: ``race_share``; ``benchmarks/results/auto-notes.md``, "A
+            learning-rate racer"). ``"nystrom-compreg"``
             was in the race up to 0.2.0 and supplied the chosen hyperparameters in none of 266
             recorded runs on 12 datasets (GCV 211, SGPR 44, the initial point 11), while taking a third
             of the race's steps (round 13). Every name stays available.
@@ -796,8 +817,8 @@ def auto_fit(
             raise ValueError(f"kernel must be one of {sorted(KERNEL_FAMILIES)} or a gpytorch Kernel, got {kernel!r}")
     elif not isinstance(kernel, Kernel):
         raise TypeError(f"kernel must be a family name or a gpytorch.kernels.Kernel, got {type(kernel).__name__}")
-    if not (isinstance(lr, (int, float)) and lr > 0):
-        raise ValueError(f"lr must be > 0, got {lr!r}")
+    if _positive_rate(lr) is None:
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
     racers = _racers(objectives, float(lr))
     if not (isinstance(val_fraction, float) and 0.0 < val_fraction < 1.0):
         raise ValueError(f"val_fraction must be a float in (0, 1), got {val_fraction!r}")
@@ -964,8 +985,8 @@ def auto_fit(
                                     + ", ".join(kept) + " (not GPyTorch's default Positive)")
         noise0 = 0.1
         best_state: dict[str, Any] = dict(
-            kernel=copy.deepcopy(k0), noise=noise0, centers=centers0, objective="initial", step=0, error=math.inf,
-            rows=n_h,
+            kernel=copy.deepcopy(k0), noise=noise0, centers=centers0, objective="initial", racer="initial", lr=None,
+            step=0, error=math.inf, rows=n_h,
         )
 
         def h_model(k: Kernel, noise: float, centers: Tensor, learn: bool, rows: int | None = None) -> FalkonGP:
@@ -981,7 +1002,8 @@ def auto_fit(
             del m0
         except Exception as exc:
             report.notes.append(f"initial hyperparameters failed to fit: {type(exc).__name__}: {exc}")
-        report.learn.append(dict(objective="initial", rows=n_h, steps=0, best_step=0, best_error=best_state["error"],
+        report.learn.append(dict(objective="initial", racer="initial", lr=None, rows=n_h, steps=0, best_step=0,
+                                 best_error=best_state["error"],
                                  curve=[]))
 
         learn_deadline = clock.t0 + learn_share * budget
@@ -1074,7 +1096,7 @@ def auto_fit(
                           and rows_next * lead.model.centers.shape[0] <= hyper_entries
                           and time.perf_counter() - lead.t0 >= level_share * (learn_deadline - lead.t0))
             if stalled or level_over:
-                start = best_state if best_state.get("racer") == live[0].label else (live[0].best or best_state)
+                start = best_state if best_state["racer"] == live[0].label else (live[0].best or best_state)
                 if rows_next <= rows_h or rows_next * start["centers"].shape[0] > hyper_entries:
                     # stalled on as many rows as it may use: more steps here buy little; the rest of the
                     # learning share goes to the selection stage
@@ -1728,11 +1750,12 @@ def auto_fit(
         m_fin = int(final.centers.shape[0])
         noise_raw = float(final.noise.detach())  # the selected noise in raw units, times the variance scale
 
-        best_obj = next((r for r in report.learn if r.get("racer") == best_state.get("racer")
+        best_obj = next((r for r in report.learn if r["racer"] == best_state["racer"]
                          and r.get("rows") == best_state["rows"]), {})
         report.chosen = dict(
             objective=best_state["objective"],
-            lr=best_state.get("lr"),
+            racer=best_state["racer"],
+            lr=best_state["lr"],
             step=best_state["step"],
             learn_error=best_state["error"],
             objective_steps=best_obj.get("steps"),

@@ -177,6 +177,7 @@ def test_auto_fit_choices_are_the_validation_minimum(fitted):
     rep = model.auto_report
     best_learn = min(rep.learn, key=lambda r: r["best_error"])
     assert rep.chosen["objective"] == best_learn["objective"]
+    assert (rep.chosen["racer"], rep.chosen["lr"]) == (best_learn["racer"], best_learn["lr"])
     assert math.isclose(rep.chosen["learn_error"], best_learn["best_error"])
     at_level = [r["error"] for r in rep.search if r["M"] == rep.chosen["num_centers"]]
     assert math.isclose(rep.chosen["val_error"], min(at_level))
@@ -472,6 +473,11 @@ def test_auto_fit_respects_a_small_budget():
         (dict(objectives=(("nope", 0.2),)), "objectives"),
         (dict(objectives=(("gcv", 0.2, 1),)), "objectives"),
         (dict(objectives=("gcv", ("gcv", 0.1))), "named twice"),
+        (dict(objectives=(("gcv", 10**400),)), "objectives"),
+        (dict(objectives=(("gcv", 0.2), ["gcv", 0.2])), "named twice"),
+        (dict(lr=True), "lr"),
+        (dict(lr=float("inf")), "lr"),
+        (dict(lr=float("inf"), objectives=(("gcv", 0.2),)), "lr"),
         (dict(val_fraction=1.5), "val_fraction"),
         (dict(hyper_rows=1), "hyper_rows"),
         (dict(max_steps=-1), "max_steps"),
@@ -1306,3 +1312,20 @@ def test_auto_fit_races_learning_rates_and_the_winner_keeps_its_rate():
     assert seen == [("gcv@0.1", 0.1), ("gcv@0.5", 0.5)] + [(winner["racer"], winner["lr"])] * len(after)
     best = min((r for r in rep.learn[1:] if r["best_step"] > 0), key=lambda r: r["best_error"])
     assert rep.chosen["learn_error"] == best["best_error"] and rep.chosen["lr"] == best["lr"]
+
+
+def test_auto_fit_default_racers_follow_lr():
+    """The default racers are the SGPR bound and GCV at ``lr`` and GCV at ``2 lr`` (``lr=0.2``: 0.2 and 0.4, no
+    clash with a fixed 0.2); a list works as a pair; two rates that print alike get distinct labels; the
+    starting point's record names itself."""
+    from gpfalkon.auto import _racers
+
+    assert _racers(None, 0.1) == [("sgpr", 0.1, "sgpr"), ("gcv", 0.1, "gcv"), ("gcv", 0.2, "gcv@0.2")]
+    assert _racers(None, 0.2) == [("sgpr", 0.2, "sgpr"), ("gcv", 0.2, "gcv"), ("gcv", 0.4, "gcv@0.4")]
+    assert _racers([["gcv", 0.3]], 0.1) == [("gcv", 0.3, "gcv@0.3")]
+    labels = [r[2] for r in _racers((("gcv", 0.2), ("gcv", 0.2000001)), 0.1)]
+    assert labels[0] == "gcv@0.2" and labels[1] != labels[0] and labels[1].startswith("gcv@0.2")
+    x, y, _ = _data(400)
+    rep = auto_fit(x, y, lr=0.2, **dict(SMALL, max_steps=4, eval_every=2, race_rounds=1)).auto_report
+    assert [(r["racer"], r["lr"]) for r in rep.learn[:4]] == [("initial", None), ("sgpr", 0.2), ("gcv", 0.2),
+                                                           ("gcv@0.4", 0.4)]

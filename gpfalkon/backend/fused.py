@@ -583,7 +583,8 @@ def _build_directory(name: str) -> str:
     realpath of ``torch._appdirs.user_cache_dir("torch_extensions")``) without importing
     ``torch.utils.cpp_extension``, which imports setuptools: 0.2 s of every process's first fit (of a few
     seconds' ``auto_fit`` budget) to find an extension that is already built. The import is paid only
-    where torch lacks ``_appdirs`` and where the extension is built."""
+    where torch lacks ``_appdirs`` and where the extension is built. (``TORCH_EXTENSIONS_DIR`` is read by
+    torch only for builds without a ``build_directory``; this kernel always gives one, so it never applied.)"""
     try:
         from torch._appdirs import user_cache_dir
 
