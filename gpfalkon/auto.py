@@ -366,7 +366,7 @@ def _scoring_fit(model: FalkonGP, extra: Tensor | None) -> FalkonGP:
     return _fit_quiet(scorer)[0]
 
 
-def _positive_rate(value: Any) -> float | None:
+def _positive_number(value: Any) -> float | None:
     """``value`` as a float when it is a finite number > 0 (not a bool), else ``None``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -393,7 +393,7 @@ def _racers(objectives: Any, lr: float) -> list[tuple[str, float, str]]:
         elif isinstance(spec, Sequence) and not isinstance(spec, str) and len(spec) == 2 \
                 and isinstance(spec[0], str):
             name, given = spec
-            rate = _positive_rate(given)  # type: ignore[assignment]
+            rate = _positive_number(given)  # type: ignore[assignment]
             if rate is None:
                 raise ValueError(f"objectives: the learning rate of {spec!r} must be a finite number > 0")
             label = f"{name}@{rate:g}"
@@ -410,9 +410,10 @@ def _racers(objectives: Any, lr: float) -> list[tuple[str, float, str]]:
 
 
 def _check_budget(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    seconds = _positive_number(value)
+    if seconds is None:
         raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
+    return seconds
 
 
 def _check_count(name: str, value: Any, minimum: int = 1) -> int:
@@ -817,7 +818,7 @@ def auto_fit(
             raise ValueError(f"kernel must be one of {sorted(KERNEL_FAMILIES)} or a gpytorch Kernel, got {kernel!r}")
     elif not isinstance(kernel, Kernel):
         raise TypeError(f"kernel must be a family name or a gpytorch.kernels.Kernel, got {type(kernel).__name__}")
-    if _positive_rate(lr) is None:
+    if _positive_number(lr) is None:
         raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
     racers = _racers(objectives, float(lr))
     if not (isinstance(val_fraction, float) and 0.0 < val_fraction < 1.0):
