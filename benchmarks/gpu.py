@@ -354,16 +354,25 @@ def part_scale(dev: torch.device, smoke: bool, peaks: dict, iters: int, sizes: l
     peak = peaks.get("fp32_ieee_tflops", 0) * 1e12
     rows = []
     sizes = [max(100, m // 20) for m in sizes] if smoke else sizes
+    warmed: set[str] = set()
     for m in sizes:
         # the first size also through torch's blockwise pass (the fused Triton pass off), same data and centers
         for label, mode in (("x in GPU memory, fused pass", "auto"), ("x in GPU memory, torch pass", "off")):
             if (mode == "off" and m != sizes[0]) or (mode == "auto" and dev.type != "cuda"):
                 continue
-            if dev.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(dev)
+            first_s = None
             with gpfalkon.settings.triton_fly(mode):
+                if mode not in warmed:  # a one-iteration fit first: Triton's compilation and autotuning of
+                    # every kernel key the fit launches (a process's first fit pays it; the timed one not)
+                    first_s, _ = fit(xtr, ytr, rbf(ls, torch.float32, dev), m, 1e-6, 1, dev)
+                    warmed.add(mode)
+                    del _
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(dev)
                 secs, model = fit(xtr, ytr, rbf(ls, torch.float32, dev), m, 1e-6, iters, dev)
                 rows.append(fit_row(label, secs, model, rmse(model, xte, yte), n, m, d, iters, peak))
+                rows[-1]["warmup_fit_1_iteration_s"] = first_s
             if dev.type == "cuda":  # the fit's peak of allocated GPU memory (the data included)
                 rows[-1]["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
             log(f"[scale] {rows[-1]}")

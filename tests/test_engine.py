@@ -283,15 +283,23 @@ def test_release_frees_a_large_store_in_the_background_and_the_next_store_waits(
     assert eng_mod._pending_frees == []
 
 
-def test_reuse_stores_hands_a_released_store_to_the_next_engine_of_its_size(monkeypatch):
+@pytest.mark.parametrize("fused_on", [True, False], ids=["fused-kernel", "torch-path"])
+def test_reuse_stores_hands_a_released_store_to_the_next_engine_of_its_size(monkeypatch, fused_on):
     """Inside reuse_stores() a released store is kept and the next engine whose K_nM has exactly its size and
     dtype computes into it: same memory, products exact against the dense kernel of the new engine's own
     kernel. A store of another size first frees the kept one; a store that another tensor still views is never
-    kept (the view's values stay); the kept bytes count as available memory; the block's exit frees them."""
+    kept (the view's values stay); the engine's buffers are never kept; the kept bytes count as available
+    memory; the block's exit frees them. Both with the fused CPU kernel filling the store and with it off
+    (torch's blockwise path fills it; the fused path must not take the kept store and drop it)."""
     import io
 
     import gpfalkon.backend.blocks as blocks_mod
     import gpfalkon.backend.engine as eng_mod
+    import gpfalkon.backend.fused as fused_mod
+
+    if fused_on and not fused_mod.fused_available()[0]:
+        pytest.skip(f"fused kernel unavailable: {fused_mod.fused_available()[1]}")
+    monkeypatch.setitem(fused_mod._state, "enabled", fused_on)  # what set_enabled(fused_on) sets; restored after
 
     monkeypatch.setattr(eng_mod, "BACKGROUND_FREE_BYTES", 1)  # every store counts as large
     monkeypatch.setattr(blocks_mod, "open", lambda *a, **k: io.StringIO("MemTotal: 9 kB\nMemAvailable: 1000 kB\n"),

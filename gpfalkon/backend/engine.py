@@ -63,7 +63,7 @@ from .blocks import (
     row_blocks,
     stored_batch,
 )
-from .fused import fly_tile_rows, fused_fly_kmn_k, fused_kmn_k, fused_profile_
+from .fused import fly_applies, fly_tile_rows, fused_fly_kmn_k, fused_kmn_k, fused_profile_
 from .precision import matmul_precision
 from .prefetch import source_blocks
 from .sources import RowSource
@@ -525,10 +525,13 @@ class KernelEngine:
 
     def release(self) -> None:
         """Free the stored matrix (a large host one on a background thread: :func:`_release_store`) and
-        the buffers."""
-        store = [t for t in (self._k, self._buf, self._tmp) if t is not None]
+        the buffers. Only the stored matrix may be kept for the next engine (:func:`reuse_stores`); the
+        buffers never are."""
+        store, buffers = self._k, [t for t in (self._buf, self._tmp) if t is not None]
         self._k = self._buf = self._tmp = None
-        _release_store(store)
+        _release_store(buffers, keep=False)
+        if store is not None:
+            _release_store([store])
 
     # ---------------------------------------------------------------- products
     @overload
@@ -615,8 +618,8 @@ class KernelEngine:
         if not fill and triton_fly_kmn_k(acc, self._xa[rows], self._ca_t, self._x_sq[rows], u_t, v_t,
                                          self.spec.kind, floor, self._c_sq_max):
             return True  # CUDA float32 (or Triton's interpreter): gpfalkon.backend.triton_fly
-        if self.device.type != "cpu":
-            return False
+        if self.device.type != "cpu" or not fly_applies(acc, self._xa[rows], self._ca_t, self.spec.kind):
+            return False  # checked first: a store taken here (a kept one, reuse_stores) must be filled
         store = self._new_store(head) if fill else None
         tile = fly_tile_rows(self.m, torch.finfo(self.dtype).bits // 8, cap=self.block_rows)
         done = fused_fly_kmn_k(acc, self._xa[rows], self._ca_t, self._x_sq[rows], u_t, v_t, self.spec.kind,

@@ -51,9 +51,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["FLUSH_ROWS", "FLY_TILE_BYTES", "MAX_K", "MAX_SOLVE_K", "SOLVE_BLOCK", "SOLVE_MIN_M", "fly_tile_rows",
-           "fused_available", "fused_fly_kmn_k", "fused_kmn_k", "fused_profile_", "set_enabled", "upper_solve",
-           "word_digest"]
+__all__ = ["FLUSH_ROWS", "FLY_TILE_BYTES", "MAX_K", "MAX_SOLVE_K", "SOLVE_BLOCK", "SOLVE_MIN_M", "fly_applies",
+           "fly_tile_rows", "fused_available", "fused_fly_kmn_k", "fused_kmn_k", "fused_profile_", "set_enabled",
+           "upper_solve", "word_digest"]
 
 #: rows a thread accumulates in the data dtype before adding to its float64 accumulator
 FLUSH_ROWS = 256
@@ -732,6 +732,16 @@ def fly_tile_rows(m: int, itemsize: int, cap: int | None = None) -> int:
     return max(1, min(rows, cap)) if cap is not None else rows
 
 
+def fly_applies(acc: Tensor, xa: Tensor, ca_t: Tensor, kind: str) -> bool:
+    """Whether :func:`fused_fly_kmn_k` runs on these operands (CPU, float32 or float64 alike, at most
+    :data:`MAX_K` right-hand sides into a contiguous float64 ``acc``, a known profile, no autograd, some rows,
+    the kernel available here), checked before the caller allocates anything for it: the engine takes a
+    store for the kernel to fill only where it will be filled."""
+    return not (xa.device.type != "cpu" or xa.dtype not in (torch.float32, torch.float64) or ca_t.dtype != xa.dtype
+                or acc.shape[0] > MAX_K or acc.dtype != torch.float64 or not acc.is_contiguous()
+                or kind not in _KINDS or xa.requires_grad or xa.shape[0] == 0) and fused_available()[0]
+
+
 def fused_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: Tensor | None, v_t: Tensor | None,
                     kind: str, m12_floor: float, c_sq_max: float, tile: int, store: Tensor | None = None) -> bool:
     """``acc += (u_t K + v_t) K`` for ``K = phi(xa @ ca_t)`` computed tile by tile and never stored.
@@ -763,11 +773,9 @@ def fused_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: Te
         another dtype, more than :data:`MAX_K` right-hand sides, an unknown profile, or the kernel
         unavailable).
     """
-    if (xa.device.type != "cpu" or xa.dtype not in (torch.float32, torch.float64) or ca_t.dtype != xa.dtype
-            or acc.shape[0] > MAX_K or acc.dtype != torch.float64 or not acc.is_contiguous() or kind not in _KINDS
-            or xa.requires_grad or xa.shape[0] == 0
-            or (store is not None and (store.dtype != xa.dtype or not store.is_contiguous()
-                                       or store.shape != (xa.shape[0], ca_t.shape[1])))):
+    if not fly_applies(acc, xa, ca_t, kind) or (
+            store is not None and (store.dtype != xa.dtype or not store.is_contiguous()
+                                   or store.shape != (xa.shape[0], ca_t.shape[1]))):
         return False
     args = _operands("fused_fly_kmn_k", xa, u_t, v_t)
     if args is None:

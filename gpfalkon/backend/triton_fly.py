@@ -29,7 +29,11 @@ cores' FMA rate), or in TF32 on the tensor cores where :class:`gpfalkon.settings
 products are always IEEE float32. Memory: ``n k`` float32 values for ``w`` and ``splits x M x k'`` float64
 values for the partial sums (where they do not fit, the engine takes torch's path). Tile shapes are
 autotuned on the first call for each width, profile, precision and right-hand-side count, on its
-first 2^18 rows.
+first 2^18 rows. That first call compiles five tile shapes of each kernel: a process's first fit pays it
+once (a one-iteration fit at n = 1e7, M = 10,000 took 20 s on an H200 with Triton's cache empty,
+``benchmarks/results/gpu-h200-s32-scale.md``; the next 20-iteration fit 12.0 s); Triton keeps the compiled
+kernels in its on-disk cache for later processes. ``GPFALKON_TRITON_AUTOTUNE=0`` compiles the first shape
+only.
 
 Written by hand because neither torch nor GPyTorch has a fused kernel-matrix-vector product (KeOps
 does, but it is not a dependency and its reductions are single products, not ``K^T (K u)``). Float32
