@@ -346,7 +346,8 @@ def part_flights(dev: torch.device, smoke: bool, peaks: dict) -> dict:
     return dict(rows=rows, n_train=len(xtr), n_test=len(xte))
 
 
-def part_scale(dev: torch.device, smoke: bool, peaks: dict, iters: int, sizes: list[int], host: bool) -> dict:
+def part_scale(dev: torch.device, smoke: bool, peaks: dict, iters: int, sizes: list[int], host: bool,
+               torch_pass: bool = True) -> dict:
     n, d = (100_000, 24) if smoke else (10_000_000, 24)
     nt = 100_000 if not smoke else 10_000
     xtr, ytr, xte, yte = synthetic(n, nt, d, dev)
@@ -358,7 +359,7 @@ def part_scale(dev: torch.device, smoke: bool, peaks: dict, iters: int, sizes: l
     for m in sizes:
         # the first size also through torch's blockwise pass (the fused Triton pass off), same data and centers
         for label, mode in (("x in GPU memory, fused pass", "auto"), ("x in GPU memory, torch pass", "off")):
-            if (mode == "off" and m != sizes[0]) or (mode == "auto" and dev.type != "cuda"):
+            if (mode == "off" and (m != sizes[0] or not torch_pass)) or (mode == "auto" and dev.type != "cuda"):
                 continue
             first_s = None
             with gpfalkon.settings.triton_fly(mode):
@@ -528,6 +529,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20, help="CG iterations of the n = 1e7 fits")
     ap.add_argument("--scale-m", type=int, nargs="+", default=[10_000, 50_000])
     ap.add_argument("--no-scale-host", action="store_true", help="skip part 6's fits from host memory")
+    ap.add_argument("--no-scale-torch", action="store_true",
+                    help="skip part 6's fit through torch's blockwise pass (the fused Triton pass only)")
     ap.add_argument("--baseline-budget", type=float, default=30.0)
     ap.add_argument("--baseline-n", type=int, default=10_000_000, help="training rows of part 7")
     ap.add_argument("--report-only", action="store_true")
@@ -560,7 +563,8 @@ def main() -> None:
             elif part == "flights":
                 res[part] = part_flights(dev, args.smoke, peaks)
             elif part == "scale":
-                res[part] = part_scale(dev, args.smoke, peaks, args.iters, args.scale_m, not args.no_scale_host)
+                res[part] = part_scale(dev, args.smoke, peaks, args.iters, args.scale_m, not args.no_scale_host,
+                                       not args.no_scale_torch)
             elif part == "sums":
                 res[part] = part_sums(dev, args.smoke, max(args.scale_m))
             elif part == "baselines":
