@@ -5,7 +5,8 @@ A fresh host tensor of ``n M`` float32 values (1.6 GB by default) is allocated, 
 process; each variant runs in its own fresh processes (``--processes`` each, alternating), since a process's
 first allocation is where the variants differ. Variants: plain pages; ``MADV_HUGEPAGE`` on the 2 MiB-aligned
 interior (transparent huge pages, where the kernel's mode is ``madvise`` or ``always``);
-``MADV_POPULATE_WRITE`` (the pages faulted in by one system call, Linux >= 5.14). Linux only.
+``MADV_POPULATE_WRITE`` (the pages faulted in by one system call, Linux >= 5.14), also split over two
+threads (one call per half, whether faulting scales with threads). Linux only.
 
     .venv/bin/python benchmarks/hugepages.py --out benchmarks/results/hugepages.md
 """
@@ -17,12 +18,14 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _common import environment_lines, log, markdown_table, write_result
 
-MADV = {"plain": None, "huge pages (MADV_HUGEPAGE)": 14, "populate (MADV_POPULATE_WRITE)": 23}
+MADV = {"plain": None, "huge pages (MADV_HUGEPAGE)": 14, "populate (MADV_POPULATE_WRITE)": 23,
+        "populate, 2 threads (each half)": 23}
 
 
 def child(variant: str, n: int, allocations: int) -> list[tuple[float, float]]:
@@ -42,8 +45,21 @@ def child(variant: str, n: int, allocations: int) -> list[tuple[float, float]]:
             a, nbytes = x.data_ptr(), n * 4
             huge = 2 * 2**20 if advice == 14 else 4096
             start, stop = -(-a // huge) * huge, (a + nbytes) // huge * huge
-            if libc.madvise(start, stop - start, advice) != 0:
-                raise OSError(ctypes.get_errno(), f"madvise {variant}")
+            parts = 2 if "2 threads" in variant else 1
+            cut = [start + (stop - start) * i // parts // huge * huge for i in range(parts)] + [stop]
+            errors: list[int] = []
+
+            def advise(lo: int, hi: int, errors: list[int] = errors) -> None:
+                if libc.madvise(lo, hi - lo, advice) != 0:  # ctypes releases the GIL during the call
+                    errors.append(ctypes.get_errno())
+
+            workers = [threading.Thread(target=advise, args=(cut[i], cut[i + 1])) for i in range(parts)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            if errors:
+                raise OSError(errors[0], f"madvise {variant}")
         x.fill_(1.0)
         t1 = time.perf_counter()
         del x
