@@ -107,7 +107,7 @@ def test_cg_returns_best_iterate_when_the_operator_is_inaccurate(skew, diverges,
 def test_breakdown_rebuilds_preconditioner_with_more_jitter(monkeypatch):
     """A CG breakdown (``p^T W p <= 0``, detected by the real CG) makes the operator raise the preconditioner's
     jitter 100x, warn, rebuild and restart; the restarted solve is the dense direct solve of ``H alpha = rhs``.
-    The breakdown is forced, so that the test does not hang on rounding: the first attempt's data products are
+    The breakdown is forced, so that the test does not depend on rounding: the first attempt's data products are
     negated (``H`` then indefinite), the ones after the rebuild are not."""
     from gpfalkon import JitterWarning
 
