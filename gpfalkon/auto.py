@@ -390,8 +390,7 @@ def _racers(objectives: Any, lr: float) -> list[tuple[str, float, str]]:
     for spec in objectives:
         if isinstance(spec, str):
             name, rate, label = spec, lr, spec
-        elif isinstance(spec, Sequence) and not isinstance(spec, str) and len(spec) == 2 \
-                and isinstance(spec[0], str):
+        elif isinstance(spec, Sequence) and len(spec) == 2 and isinstance(spec[0], str):  # (str: branch above)
             name, given = spec
             rate = _positive_number(given)  # type: ignore[assignment]
             if rate is None:
