@@ -549,3 +549,50 @@ def test_gram_projection_backward_matches_autograd(t):
                 assert a is None or not a.abs().sum()
             else:
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_cholesky_kmm_falls_back_to_the_jitter_search_when_the_first_factor_fails(monkeypatch):
+    """``cholesky_kmm`` factors once under autograd; where that first try fails (``info > 0``) it asks
+    ``jittered_cholesky`` for the jitter and factors again. Both routes must give the same factor and
+    the same gradients as autograd through a direct factorisation at the first jitter."""
+    model = _model()
+    obj = GCV(model)
+
+    def reference():
+        kmm = model.kernel(model.centers, model.centers).to_dense()
+        first = float(torch.finfo(kmm.dtype).eps) * kmm.shape[0] * float(kmm.detach().diagonal().mean())
+        return torch.linalg.cholesky(kmm + first * torch.eye(kmm.shape[0], dtype=kmm.dtype))
+
+    params = [*model.kernel.parameters(), model.centers]  # what K_MM depends on
+    ref = reference()
+    g_ref = torch.autograd.grad(ref.square().sum(), params)
+    fast = obj.cholesky_kmm()
+    g_fast = torch.autograd.grad(fast.square().sum(), params)
+
+    real = torch.linalg.cholesky_ex
+    calls = []
+
+    def failing_first_try(a, *args, **kwargs):  # jittered_cholesky's own tries (out=...) are left alone
+        out = real(a, *args, **kwargs)
+        if "out" in kwargs:
+            return out
+        calls.append(1)
+        return out[0], torch.ones_like(out[1])  # report a failed factorisation
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", failing_first_try)
+    slow = obj.cholesky_kmm()
+    g_slow = torch.autograd.grad(slow.square().sum(), params)
+    assert calls == [1]
+    for got in (fast, slow):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-14)
+    for grads in (g_fast, g_slow):
+        for g, r in zip(grads, g_ref, strict=True):
+            torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-12)
+
+
+def test_cholesky_kmm_names_a_non_finite_kmm():
+    model = _model()
+    with torch.no_grad():
+        model.centers[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="K_MM contains NaN or Inf"):
+        GCV(model).cholesky_kmm()
