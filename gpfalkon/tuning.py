@@ -917,8 +917,17 @@ def _result(config: Mapping[str, Any], n: int, value: float) -> float | Evaluati
 
 
 def _rmse(model: Any, val_x: Tensor, val_y: Tensor) -> float:
+    """Validation RMSE of ``model`` at ``(val_x, val_y)``; ``val_y`` of shape ``(q, 1)`` is taken as the
+    ``(q,)`` of a one-output model. Raises ``ValueError`` where ``val_y``'s shape is not the prediction's
+    (a ``(q,)`` against ``(q, 1)`` difference would otherwise broadcast to ``q x q``)."""
     model.eval()
     pred = model.posterior_mean(val_x)  # no process-wide GPyTorch flag toggled
+    if val_y.shape != pred.shape:
+        if val_y.dim() == 2 and val_y.shape[-1] == 1 and pred.dim() == 1 and val_y.shape[0] == pred.shape[0]:
+            val_y = val_y.squeeze(-1)
+        else:
+            raise ValueError(f"val_y has shape {tuple(val_y.shape)}, but the model predicts shape {tuple(pred.shape)} "
+                             f"at val_x ({val_x.shape[0]} rows, the outputs of train_y)")
     return float(((pred - val_y) ** 2).mean().sqrt())
 
 

@@ -336,3 +336,29 @@ def test_values_records_and_saved_state_survive_real_world_types(tmp_path):
     val = falkon_validation_error(max_iter=10)({"num_centers": 70, "center_selection": "leverage",
                                                 "penalty": 1e-3}, x, y, xv, yv)
     assert type(val) is float
+
+
+def test_validation_error_of_column_targets_is_the_rmse():
+    """(n, 1) targets (BoTorch's convention) give the same validation RMSE as (n,) targets, equal to an
+    independent evaluation of the fitted model; a val_y of another shape is refused, naming val_y."""
+    from gpfalkon import FalkonGP
+    from gpfalkon.heuristics import median_lengthscale
+
+    x, y = make_data(200, 2)
+    xv, yv = make_data(80, 2, seed=3)
+    cfg = {"num_centers": 40, "kernel": "rbf", "penalty": 1e-4}
+    flat = falkon_validation_error(max_iter=15)(cfg, x, y, xv, yv)
+    col = falkon_validation_error(max_iter=15)(cfg, x, y.unsqueeze(-1), xv, yv.unsqueeze(-1))
+    assert col == pytest.approx(flat, rel=1e-10)
+    from gpytorch.kernels import RBFKernel
+
+    k = RBFKernel().to(x)
+    k.lengthscale = float(median_lengthscale(x))
+    model = FalkonGP(x, y, kernel=k, num_centers=40, penalty=1e-4, max_iter=15, tol=0.0, seed=0)
+    model.fit()
+    ref = float((model.posterior_mean(xv) - yv).square().mean().sqrt())
+    assert flat == pytest.approx(ref, rel=1e-5)  # the same fit up to the kernel's construction
+    with pytest.raises(ValueError, match=r"val_y has shape \(80, 2\)"):
+        falkon_validation_error(max_iter=15)(cfg, x, y, xv, torch.stack([yv, yv], -1))
+    tuned = gradient_tuned_error(steps=2)
+    assert tuned(cfg, x, y.unsqueeze(-1), xv, yv.unsqueeze(-1)) == pytest.approx(tuned(cfg, x, y, xv, yv), rel=1e-6)
