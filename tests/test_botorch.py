@@ -358,3 +358,107 @@ def test_mll_adds_the_log_priors_as_gpytorchs_mlls():
     torch.testing.assert_close(with_priors(None, model.train_targets) - gcv(None, model.train_targets),
                                (expected + SGPRBound(model)() / 120).detach(), rtol=1e-10, atol=1e-12)
 
+
+
+def _two_outputs(n=150, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.rand(n, 2, generator=g, dtype=torch.float64)
+    Y = torch.stack([torch.sin(4 * X).sum(-1), 3 * X[:, 0] + 2], -1)
+    return X, Y + 0.01 * torch.randn(n, 2, generator=g, dtype=torch.float64)
+
+
+def test_posterior_output_indices_and_per_output_observation_noise():
+    """``output_indices`` selects outputs (BoTorch's ModelListGP relies on it) and a tensor
+    ``observation_noise`` adds each output's own variances (transformed space), against the one-output
+    models of the same fit (``subset_output``) and the noiseless posterior plus the noise by hand."""
+    from botorch.models import ModelListGP
+
+    X, Y = _two_outputs()
+    m = FalkonModel(X, Y, num_centers=30, tol=1e-12, max_iter=500)
+    Xs = torch.rand(3, 4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    full = m.posterior(Xs)
+    for idx in ([1], [-1], [1, 0]):
+        sub = m.posterior(Xs, output_indices=idx)
+        assert sub.mean.shape == (3, 4, len(idx))
+        torch.testing.assert_close(sub.mean, full.mean[..., [i % 2 for i in idx]])
+        torch.testing.assert_close(sub.variance, full.variance[..., [i % 2 for i in idx]])
+    one = m.subset_output([1]).posterior(Xs)
+    torch.testing.assert_close(m.posterior(Xs, output_indices=[1]).distribution.covariance_matrix,
+                               one.distribution.covariance_matrix)
+    noisy = m.posterior(Xs, output_indices=[1], observation_noise=True)
+    sigma2 = float(m.noise) * float(m.outcome_transform.stdvs[0, 1]) ** 2
+    torch.testing.assert_close(noisy.variance, one.variance + sigma2)
+    noise = torch.tensor([0.1, 0.3], dtype=torch.float64).expand(3, 4, 2)
+    got = m.posterior(Xs, observation_noise=noise)
+    torch.testing.assert_close(got.variance - full.variance, (noise * m.outcome_transform.stdvs**2).expand(3, 4, 2))
+    torch.testing.assert_close(got.mean, full.mean)
+    got1 = m.posterior(Xs, output_indices=[0], observation_noise=noise)
+    torch.testing.assert_close(got1.variance, full.variance[..., :1] + 0.1 * m.outcome_transform.stdvs[0, 0] ** 2)
+    with pytest.raises(ValueError, match="output_indices must be"):
+        m.posterior(Xs, output_indices=[2])
+    with pytest.raises(ValueError, match="observation_noise must have shape"):
+        m.posterior(Xs, observation_noise=torch.ones(3, 5, 2, dtype=torch.float64))
+    # BoTorch's model list: outputs selected across its models, and subset_output with numpy indices
+    m1 = FalkonModel(X, Y[:, :1], num_centers=30)
+    lst = ModelListGP(m, m1)
+    p = lst.posterior(Xs, output_indices=[1])
+    assert p.mean.shape == (3, 4, 1)
+    torch.testing.assert_close(p.mean, full.mean[..., 1:])
+    sub = lst.subset_output([1])
+    torch.testing.assert_close(sub.posterior(Xs).mean, full.mean[..., 1:])
+
+
+def test_model_list_condition_on_observations_matches_each_models_own():
+    """ModelListGP.condition_on_observations reaches each model's GPyTorch ``get_fantasy_model``: the result
+    is each model conditioned on its rows (outcome-transformed by BoTorch), as the model's own conditioning."""
+    from botorch.models import ModelListGP
+
+    X, Y = _two_outputs()
+    ma = FalkonModel(X, Y[:, :1], num_centers=30, tol=1e-12, max_iter=500)
+    mb = FalkonModel(X, Y[:, 1:], num_centers=30, tol=1e-12, max_iter=500)
+    Xn = torch.rand(3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    Yn = torch.stack([torch.sin(4 * Xn).sum(-1), 3 * Xn[:, 0] + 2], -1)
+    cond = ModelListGP(ma, mb).condition_on_observations([Xn, Xn], Yn)
+    Xs = torch.rand(5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    for j, (model, got) in enumerate(zip((ma, mb), cond.models, strict=True)):
+        ref = model.condition_on_observations(Xn, Yn[:, j : j + 1])  # a refit on the 153 rows
+        # BoTorch hands each one-output model its targets as (1, n'): a batch of one set, as SingleTaskGP's
+        post = got.posterior(Xs)
+        assert post.mean.shape == (1, 5, 1)
+        torch.testing.assert_close(post.mean[0], ref.posterior(Xs).mean, rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(post.variance[0], ref.posterior(Xs).variance, rtol=1e-6, atol=1e-10)
+    # GPyTorch's plain call, (n', d) and (n',) in the transformed spaces: a refitted FalkonModel
+    yt = ma.outcome_transform(Yn[:, :1])[0].squeeze(-1)
+    plain = ma.get_fantasy_model(Xn, yt)
+    assert isinstance(plain, FalkonModel) and plain.train_inputs[0].shape[0] == 153
+    torch.testing.assert_close(plain.posterior(Xs).mean, ma.condition_on_observations(Xn, Yn[:, :1]).posterior(Xs).mean)
+    with pytest.raises(ValueError, match="inputs and targets must be tensors"):
+        ma.get_fantasy_model(Xn[0], Yn[:, 0])
+    with pytest.raises(ValueError, match="targets must have shape"):
+        ma.get_fantasy_model(Xn, Yn[:2, 0])
+
+
+def test_load_state_dict_re_applies_the_loaded_input_transform():
+    """BoTorch's warm start: a model on more data loads the hyperparameters and the Normalize bounds of a model
+    fitted on fewer; its training inputs are rebuilt from the untransformed ones by the loaded bounds (as
+    SingleTaskGP's), so after fit() it predicts as a model built in that space from scratch."""
+    g = torch.Generator().manual_seed(0)
+
+    def f(x):
+        return torch.sin(x).sum(-1, keepdim=True)
+
+    X = torch.rand(100, 2, dtype=torch.float64, generator=g) * 3
+    X2 = torch.cat([X, torch.rand(50, 2, dtype=torch.float64, generator=g) * 3 + 3])
+    m = FalkonModel(X, f(X), num_centers=30, input_transform=Normalize(d=2), penalty=1e-5, tol=1e-12, max_iter=500)
+    warm = FalkonModel(X2, f(X2), num_centers=30, input_transform=Normalize(d=2), penalty=1e-5, fit=False,
+                       tol=1e-12, max_iter=500)
+    warm.load_state_dict(m.state_dict())
+    torch.testing.assert_close(warm.train_inputs[0], (X2 - X.min(0).values) / (X.max(0).values - X.min(0).values))
+    warm.fit()
+    # the reference: FalkonGP on the inputs scaled by the first model's bounds, its centers and kernel
+    lo, span = m.input_transform.offset, m.input_transform.coefficient
+    ref = FalkonGP((X2 - lo) / span, warm.train_targets, kernel=m.kernel, centers=m.centers.detach(),
+                   penalty=float(warm.penalty), tol=1e-12, max_iter=500).fit().eval()
+    Xs = torch.rand(20, 2, dtype=torch.float64, generator=g) * 6
+    want = warm.outcome_transform.untransform(ref.posterior_mean((Xs - lo) / span).unsqueeze(-1))[0]
+    torch.testing.assert_close(warm.posterior(Xs).mean, want, rtol=1e-8, atol=1e-10)

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import copy
+import numbers
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -10,20 +13,24 @@ from botorch.models.model import FantasizeMixin
 from botorch.models.transforms.input import InputTransform
 from botorch.models.transforms.outcome import OutcomeTransform
 from botorch.models.utils.assorted import fantasize as fantasize_flag
-from botorch.models.utils.assorted import validate_input_scaling
+from botorch.models.utils.assorted import gpt_posterior_settings, validate_input_scaling
 from botorch.models.utils.gpytorch_modules import (
     MIN_INFERRED_NOISE_LEVEL,
     get_covar_module_with_dim_scaled_prior,
     get_gaussian_likelihood_with_lognormal_prior,
 )
+from botorch.posteriors.gpytorch import GPyTorchPosterior
 from gpytorch.constraints import GreaterThan
+from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from gpytorch.kernels import Kernel
 from gpytorch.likelihoods import Likelihood, MultitaskGaussianLikelihood
 from gpytorch.priors import LogNormalPrior
+from linear_operator.operators import DiagLinearOperator, KroneckerProductLinearOperator
 from torch import Tensor
 
 from ..models import FalkonGP
 from ..models.defaults import default_likelihood
+from ..models.posterior import shared_covariance_distribution
 from .fantasy import FalkonFantasyModel
 
 __all__ = ["FalkonModel", "default_botorch_likelihood"]
@@ -48,8 +55,7 @@ def default_botorch_likelihood(
     return lik.to(dtype=dtype, device=device)
 
 
-# BoTorch declares Model.posterior and FantasizeMixin.posterior inconsistently (SingleTaskGP has the same bases)
-class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):  # type: ignore[misc]
+class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
     r"""A BoTorch model whose posterior is the FALKON / SGPR-DTC posterior of :class:`FalkonGP`.
 
     For surrogates with 10^4 - 10^6 observations, where ``SingleTaskGP``'s ``n x n``
@@ -91,6 +97,8 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):  # type: ignore[misc
     Other keyword arguments go to :class:`FalkonGP` (``kernel``, ``penalty``,
     ``centers``, ``max_iter``, ``tol``, ...).
     """
+
+    _original_train_X: Tensor | None
 
     def __init__(
         self,
@@ -145,6 +153,9 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):  # type: ignore[misc
         if kwargs.get("likelihood") is None and kwargs.get("penalty") is None:
             kwargs["likelihood"] = default_botorch_likelihood(train_Y.shape[-1], dtype=x.dtype, device=x.device)
         super().__init__(x, y_model, kernel, num_centers=num_centers, **kwargs)
+        # the untransformed training inputs, to re-apply a loaded input transform (load_state_dict); not saved
+        self.register_buffer("_original_train_X", train_X.detach() if input_transform is not None else None,
+                             persistent=False)
         if input_transform is not None:
             self.input_transform = input_transform
         if out_tf is not None:
@@ -163,17 +174,133 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):  # type: ignore[misc
     def _revert_to_original_inputs(self) -> None:
         return None
 
+    def _output_indices(self, idcs: Sequence[int], name: str) -> list[int]:
+        """``idcs`` as a list of Python ints in ``[0, num_outputs)`` (negative ones counted from the end; numpy
+        integers accepted, as BoTorch's ``ModelListGP`` passes them); ``ValueError`` naming ``name`` otherwise."""
+        t = self.num_outputs
+        if not isinstance(idcs, (list, tuple)) or not idcs or any(
+            isinstance(i, bool) or not isinstance(i, numbers.Integral) or not -t <= int(i) < t for i in idcs
+        ):
+            raise ValueError(f"{name} must be a non-empty list of output indices in [0, {t}), got {idcs!r}")
+        return [int(i) % t for i in idcs]
+
+    def posterior(  # type: ignore[override]
+        self,
+        X: Tensor,
+        output_indices: list[int] | None = None,
+        observation_noise: bool | Tensor = False,
+        posterior_transform: Any | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """BoTorch's posterior at ``X`` (``(batch..., q, d)``), of the outputs ``output_indices`` (default all), with
+        ``observation_noise``: ``True`` adds ``sigma^2``, a tensor (``(batch..., q, m)`` or ``(batch..., q)``, in the
+        outcome-transformed space, BoTorch's convention) adds those variances, output by output. Every output shares
+        one ``q x q`` covariance (one kernel, centers and noise), so selecting outputs costs nothing beyond the
+        all-output posterior; per-output observation noise gives each output its own covariance."""
+        t = self.num_outputs
+        idcs = list(range(t)) if output_indices is None else self._output_indices(output_indices, "output_indices")
+        noise_tensor = isinstance(observation_noise, Tensor)
+        if idcs == list(range(t)) and (t == 1 or not noise_tensor):  # GPyTorchModel's posterior is right there
+            return GPyTorchModel.posterior(self, X, observation_noise=observation_noise,
+                                           posterior_transform=posterior_transform, **kwargs)
+        self.eval()
+        Xt = self.transform_inputs(X)
+        with gpt_posterior_settings():
+            mvn = self(Xt)
+        covar = mvn.lazy_covariance_matrix
+        if not isinstance(covar, KroneckerProductLinearOperator):  # FalkonGP's multi-output posterior is covar (x) I_t
+            raise RuntimeError(f"FalkonModel.posterior: expected a shared covariance, got {type(covar).__name__}")
+        covar = covar.linear_ops[0]  # (..., q, q)
+        mean = mvn.mean[..., idcs]  # (..., q, k)
+        q = mean.shape[-2]
+        if noise_tensor:
+            noise = cast(Tensor, observation_noise).to(mean)
+            if noise.dim() == mean.dim() - 1:  # (..., q): the same noise for every output
+                noise = noise.unsqueeze(-1)
+            if noise.dim() < 2 or noise.shape[-2] != q or noise.shape[-1] not in (1, t):
+                raise ValueError(f"observation_noise must have shape (..., {q}, {t}) or (..., {q}), got "
+                                 f"{tuple(noise.shape)}")
+            noise = noise.expand(*noise.shape[:-1], t)[..., idcs]
+            mvns = [MultivariateNormal(mean[..., j], covar + DiagLinearOperator(noise[..., j]))
+                    for j in range(len(idcs))]
+            dist: MultivariateNormal = (mvns[0] if len(mvns) == 1
+                                        else MultitaskMultivariateNormal.from_independent_mvns(mvns))
+        else:
+            if observation_noise is True:
+                sigma2 = self.noise.detach().to(mean).reshape(())
+                covar = covar + DiagLinearOperator(sigma2.expand(*covar.shape[:-1]))
+            dist = shared_covariance_distribution(mean, covar)
+        posterior: Any = GPyTorchPosterior(distribution=dist)
+        if hasattr(self, "outcome_transform"):
+            tf = self.outcome_transform if idcs == list(range(t)) else self.outcome_transform.subset_output(idcs)
+            posterior = tf.untransform_posterior(posterior, X=Xt)
+        if posterior_transform is not None:
+            return posterior_transform(posterior=posterior, X=Xt)
+        return posterior
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: Mapping[str, Any], strict: bool = True, keep_transforms: bool = True, assign: bool = False
+    ) -> None:
+        """BoTorch's ``load_state_dict`` (the outcome transform re-applied to the targets with ``keep_transforms``),
+        and, with an input transform, the training inputs rebuilt from the untransformed ones by the loaded
+        transform, as ``SingleTaskGP``'s are (its bounds, e.g. ``Normalize``'s, come from the model that was saved).
+        Where they change, the model must be re-fitted (``fit()``), as ``FalkonGP.set_train_data`` decides."""
+        GPyTorchModel.load_state_dict(self, state_dict, strict=strict, keep_transforms=keep_transforms, assign=assign)
+        tf = getattr(self, "input_transform", None)
+        if tf is None or not keep_transforms:
+            return
+        raw = self._original_train_X
+        if raw is None or raw.shape[0] != self.train_inputs[0].shape[0]:
+            warnings.warn("FalkonModel.load_state_dict: the untransformed training inputs are not known (the "
+                          "training data were replaced by set_train_data), so the loaded input transform is not "
+                          "re-applied to them", RuntimeWarning, stacklevel=2)
+            return
+        tf.eval()
+        with torch.no_grad():
+            x = tf(raw.to(self.train_inputs[0]))
+        self.set_train_data(inputs=x)
+        self._original_train_X = raw
+
+    def set_train_data(self, inputs: Tensor | None = None, targets: Tensor | None = None,
+                       strict: bool = False) -> None:
+        """``FalkonGP.set_train_data`` (``inputs`` in the transformed space, as the model holds them); new inputs
+        from a caller make the untransformed ones unknown (see :meth:`load_state_dict`)."""
+        old = self.train_inputs[0]
+        super().set_train_data(inputs=inputs, targets=targets, strict=strict)
+        if inputs is not None and not (inputs.shape == old.shape and bool(torch.equal(inputs, old))):
+            self._original_train_X = None
+
+    def get_fantasy_model(self, inputs: Tensor, targets: Tensor, noise: Tensor | None = None,
+                          **kwargs: Any) -> FalkonModel | FalkonFantasyModel:
+        """GPyTorch's ``get_fantasy_model`` contract (BoTorch's ``ModelListGP.condition_on_observations`` calls it):
+        ``inputs`` (``(..., n', d)``) and ``targets`` (``(..., n')`` for one output, else ``(..., n', m)``) in the
+        model's transformed spaces. Batched observations, a per-observation ``noise`` or BoTorch's fantasize
+        context give the closed-form :class:`FalkonFantasyModel`; plain ``(n', d)`` rows a refitted FalkonModel
+        (as :meth:`condition_on_observations`)."""
+        if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor) or inputs.dim() < 2:
+            raise ValueError(f"inputs and targets must be tensors of shapes (..., n', d) and (..., n'[, m]), got "
+                             f"{getattr(inputs, 'shape', type(inputs))} and {getattr(targets, 'shape', type(targets))}")
+        n_new = inputs.shape[-2]
+        one = self.num_outputs == 1
+        # one output: (..., n') as GPyTorch passes targets (BoTorch's ModelListGP: (1, n'), a batch of one set)
+        y = targets.unsqueeze(-1) if one and not (targets.dim() >= 2 and targets.shape[-2:] == (n_new, 1)) else targets
+        if y.dim() < 2 or y.shape[-2] != n_new:
+            raise ValueError(f"targets must have shape (..., {n_new}) or (..., {n_new}, {self.num_outputs}) for "
+                             f"inputs of shape {tuple(inputs.shape)}, got {tuple(targets.shape)}")
+        if noise is not None and self.num_outputs == 1 and noise.dim() == y.dim() - 1:
+            noise = noise.unsqueeze(-1)
+        self.eval()
+        if inputs.dim() > 2 or y.dim() > 2 or fantasize_flag.on() or noise is not None:
+            self._check_fitted()
+            return FalkonFantasyModel(self, inputs, y, noise)
+        with torch.no_grad():
+            return self._refit_with(inputs, y, raw_inputs=None)
+
     def subset_output(self, idcs: list[int]) -> FalkonModel:
         """The model of the outputs ``idcs`` only: the same kernel, centers and noise, the columns
         ``idcs`` of the targets, of ``alpha`` and of the outcome transform. No refit: every output's
         ``alpha`` solves its own right-hand side of the same system."""
-        if not isinstance(idcs, (list, tuple)) or not idcs or any(
-            isinstance(i, bool) or not isinstance(i, int) or not -self.num_outputs <= i < self.num_outputs for i in idcs
-        ):
-            raise ValueError(
-                f"idcs must be a non-empty list of output indices in [0, {self.num_outputs}), got {idcs!r}"
-            )
-        idcs = [i % self.num_outputs for i in idcs]
+        idcs = self._output_indices(idcs, "idcs")
         if idcs == list(range(self.num_outputs)):
             return copy.deepcopy(self)
         was_fitted = bool(self.fitted) and not self._hyper_changed()
@@ -231,20 +358,28 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):  # type: ignore[misc
                 "FalkonModel refits with one homoskedastic noise sigma^2: per-observation noise is supported for "
                 "batched (fantasy) conditioning only; pass a batched X / Y or drop noise="
             )
-        new = copy.deepcopy(self)
         with torch.no_grad():
             Xt = self.transform_inputs(X)
             Yt = Y
             if hasattr(self, "outcome_transform"):
                 Yt, _ = self.outcome_transform(Y, X=Xt)  # eval mode: uses the fitted statistics
-            Yt = Yt.squeeze(-1) if Yt.shape[-1] == 1 else Yt
-            noise_now = new.noise.detach().clone()
-            x_all = torch.cat([new.train_inputs[0], Xt.to(new.train_inputs[0])])
-            y_all = torch.cat([new.train_targets, Yt.to(new.train_targets)])
-            new.set_train_data(x_all, y_all)
-            new.likelihood.noise = noise_now  # the GP view: sigma^2 stays, lambda = sigma^2 / n
-            alpha_prev = self.alpha.clone()
-            new.alpha.copy_(alpha_prev)
-            new.fitted.fill_(True)  # allow the warm start from the current solution
-            new.fit(warm_start=True)
+            return self._refit_with(Xt, Yt, raw_inputs=X)
+
+    def _refit_with(self, Xt: Tensor, Yt: Tensor, raw_inputs: Tensor | None) -> FalkonModel:
+        """A copy with the rows ``(Xt, Yt)`` (transformed spaces, ``Yt`` of shape ``(n', m)``) appended, refitted by
+        FALKON warm-started from this model's solution, keeping ``sigma^2``; ``raw_inputs``: the untransformed
+        ``Xt``, appended to the untransformed training inputs where those are known."""
+        new = copy.deepcopy(self)
+        Yt = Yt.squeeze(-1) if Yt.shape[-1] == 1 else Yt
+        noise_now = new.noise.detach().clone()
+        x_all = torch.cat([new.train_inputs[0], Xt.to(new.train_inputs[0])])
+        y_all = torch.cat([new.train_targets, Yt.to(new.train_targets)])
+        new.set_train_data(x_all, y_all)
+        raw = self._original_train_X
+        if raw is not None and raw_inputs is not None:
+            new._original_train_X = torch.cat([raw, raw_inputs.detach().to(raw)])
+        new.likelihood.noise = noise_now  # the GP view: sigma^2 stays, lambda = sigma^2 / n
+        new.alpha.copy_(self.alpha)
+        new.fitted.fill_(True)  # allow the warm start from the current solution
+        new.fit(warm_start=True)
         return new
