@@ -72,6 +72,11 @@ How each method is configured (its own documentation's recipe, same everywhere):
   VariationalStrategy, VariationalELBO, Adam lr 0.01 on all parameters, minibatches of
   1024; epochs until convergence (mean epoch loss: best of the last 10 epochs improves the
   one before by less than 1e-5) or the budget, at most 200. Float64 predictions.
+* NLPD (the mean negative log predictive density of the test targets, in their units; noise included):
+  for the methods that predict variances (FALKON, auto_fit, SGPR, SVGP, exact GP; SGPR / SVGP from their
+  float64 copies), on at most 20,000 random test rows, and for a gpfalkon model only where its
+  ``O(n M^2)`` variance factors cost at most 4e12 flops (not on flights at thousands of centers). The
+  variances' time is in neither fit s nor predict s (``var_s`` in the .jsonl).
 * SGPR and SVGP record their test error against training time (about 60 points per run,
   float64 predictions, evaluation time not counted): ``curve`` in the .jsonl, lines in
   the plot. ``auto_fit`` is compared with the better of the two as trained (and the time its
@@ -304,6 +309,62 @@ def metrics(data: dict, scores) -> dict:
     return dict(rmse=rmse, error=rmse / data["y_test_std"])
 
 
+def nlpd(data: dict, scores, variances, idx=None) -> float:
+    """Mean negative log predictive density of the test targets under ``N(score, variance)``, in the
+    target's original units (``scores`` and ``variances`` standardised, as every method predicts them;
+    ``variances`` include the noise), on the test rows ``idx`` (all where ``None``). NaN where a variance
+    is not finite and > 0."""
+    s = np.asarray(scores.detach().cpu().numpy() if hasattr(scores, "detach") else scores,
+                   dtype=np.float64).reshape(-1)
+    v = np.asarray(variances.detach().cpu().numpy() if hasattr(variances, "detach") else variances,
+                   dtype=np.float64).reshape(-1)
+    yte = data["yte"].double().cpu().numpy()
+    if idx is not None:
+        idx = np.asarray(idx)
+        s, yte = s[idx], yte[idx]
+    if s.shape != v.shape or not np.all(np.isfinite(v) & (v > 0)) or not np.all(np.isfinite(s)):
+        return float("nan")
+    var = v * data["y_scale"] ** 2
+    r = (s - yte) * data["y_scale"]
+    return float(np.mean(0.5 * np.log(2 * np.pi * var) + r**2 / (2 * var)))
+
+
+#: NLPD: predictive variances on at most this many test rows (a fixed random subset beyond it: flights)
+NLPD_TEST_MAX = 20_000
+#: NLPD of a Nystrom model only where its ``O(n M^2)`` posterior variance factors cost at most this many
+#: flops (about 30 s here): not on flights at thousands of centers
+NLPD_MAX_FLOPS = 4e12
+
+
+def nlpd_rows(data: dict):
+    """The test rows the NLPD is computed on: ``None`` (all) or a fixed random subset of NLPD_TEST_MAX."""
+    n_te = len(data["yte"])
+    if n_te <= NLPD_TEST_MAX:
+        return None
+    return np.sort(np.random.default_rng(1).choice(n_te, NLPD_TEST_MAX, replace=False))
+
+
+def predictive_variances(fn: Callable, data: dict, *, scale: float = 1.0) -> dict:
+    """``fn(x)``'s predictive variances (the noise included) on :func:`nlpd_rows`, divided by ``scale``
+    (``y_scale**2`` for a method that predicts in raw units), as the fields a result row carries:
+    ``variances``, ``var_idx`` and ``var_s`` (their time, in neither fit s nor predict s)."""
+    import torch
+
+    t = time.perf_counter()
+    idx = nlpd_rows(data)
+    x = data["xte"] if idx is None else data["xte"][torch.as_tensor(idx)]
+    v = predict_chunks(fn, x) / scale
+    return dict(variances=v, var_idx=idx, var_s=time.perf_counter() - t)
+
+
+def nystrom_variances(model, data: dict, n: int, m: int, *, scale: float = 1.0) -> dict:
+    """:func:`predictive_variances` of a gpfalkon model (``model.likelihood(model(x))``), or a note where its
+    posterior variance factors (``2 n M^2`` flops) exceed :data:`NLPD_MAX_FLOPS`."""
+    if 2.0 * n * m * m > NLPD_MAX_FLOPS:
+        return dict(nlpd_note=f"no NLPD: its variance factors need {2.0 * n * m * m:.1e} flops")
+    return predictive_variances(lambda x: model.likelihood(model(x)).variance, data, scale=scale)
+
+
 # --------------------------------------------------------------------- measurement
 class PeakRSS:
     """Peak resident-set growth during a ``with`` block (sampled every 20 ms)."""
@@ -465,6 +526,7 @@ def run_falkon(data: dict, budget: float) -> list[dict]:
         scores = predict_chunks(lambda x: model(x).mean, data["xte"])
     pred_s = time.perf_counter() - t1
     return [dict(method="FALKON", M=m, n_used=n, fit_s=fit_s, predict_s=pred_s, scores=scores,
+                 **nystrom_variances(model, data, n, m),
                  info=f"lengthscale {ls:.3g} = {hyp['multiplier']:g} x median, noise {noise:g} (hold-out, "
                       f"{hyp['seconds']:.0f} s" + ("" if hyp.get("complete", True) else ", cut by the budget")
                       + ")" + _cg_note(caught))]
@@ -583,8 +645,9 @@ def _gp_row(method: str, model, data: dict, M: int, n: int, fit_s: float, info: 
     t1 = time.perf_counter()
     with gpytorch.settings.skip_posterior_variances():
         scores = predict_chunks(lambda x: model(x).mean, data["xte"])
-    return dict(method=method, M=M, n_used=n, fit_s=fit_s, predict_s=time.perf_counter() - t1, scores=scores,
-                info=info)
+    predict_s = time.perf_counter() - t1
+    var = predictive_variances(lambda x: model.likelihood(model(x)).variance, data)
+    return dict(method=method, M=M, n_used=n, fit_s=fit_s, predict_s=predict_s, scores=scores, info=info, **var)
 
 
 CURVE_TEST_MAX = 20_000
@@ -672,17 +735,21 @@ def _converged(losses: list[float], window: int, tol: float) -> bool:
 
 
 def _baseline_rows(method: str, steps: str, why: str, curve: _Curve, build, model, label: int, data: dict,
-                   n: int) -> list[dict]:
+                   n: int, noise: float) -> list[dict]:
     """The result row of an iterative GPyTorch baseline: the last curve point, then the final
-    float64 prediction on the whole test set (timed as prediction, not as training)."""
+    float64 prediction on the whole test set (timed as prediction, not as training), and the float64
+    predictive variances (latent variance + the likelihood's ``noise``) for the NLPD."""
     fit_s = curve.elapsed()
     curve.record(build, model, label)
     best, t_best = curve.best()
     t1 = time.perf_counter()
     scores = _float64_scores(build, model, data)
+    predict_s = time.perf_counter() - t1
+    m64 = _float64_copy(build, model)
+    var = predictive_variances(lambda x: m64(x.double()).variance + noise, data)
     info = f"{steps} ({why}); float64 prediction; best on curve {best:.4g} at {t_best:.1f} s{curve.note()}"
-    return [dict(method=method, M=M_SMALL, n_used=n, fit_s=fit_s, predict_s=time.perf_counter() - t1,
-                 scores=scores, info=info, curve=curve.points, best_error=best, best_s=t_best, stop=why)]
+    return [dict(method=method, M=M_SMALL, n_used=n, fit_s=fit_s, predict_s=predict_s,
+                 scores=scores, info=info, curve=curve.points, best_error=best, best_s=t_best, stop=why, **var)]
 
 
 SGPR_MAX_ITERS = 2000
@@ -741,7 +808,8 @@ def run_sgpr(data: dict, budget: float) -> list[dict]:
         if _converged(losses, 50, 1e-5):
             why = "converged"
             break
-    return _baseline_rows("GPyTorch SGPR", f"{it} Adam iterations", why, curve, build, model, it, data, n)
+    return _baseline_rows("GPyTorch SGPR", f"{it} Adam iterations", why, curve, build, model, it, data, n,
+                          float(model.likelihood.noise.detach()))
 
 
 def run_svgp(data: dict, budget: float) -> list[dict]:
@@ -808,7 +876,8 @@ def run_svgp(data: dict, budget: float) -> list[dict]:
         if _converged(epoch_losses, 10, 1e-5):
             why = "converged"
             break
-    return _baseline_rows("GPyTorch SVGP", f"{epochs} epochs", why, curve, build, model, batches, data, n)
+    return _baseline_rows("GPyTorch SVGP", f"{epochs} epochs", why, curve, build, model, batches, data, n,
+                          float(lik.noise.detach()))
 
 
 def run_auto(data: dict, budget: float, label: str = "gpfalkon auto_fit") -> list[dict]:
@@ -845,6 +914,8 @@ def run_auto(data: dict, budget: float, label: str = "gpfalkon auto_fit") -> lis
     with gpytorch.settings.skip_posterior_variances():
         raw = predict_chunks(lambda x: model(x).mean, data["xte"])
     scores = (raw - data["y_mean"]) / data["y_scale"]
+    predict_s = time.perf_counter() - t1
+    var = nystrom_variances(model, data, len(xtr), int(model.centers.shape[0]), scale=data["y_scale"] ** 2)
     rep = model.auto_report
     c = rep.chosen
     grown = f", grown from {c['grown_from']}" if c.get("grown_from") else ""
@@ -853,7 +924,7 @@ def run_auto(data: dict, budget: float, label: str = "gpfalkon auto_fit") -> lis
             f"noise {c['noise']:.3g}, multiplier {c['multiplier']:.3g}; "
             + ", ".join(f"{k} {v:.1f} s" for k, v in rep.stages.items()))
     return [dict(method=label, budget=budget, M=c["num_centers"], n_used=len(xtr), fit_s=fit_s,
-                 predict_s=time.perf_counter() - t1, scores=scores, info=info, curve=curve,
+                 predict_s=predict_s, scores=scores, info=info, curve=curve, **var,
                  auto=dict(chosen={k: v for k, v in c.items() if k != "levels"}, levels=c["levels"],
                            stages=rep.stages, notes=rep.notes, leverage=rep.leverage, sampling=rep.sampling,
                            learn=[{k: v for k, v in r.items()} for r in rep.learn]))]
@@ -1089,6 +1160,10 @@ def worker(dataset: str, method: str, budget: float, out: pathlib.Path, device: 
         if "scores" in r:
             s = r.pop("scores")
             r.update(metrics(data, s))
+            var, idx = r.pop("variances", None), r.pop("var_idx", None)
+            if var is not None and data["task"] == "regression":
+                r["nlpd"] = nlpd(data, s, var, idx)
+                r["nlpd_rows"] = len(data["yte"]) if idx is None else len(idx)
         lines.append(json.dumps(r))
     out.write_text("\n".join(lines) + "\n")
 
@@ -1142,7 +1217,7 @@ def time_to_baseline(ds: str, ok: list[dict]) -> list | None:
 
 def report(results: list[dict], env: list[str], out_md: pathlib.Path, out_png: pathlib.Path, total_s: float) -> None:
     headers = ["dataset", "method", "M / features", "train rows used", "fit s", "predict s", "peak MiB",
-               "RMSE", "NRMSE", "class. error", "AUC", "notes"]
+               "RMSE", "NRMSE", "NLPD", "class. error", "AUC", "notes"]
     rows = []
     datasets = list(dict.fromkeys(r["dataset"] for r in results))  # in the order they ran
     summary = []
@@ -1152,13 +1227,19 @@ def report(results: list[dict], env: list[str], out_md: pathlib.Path, out_png: p
         rs = [r for r in results if r["dataset"] == ds]
         for r in rs:
             if "skipped" in r or "failed" in r:
-                rows.append([ds, r["method"], "-", "-", "-", "-", "-", "-", "-", "-", "-",
+                rows.append([ds, r["method"], "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
                              r.get("skipped") or r.get("failed")])
                 continue
             binary = r["task"] == "binary"
+            info = r.get("info", "")
+            if r.get("nlpd_note"):
+                info = f"{info}; {r['nlpd_note']}" if info else r["nlpd_note"]
+            elif r.get("nlpd_rows") and r["nlpd_rows"] < r["n_test"]:
+                info = f"{info}; NLPD on {r['nlpd_rows']:,} random test rows"
             rows.append([ds, r["method"], r["M"], r["n_used"], r["fit_s"], r["predict_s"], r["peak_mib"],
                          None if binary else r.get("rmse"), None if binary else r.get("error"),
-                         r.get("error") if binary else None, r.get("auc"), r.get("info", "")])
+                         None if binary else r.get("nlpd"),
+                         r.get("error") if binary else None, r.get("auc"), info])
         ok = [r for r in rs if "error" in r and r["error"] == r["error"]]
         autos = [r for r in ok if r["key"].startswith("falkon-auto")]
         gps = [r for r in ok if r["key"] in ("sgpr", "svgp")]
@@ -1214,7 +1295,12 @@ def report(results: list[dict], env: list[str], out_md: pathlib.Path, out_png: p
                                 bb["fit_s"] / bf["fit_s"], f"no (error {gap})"])
     first = results[0] if results else {}
     body = [
-        "Error: NRMSE = RMSE / std(y_test) for regression (RMSE in the target's units), classification "
+        "Error: NRMSE = RMSE / std(y_test) for regression (RMSE in the target's units); NLPD = the mean "
+        "negative log predictive density of the test targets under each method's Gaussian predictive "
+        "distribution (noise included; the target's units; lower is better; only for the methods that "
+        "predict variances, on at most 20,000 random test rows, and for a Nystrom model only where its "
+        "O(n M^2) variance factors cost at most 4e12 flops; its time is in neither fit s nor predict s); "
+        "classification "
         "error (sign of the score) and AUC for binary tasks. Fit s includes hyperparameter selection / "
         "learning; predict s is the mean at all test points; peak MiB is the growth of the process's "
         "resident memory during fit + predict (sampled every 20 ms, data already loaded). Each method ran "
@@ -1222,7 +1308,7 @@ def report(results: list[dict], env: list[str], out_md: pathlib.Path, out_png: p
         "(flights: the --flights-budget). See the module docstring of benchmarks/compare.py for how "
         "each method is configured.",
         "",
-        markdown_table(headers, rows, align="llrrrrrrrrrl"),
+        markdown_table(headers, rows, align="llrrrrrrrrrrl"),
         "",
         "## Does FALKON reach the best of SGPR / SVGP in less time?",
         "",

@@ -3,6 +3,7 @@ where files go."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -137,3 +138,27 @@ def test_time_to_baseline_row(monkeypatch):
     assert row[7] is None and row[8] == "no (error 5.00 % higher)" and row[5] == 0.105
     assert compare.time_to_baseline("toy", [sgpr, svgp]) is None
     assert compare.time_to_baseline("toy", [slow]) is None
+
+
+def test_nlpd_is_gpytorchs_in_the_targets_units(monkeypatch):
+    """compare.py's NLPD (standardised scores and variances, reported in the target's units) equals GPyTorch's
+    ``negative_log_predictive_density`` of the same Gaussian in raw units; on a subset of rows, of those rows."""
+    import gpytorch
+    import numpy as np
+    import torch
+
+    compare = _compare_module(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    y_std = torch.randn(50, generator=g, dtype=torch.float64)
+    mu = y_std + 0.3 * torch.randn(50, generator=g, dtype=torch.float64)
+    var = 0.05 + torch.rand(50, generator=g, dtype=torch.float64)
+    scale, shift = 3.0, 10.0
+    data = dict(yte=y_std, y_scale=scale)
+    raw = gpytorch.distributions.MultivariateNormal(mu * scale + shift, torch.diag(var * scale**2))
+    want = float(gpytorch.metrics.negative_log_predictive_density(raw, y_std * scale + shift))
+    assert compare.nlpd(data, mu, var) == pytest.approx(want, rel=1e-12)
+    idx = np.array([1, 4, 9])
+    sub = gpytorch.distributions.MultivariateNormal(mu[idx] * scale, torch.diag(var[idx] * scale**2))
+    want_sub = float(gpytorch.metrics.negative_log_predictive_density(sub, y_std[idx] * scale))
+    assert compare.nlpd(data, mu, var[idx], idx) == pytest.approx(want_sub, rel=1e-12)
+    assert math.isnan(compare.nlpd(data, mu, torch.zeros(50, dtype=torch.float64)))
