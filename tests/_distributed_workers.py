@@ -190,8 +190,17 @@ def _inconsistent(rank: int, world: int, out_dir: str, what: str) -> None:
     if rank == 1 and what == "d":
         x = torch.cat([x, x[:, :1]], 1)
         k = make_kernel(D + 1)
+    kw: dict = dict(num_centers=M, seed=3)
+    if rank == 1 and what == "seed":  # each rank would draw other rows as centers
+        kw["seed"] = 4
+    if rank == 1 and what == "num_centers":
+        kw["num_centers"] = M + 1
+    if rank == 1 and what == "max_iter":
+        kw["max_iter"] = 3
+    if rank == 1 and what == "learn_centers":
+        kw["learn_centers"] = True
     try:
-        FalkonGP(x[s:e], y[s:e], k, num_centers=M, seed=3, options=FalkonOptions(backend=DistributedBackend()))
+        FalkonGP(x[s:e], y[s:e], k, **kw, options=FalkonOptions(backend=DistributedBackend()))
         msg = "no error"
     except ValueError as exc:
         msg = str(exc)

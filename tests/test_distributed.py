@@ -109,7 +109,9 @@ def _sorted_classifier(rank, world, sizes, out_dir):
     W2._classifier_and_save(rank, world, sizes, out_dir)
 
 
-@pytest.mark.parametrize("what,named", [("kernel", "kernel_hyperparameters"), ("d", "data_shape")])
+@pytest.mark.parametrize("what,named", [("kernel", "kernel_hyperparameters"), ("d", "data_shape"),
+                                        ("seed", "center_indices"), ("num_centers", "num_centers"),
+                                        ("max_iter", "solver_settings"), ("learn_centers", "solver_settings")])
 def test_ranks_that_disagree_are_told_so(tmp_path, what, named):
     W.run(2, W._inconsistent, (str(tmp_path), what), str(tmp_path))
     for res in _load(tmp_path, 2):

@@ -337,8 +337,11 @@ class DistributedBackend:
         return _all_reduce_flat([t], self.group)[0]
 
     def gather_rows(self, x: Tensor, indices: Tensor) -> Tensor:
-        """``X_global[indices]`` on every rank (``indices`` identical on every rank): each rank
-        fills the rows it holds, one ``all_reduce`` of ``len(indices) x d`` values."""
+        """``X_global[indices]`` on every rank (``indices`` identical on every rank, checked first: ranks that drew
+        different rows, e.g. with different seeds, would otherwise sum different rows into one): each rank fills the
+        rows it holds, one ``all_reduce`` of ``len(indices) x d`` values (and one small ``all_gather`` for the check).
+        Raises ``ValueError`` on every rank where the ranks' ``indices`` differ."""
+        self.check_consistent(center_indices=indices.detach().to(torch.float64))
         off, stop, _ = self.row_range(x)
         out = torch.zeros(indices.numel(), x.shape[1], dtype=torch.float64, device=x.device)
         idx = indices.to(x.device)

@@ -1,6 +1,7 @@
 """FalkonGP: a GPyTorch model whose posterior is Nyström KRR solved by FALKON."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import numbers
@@ -30,6 +31,7 @@ from .._validation import (
     check_inputs,
     check_num_centers,
     check_penalty,
+    check_seed,
     check_targets,
     is_row_source,
 )
@@ -125,8 +127,7 @@ def _center_selector(
     n = total_rows(backend, train_x) if n_total is None else int(n_total)  # the model passes its global n
     m = check_num_centers(default_num_centers(train_x, n=n) if num_centers is None else num_centers, n)
     if generator is None:  # on the data's device: the draws happen there
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-            raise TypeError(f"seed must be an integer, got {seed!r}")
+        check_seed(seed)
         generator = torch.Generator(device=train_x.device)
         generator.manual_seed(int(seed))
     if center_selection == "leverage":
@@ -159,6 +160,36 @@ class FalkonPrior(_PriorMixin, MultivariateNormal):
 
 class FalkonMultitaskPrior(_PriorMixin, MultitaskMultivariateNormal):
     """The multi-output train-mode prior (see :class:`FalkonPrior`)."""
+
+
+def _moved_source(source: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """``source`` whose blocks are read as ``fn`` (``.to(...)``, ``.double()``...) would move a tensor of its dtype on
+    its device: a shallow copy with the new dtype and device (the files are shared), or ``source`` itself."""
+    probe = fn(torch.empty(0, dtype=source.dtype, device=source.device))
+    if probe.dtype == source.dtype and probe.device == source.device:
+        return source
+    if probe.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"a row source of train_x reads float32 or float64 rows, not {probe.dtype}")
+    moved = copy.copy(source)
+    moved.dtype, moved.device = probe.dtype, probe.device
+    return moved
+
+
+class FalkonSourcePrior:
+    """The train-mode output at the model's own training row source: the prior ``N(c, K(X, X))`` over rows read
+    block by block, which no ``n x n`` operator stands for. Only the mean ``c`` is formed (a view, ``O(1)``);
+    :class:`~gpfalkon.objectives.NystromMarginalLogLikelihood` takes it (its objective is computed from the
+    model), which is how ``fit_gpytorch_mll`` and GPyTorch's training loop pass it. Anything else raises."""
+
+    def __init__(self, mean: Tensor) -> None:
+        self.mean = mean
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"the train-mode prior at a row source has only its mean, not {name!r}: the n x n prior "
+                             "covariance over rows on disk is never formed (pass it to "
+                             "NystromMarginalLogLikelihood, or predict in eval mode)")
 
 
 class FalkonGP(gpytorch.models.GP):
@@ -326,17 +357,22 @@ class FalkonGP(gpytorch.models.GP):
         self._n_total = total_rows(self.options.backend, train_x)
         if self._n_total == 0:
             raise ValueError("train_x is empty (0 rows) on every rank")
-        if is_sharded(self.options.backend):
-            # before any collective whose size depends on them: d, outputs and dtype must agree
-            self.options.backend.check_consistent(
-                data_shape=torch.tensor([d, self._num_outputs, torch.finfo(train_x.dtype).bits], device=train_x.device)
-            )
-
         # --- centers: one selector, called once the penalty is known
         selector, m = _center_selector(
             train_x, num_centers, centers, center_selection, center_weights, leverage_options, generator, seed,
             self.options.backend, self._n_total,
         )
+        if is_sharded(self.options.backend):
+            # before any collective whose size or number depends on them: d, outputs, dtype, the number of centers
+            # and the solver's iteration rules must agree (a mismatch would abort or stall a collective)
+            opts = self.options
+            rules = [-1.0 if opts.max_iter is None else float(opts.max_iter),
+                     -1.0 if opts.tol is None else float(opts.tol), float(bool(learn_centers))]
+            self.options.backend.check_consistent(
+                data_shape=torch.tensor([d, self._num_outputs, torch.finfo(train_x.dtype).bits], device=train_x.device),
+                num_centers=torch.tensor([-1 if m is None else int(m)], device=train_x.device),
+                solver_settings=torch.tensor(rules, dtype=torch.float64, device=train_x.device),
+            )
 
         # --- likelihood and penalty (noise = n * penalty is the single source of truth)
         if likelihood is None:
@@ -389,7 +425,10 @@ class FalkonGP(gpytorch.models.GP):
         self._register_centers(c.detach().clone(), learn_centers)
         self.register_buffer("center_weights", None if weights is None else weights.to(torch.float64))
 
-        self.predict_chunk_size = int(predict_chunk_size)
+        chunk: object = predict_chunk_size  # checked as an object: numbers.Integral is not int to mypy
+        if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral):
+            raise TypeError(f"predict_chunk_size must be an integer, got {predict_chunk_size!r}")
+        self.predict_chunk_size = int(chunk)
         if self.predict_chunk_size < 1:
             raise ValueError(f"predict_chunk_size must be >= 1, got {predict_chunk_size}")
 
@@ -480,6 +519,12 @@ class FalkonGP(gpytorch.models.GP):
     def penalty(self, value: float | Tensor) -> None:
         check_penalty(value)
         noise = torch.as_tensor(value, dtype=torch.float64).reshape(()) * self.n
+        ndt = self.likelihood.raw_noise.dtype
+        stored = float(noise.to(ndt))
+        if not (math.isfinite(stored) and stored > 0):  # the check above is in float64
+            raise ValueError(f"penalty={float(value):g} gives the noise n * penalty = {float(noise):g}, which is "
+                             f"{stored:g} in the likelihood's {ndt}: outside its range (use float64 data, or a "
+                             "penalty within it)")
         try:
             self.likelihood.noise = noise.to(self.likelihood.raw_noise.dtype)
         except RuntimeError as exc:  # the likelihood's constraint cannot hold it
@@ -752,9 +797,10 @@ class FalkonGP(gpytorch.models.GP):
         weights = self.center_weights  # kept in float64: a float32 round trip would round them
         mean_c = self.mean_constant  # likewise
         super()._apply(fn, *args, **kwargs)
-        # a row source (rows on disk) stays where it is: its blocks are read onto the engine's device
-        # (a row source stands in for a tensor in train_inputs)
-        self.train_inputs = tuple(cast(Tensor, t) if is_row_source(t) else fn(t) for t in self.train_inputs)
+        # a row source (rows on disk) stays where it is; a copy of it reads its blocks in the new dtype onto the new
+        # device (a row source stands in for a tensor in train_inputs)
+        self.train_inputs = tuple(cast(Tensor, _moved_source(t, fn)) if is_row_source(t) else fn(t)
+                                  for t in self.train_inputs)
         self.train_targets = fn(self.train_targets)
         self.alpha = self.alpha.to(torch.float64)
         self.mean_constant = mean_c.to(device=self.alpha.device, dtype=torch.float64)
@@ -982,6 +1028,11 @@ class FalkonGP(gpytorch.models.GP):
         return x
 
     def __call__(self, x: Tensor, **kwargs) -> MultivariateNormal:
+        train = self.train_inputs[0]
+        if self.training and is_row_source(x) and x is train:  # the MLL's model(*model.train_inputs)
+            mc = self.mean_constant.to(dtype=train.dtype, device=self.centers.device)
+            shape = (len(train),) if self._num_outputs == 1 else (len(train), self._num_outputs)
+            return cast(MultivariateNormal, FalkonSourcePrior(mc.expand(shape)))
         x = self._test_inputs(x)
         if self.training:
             if gpytorch.settings.debug.on() and bool(self.fitted) and not self._is_training_input(x):
