@@ -148,13 +148,17 @@ class KernelProduct(torch.autograd.Function):
         ctx.engine = engine
         ctx.has_u, ctx.has_v = uu is not None, vv is not None
         ctx.u_dtype, ctx.v_dtype = u.dtype, v.dtype
-        ctx.save_for_backward(u, v, x, centers, *params)
+        # a row source (data larger than memory) is read again in the backward pass, not saved
+        ctx.source = None if isinstance(x, Tensor) else x
+        ctx.save_for_backward(u, v, x if ctx.source is None else centers.new_empty(0), centers, *params)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
         u, v, x, centers, *params = ctx.saved_tensors
+        if ctx.source is not None:
+            x = ctx.source
         u, v = u.to(x.dtype), v.to(x.dtype)
         engine: KernelEngine = ctx.engine
         need_u = ctx.has_u and ctx.needs_input_grad[1]
@@ -229,7 +233,7 @@ def kernel_product(engine: KernelEngine, u: Tensor | None, v: Tensor | None, x: 
     backward first sums the incoming gradients, as the joint-graph rule of
     :meth:`~gpfalkon.backend.distributed.DistributedBackend.joint_objective` requires.
     """
-    empty = x.new_empty(0)
+    empty = torch.empty(0, dtype=x.dtype, device=x.device)  # x may be a row source, not a tensor
     params = kernel_params(engine.kernel)
     out = KernelProduct.apply(engine, empty if u is None else u, empty if v is None else v, x, centers, *params)
     reduce = getattr(engine, "reduce_product", None)

@@ -216,43 +216,65 @@ class SliceRows(RowSource):
         return self.source.host_resident
 
 
-def _as_paths(paths: PathLike | Sequence[PathLike], what: str) -> list[str]:
+def _as_paths(paths: PathLike | Sequence[PathLike], what: str, empty_ok: bool = False) -> list[str]:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     out = [os.fspath(p) for p in paths]
-    if not out:
+    if not out and not empty_ok:
         raise ValueError(f"{what}: no files given")
     for p in out:
+        if os.path.isdir(p):
+            raise IsADirectoryError(f"{what}: {p} is a directory; pass its files (e.g. sorted(glob('{p}/*')))")
         if not os.path.isfile(p):
             raise FileNotFoundError(f"{what}: {p} does not exist")
     return out
+
+
+def _empty_shape(what: str, d: int | None, dtype: torch.dtype | None, hint: str) -> tuple[int, torch.dtype]:
+    """``(d, dtype)`` of a source with no files (a surplus rank's :func:`shard_files`), which must be given."""
+    if d is None or dtype is None or isinstance(d, bool) or not isinstance(d, int) or d < 1:
+        raise ValueError(f"{what}: no files given; an empty source (a rank that shard_files left without files) "
+                         f"needs {hint} (the other ranks' features), got d={d!r}, dtype={dtype!r}")
+    return d, dtype
 
 
 class NpyRows(RowSource):
     """C-ordered 2-D ``.npy`` files (float32 / float64), concatenated by rows.
 
     Args:
-        paths: one path or a list (all with the same number of columns and dtype).
+        paths: one path or a list (all with the same number of columns and dtype); an empty list
+            (a surplus rank's :func:`shard_files`) gives a source of 0 rows, which needs ``d`` and ``dtype``.
         dtype: the rows' dtype after reading (default: the files').
         device: where read blocks go (default CPU).
+        d: the number of features, only for an empty ``paths``.
 
     Reads are positioned file reads of the requested rows (``np.fromfile`` at an offset): no
-    memory map, so the resident memory of a pass is one block whatever the file size.
+    memory map, so the resident memory of a pass is one block whatever the file size. Each file's
+    size is checked against its header (a truncated file is named at construction).
     """
 
     def __init__(self, paths: PathLike | Sequence[PathLike], dtype: torch.dtype | None = None,
-                 device: torch.device | None = None) -> None:
-        self.paths = _as_paths(paths, "NpyRows")
+                 device: torch.device | None = None, d: int | None = None) -> None:
+        self.paths = _as_paths(paths, "NpyRows", empty_ok=True)
         self._files: list[tuple[str, int, int, np.dtype]] = []  # path, rows, data offset, dtype
-        d: int | None = None
+        if not self.paths:
+            d0, dt0 = _empty_shape("NpyRows", d, dtype, "d= and dtype=")
+            self._starts = np.zeros(1, dtype=np.int64)
+            super().__init__(0, d0, dt0, device)
+            return
+        d = None
         fdt: np.dtype | None = None
         for p in self.paths:
             with open(p, "rb") as f:
-                version = np.lib.format.read_magic(f)
-                header = (
-                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-                )
-                shape, fortran, dt = header(f)
+                try:
+                    version = np.lib.format.read_magic(f)
+                    header = (
+                        np.lib.format.read_array_header_1_0 if version == (1, 0)
+                        else np.lib.format.read_array_header_2_0
+                    )
+                    shape, fortran, dt = header(f)
+                except ValueError as exc:
+                    raise ValueError(f"NpyRows: {p} is not a .npy file ({exc})") from exc
                 offset = f.tell()
             if len(shape) != 2:
                 raise ValueError(f"NpyRows: {p} holds an array of shape {shape}; need (rows, features)")
@@ -262,6 +284,11 @@ class NpyRows(RowSource):
                 raise TypeError(f"NpyRows: {p} has dtype {dt}; need float32 or float64")
             if d is not None and (shape[1] != d or dt != fdt):
                 raise ValueError(f"NpyRows: {p} has {shape[1]} columns of {dt}, the first file {d} of {fdt}")
+            need = offset + int(shape[0]) * int(shape[1]) * dt.itemsize
+            size = os.path.getsize(p)
+            if size < need:
+                raise ValueError(f"NpyRows: {p} is truncated: its header says {shape[0]} x {shape[1]} {dt} ({need} "
+                                 f"bytes with the header), the file has {size} bytes")
             d, fdt = shape[1], dt
             self._files.append((p, int(shape[0]), offset, dt))
         assert d is not None and fdt is not None
@@ -290,9 +317,11 @@ class ParquetRows(RowSource):
     """Parquet files (pyarrow), the given numeric ``columns`` as features, concatenated by rows.
 
     Args:
-        paths: one path or a list (same schema).
-        columns: feature column names (default: every column except ``exclude``).
-        exclude: columns left out by default (e.g. the target).
+        paths: one path or a list (same schema); an empty list (a surplus rank's :func:`shard_files`)
+            gives a source of 0 rows, which needs ``columns``.
+        columns: feature column names (default: every column except ``exclude``), numeric
+            (integer, floating point or decimal) in every file.
+        exclude: a list of column names left out by default (e.g. the target); each must be a column.
         dtype: the rows' dtype (default float64).
 
     Rows are read a row group at a time (the last group read is cached), so the resident
@@ -306,10 +335,27 @@ class ParquetRows(RowSource):
             import pyarrow.parquet as pq
         except ImportError as exc:  # pragma: no cover - pyarrow is a declared extra
             raise ImportError("ParquetRows needs pyarrow: pip install 'gpfalkon[data]'") from exc
-        self.paths = _as_paths(paths, "ParquetRows")
+        import pyarrow.types as pat
+
+        self.paths = _as_paths(paths, "ParquetRows", empty_ok=True)
         self._pq = pq
-        schema = pq.read_schema(self.paths[0])
-        names = list(schema.names)
+        if isinstance(exclude, str) or not all(isinstance(c, str) for c in exclude):
+            raise TypeError(f"ParquetRows: exclude must be a list of column names, got {exclude!r}")
+        if isinstance(columns, str):
+            raise TypeError(f"ParquetRows: columns must be a list of column names, got {columns!r}")
+        self._groups: list[tuple[int, int, int]] = []  # (file index, row group, rows)
+        self._cache: tuple[int, np.ndarray | None] = (-1, None)
+        self._handles: dict = {}
+        if not self.paths:
+            d0, _ = _empty_shape("ParquetRows", None if columns is None else len(list(columns)), dtype, "columns=")
+            self.columns = list(columns or [])
+            self._starts = np.zeros(1, dtype=np.int64)
+            super().__init__(0, d0, dtype, device)
+            return
+        names = list(pq.read_schema(self.paths[0]).names)
+        unknown = [c for c in exclude if c not in names]
+        if unknown:
+            raise ValueError(f"ParquetRows: exclude names {unknown}, not columns of {self.paths[0]} (has {names})")
         if columns is None:
             columns = [c for c in names if c not in set(exclude)]
         columns = list(columns)
@@ -317,17 +363,21 @@ class ParquetRows(RowSource):
         if missing or not columns:
             raise ValueError(f"ParquetRows: columns {missing or columns} not in {self.paths[0]} (has {names})")
         self.columns = columns
-        self._groups: list[tuple[int, int, int]] = []  # (file index, row group, rows)
         for i, p in enumerate(self.paths):
-            meta = pq.ParquetFile(p).metadata
-            file_names = [meta.schema.column(j).name for j in range(meta.num_columns)]
-            if any(c not in file_names for c in columns):
-                raise ValueError(f"ParquetRows: {p} lacks some of the columns {columns}")
+            pf = pq.ParquetFile(p)
+            schema = pf.schema_arrow
+            lacking = [c for c in columns if c not in schema.names]
+            if lacking:
+                raise ValueError(f"ParquetRows: {p} lacks the columns {lacking} (has {list(schema.names)})")
+            for c in columns:
+                typ = schema.field(c).type
+                if not (pat.is_integer(typ) or pat.is_floating(typ) or pat.is_decimal(typ)):
+                    raise TypeError(f"ParquetRows: column {c!r} of {p} has type {typ}; features must be numeric "
+                                    "(integer, floating point or decimal): leave it out with exclude= or columns=")
+            meta = pf.metadata
             for g in range(meta.num_row_groups):
                 self._groups.append((i, g, meta.row_group(g).num_rows))
         self._starts = np.cumsum([0] + [r for _, _, r in self._groups])
-        self._cache: tuple[int, np.ndarray | None] = (-1, None)
-        self._handles: dict = {}
         super().__init__(int(self._starts[-1]), len(columns), dtype, device)
 
     def _group(self, k: int) -> np.ndarray:
