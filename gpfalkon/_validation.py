@@ -5,6 +5,7 @@ sees *which* input is wrong, and none of them mutates anything.
 """
 from __future__ import annotations
 
+import numbers
 import operator
 from typing import Any, TypeGuard
 
@@ -95,6 +96,14 @@ def check_penalty(penalty: Tensor | float, name: str = "penalty") -> None:
         raise ValueError(f"{name} must be finite, got {float(value)}")
     if float(value) <= 0:
         raise ValueError(f"{name} must be > 0, got {float(value)}")
+
+
+def check_seed(seed: object, name: str = "seed") -> None:
+    """A seed for ``torch.Generator.manual_seed``: an integer (not a bool) in ``[-2^63, 2^64)``."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {seed!r}")
+    if not -(2**63) <= int(seed) < 2**64:
+        raise ValueError(f"{name} must be in [-2^63, 2^64) (torch.Generator.manual_seed's range), got {seed}")
 
 
 def check_num_centers(num_centers: int, n: int) -> int:

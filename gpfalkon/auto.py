@@ -64,7 +64,7 @@ from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from torch import Tensor
 
 from ._optim import Adam
-from ._validation import check_inputs, check_targets
+from ._validation import check_inputs, check_seed, check_targets
 from .backend import KernelEngine, stored_rows_for
 from .backend.blocks import available_memory
 from .backend.engine import reuse_stores
@@ -787,6 +787,11 @@ def auto_fit(
     """
     # ------------------------------------------------------------------ validation
     budget = _check_budget("budget", budget)
+    check_seed(seed)
+    if not isinstance(train_x, Tensor):  # check_inputs also admits row sources, which auto_fit does not read
+        raise TypeError(f"train_x: auto_fit needs an in-memory (n, d) tensor, got {type(train_x).__name__} (a row "
+                        "source: fit FalkonGP on it, with hyperparameters chosen by auto_fit on a subsample read "
+                        "into memory, e.g. auto_fit(src[idx], y[idx]))")
     check_inputs("train_x", train_x)
     n_all, d = train_x.shape
     check_targets("train_y", train_y, n_all)
@@ -930,6 +935,21 @@ def auto_fit(
             return ((y - y_mu) / y_sd).to(dtype)
 
         xt_z, yt_z, xv_z, yv_z = zx(xt), zy(yt), zx(xv), zy(yv)
+        finfo = torch.finfo(dtype)
+        if float(y_sd) ** 2 * 1e4 > finfo.max or float(y_sd) ** 2 * 1e-8 < finfo.tiny:
+            # the returned model holds the outputscale (~ y_sd^2) and the noise (~ 1e-6 .. 1 x y_sd^2) in dtype
+            raise ValueError(f"train_y: its standard deviation {float(y_sd):.3g} squared is outside what {dtype} "
+                             "holds for the returned model's outputscale and noise: rescale train_y (the model "
+                             "maps back to its units) or pass dtype=torch.float64")
+        if dtype == torch.float32 and float(y_mu.abs() / y_sd) > 1e4:
+            warnings.warn(
+                f"train_y: |mean| / std is {float(y_mu.abs() / y_sd):.3g}; the returned model stores raw targets in "
+                "float32, which resolve them only to ~1e-7 x |mean|, so its final fit sees rounded targets (its "
+                "error can exceed the validation error in the report): subtract the mean from train_y or pass "
+                "dtype=torch.float64",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if dtype == torch.float32 and isinstance(kernel, str):
             ratio = float((x_mu.abs() / x_sd).max())
             if ratio > 1e4:

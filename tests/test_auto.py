@@ -13,7 +13,7 @@ from gpytorch.utils.warnings import GPInputWarning
 from gpfalkon import FalkonGP, auto_fit
 from gpfalkon.objectives import GCV, SGPRBound
 
-from conftest import dense_kernel
+from conftest import dense_kernel, make_data
 
 
 def _data(n: int = 500, seed: int = 0, noise: float = 0.05):
@@ -1329,3 +1329,24 @@ def test_auto_fit_default_racers_follow_lr():
     rep = auto_fit(x, y, lr=0.2, **dict(SMALL, max_steps=4, eval_every=2, race_rounds=1)).auto_report
     assert [(r["racer"], r["lr"]) for r in rep.learn[:4]] == [("initial", None), ("sgpr", 0.2), ("gcv", 0.2),
                                                            ("gcv@0.4", 0.4)]
+
+
+def test_auto_fit_refuses_a_target_scale_its_dtype_cannot_hold_and_warns_of_a_large_offset():
+    """float32: an outputscale ~ std(y)^2 of 1e40 or a noise of 1e-40 is refused before any work, naming train_y;
+    a target whose |mean| / std is beyond float32's resolution is warned about (the model stores raw targets)."""
+    import time as _time
+
+    x, y = make_data(200, 2)
+    for scale in (1e20, 1e-20):
+        t0 = _time.perf_counter()
+        with pytest.raises(ValueError, match=r"train_y: its standard deviation .* squared is outside"):
+            auto_fit(x, y * scale, budget=30.0)
+        assert _time.perf_counter() - t0 < 5.0  # at once, not after the budget
+    with pytest.warns(RuntimeWarning, match=r"train_y: \|mean\| / std is"):
+        auto_fit(x, y + 1e6, budget=1.0)
+    import warnings as _warnings
+
+    with _warnings.catch_warnings(record=True) as caught:
+        _warnings.simplefilter("always")
+        auto_fit(x, y + 1e6, budget=1.0, dtype=torch.float64)
+    assert not [w for w in caught if "train_y" in str(w.message)]

@@ -294,3 +294,46 @@ def test_cross_validation_objectives_need_two_rows():
     for cls in (GCV, LOOCV):
         with pytest.raises(ValueError, match=f"{cls.__name__} needs at least 2 training rows"):
             cls(m)()
+
+
+@pytest.mark.parametrize("seed,err", [("a", TypeError), (2.7, TypeError), (True, TypeError), (2**70, ValueError)])
+def test_seed_is_checked_by_name(data, seed, err):
+    from gpfalkon import auto_fit
+
+    x, y = data
+    with pytest.raises(err, match="seed must be"):
+        FalkonGP(x, y, _k(), num_centers=5, seed=seed)
+    with pytest.raises(err, match="seed must be"):
+        auto_fit(x, y, budget=1.0, seed=seed)
+
+
+@pytest.mark.parametrize("chunk,err", [("a", TypeError), (2.5, TypeError), (True, TypeError), (0, ValueError)])
+def test_predict_chunk_size_is_checked_by_name(data, chunk, err):
+    x, y = data
+    with pytest.raises(err, match="predict_chunk_size must be"):
+        FalkonGP(x, y, _k(), num_centers=5, predict_chunk_size=chunk)
+
+
+@pytest.mark.parametrize("penalty", [1e-50, 1e38])
+def test_a_penalty_outside_the_float32_noise_range_is_refused_at_once(penalty):
+    """The penalty is checked in float64, but a float32 model stores the noise n * penalty in float32: a value
+    that rounds to 0 or Inf there is refused when set, not at fit() with a message about another quantity."""
+    x, y = make_data(50, 2, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"outside its range"):
+        FalkonGP(x, y, make_kernel("rbf", 2, torch.float32), num_centers=5, penalty=penalty)
+    model = FalkonGP(x, y, make_kernel("rbf", 2, torch.float32), num_centers=5, penalty=1e-3)
+    with pytest.raises(ValueError, match=r"outside its range"):
+        model.penalty = penalty
+    assert float(model.penalty) == pytest.approx(1e-3)  # nothing changed
+    FalkonGP(x.double(), y.double(), make_kernel("rbf", 2), num_centers=5, penalty=1e-50)  # float64 holds it
+
+
+def test_auto_fit_names_a_row_source(tmp_path):
+    import numpy as np
+
+    from gpfalkon import NpyRows, auto_fit
+
+    x, y = make_data(50, 2)
+    np.save(tmp_path / "x.npy", x.numpy())
+    with pytest.raises(TypeError, match="train_x: auto_fit needs an in-memory"):
+        auto_fit(NpyRows(tmp_path / "x.npy"), y, budget=1.0)
