@@ -403,3 +403,39 @@ def test_fit_time_limit_stops_cg_and_keeps_its_iterate():
     custom = FalkonGP(x, y, kernel=k, centers=model.centers, penalty=1e-7, options=FalkonOptions(solver=my_solver))
     with pytest.raises(ValueError, match="time_limit needs the built-in"):
         custom.fit(time_limit=10.0)
+
+
+def test_a_kernel_change_outside_its_parameters_makes_the_fit_stale():
+    """The fit's record holds the kernel's values at a few points, so what its raw parameters do not show is caught
+    when a state is loaded into a model whose kernel maps the same raw values differently (exp vs softplus) or is
+    another Matern (the load warns, and the model is unfitted), while a load into an equal kernel stays fitted with
+    the same predictions; a state saved before the record existed loads as before."""
+    from gpytorch.constraints import Positive
+
+    x, y = make_data(80, 2)
+    xt = x[:5] + 0.05
+
+    def kernel(nu=2.5, transform=None):
+        base = gpytorch.kernels.MaternKernel(nu=nu, ard_num_dims=2)
+        if transform == "exp":
+            base.register_constraint("raw_lengthscale", Positive(transform=torch.exp, inv_transform=torch.log))
+        return gpytorch.kernels.ScaleKernel(base).double()
+
+    m = FalkonGP(x, y, kernel(transform="exp"), num_centers=20, penalty=1e-3, seed=0).fit().eval()
+    mean = m(xt).mean
+    same = FalkonGP(x, y, kernel(transform="exp"), num_centers=20, penalty=1e-3, seed=0)
+    same.load_state_dict(m.state_dict())
+    assert bool(same.fitted)
+    torch.testing.assert_close(same.eval()(xt).mean, mean)
+    for other in (kernel(), kernel(nu=0.5, transform="exp")):
+        model = FalkonGP(x, y, other, num_centers=20, penalty=1e-3, seed=0)
+        with pytest.warns(RuntimeWarning, match="the kernel's values at the same parameters"):
+            model.load_state_dict(m.state_dict())
+        assert not bool(model.fitted)
+    m.kernel.base_kernel.register_constraint("raw_lengthscale", Positive())  # in place: fit() again (documented)
+    m.fit()
+    old = {k: v for k, v in m.state_dict().items() if k != "kernel_probe"}  # saved before the probe existed
+    back = FalkonGP(x, y, kernel(), num_centers=20, penalty=1e-3, seed=0)
+    back.kernel.base_kernel.register_constraint("raw_lengthscale", Positive())
+    back.load_state_dict(old)
+    assert bool(back.fitted)

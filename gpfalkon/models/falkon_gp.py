@@ -287,6 +287,7 @@ class FalkonGP(gpytorch.models.GP):
     # buffers (register_buffer)
     center_weights: Tensor | None
     mean_constant: Tensor
+    kernel_probe: Tensor
     alpha: Tensor
     fitted: Tensor
     data_fingerprint: Tensor
@@ -456,6 +457,8 @@ class FalkonGP(gpytorch.models.GP):
         self.register_buffer("data_fingerprint", torch.zeros(6, dtype=torch.float64, device=train_x.device))
         self.register_buffer("fit_digest", torch.zeros(2 * len(FIT_GROUPS) + 1, dtype=torch.int64,
                                                         device=train_x.device))
+        # the kernel's values at a few points when alpha was fitted (see _kernel_probe; empty: not recorded)
+        self.register_buffer("kernel_probe", torch.zeros(0, dtype=torch.float64, device=train_x.device))
         self._legacy_state = False  # set while loading a state saved before fit_digest existed
         self.fit_info: CGInfo | None = None
         self._fit_tracker = FitTracker()
@@ -722,8 +725,25 @@ class FalkonGP(gpytorch.models.GP):
         return self
 
     # ------------------------------------------------ is the fit still valid?
+    def _kernel_probe(self) -> Tensor:
+        """``k(P, P)`` (flattened, float64) at ``P`` = the first (at most 3) centers and the first center shifted by
+        one in every coordinate: what the kernel computes, which its raw parameters alone do not settle (a
+        constraint's transform, a Matern ``nu``, any setting that is not a parameter or a buffer). ``O(d)``, no
+        gradient; empty where the kernel cannot be evaluated there."""
+        c = self.centers.detach()
+        p = torch.cat([c[:3], c[:1] + 1.0])
+        try:
+            with torch.no_grad():
+                k = self.kernel(p, p)
+                return (k if isinstance(k, Tensor) else k.to_dense()).reshape(-1).to(torch.float64)
+        except Exception:  # a kernel for other inputs (e.g. indices): no probe, its parameters still tracked
+            return torch.zeros(0, dtype=torch.float64, device=c.device)
+
     def _fit_dependencies(self) -> list[Tensor]:
-        """Everything alpha depends on except the data: kernel, centers, noise, constant mean."""
+        """Everything alpha depends on except the data: kernel, centers, noise, constant mean. Compared at every
+        prediction, so the kernel's values (:meth:`_kernel_probe`, +25 % on a one-point posterior) are not: they
+        are recorded by ``fit()`` and compared when a state is loaded; a constraint or setting changed in place
+        after ``fit()`` needs ``fit()`` again."""
         return [
             *self.kernel.parameters(),
             *self.kernel.buffers(),
@@ -764,6 +784,7 @@ class FalkonGP(gpytorch.models.GP):
                                                  row_offset=self._row_offset)
         self.data_fingerprint = summary.to(self.data_fingerprint.device)
         self.fit_digest = self._digest_now(digest)
+        self.kernel_probe = self._kernel_probe().to(self.kernel_probe.device)
 
     def _mark_hyper_fitted(self) -> None:
         """Record the current hyperparameters as fitted, keeping the data's digests (no data pass): for a
@@ -806,6 +827,7 @@ class FalkonGP(gpytorch.models.GP):
         self.mean_constant = mean_c.to(device=self.alpha.device, dtype=torch.float64)
         self.data_fingerprint = self.data_fingerprint.to(torch.float64)
         self.fit_digest = self.fit_digest.to(torch.int64)
+        self.kernel_probe = self.kernel_probe.to(torch.float64)
         if weights is not None:
             self.center_weights = weights.to(device=self.centers.device, dtype=torch.float64)
         self._factors = None
@@ -859,6 +881,11 @@ class FalkonGP(gpytorch.models.GP):
             w = state_dict[w_key]
             if self.center_weights is None or self.center_weights.shape != w.shape:
                 self.center_weights = torch.empty(w.shape, dtype=torch.float64, device=self.centers.device)
+        p_key = prefix + "kernel_probe"
+        if isinstance(state_dict.get(p_key), Tensor) and state_dict[p_key].shape != self.kernel_probe.shape:
+            self.kernel_probe = torch.empty(state_dict[p_key].shape, dtype=torch.float64,
+                                            device=self.kernel_probe.device)
+        had_probe = p_key in state_dict
         m_key = prefix + "mean_constant"
         # a full model state dict (it has alpha) without the constant predates it: zero mean; a partial
         # dict (strict=False, e.g. only kernel hyperparameters) leaves the current constant alone
@@ -876,6 +903,10 @@ class FalkonGP(gpytorch.models.GP):
                 missing_keys.remove(m_key)
         if legacy and d_key in missing_keys:
             missing_keys.remove(d_key)
+        if not had_probe:  # saved before the probe existed (or a partial dict): nothing recorded to compare
+            self.kernel_probe = torch.zeros(0, dtype=torch.float64, device=self.kernel_probe.device)
+            if p_key in missing_keys:
+                missing_keys.remove(p_key)
         self._legacy_state = legacy
 
     @staticmethod
@@ -910,6 +941,14 @@ class FalkonGP(gpytorch.models.GP):
                 now = hyper_digest(module._fit_groups())
                 differs += [name for i, name in enumerate(FIT_GROUPS[2:])
                             if now[2 * i : 2 * i + 2] != saved[4 + 2 * i : 6 + 2 * i].tolist()]
+                if not differs and module.kernel_probe.numel() > 0:
+                    probe = module._kernel_probe()
+                    tol = 1e-5 if module.train_inputs[0].dtype == torch.float32 else 1e-10
+                    if probe.shape != module.kernel_probe.shape or not torch.allclose(
+                        probe.to(module.kernel_probe.device), module.kernel_probe, rtol=tol, atol=tol
+                    ):
+                        differs.append("the kernel's values at the same parameters (another kernel class, "
+                                       "constraint transform or setting such as nu)")
             if not differs:
                 module._fit_tracker.adopt(module._fit_dependencies(), module._fit_data())
         if differs:
