@@ -439,3 +439,34 @@ def test_a_kernel_change_outside_its_parameters_makes_the_fit_stale():
     back.kernel.base_kernel.register_constraint("raw_lengthscale", Positive())
     back.load_state_dict(old)
     assert bool(back.fitted)
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_variances_below_gpytorchs_absolute_floor_are_kept(t):
+    """GPyTorch floors MultivariateNormal.variance at 1e-6 in float32; the Nystrom posterior's variances are its
+    covariance's diagonal whatever their scale (targets of std 1e-3: latent variances ~1e-9), through the likelihood
+    and BoTorch's outcome untransform (which rebuild the distribution with its class)."""
+    from gpfalkon.botorch import FalkonModel
+
+    x, y = make_data(400, 2, t=None if t == 1 else t, dtype=torch.float32)
+    y = 1e-3 * y
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+    kernel.outputscale = 1e-6  # the prior variance of targets of std 1e-3
+    model = FalkonGP(x, y, kernel, num_centers=40, penalty=1e-8 / 400, seed=0).fit().eval()
+    xt = x[:7] + 0.01
+    pred = model(xt)
+    diag = pred.lazy_covariance_matrix.diagonal()
+    want = diag if t == 1 else diag.reshape(7, t)
+    assert float(want.max()) < 1e-6  # below the floor
+    torch.testing.assert_close(pred.variance, want, rtol=1e-5, atol=0.0)
+    noisy = model.likelihood(pred)
+    torch.testing.assert_close(noisy.variance, want + model.noise.detach().reshape(-1)[0], rtol=1e-5, atol=0.0)
+    if t == 1:
+        k64 = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+        k64.outputscale = 1e-12
+        bm = FalkonModel(x.double(), y.double().unsqueeze(-1), k64, num_centers=40, penalty=1e-14 / 400, seed=0,
+                         outcome_transform=None)
+        post = bm.posterior(xt.double())
+        latent = post.distribution.lazy_covariance_matrix.diagonal()
+        assert float(latent.max()) < 1e-10  # below float64's floor
+        torch.testing.assert_close(post.variance.squeeze(-1), latent, rtol=1e-10, atol=0.0)

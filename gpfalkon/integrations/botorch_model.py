@@ -21,7 +21,7 @@ from botorch.models.utils.gpytorch_modules import (
 )
 from botorch.posteriors.gpytorch import GPyTorchPosterior
 from gpytorch.constraints import GreaterThan
-from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
+from gpytorch.distributions import MultivariateNormal
 from gpytorch.kernels import Kernel
 from gpytorch.likelihoods import Likelihood, MultitaskGaussianLikelihood
 from gpytorch.priors import LogNormalPrior
@@ -30,7 +30,11 @@ from torch import Tensor
 
 from ..models import FalkonGP
 from ..models.defaults import default_likelihood
-from ..models.posterior import shared_covariance_distribution
+from ..models.posterior import (
+    NystromMultitaskMultivariateNormal,
+    NystromMultivariateNormal,
+    shared_covariance_distribution,
+)
 from .fantasy import FalkonFantasyModel
 
 __all__ = ["FalkonModel", "default_botorch_likelihood"]
@@ -221,10 +225,10 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
                 raise ValueError(f"observation_noise must have shape (..., {q}, {t}) or (..., {q}), got "
                                  f"{tuple(noise.shape)}")
             noise = noise.expand(*noise.shape[:-1], t)[..., idcs]
-            mvns = [MultivariateNormal(mean[..., j], covar + DiagLinearOperator(noise[..., j]))
+            mvns = [NystromMultivariateNormal(mean[..., j], covar + DiagLinearOperator(noise[..., j]))
                     for j in range(len(idcs))]
             dist: MultivariateNormal = (mvns[0] if len(mvns) == 1
-                                        else MultitaskMultivariateNormal.from_independent_mvns(mvns))
+                                        else NystromMultitaskMultivariateNormal.from_independent_mvns(mvns))
         else:
             if observation_noise is True:
                 sigma2 = self.noise.detach().to(mean).reshape(())

@@ -17,11 +17,15 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from botorch.models.model import FantasizeMixin, Model
 from botorch.posteriors.gpytorch import GPyTorchPosterior
-from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from linear_operator.operators import DenseLinearOperator
 from torch import Tensor
 
-from ..models.posterior import posterior_roots, shared_covariance_distribution
+from ..models.posterior import (
+    NystromMultitaskMultivariateNormal,
+    NystromMultivariateNormal,
+    posterior_roots,
+    shared_covariance_distribution,
+)
 
 if TYPE_CHECKING:
     from .botorch_model import FalkonModel
@@ -164,9 +168,10 @@ class FalkonFantasyModel(Model, FantasizeMixin):
         if t == 1 or covar.shape[-3] == 1:  # one covariance (per output, or shared by all outputs)
             mvn = shared_covariance_distribution(mean.mT.to(dtype), DenseLinearOperator(covar[..., 0, :, :].to(dtype)))
         else:
-            mvn = MultitaskMultivariateNormal.from_independent_mvns(
+            mvn = NystromMultitaskMultivariateNormal.from_independent_mvns(
                 [
-                    MultivariateNormal(mean[..., i, :].to(dtype), DenseLinearOperator(covar[..., i, :, :].to(dtype)))
+                    NystromMultivariateNormal(mean[..., i, :].to(dtype),
+                                              DenseLinearOperator(covar[..., i, :, :].to(dtype)))
                     for i in range(t)
                 ]
             )

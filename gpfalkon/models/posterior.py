@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import gpytorch
 import torch
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from gpytorch.kernels import Kernel
@@ -18,8 +19,29 @@ from ..linalg import jittered_cholesky
 if TYPE_CHECKING:
     from ..operators import NystromKRROperator
 
-__all__ = ["NystromPosteriorCovariance", "NystromPosteriorFactors", "nystrom_posterior_mean", "posterior_roots",
-           "shared_covariance_distribution"]
+__all__ = ["NystromMultitaskMultivariateNormal", "NystromMultivariateNormal", "NystromPosteriorCovariance",
+           "NystromPosteriorFactors", "nystrom_posterior_mean", "posterior_roots", "shared_covariance_distribution"]
+
+
+class _UnflooredVariance:
+    """``variance`` without GPyTorch's floor (``gpytorch.settings.min_variance``: 1e-6 in float32, 1e-10 in
+    float64), which is absolute: a posterior in the data's units (``auto_fit`` maps back to them) whose variances
+    are below it, e.g. targets with a standard deviation of 1e-2 in float32, would get variances 100x too large.
+    The Nystrom posterior's diagonal is formed stably (docs/math.md §4), so only a negative rounding is cut, at 0."""
+
+    @property
+    def variance(self) -> Tensor:
+        with gpytorch.settings.min_variance(float_value=0.0, double_value=0.0, half_value=0.0):
+            return super().variance  # type: ignore[misc]
+
+
+class NystromMultivariateNormal(_UnflooredVariance, MultivariateNormal):
+    """FalkonGP's one-output posterior: a ``MultivariateNormal`` whose ``variance`` has no absolute floor."""
+
+
+class NystromMultitaskMultivariateNormal(_UnflooredVariance, MultitaskMultivariateNormal):
+    """FalkonGP's multi-output posterior: a ``MultitaskMultivariateNormal`` whose ``variance`` has no absolute
+    floor."""
 
 
 class NystromPosteriorFactors:
@@ -186,9 +208,9 @@ def shared_covariance_distribution(mean: Tensor, covar: LinearOperator) -> Multi
     so the variances cost one ``covar.diagonal()`` whatever ``t`` is."""
     t = mean.shape[-1]
     if t == 1:
-        return MultivariateNormal(mean.squeeze(-1), covar)
+        return NystromMultivariateNormal(mean.squeeze(-1), covar)
     eye_t = DiagLinearOperator(torch.ones(*mean.shape[:-2], t, dtype=mean.dtype, device=mean.device))
-    return MultitaskMultivariateNormal(mean, KroneckerProductLinearOperator(covar, eye_t), interleaved=True)
+    return NystromMultitaskMultivariateNormal(mean, KroneckerProductLinearOperator(covar, eye_t), interleaved=True)
 
 
 def nystrom_posterior_mean(
