@@ -51,6 +51,8 @@ def check_inputs(name: str, x: Tensor, d: int | None = None, allow_empty: bool =
             raise TypeError(f"{name} has dtype {x.dtype}; gpfalkon supports torch.float32 and torch.float64")
         if x.shape[0] == 0 and not allow_empty:
             raise ValueError(f"{name} is empty (0 rows)")
+        if x.shape[1] == 0:
+            raise ValueError(f"{name} has 0 features")
         if d is not None and x.shape[1] != d:
             raise ValueError(f"{name} has {x.shape[1]} features but the training inputs have {d}")
         x.check_finite(name)

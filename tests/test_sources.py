@@ -233,3 +233,15 @@ def test_a_model_on_a_source_trains_with_fit_gpytorch_mll_and_converts_dtype(tmp
     torch.testing.assert_close(m(xt).mean, ref(xt).mean, rtol=1e-4, atol=1e-4)
     m.fit()
     torch.testing.assert_close(m(xt).mean, ref(xt).mean, rtol=1e-4, atol=1e-4)
+
+
+def test_npy_files_of_the_other_byte_order_read_the_same_values(tmp_path, data):
+    x, _ = data
+    np.save(tmp_path / "le.npy", x.numpy())
+    np.save(tmp_path / "be.npy", x.numpy().astype(">f8"))
+    src = NpyRows([tmp_path / "be.npy", tmp_path / "le.npy"])
+    assert src.dtype == torch.float64 and len(src) == 602
+    torch.testing.assert_close(src[0:602], torch.cat([x, x]), rtol=0, atol=0)
+    np.save(tmp_path / "none.npy", np.zeros((5, 0)))
+    with pytest.raises(ValueError, match="train_x has 0 features"):
+        FalkonGP(NpyRows(tmp_path / "none.npy"), torch.zeros(5, dtype=torch.float64), num_centers=2)

@@ -280,16 +280,17 @@ class NpyRows(RowSource):
                 raise ValueError(f"NpyRows: {p} holds an array of shape {shape}; need (rows, features)")
             if fortran:
                 raise ValueError(f"NpyRows: {p} is Fortran-ordered; save it C-ordered (np.ascontiguousarray)")
-            if dt not in _DTYPES:
+            native = dt.newbyteorder("=")  # a file of the other byte order is read as stored, then converted
+            if native not in _DTYPES:
                 raise TypeError(f"NpyRows: {p} has dtype {dt}; need float32 or float64")
-            if d is not None and (shape[1] != d or dt != fdt):
-                raise ValueError(f"NpyRows: {p} has {shape[1]} columns of {dt}, the first file {d} of {fdt}")
+            if d is not None and (shape[1] != d or native != fdt):
+                raise ValueError(f"NpyRows: {p} has {shape[1]} columns of {native}, the first file {d} of {fdt}")
             need = offset + int(shape[0]) * int(shape[1]) * dt.itemsize
             size = os.path.getsize(p)
             if size < need:
                 raise ValueError(f"NpyRows: {p} is truncated: its header says {shape[0]} x {shape[1]} {dt} ({need} "
                                  f"bytes with the header), the file has {size} bytes")
-            d, fdt = shape[1], dt
+            d, fdt = shape[1], native
             self._files.append((p, int(shape[0]), offset, dt))
         assert d is not None and fdt is not None
         self._starts = np.cumsum([0] + [r for _, r, _, _ in self._files])
@@ -309,6 +310,11 @@ class NpyRows(RowSource):
             row_bytes = self._d * dt.itemsize
             with open(path, "rb") as fh:
                 a = np.fromfile(fh, dtype=dt, count=(hi - lo) * self._d, offset=offset + lo * row_bytes)
+            if a.size != (hi - lo) * self._d:  # the file shrank after it was opened
+                raise ValueError(f"NpyRows: {path} ended early: rows {lo}..{hi - 1} need {(hi - lo) * row_bytes} bytes "
+                                 f"at offset {offset + lo * row_bytes}, {a.size * dt.itemsize} were read")
+            if not dt.isnative:
+                a = a.astype(dt.newbyteorder("="))
             parts.append(a.reshape(hi - lo, self._d))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
