@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -99,6 +100,14 @@ def _rand(num: int, generator: torch.Generator | None, device: torch.device) -> 
     """``num`` float64 uniforms from ``generator`` (its own device), moved to ``device``."""
     gen_device = generator.device if generator is not None else torch.device("cpu")
     return torch.rand(num, generator=generator, dtype=torch.float64, device=gen_device).to(device)
+
+
+def _whole(name: str, value: object, minimum: int) -> int:
+    """``value`` as an int ``>= minimum`` (an integral float such as 4.0 accepted), else ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or int(value) != value or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
 
 
 def uniform_centers(
@@ -451,20 +460,8 @@ def approximate_leverage_scores(
     check_generator(generator)
     q2 = check_positive_real("oversampling", oversampling, minimum=1.0)
     q = check_positive_real("lambda_step", lambda_step, minimum=1.0, strict_minimum=True)
-    if (
-        isinstance(max_dictionary_size, bool)
-        or int(max_dictionary_size) != max_dictionary_size
-        or max_dictionary_size < 1
-    ):
-        raise ValueError(f"max_dictionary_size must be an integer >= 1, got {max_dictionary_size!r}")
-    max_dict = int(max_dictionary_size)
-    if (
-        isinstance(min_dictionary_size, bool)
-        or int(min_dictionary_size) != min_dictionary_size
-        or min_dictionary_size < 0
-    ):
-        raise ValueError(f"min_dictionary_size must be an integer >= 0, got {min_dictionary_size!r}")
-    min_dict = min(int(min_dictionary_size), max_dict)
+    max_dict = _whole("max_dictionary_size", max_dictionary_size, 1)
+    min_dict = min(_whole("min_dictionary_size", min_dictionary_size, 0), max_dict)
     lam = float(torch.as_tensor(penalty).detach())
     n = rows_info.n  # all shards' rows
     k64 = _kernel64(kernel)

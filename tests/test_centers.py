@@ -596,3 +596,24 @@ def test_nested_leverage_centers_concentrated_mass_and_validation():
     sel = nested_leverage_centers(torch.ones(100, dtype=torch.float64), 5, generator=_gen(1)).select(x, 5)
     r = int(sel.counts.sum())
     assert torch.allclose(sel.weights, torch.sqrt(5 * sel.counts.double() / r))
+
+
+@pytest.mark.parametrize("opts,named", [({"min_dictionary_size": None}, "min_dictionary_size"),
+                                        ({"max_dictionary_size": None}, "max_dictionary_size"),
+                                        ({"max_dictionary_size": float("inf")}, "max_dictionary_size"),
+                                        ({"block_rows": "a"}, "block_rows")])
+def test_leverage_options_are_checked_by_name(opts, named):
+    from gpfalkon import FalkonGP
+
+    x, y = make_data(100, 2)
+    with pytest.raises(ValueError, match=f"{named} must be an integer"):
+        FalkonGP(x, y, make_kernel("rbf", 2), num_centers=10, center_selection="leverage", leverage_options=opts)
+
+
+def test_a_custom_selector_must_return_a_center_selection():
+    from gpfalkon import FalkonGP
+
+    x, y = make_data(100, 2)
+    with pytest.raises(TypeError, match="center_selection must return a gpfalkon.CenterSelection"):
+        FalkonGP(x, y, make_kernel("rbf", 2), num_centers=10,
+                 center_selection=lambda x, m, kernel=None, penalty=None: x[:m])

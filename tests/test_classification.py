@@ -104,3 +104,24 @@ def test_continuous_float_labels_are_refused_unless_classes_are_given():
     halves = torch.tensor([0.5, 1.5, 0.5], dtype=torch.float64)
     targets, classes = encode_labels(halves, classes=torch.tensor([0.5, 1.5], dtype=torch.float64))
     assert targets.tolist() == [-1.0, 1.0, -1.0]
+
+
+def test_given_classes_are_never_rounded_into_the_labels_dtype():
+    """Float classes with integer labels are compared as floats (label 0 is not the class 0.5); classes that the
+    labels' dtype cannot hold are refused; .float() / .to() of a classifier keeps its labels exactly."""
+    t, c = encode_labels(torch.tensor([0, 1, 1]), classes=torch.tensor([0.0, 0.5, 1.0]))
+    assert torch.equal(c, torch.tensor([0.0, 0.5, 1.0])) and t.argmax(-1).tolist() == [0, 2, 2]
+    with pytest.raises(ValueError, match="labels contains values not in classes"):
+        encode_labels(torch.tensor([0, 1, 1]), classes=torch.tensor([0.5, 1.0]))
+    with pytest.raises(ValueError, match="cannot be held exactly in the labels' dtype torch.int8"):
+        encode_labels(torch.tensor([0, 0, 44], dtype=torch.int8), classes=torch.tensor([0, 300]))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 2, generator=g)
+    big = torch.tensor(16777217.0, dtype=torch.float64)  # not a float32 number
+    labels = torch.where(x[:, 0].double() > 0, big, torch.zeros((), dtype=torch.float64))
+    clf = FalkonClassifier(x, labels, gpytorch.kernels.RBFKernel(), num_centers=20).fit()
+    before = clf.predict(x[:8])
+    clf.to(torch.float32)
+    clf.double()
+    assert clf.classes.dtype == torch.float64 and float(clf.classes[1]) == 16777217.0
+    torch.testing.assert_close(clf.predict(x[:8].double()), before, rtol=0, atol=0)

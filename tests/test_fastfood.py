@@ -108,10 +108,36 @@ def test_dense_and_structured_projections_agree(d, n):
     torch.testing.assert_close(k._project_structured(x), expected, rtol=1e-10, atol=1e-10)
 
 
-def test_input_dtype_must_match_the_kernel():
-    k = _kernel(16, 3)
-    with pytest.raises(ValueError, match=r"`x1` has dtype torch.float32"):
-        k(torch.rand(5, 3)).to_dense()
+def test_inputs_of_another_dtype_are_evaluated_in_theirs():
+    """As GPyTorch's kernels promote, a float64 kernel evaluates float32 inputs (in float32) and a float32 kernel
+    float64 ones (in float64, e.g. FalkonGP's K_MM), from the same random draws."""
+    k64 = _kernel(16, 3)
+    k32 = _kernel(16, 3).float()
+    x = torch.rand(5, 3, dtype=F64, generator=_gen(30))
+    ref = k64(x).to_dense()
+    got32 = k64(x.float()).to_dense()  # promoted by the float64 lengthscale, as GPyTorch's RBF does
+    torch.testing.assert_close(got32.double(), ref, rtol=1e-5, atol=1e-6)
+    got64 = k32(x).to_dense()
+    assert got64.dtype == F64
+    torch.testing.assert_close(got64, ref, rtol=1e-6, atol=1e-7)  # the float32 copy of the draws
+
+
+def test_a_float32_falkon_gp_fits_with_fastfood_as_in_float64():
+    """FalkonGP evaluates K_MM in float64 with a float32 model's kernel: a float32 Fastfood model fits, and
+    predicts as the float64 model from the same draws (CG and the direct solve)."""
+    from gpfalkon import FalkonGP, FalkonOptions
+
+    x = torch.randn(300, 5, dtype=F64, generator=_gen(31))
+    y = torch.sin(x[:, 0])
+    preds = []
+    for dt in (torch.float32, F64):
+        k = _kernel(64, 5).to(dt)  # rank 128 > M: a well-posed problem in float32 too
+        for method in ("cg", "direct"):
+            m = FalkonGP(x.to(dt), y.to(dt), k, num_centers=50, penalty=1e-3, seed=0, tol=1e-10, max_iter=500,
+                         options=FalkonOptions(solve_method=method)).fit().eval()
+            preds.append(m.posterior_mean(x[:10].to(dt)).double())
+    for p in preds[:2]:
+        torch.testing.assert_close(p, preds[2], rtol=1e-3, atol=1e-3)
 
 
 # --------------------------------------------------------------------------- exact algebra

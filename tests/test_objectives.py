@@ -596,3 +596,55 @@ def test_cholesky_kmm_names_a_non_finite_kmm():
         model.centers[0, 0] = float("nan")
     with pytest.raises(ValueError, match="K_MM contains NaN or Inf"):
         GCV(model).cholesky_kmm()
+
+
+@pytest.mark.parametrize("name", ["gcv", "loocv", "holdout"])
+def test_mll_of_a_mean_objective_is_per_observation_and_fit_gpytorch_mll_learns(name):
+    """GCV, LOOCV and HoldOut are means over rows: the MLL is minus the objective per output (not divided by n
+    again), so fit_gpytorch_mll's L-BFGS-B moves the hyperparameters and lowers the objective (it stopped at the
+    start on gradients ~1e-6 before)."""
+    from botorch.fit import fit_gpytorch_mll
+
+    from gpfalkon import NystromMarginalLogLikelihood
+
+    model = _model(n=400, m=30, learn_centers=False)
+    mll = NystromMarginalLogLikelihood(model.likelihood, model, objective=name)
+    obj = mll.objective
+    start = float(obj())
+    model.train()
+    torch.testing.assert_close(mll(None, model.train_targets), -obj(), rtol=1e-12, atol=1e-14)
+    ls0 = model.kernel.base_kernel.lengthscale.detach().clone()
+    fit_gpytorch_mll(mll)
+    assert float(obj()) < 0.95 * start
+    assert not torch.allclose(model.kernel.base_kernel.lengthscale.detach(), ls0, rtol=1e-3)
+
+
+def test_objectives_follow_a_change_of_the_training_data():
+    """After model.set_train_data with another number of rows, HoldOut draws a split of the new rows and the
+    stochastic objective new trace vectors and a new subset (their values then equal fresh objectives' built with
+    the same generator state's draws on the new rows); given trace vectors are refused by name."""
+    model = _model(n=100)
+    x, y = make_data(160, 2, dtype=torch.float64, seed=7)
+    ho = HoldOut(model)
+    ho()
+    st = StochasticNystromCompReg(model, num_trace_vectors=4, cg_tol=1e-10)
+    st()
+    given = StochasticNystromCompReg(model, trace_vectors=torch.ones(100, 2, dtype=torch.float64))
+    model.set_train_data(x, y)
+    tr, va = ho.split()
+    assert tr.numel() + va.numel() == 160 and sorted(torch.cat([tr, va]).tolist()) == list(range(160))
+    assert ho.n_val == 80 and torch.isfinite(ho())
+    value = st()
+    assert st.trace_vectors.shape == (160, 4) and torch.isfinite(value)
+    with pytest.raises(ValueError, match="trace_vectors were given for 100 rows; the model now has 160"):
+        given()
+    model.set_train_data(x[:30], y[:30])
+    assert torch.isfinite(ho()) and ho.n_val == 15
+
+
+@pytest.mark.parametrize("kw", [dict(cg_tol=-1.0), dict(cg_tol=float("inf")), dict(cg_tol="abc"),
+                                dict(cg_iterations=2.7), dict(num_trace_vectors=2.5), dict(subsample_size=0)])
+def test_stochastic_objective_options_are_checked_by_name(kw):
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=f"{name} must be"):
+        StochasticNystromCompReg(_model(), **kw)

@@ -101,7 +101,11 @@ def resolve_block_rows(block_rows: int | None = None) -> int | None:
         block_rows = settings.block_rows.value()
     if block_rows is None:
         return None
-    if isinstance(block_rows, bool) or int(block_rows) != block_rows or int(block_rows) < 1:
+    try:
+        ok = not isinstance(block_rows, bool) and int(block_rows) == block_rows and int(block_rows) >= 1
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
         raise ValueError(f"block_rows must be an integer >= 1, got {block_rows!r}")
     return int(block_rows)
 

@@ -297,11 +297,6 @@ class FastfoodKernel(Kernel):
     def _check_input(self, x: Tensor, name: str) -> None:
         if not x.is_floating_point():
             raise ValueError(f"FastfoodKernel: `{name}` must be a floating-point tensor, got dtype {x.dtype}")
-        if x.dtype != self.ff_gauss.dtype:
-            raise ValueError(
-                f"FastfoodKernel: `{name}` has dtype {x.dtype} but the kernel's random parameters are "
-                f"{self.ff_gauss.dtype}; convert one of them (e.g. kernel.to({x.dtype}))"
-            )
         if x.size(-1) != self.num_dims:
             raise ValueError(
                 f"FastfoodKernel: the last dimension of `{name}` ({x.size(-1)}) must equal num_dims ({self.num_dims})"
@@ -331,11 +326,14 @@ class FastfoodKernel(Kernel):
         assert dp is not None
         if dp > x.size(-1):
             x = torch.nn.functional.pad(x, (0, dp - x.size(-1)))
-        y = x.unsqueeze(-2) * self.ff_signs.unsqueeze(-3)  # (..., n, nb, d')  B x
+        # the random parameters in x's dtype (as GPyTorch's kernels promote): FalkonGP evaluates K_MM in float64
+        # with a float32 model's kernel
+        signs, gauss, scale = (t.to(x.dtype) for t in (self.ff_signs, self.ff_gauss, self.ff_scale))
+        y = x.unsqueeze(-2) * signs.unsqueeze(-3)  # (..., n, nb, d')  B x
         y = fwht(y)  # H B x
         y = torch.gather(y, -1, self.ff_perm.unsqueeze(-3).expand(y.shape))  # Pi H B x
-        y = fwht(y * self.ff_gauss.unsqueeze(-3))  # H G Pi H B x
-        y = y * (self.ff_scale.unsqueeze(-3) / math.sqrt(dp))  # S H G Pi H B x / sqrt(d')
+        y = fwht(y * gauss.unsqueeze(-3))  # H G Pi H B x
+        y = y * (scale.unsqueeze(-3) / math.sqrt(dp))  # S H G Pi H B x / sqrt(d')
         return y.reshape(*y.shape[:-2], y.shape[-2] * y.shape[-1])[..., : self.num_samples]
 
     def _featurize(self, x: Tensor, normalize: bool = False) -> Tensor:

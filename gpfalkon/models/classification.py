@@ -64,7 +64,14 @@ def encode_labels(
             raise ValueError(f"classes must be 1-D, got shape {tuple(classes.shape)}")
         if classes.numel() > 1 and not bool((classes[1:] > classes[:-1]).all()):
             raise ValueError("classes must be strictly increasing (sorted, no duplicates)")
-        classes = classes.to(device=labels.device, dtype=labels.dtype)
+        if classes.is_floating_point() and not labels.is_floating_point():  # compare as floats, keep float classes
+            labels = labels.to(classes.dtype)
+        cast = classes.to(device=labels.device, dtype=labels.dtype)
+        back = cast.to(classes.dtype).to(classes.device)
+        if not bool((back == classes).all()):
+            raise ValueError(f"classes cannot be held exactly in the labels' dtype {labels.dtype} (got "
+                             f"{classes.tolist()[:8]}...): give labels and classes one dtype")
+        classes = cast
     if classes.numel() < 2:
         raise ValueError(f"labels must contain at least 2 classes, got {classes.numel()}")
     pos = torch.searchsorted(classes, labels)
@@ -113,6 +120,14 @@ class FalkonClassifier(torch.nn.Module):
     @property
     def num_classes(self) -> int:
         return int(self.classes.numel())
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(dtype) / .float() / .half() convert the model, never the class labels (a float32 copy of the float64
+        # label 16777217. is another label): they keep their dtype and follow the device only
+        classes = self.classes
+        super()._apply(fn, *args, **kwargs)
+        self.classes = classes.to(device=self.classes.device)
+        return self
 
     def fit(self, **fit_kwargs) -> FalkonClassifier:
         """Fit the underlying GP (``fit_kwargs`` go to :meth:`FalkonGP.fit`); returns ``self``."""

@@ -36,7 +36,14 @@ from .._validation import (
     is_row_source,
 )
 from ..backend.passes import is_sharded, reduce_rows, total_rows
-from ..centers import CenterSelector, FixedCenters, LeverageCenters, UniformCenters, default_num_centers
+from ..centers import (
+    CenterSelection,
+    CenterSelector,
+    FixedCenters,
+    LeverageCenters,
+    UniformCenters,
+    default_num_centers,
+)
 from ..errors import FalkonConvergenceError, NotFittedError
 from ..operators import NystromKRROperator
 from ..options import FalkonOptions, option_property
@@ -395,6 +402,9 @@ class FalkonGP(gpytorch.models.GP):
         if penalty is not None:
             self.penalty = penalty
         sel = selector(train_x, m, kernel=kernel, penalty=self.penalty.detach())
+        if not isinstance(sel, CenterSelection):
+            raise TypeError(f"center_selection must return a gpfalkon.CenterSelection (centers, indices, weights), got "
+                            f"{type(sel).__name__}")
         c, weights = sel.centers, sel.weights
         if (
             not isinstance(c, Tensor)

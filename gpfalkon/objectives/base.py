@@ -185,6 +185,14 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
     def objective(self) -> Tensor:
         """The objective's value (a differentiable scalar)."""
 
+    def observation_total(self, value: Tensor) -> Tensor:
+        """``value`` as a total over the ``n t`` observations, which
+        :class:`~gpfalkon.objectives.NystromMarginalLogLikelihood` divides by ``n t`` as GPyTorch's MLLs do: the
+        value itself for the objectives that are sums over rows (the SGPR bound, the complexity-regularised
+        risks); a mean over rows is multiplied back (else it would be divided by ``n`` twice, and an optimiser's
+        gradient tolerance, e.g. L-BFGS-B's in ``fit_gpytorch_mll``, met at the start)."""
+        return value
+
     def check_state(self) -> None:
         """Raise ``ValueError`` naming what is not finite: the penalty, a kernel parameter, the centers
         or the training data (edited in place after the model was built). ``O(n d)``, against the

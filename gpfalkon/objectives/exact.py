@@ -70,6 +70,10 @@ class GCV(NystromObjective):
         res = agg.yy - 2 * t["ysy"] + t["sy_sq"]
         return ((res / n) / (1 - t["tr_s"] / n) ** 2).sum()
 
+    def observation_total(self, value: Tensor) -> Tensor:
+        """A mean over the rows (summed over outputs): times ``n``."""
+        return value * self.model.n
+
 
 class LOOCV(NystromObjective):
     """Leave-one-out cross-validation (closed form), with ``v = (n - 1) lambda``:
@@ -103,6 +107,10 @@ class LOOCV(NystromObjective):
         (total,) = self.reduce(total, anchor=None if local else (L.sum() + LB.sum() + w.sum()) * 0.0)
         return (total / n).sum()
 
+    def observation_total(self, value: Tensor) -> Tensor:
+        """A mean over the rows (summed over outputs): times ``n``."""
+        return value * self.model.n
+
 
 class HoldOut(NystromObjective):
     """Hold-out validation error: fit alpha on a training part with ``v = n_train lambda``
@@ -130,19 +138,26 @@ class HoldOut(NystromObjective):
         super().__init__(model, block_rows=block_rows)
         if not (0.0 < float(val_fraction) < 1.0):
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-        n = model.n
-        self.n_val = round(n * float(val_fraction))
-        if self.n_val < 1 or self.n_val > n - 1:
-            raise ValueError(f"val_fraction={val_fraction} leaves an empty part with n={n}")
+        self.val_fraction = float(val_fraction)
+        self.n_val = self._n_val(model.n)
         dev = model.train_inputs[0].device
         self.generator = generator if generator is not None else torch.Generator(device=dev).manual_seed(0)
         self.redraw = bool(redraw)
         self._perm: Tensor | None = None
 
+    def _n_val(self, n: int) -> int:
+        n_val = round(n * self.val_fraction)
+        if n_val < 1 or n_val > n - 1:
+            raise ValueError(f"val_fraction={self.val_fraction} leaves an empty part with n={n}")
+        return n_val
+
     def split(self) -> tuple[Tensor, Tensor]:
-        """``(train_idx, val_idx)``: the current split."""
-        if self._perm is None or self.redraw:
-            self._perm = torch.randperm(self.model.n, generator=self.generator, device=self.generator.device)
+        """``(train_idx, val_idx)``: the current split (drawn again where the model's rows changed in number,
+        ``model.set_train_data``)."""
+        n = self.model.n
+        if self._perm is None or self.redraw or self._perm.numel() != n:
+            self.n_val = self._n_val(n)
+            self._perm = torch.randperm(n, generator=self.generator, device=self.generator.device)
         perm = self._perm.to(self.model.train_inputs[0].device)
         return perm[self.n_val :], perm[: self.n_val]
 
@@ -176,6 +191,10 @@ class HoldOut(NystromObjective):
         else:  # an empty part of this shard: zero, still part of the collective
             (sq,) = self.reduce(torch.zeros((), dtype=alpha.dtype, device=alpha.device), anchor=alpha.sum() * 0.0)
         return sq / (self.n_val * y.shape[-1])
+
+    def observation_total(self, value: Tensor) -> Tensor:
+        """A mean over the validation entries: times ``n t``."""
+        return value * (self.model.n * self.model.num_outputs)
 
 
 class SGPRBound(NystromObjective):

@@ -49,7 +49,9 @@ OBJECTIVE_NAMES: dict[str, type[NystromObjective]] = {
 
 
 class NystromMarginalLogLikelihood(MarginalLogLikelihood):
-    """``(-objective() [+ sum of log-priors]) / (n t)`` as a GPyTorch MLL (see the module docstring).
+    """``(-objective() [+ sum of log-priors]) / (n t)`` as a GPyTorch MLL (see the module docstring), with
+    ``objective()`` as a total over the observations (:meth:`~gpfalkon.objectives.base.NystromObjective
+    .observation_total`: GCV's and LOOCV's means over rows times ``n``, HoldOut's mean times ``n t``).
 
     As in GPyTorch's ``ExactMarginalLogLikelihood``, the result is per observation (divided by
     ``n t`` for ``t`` outputs) and, for the SGPR bound (a bound on the log marginal likelihood),
@@ -102,7 +104,7 @@ class NystromMarginalLogLikelihood(MarginalLogLikelihood):
                 f"target: the objective is computed on the model's training targets ({tuple(want.shape)}); "
                 f"got {tuple(getattr(target, 'shape', ()))} (use model.set_train_data to change the data)"
             )
-        res = -self.objective()
+        res = -self.objective.observation_total(self.objective())
         # as GPyTorch's exact MLL: added loss terms and the log-priors of the model's (and its
         # likelihood's) parameters, e.g. BoTorch's LogNormal noise prior, then per observation
         for term in self.model.added_loss_terms():

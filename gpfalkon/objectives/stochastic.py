@@ -1,6 +1,8 @@
 """The scalable, stochastic form of the complexity-regularisation objective (docs/math.md §5.3)."""
 from __future__ import annotations
 
+import math
+import numbers
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -17,6 +19,14 @@ if TYPE_CHECKING:
     from ..backend.distributed import ShardedEngine
 
 __all__ = ["StochasticNystromCompReg", "nystrom_quadratic_forms"]
+
+
+
+def _count(name: str, value: object) -> int:
+    """An integer option >= 1 (not a bool, not a float such as 2.5 truncated), named in the error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
 
 
 class _QuadForms(torch.autograd.Function):
@@ -153,43 +163,64 @@ class StochasticNystromCompReg(NystromObjective):
         super().__init__(model, block_rows=block_rows)
         x = model.train_inputs[0]
         n_local = x.shape[0]
-        n = model.n  # all ranks' rows with a sharded backend
+        self.num_trace_vectors = _count("num_trace_vectors", num_trace_vectors)
+        self.subsample_size = _count("subsample_size", subsample_size)
+        self.cg_iterations = _count("cg_iterations", cg_iterations)
+        tol: object = cg_tol  # checked as an object: numbers.Real is not float to mypy
+        if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not (
+            math.isfinite(float(tol)) and float(tol) >= 0
+        ):
+            raise ValueError(f"cg_tol must be a finite number >= 0, got {cg_tol!r}")
+        self.cg_tol = float(tol)
+        if ktilde_trace not in ("subsample", "hutchinson"):
+            raise ValueError(f"ktilde_trace must be 'subsample' or 'hutchinson', got {ktilde_trace!r}")
+        self.ktilde_trace = ktilde_trace
         # default: a generator on the data's device, so the draws happen there
         self.generator = generator if generator is not None else torch.Generator(device=x.device).manual_seed(0)
-        gdev = self.generator.device
-        off = self._row_offset()
-        if trace_vectors is None:
-            if int(num_trace_vectors) < 1:
-                raise ValueError(f"num_trace_vectors must be >= 1, got {num_trace_vectors}")
-            # drawn for all n rows (the same Z whatever the sharding); this rank keeps its rows
-            z = torch.randn(n, int(num_trace_vectors), generator=self.generator, dtype=torch.float64, device=gdev)
-            z = z[off:off + n_local]
-        else:
+        self._given_z = trace_vectors is not None
+        if trace_vectors is not None:
             if trace_vectors.dim() != 2 or trace_vectors.shape[0] != n_local:
                 raise ValueError(
                     f"trace_vectors must have shape ({n_local}, r) (one row per training row of this process), "
                     f"got {tuple(trace_vectors.shape)}"
                 )
-            z = trace_vectors.detach()
-        self.register_buffer("trace_vectors", z.to(dtype=x.dtype, device=x.device))
-        if ktilde_trace not in ("subsample", "hutchinson"):
-            raise ValueError(f"ktilde_trace must be 'subsample' or 'hutchinson', got {ktilde_trace!r}")
-        self.ktilde_trace = ktilde_trace
-        if int(subsample_size) < 1:
-            raise ValueError(f"subsample_size must be >= 1, got {subsample_size}")
-        t_sub = min(n, int(subsample_size))
-        idx = torch.randperm(n, generator=self.generator, device=gdev)[:t_sub].sort().values
-        self.subsample_size_global = t_sub
-        # this process's members of the subset T, as local row indices
-        idx = idx[(idx >= off) & (idx < off + n_local)] - off
-        self.register_buffer("subsample", idx.to(x.device))
-        if int(cg_iterations) < 1:
-            raise ValueError(f"cg_iterations must be >= 1, got {cg_iterations}")
-        self.cg_iterations = int(cg_iterations)
-        self.cg_tol = float(cg_tol)
+            self.register_buffer("trace_vectors", trace_vectors.detach().to(dtype=x.dtype, device=x.device))
+        else:
+            self.register_buffer("trace_vectors", None)
+        self.register_buffer("subsample", None)
+        self._draw()
         self.warm_start = bool(warm_start)
         self._alpha: Tensor | None = None
         self.last_info = None
+
+    def _draw(self) -> None:
+        """Draw ``Z`` (unless given) and the subset ``T`` for the model's current rows, from ``generator``: at
+        construction, and again where the training data changed size since (``model.set_train_data``)."""
+        x = self.model.train_inputs[0]
+        n_local, n = x.shape[0], self.model.n  # n: all ranks' rows with a sharded backend
+        gdev = self.generator.device
+        off = self._row_offset()
+        if not self._given_z:
+            # drawn for all n rows (the same Z whatever the sharding); this rank keeps its rows
+            z = torch.randn(n, self.num_trace_vectors, generator=self.generator, dtype=torch.float64, device=gdev)
+            self.trace_vectors = z[off:off + n_local].to(dtype=x.dtype, device=x.device)
+        t_sub = min(n, self.subsample_size)
+        idx = torch.randperm(n, generator=self.generator, device=gdev)[:t_sub].sort().values
+        self.subsample_size_global = t_sub
+        self._drawn_for = (n, n_local)
+        # this process's members of the subset T, as local row indices
+        self.subsample = (idx[(idx >= off) & (idx < off + n_local)] - off).to(x.device)
+
+    def _current(self) -> None:
+        """Redraw for data that changed size since the draws (a given ``trace_vectors`` cannot follow: refused)."""
+        x = self.model.train_inputs[0]
+        if self._drawn_for == (self.model.n, x.shape[0]):
+            return
+        if self._given_z:
+            raise ValueError(f"trace_vectors were given for {self.trace_vectors.shape[0]} rows; the model now has "
+                             f"{x.shape[0]} (set_train_data): build the objective again with new trace_vectors")
+        self._draw()
+        self._alpha = None  # the warm start was for the old rows
 
     def _row_offset(self) -> int:
         """The global index of this process's first row (0 without row shards)."""
@@ -222,6 +253,7 @@ class StochasticNystromCompReg(NystromObjective):
         return torch.linalg.solve_triangular(L, kz, upper=False).square().sum() / kz.shape[-1]
 
     def objective(self) -> Tensor:
+        self._current()
         x, y = self._data()
         n, t = self.model.n, y.shape[1]
         lam = self.model.penalty
