@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from gpytorch.constraints import Positive
+from gpytorch.constraints import GreaterThan, Interval, LessThan, Positive
 from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from torch import Tensor
 
@@ -256,6 +256,38 @@ class _KeptPreconditioner:
         self.last = FalkonPreconditioner.from_kernel_matrix(kmm, penalty, n, weights=weights, dtype=dtype,
                                                             jitter=jitter)
         return self.last
+
+
+def _rescale_outputscale(kernel: ScaleKernel, factor: float) -> None:
+    """``kernel.outputscale *= factor`` (standardised to raw units), and the bounds of its constraint with it: a
+    user's ``Interval`` / ``GreaterThan`` / ``LessThan`` bound was set on the standardised targets ``auto_fit``
+    learns on, and holds in their units after the mapping (the same transform, scaled bounds). Another
+    constraint class is kept; ``ValueError`` names it where the new value violates it."""
+    c = kernel.raw_outputscale_constraint
+    value = kernel.outputscale.detach() * factor
+    lo, hi = c.lower_bound.detach() * factor, c.upper_bound.detach() * factor
+    kw = dict(transform=c._transform, inv_transform=c._inv_transform)
+    new: Interval | None = None
+    if type(c) is Interval:
+        new = Interval(lo, hi, **kw)
+    elif type(c) is GreaterThan:
+        new = GreaterThan(lo, **kw)
+    elif type(c) is LessThan:
+        new = LessThan(hi, **kw)
+    if new is not None:
+        kernel.register_constraint("raw_outputscale", new.to(value))
+    try:
+        with torch.no_grad():
+            kernel.outputscale = value
+    except RuntimeError as exc:
+        raise ValueError(f"kernel: its outputscale constraint {c} cannot hold the outputscale in the targets' units "
+                         f"({value.tolist()}; auto_fit learns on standardised targets): use an Interval, GreaterThan "
+                         "or LessThan bound (scaled with the targets) or none") from exc
+
+
+def _sub_seed(seed: int, k: int) -> int:
+    """The seed of ``auto_fit``'s ``k``-th own generator (within ``manual_seed``'s range whatever ``seed``)."""
+    return (int(seed) + k) % 2**64
 
 
 def _calibration_rows(m: int, available: int) -> int:
@@ -773,8 +805,9 @@ def auto_fit(
         level_callback: called after each number of centers of stage 2 with the level (``M``,
             ``noise``, ``multiplier``, validation ``error``, ``elapsed`` seconds of the call) and a
             function that builds and fits the level's model on all final rows with its own centers
-            (the model the call would return if it stopped there, without ``final_growth`` and without
-            ``grow_select_rows``' cut of the final rows for time; for time-to-error curves:
+            (the model the call would return if it stopped there, without ``final_growth``, without
+            ``grow_select_rows``' cut of the final rows for time and before the variance calibration: the same
+            means, uncalibrated variances; for time-to-error curves:
             ``benchmarks/compare.py`` scores it on test data). Its time is not counted against ``budget``.
 
     Returns:
@@ -1043,8 +1076,11 @@ def auto_fit(
         head_first = stored_rows_for(n_final, m_first, itemsize, budget_at(m_first), device=dev)
         if head_first < n_final:
             rows0 = min(n_tr, select_rows)
+            # its own generator: whether this probe runs depends on the free memory, which must not shift the
+            # draws of gen (the selection rows, the center pool...) that follow
+            probe_gen = torch.Generator(device=dev).manual_seed(_sub_seed(seed, 2))
             t_pass = _onthefly_pass_seconds(k0, xt_z[:rows0],
-                                            xt_z[torch.randperm(n_tr, generator=gen, device=dev)[:m_first]])
+                                            xt_z[torch.randperm(n_tr, generator=probe_gen, device=dev)[:m_first]])
             final_floor = (max_iter + 2) * t_pass * (n_final - head_first) / rows0
             if clock.t0 + budget - 1.5 * final_floor < learn_deadline:
                 learn_deadline = max(time.perf_counter(), clock.t0 + budget - 1.5 * final_floor)
@@ -1057,6 +1093,9 @@ def auto_fit(
             for name, lr_r, label in racers
         ]
         rounds = 0
+        # the continuations' center draws: how many there are depends on the clock, which must not shift gen's
+        # later draws (the selection rows, the center pool, the calibration rows)
+        continue_gen = torch.Generator(device=dev).manual_seed(_sub_seed(seed, 3))
         race_decided = False  # the race ended before race_rounds (race_margin)
         rows_h = n_h
         rows_cap = n_tr if max_hyper_rows is None else min(n_tr, max_hyper_rows)
@@ -1137,7 +1176,7 @@ def auto_fit(
                 m_next = min(max(c_start.shape[0], round(hyper_centers * (rows_h / n_h) ** hyper_centers_growth)),
                              hyper_entries // rows_h, rows_h - rows_prev + c_start.shape[0])
                 new_rows = h_perm[rows_prev:rows_h]
-                draw = torch.randperm(new_rows.shape[0], generator=gen, device=dev)
+                draw = torch.randperm(new_rows.shape[0], generator=continue_gen, device=dev)
                 pick = new_rows[draw[: m_next - c_start.shape[0]]]
                 centers_next = torch.cat([c_start.to(dtype), xt_z[pick]], 0)
                 why = "stalled" if stalled else f"level share ({level_share:g}) used"
@@ -1207,7 +1246,7 @@ def auto_fit(
         # the variance calibration's held-out rows (a draw of its own: the other draws stay as they were); where
         # the final fit takes them back, each selection fit's residuals there are kept (CALIBRATION_ROWS
         # float64 values a fit) for the chosen level's
-        cal_idx = torch.randperm(xv.shape[0], generator=torch.Generator(device=dev).manual_seed(int(seed) + 1),
+        cal_idx = torch.randperm(xv.shape[0], generator=torch.Generator(device=dev).manual_seed(_sub_seed(seed, 1)),
                                  device=dev)[:CALIBRATION_ROWS]
         cal_residuals: dict[tuple[int, float, float, str], Tensor] = {}
         # the calibration rows gathered once (standardised), not at every selection fit
@@ -1375,8 +1414,7 @@ def auto_fit(
                 with torch.no_grad():
                     fin_kernel.base_kernel.lengthscale = fin_kernel.base_kernel.lengthscale * x_sd.to(dtype)
             if isinstance(fin_kernel, ScaleKernel):
-                with torch.no_grad():
-                    fin_kernel.outputscale = fin_kernel.outputscale * float(y_sd) ** 2
+                _rescale_outputscale(fin_kernel, float(y_sd) ** 2)
             else:
                 wrapped = ScaleKernel(fin_kernel).to(dtype=dtype, device=dev)
                 with torch.no_grad():
@@ -1719,6 +1757,8 @@ def auto_fit(
                 clock.tick("leverage check", val_rmse=f"{math.sqrt(err_lev):.4f}" if math.isfinite(err_lev) else "inf")
                 if sel is not None and math.isfinite(err_lev) and err_lev < best_level["error"]:
                     lev_centers, lev_weights, centers_kind = sel.centers, sel.weights, "leverage (check)"
+        # the validation error of the centers the returned model has (the leverage check's where it swapped them)
+        chosen_error = float(report.leverage["error"]) if centers_kind == "leverage (check)" else best_level["error"]
         final_level = best_level
         if final_growth:
             final_level = grown_level(best_level)
@@ -1787,8 +1827,8 @@ def auto_fit(
             noise_raw=noise_raw,
             penalty=noise_raw / rows_final,
             multiplier=best_level["multiplier"],
-            val_error=best_level["error"],
-            val_rmse=math.sqrt(best_level["error"]) * float(y_sd),
+            val_error=chosen_error,
+            val_rmse=math.sqrt(chosen_error) * float(y_sd),
             levels=[dict(r) for r in levels],
             final_rows=rows_final,
             final_iterations=final.fit_info.iterations if final.fit_info is not None else None,

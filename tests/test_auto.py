@@ -1350,3 +1350,74 @@ def test_auto_fit_refuses_a_target_scale_its_dtype_cannot_hold_and_warns_of_a_la
         _warnings.simplefilter("always")
         auto_fit(x, y + 1e6, budget=1.0, dtype=torch.float64)
     assert not [w for w in caught if "train_y" in str(w.message)]
+
+
+def test_a_users_outputscale_bound_is_scaled_with_the_targets():
+    """auto_fit learns on standardised targets, so a ScaleKernel's outputscale bound holds there; the returned
+    model (raw units) carries the bound scaled by std(y)^2 instead of failing at the final fit."""
+    import gpytorch
+
+    x, y = make_data(300, 2)
+    for constraint, scale in ((gpytorch.constraints.GreaterThan(0.5), 1e-2),
+                              (gpytorch.constraints.Interval(0.5, 2.0), 1e2)):
+        k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(), outputscale_constraint=constraint)
+        m = auto_fit(x, y * scale, budget=2.0, kernel=k, dtype=torch.float64)
+        c = m.kernel.raw_outputscale_constraint
+        s2 = float(m.auto_report.chosen["y_scale"]) ** 2 * float(m.auto_report.chosen["variance_scale"])
+        assert type(c) is type(constraint)
+        torch.testing.assert_close(c.lower_bound,
+                                   constraint.lower_bound.double() * float(m.auto_report.chosen["y_scale"]) ** 2)
+        assert float(m.kernel.outputscale) >= float(c.lower_bound) * (1 - 1e-9)
+        assert s2 > 0
+        rmse = float((m.posterior_mean(x) - y * scale).square().mean().sqrt()) / (float(y.std()) * scale)
+        assert rmse < 0.5
+
+
+def test_auto_fit_draws_do_not_depend_on_free_memory():
+    """The on-the-fly timing probe (which runs only where the final K_nM does not fit in memory) draws from its
+    own generator, so a run with little memory selects what a run with plenty selects."""
+    from gpfalkon import settings
+
+    g = torch.Generator().manual_seed(41)
+    x = torch.rand(3000, 3, generator=g, dtype=torch.float64) * 4 - 2
+    y = torch.sin(2 * x[:, 0]) + 0.5 * x[:, 1] ** 2 + 0.1 * torch.randn(3000, generator=g, dtype=torch.float64)
+    kw = dict(budget=20.0, max_steps=0, min_centers=200, max_centers=200, final_growth=False,
+              center_sampling="uniform", dtype=torch.float64, calibrate_variance=False)
+    import gpfalkon.auto as auto_module
+
+    probes = []
+    real = auto_module._onthefly_pass_seconds
+
+    def counted(*args, **kwargs):
+        probes.append(1)
+        return real(*args, **kwargs)
+
+    a = auto_fit(x, y, **kw)
+    auto_module._onthefly_pass_seconds = counted
+    try:
+        with settings.memory_budget(2 * 2**20):
+            b = auto_fit(x, y, **kw)
+    finally:
+        auto_module._onthefly_pass_seconds = real
+    assert probes  # the probe ran in the low-memory run
+    assert torch.equal(a.centers, b.centers)
+    assert a.auto_report.chosen["noise"] == b.auto_report.chosen["noise"]
+
+
+def test_the_report_gives_the_validation_error_of_the_centers_returned():
+    """Where the leverage check replaces the uniform centers, chosen['val_error'] is the leverage centers'
+    (the returned model's), not the uniform level's it dropped."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(3600, 2, generator=g) * 0.3, torch.randn(400, 2, generator=g) * 3]).double()
+    y = torch.sin(3 * x[:, 0]) * torch.cos(x[:, 1]) + 0.05 * torch.randn(4000, generator=g).double()
+    swapped = 0
+    for seed in range(4):
+        r = auto_fit(x, y, budget=4.0, center_sampling="uniform", leverage_check=True, seed=seed,
+                     dtype=torch.float64).auto_report
+        if r.chosen["centers"] == "leverage (check)":
+            swapped += 1
+            assert r.chosen["val_error"] == r.leverage["error"] < r.leverage["uniform_error"]
+            break
+        assert r.chosen["val_error"] <= r.leverage.get("error", math.inf)
+    if not swapped:
+        pytest.skip("no run swapped its centers within the budget on this machine")
