@@ -463,3 +463,34 @@ def test_load_state_dict_re_applies_the_loaded_input_transform():
     Xs = torch.rand(20, 2, dtype=torch.float64, generator=g) * 6
     want = warm.outcome_transform.untransform(ref.posterior_mean((Xs - lo) / span).unsqueeze(-1))[0]
     torch.testing.assert_close(warm.posterior(Xs).mean, want, rtol=1e-8, atol=1e-10)
+
+
+def test_reload_with_an_eval_only_input_transform_old_pickles_tuple_inputs_and_batched_noise():
+    """Review fixes: an input transform that acts only in eval mode (InputPerturbation) is not applied to the
+    training inputs on reload (construction did not); a FalkonModel pickled before the untransformed inputs were
+    kept still conditions; set_train_data takes GPyTorch's 1-tuple; a (q, m) noise broadcasts over X's batch."""
+    from botorch.models.transforms.input import InputPerturbation
+
+    X, Y = _data(n=200)
+    tf = lambda: InputPerturbation(perturbation_set=torch.zeros(2, 2, dtype=torch.float64))  # noqa: E731
+    m = FalkonModel(X, Y, num_centers=20, input_transform=tf())
+    m2 = FalkonModel(X, Y, num_centers=20, input_transform=tf(), fit=False)
+    m2.load_state_dict(m.state_dict())
+    assert m2.train_inputs[0].shape == (200, 2) and bool(m2.fitted)
+    plain = FalkonModel(X, Y, num_centers=20, input_transform=Normalize(d=2))
+    old = dict(plain.__dict__)
+    old["_buffers"] = {k: v for k, v in plain._buffers.items() if k != "_original_train_X"}
+    old["_non_persistent_buffers_set"] = set()
+    restored = FalkonModel.__new__(FalkonModel)
+    restored.__setstate__(old)
+    assert restored._original_train_X is None
+    Xn = torch.rand(3, 2, dtype=torch.float64)
+    restored.condition_on_observations(Xn, torch.zeros(3, 1, dtype=torch.float64))
+    plain.set_train_data(inputs=(plain.train_inputs[0][:150],), targets=plain.train_targets[:150])
+    assert plain._original_train_X is None and plain.train_inputs[0].shape[0] == 150
+    X2, Y2 = _two_outputs()
+    mm = FalkonModel(X2, Y2, num_centers=20)
+    Xb = torch.rand(4, 2, 2, dtype=torch.float64)  # q = m = 2
+    noise = torch.tensor([[0.1, 0.3], [0.2, 0.4]], dtype=torch.float64)
+    got = mm.posterior(Xb, observation_noise=noise).variance - mm.posterior(Xb).variance
+    torch.testing.assert_close(got, (noise * mm.outcome_transform.stdvs**2).expand(4, 2, 2))

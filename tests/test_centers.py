@@ -614,6 +614,6 @@ def test_a_custom_selector_must_return_a_center_selection():
     from gpfalkon import FalkonGP
 
     x, y = make_data(100, 2)
-    with pytest.raises(TypeError, match="center_selection must return a gpfalkon.CenterSelection"):
+    with pytest.raises(TypeError, match=r"center_selection must return a gpfalkon\.CenterSelection"):
         FalkonGP(x, y, make_kernel("rbf", 2), num_centers=10,
                  center_selection=lambda x, m, kernel=None, penalty=None: x[:m])

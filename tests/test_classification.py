@@ -113,7 +113,7 @@ def test_given_classes_are_never_rounded_into_the_labels_dtype():
     assert torch.equal(c, torch.tensor([0.0, 0.5, 1.0])) and t.argmax(-1).tolist() == [0, 2, 2]
     with pytest.raises(ValueError, match="labels contains values not in classes"):
         encode_labels(torch.tensor([0, 1, 1]), classes=torch.tensor([0.5, 1.0]))
-    with pytest.raises(ValueError, match="cannot be held exactly in the labels' dtype torch.int8"):
+    with pytest.raises(ValueError, match=r"cannot be held exactly in the labels' dtype torch\.int8"):
         encode_labels(torch.tensor([0, 0, 44], dtype=torch.int8), classes=torch.tensor([0, 300]))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(200, 2, generator=g)

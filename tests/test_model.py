@@ -470,3 +470,27 @@ def test_variances_below_gpytorchs_absolute_floor_are_kept(t):
         latent = post.distribution.lazy_covariance_matrix.diagonal()
         assert float(latent.max()) < 1e-10  # below float64's floor
         torch.testing.assert_close(post.variance.squeeze(-1), latent, rtol=1e-10, atol=0.0)
+
+
+def test_a_rescaled_fit_and_an_old_pickle_keep_their_fit_through_the_kernel_probe():
+    """scale_prior (auto_fit's variance calibration) keeps the fit and re-records the kernel's values, so the state
+    loads back fitted; a model pickled before the probe existed unpickles, fits and converts."""
+    import copy as _copy
+
+    x, y = make_data(120, 2)
+    m = FalkonGP(x, y, make_kernel("scale_rbf", 2), num_centers=20, penalty=1e-4, seed=0).fit()
+    m.scale_prior(2.0)
+    back = _copy.deepcopy(m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        back.load_state_dict(m.state_dict())
+    assert bool(back.fitted)
+    torch.testing.assert_close(back.eval()(x[:4]).variance, m.eval()(x[:4]).variance)
+    old = dict(m.__dict__)
+    old["_buffers"] = {k: v for k, v in m._buffers.items() if k != "kernel_probe"}
+    restored = FalkonGP.__new__(FalkonGP)
+    restored.__setstate__(old)
+    assert restored.kernel_probe.numel() == 0
+    restored.fit()
+    restored.float()
+    assert restored.kernel_probe.numel() > 0

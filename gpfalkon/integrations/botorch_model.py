@@ -178,6 +178,14 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
     def _revert_to_original_inputs(self) -> None:
         return None
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # pickled before the untransformed inputs were kept: they are not known (load_state_dict then warns)
+        buffers = state.get("_buffers")
+        if isinstance(buffers, dict) and "_original_train_X" not in buffers:
+            buffers["_original_train_X"] = None
+            state.setdefault("_non_persistent_buffers_set", set()).add("_original_train_X")
+        super().__setstate__(state)
+
     def _output_indices(self, idcs: Sequence[int], name: str) -> list[int]:
         """``idcs`` as a list of Python ints in ``[0, num_outputs)`` (negative ones counted from the end; numpy
         integers accepted, as BoTorch's ``ModelListGP`` passes them); ``ValueError`` naming ``name`` otherwise."""
@@ -219,8 +227,8 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
         q = mean.shape[-2]
         if noise_tensor:
             noise = cast(Tensor, observation_noise).to(mean)
-            if noise.dim() == mean.dim() - 1:  # (..., q): the same noise for every output
-                noise = noise.unsqueeze(-1)
+            if not (noise.dim() >= 2 and noise.shape[-2] == q and noise.shape[-1] in (1, t)) and noise.shape[-1] == q:
+                noise = noise.unsqueeze(-1)  # (..., q): the same noise for every output
             if noise.dim() < 2 or noise.shape[-2] != q or noise.shape[-1] not in (1, t):
                 raise ValueError(f"observation_noise must have shape (..., {q}, {t}) or (..., {q}), got "
                                  f"{tuple(noise.shape)}")
@@ -259,9 +267,9 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
                           "training data were replaced by set_train_data), so the loaded input transform is not "
                           "re-applied to them", RuntimeWarning, stacklevel=2)
             return
+        with torch.no_grad():  # the training inputs' transform, as at construction (train semantics, bounds kept)
+            x = tf.preprocess_transform(raw.to(self.train_inputs[0]))
         tf.eval()
-        with torch.no_grad():
-            x = tf(raw.to(self.train_inputs[0]))
         self.set_train_data(inputs=x)
         self._original_train_X = raw
 
@@ -271,7 +279,9 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
         from a caller make the untransformed ones unknown (see :meth:`load_state_dict`)."""
         old = self.train_inputs[0]
         super().set_train_data(inputs=inputs, targets=targets, strict=strict)
-        if inputs is not None and not (inputs.shape == old.shape and bool(torch.equal(inputs, old))):
+        new = self.train_inputs[0]
+        if new is not old and not (new.shape == old.shape and new.dtype == old.dtype and new.device == old.device
+                                   and bool(torch.equal(new, old))):
             self._original_train_X = None
 
     def get_fantasy_model(self, inputs: Tensor, targets: Tensor, noise: Tensor | None = None,

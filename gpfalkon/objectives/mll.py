@@ -1,7 +1,8 @@
 """The objectives as GPyTorch marginal-log-likelihood objects (for ``fit_gpytorch_mll`` and GPyTorch loops).
 
 :class:`NystromMarginalLogLikelihood` wraps one :mod:`gpfalkon.objectives` objective as a
-:class:`gpytorch.mlls.MarginalLogLikelihood`: ``mll(output, train_y) = (-objective() + log-priors) / (n t)``
+:class:`gpytorch.mlls.MarginalLogLikelihood`: ``mll(output, train_y) = (-T + log-priors) / (n t)`` with ``T`` the
+objective as a total over the observations (``observation_total``: the value of a sum, ``n`` or ``n t`` times a mean)
 (per observation, with the log-priors of the parameters for the SGPR bound, as GPyTorch's MLLs). The ``output``
 argument (the model's train-mode output) is not used: every objective reads the model's kernel, penalty, centers and
 training data itself. So both
@@ -96,7 +97,7 @@ class NystromMarginalLogLikelihood(MarginalLogLikelihood):
         self.add_priors = isinstance(obj, SGPRBound) if add_priors is None else bool(add_priors)
 
     def forward(self, function_dist: Any, target: Tensor, *params: Any, **kwargs: Any) -> Tensor:
-        """``(-objective() [+ log-priors]) / (n t)``; ``target`` must be the model's training targets
+        """``(-observation_total(objective()) [+ log-priors]) / (n t)``; ``target`` must be the model's training targets
         (the objective is computed on them)."""
         want = self.model.train_targets
         if not isinstance(target, Tensor) or target.numel() != want.numel():

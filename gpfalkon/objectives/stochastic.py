@@ -23,10 +23,12 @@ __all__ = ["StochasticNystromCompReg", "nystrom_quadratic_forms"]
 
 
 def _count(name: str, value: object) -> int:
-    """An integer option >= 1 (not a bool, not a float such as 2.5 truncated), named in the error."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
+    """An integer option >= 1 (an integral float such as 1e4 accepted; not a bool, not 2.5 truncated), named in the
+    error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)) \
+            or int(float(value)) != value or int(float(value)) < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
+    return int(float(value))
 
 
 class _QuadForms(torch.autograd.Function):
