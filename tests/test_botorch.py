@@ -472,7 +472,7 @@ def test_reload_with_an_eval_only_input_transform_old_pickles_tuple_inputs_and_b
     from botorch.models.transforms.input import InputPerturbation
 
     X, Y = _data(n=200)
-    tf = lambda: InputPerturbation(perturbation_set=torch.zeros(2, 2, dtype=torch.float64))  # noqa: E731
+    tf = lambda: InputPerturbation(perturbation_set=torch.zeros(2, 2, dtype=torch.float64))
     m = FalkonModel(X, Y, num_centers=20, input_transform=tf())
     m2 = FalkonModel(X, Y, num_centers=20, input_transform=tf(), fit=False)
     m2.load_state_dict(m.state_dict())
