@@ -5,6 +5,7 @@ sees *which* input is wrong, and none of them mutates anything.
 """
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 from typing import Any, TypeGuard
@@ -129,6 +130,15 @@ def check_kernel(kernel, name: str = "kernel") -> None:
 
     if not isinstance(kernel, Kernel):
         raise TypeError(f"{name} must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}")
+
+
+def check_count(name: str, value: object, minimum: int = 1) -> int:
+    """An integer ``>= minimum`` (an integral float such as ``1e4`` accepted; a bool, ``2.5``, NaN or Inf refused,
+    never truncated), named in the error; returns it as int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)) \
+            or int(float(value)) != value or int(float(value)) < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(float(value))
 
 
 def check_positive_real(

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -42,6 +41,7 @@ from torch import Tensor
 
 from ._validation import (
     check_center_weights,
+    check_count,
     check_dtype,
     check_generator,
     check_inputs,
@@ -100,14 +100,6 @@ def _rand(num: int, generator: torch.Generator | None, device: torch.device) -> 
     """``num`` float64 uniforms from ``generator`` (its own device), moved to ``device``."""
     gen_device = generator.device if generator is not None else torch.device("cpu")
     return torch.rand(num, generator=generator, dtype=torch.float64, device=gen_device).to(device)
-
-
-def _whole(name: str, value: object, minimum: int) -> int:
-    """``value`` as an int ``>= minimum`` (an integral float such as 4.0 accepted), else ``ValueError`` naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or int(value) != value or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def uniform_centers(
@@ -460,8 +452,8 @@ def approximate_leverage_scores(
     check_generator(generator)
     q2 = check_positive_real("oversampling", oversampling, minimum=1.0)
     q = check_positive_real("lambda_step", lambda_step, minimum=1.0, strict_minimum=True)
-    max_dict = _whole("max_dictionary_size", max_dictionary_size, 1)
-    min_dict = min(_whole("min_dictionary_size", min_dictionary_size, 0), max_dict)
+    max_dict = check_count("max_dictionary_size", max_dictionary_size, 1)
+    min_dict = min(check_count("min_dictionary_size", min_dictionary_size, 0), max_dict)
     lam = float(torch.as_tensor(penalty).detach())
     n = rows_info.n  # all shards' rows
     k64 = _kernel64(kernel)

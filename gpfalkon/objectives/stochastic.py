@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .._validation import check_count
 from ..backend.autograd import backward_params, kernel_params, scatter_grads
 from ..backend.engine import kernel_block
 from ..backend.passes import is_sharded
@@ -21,14 +22,6 @@ if TYPE_CHECKING:
 __all__ = ["StochasticNystromCompReg", "nystrom_quadratic_forms"]
 
 
-
-def _count(name: str, value: object) -> int:
-    """An integer option >= 1 (an integral float such as 1e4 accepted; not a bool, not 2.5 truncated), named in the
-    error."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)) \
-            or int(float(value)) != value or int(float(value)) < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(float(value))
 
 
 class _QuadForms(torch.autograd.Function):
@@ -165,9 +158,9 @@ class StochasticNystromCompReg(NystromObjective):
         super().__init__(model, block_rows=block_rows)
         x = model.train_inputs[0]
         n_local = x.shape[0]
-        self.num_trace_vectors = _count("num_trace_vectors", num_trace_vectors)
-        self.subsample_size = _count("subsample_size", subsample_size)
-        self.cg_iterations = _count("cg_iterations", cg_iterations)
+        self.num_trace_vectors = check_count("num_trace_vectors", num_trace_vectors)
+        self.subsample_size = check_count("subsample_size", subsample_size)
+        self.cg_iterations = check_count("cg_iterations", cg_iterations)
         tol: object = cg_tol  # checked as an object: numbers.Real is not float to mypy
         if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not (
             math.isfinite(float(tol)) and float(tol) >= 0
