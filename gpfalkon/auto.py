@@ -275,7 +275,11 @@ def _rescale_outputscale(kernel: ScaleKernel, factor: float) -> None:
     elif type(c) is LessThan:
         new = LessThan(hi, **kw)
     if new is not None:
-        kernel.register_constraint("raw_outputscale", new.to(value))
+        new = new.to(value)
+        with torch.no_grad():  # GPyTorch rounds a constraint's bounds to the default dtype: keep them exact
+            new.lower_bound.copy_(lo.to(new.lower_bound))
+            new.upper_bound.copy_(hi.to(new.upper_bound))
+        kernel.register_constraint("raw_outputscale", new)
     try:
         with torch.no_grad():
             kernel.outputscale = value

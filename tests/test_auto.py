@@ -1373,6 +1373,26 @@ def test_a_users_outputscale_bound_is_scaled_with_the_targets():
         assert rmse < 0.5
 
 
+def test_a_float64_outputscale_at_its_bound_is_rescaled_with_exact_bounds():
+    """GPyTorch rounds a new constraint's bounds to the default dtype (float32); the rescaled bounds of a float64
+    kernel are kept exact, so an outputscale learned at the user's bound still lies within the scaled one."""
+    import gpytorch
+
+    from gpfalkon.auto import _rescale_outputscale
+
+    for constraint in (gpytorch.constraints.Interval(0.05, 2.0), gpytorch.constraints.LessThan(2.0)):
+        k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(), outputscale_constraint=constraint).double()
+        with torch.no_grad():
+            k.raw_outputscale.fill_(40.0)  # saturated: the outputscale is the upper bound to float64 rounding
+        before = k.outputscale.detach().clone()
+        hi = k.raw_outputscale_constraint.upper_bound.detach().clone()
+        _rescale_outputscale(k, 1.3)
+        c = k.raw_outputscale_constraint
+        assert c.upper_bound.dtype == torch.float64
+        torch.testing.assert_close(c.upper_bound, hi * 1.3, rtol=0.0, atol=0.0)
+        torch.testing.assert_close(k.outputscale.detach(), before * 1.3, rtol=1e-12, atol=0.0)
+
+
 def test_auto_fit_draws_do_not_depend_on_free_memory():
     """The on-the-fly timing probe (which runs only where the final K_nM does not fit in memory) draws from its
     own generator, so a run with little memory selects what a run with plenty selects."""

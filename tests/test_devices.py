@@ -344,3 +344,67 @@ def test_available_memory_counts_the_caching_allocators_free_blocks(device):
     got = blocks.available_memory(device)
     free = torch.cuda.mem_get_info(device)[0]
     assert got == free + cached
+
+
+def test_a_fitted_float32_state_loads_fitted_across_devices_and_tf32(device):
+    """The kernel probe recorded by ``fit()`` is computed on float64 points (no float32 or TF32 rounding), so a
+    float32 state saved on the CPU loads fitted into a model on the device while torch's global TF32 flag is on,
+    predicts what the CPU model predicts, and ``.to()`` between devices keeps the fit."""
+    import warnings
+
+    x, y = make_data(300, d=8)
+    x = x + 3.0  # far from the origin: a TF32 distance expansion would move the kernel's values by ~1e-3
+    x32, y32 = x.float(), y.float()
+    cpu = FalkonGP(x32, y32, kernel=make_kernel("scale_rbf", 8, torch.float32), num_centers=30, penalty=1e-3,
+                   seed=0).fit().eval()
+    p = torch.cat([cpu.centers[:3], cpu.centers[:1] + 1.0]).double()
+    torch.testing.assert_close(cpu.kernel_probe, cpu.kernel(p, p).to_dense().reshape(-1), rtol=1e-12, atol=1e-14)
+    xt = x32[:5] + 0.01
+    ref = cpu(xt).mean.detach().double()
+    flags = torch.backends.cuda.matmul
+    before = flags.allow_tf32
+    try:
+        flags.allow_tf32 = True
+        there = FalkonGP(x32.to(device), y32.to(device), kernel=make_kernel("scale_rbf", 8, torch.float32).to(device),
+                         num_centers=30, penalty=1e-3, seed=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            there.load_state_dict(cpu.state_dict())
+            moved = FalkonGP(x32, y32, kernel=make_kernel("scale_rbf", 8, torch.float32), num_centers=30,
+                             penalty=1e-3, seed=0).fit().to(device)
+        assert bool(there.fitted) and bool(moved.fitted)
+        torch.testing.assert_close(there.eval()(xt.to(device)).mean.detach().double().cpu(), ref, rtol=1e-4,
+                                   atol=1e-4)
+        torch.testing.assert_close(moved.eval()(xt.to(device)).mean.detach().double().cpu(), ref, rtol=1e-4,
+                                   atol=1e-4)
+    finally:
+        flags.allow_tf32 = before
+
+
+def test_botorch_output_indices_noise_and_model_list_conditioning(device):
+    """FalkonModel's ``posterior(output_indices=, observation_noise=<tensor>)`` and ``ModelListGP``'s
+    conditioning (``get_fantasy_model``) on the device equal the same calls on the CPU."""
+    from botorch.models import ModelListGP
+
+    from gpfalkon.botorch import FalkonModel
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(120, 2, generator=g, dtype=torch.float64)
+    Y = torch.stack([torch.sin(4 * X).sum(-1), 3 * X[:, 0] + 2], -1)
+    Xs = torch.rand(3, 4, 2, generator=g, dtype=torch.float64)
+    Xn = torch.rand(3, 2, generator=g, dtype=torch.float64)
+    Yn = torch.stack([torch.sin(4 * Xn).sum(-1), 3 * Xn[:, 0] + 2], -1)
+    noise = torch.tensor([0.1, 0.3], dtype=torch.float64).expand(3, 4, 2)
+    res = []
+    for dev in (torch.device("cpu"), device):
+        kw = dict(num_centers=20, tol=1e-12, max_iter=500, seed=0)
+        m = FalkonModel(X.to(dev), Y.to(dev), **kw)
+        post = m.posterior(Xs.to(dev), output_indices=[1], observation_noise=noise.to(dev))
+        ma = FalkonModel(X.to(dev), Y[:, :1].to(dev), **kw)
+        mb = FalkonModel(X.to(dev), Y[:, 1:].to(dev), **kw)
+        cond = ModelListGP(ma, mb).condition_on_observations([Xn.to(dev), Xn.to(dev)], Yn.to(dev))
+        assert post.mean.device.type == dev.type
+        res.append((post.mean.detach().cpu(), post.variance.detach().cpu(),
+                    cond.posterior(Xs[0].to(dev)).mean.detach().cpu()))
+    for a, b in zip(*res, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-8, atol=1e-10)

@@ -1,4 +1,5 @@
-"""Predictive variances through FALKON's preconditioner, and the scale that calibrates them (docs/math.md §4)."""
+"""Predictive variances through FALKON's preconditioner, and the scale that calibrates them (docs/math.md §8,
+"Variance calibration")."""
 from __future__ import annotations
 
 import math
@@ -14,8 +15,9 @@ __all__ = ["preconditioned_variances", "variance_scale"]
 
 def preconditioned_variances(kernel: Kernel, x: Tensor, centers: Tensor, precond: FalkonPreconditioner,
                              noise: float) -> Tensor:
-    r"""Predictive variances ``v(x)`` of the SGPR/DTC posterior (docs/math.md §4) with ``K_MM^{-1}`` and
-    ``H^{-1}`` taken from FALKON's preconditioner instead of the ``O(n M^2)`` posterior factors.
+    r"""Predictive variances ``v(x)`` of the SGPR/DTC posterior (docs/math.md §4; derived in §8, "Variance
+    calibration") with ``K_MM^{-1}`` and ``H^{-1}`` taken from FALKON's preconditioner instead of the
+    ``O(n M^2)`` posterior factors.
 
     The exact predictive variance is ``sigma^2 + k(x, x) - k_xM K_MM^{-1} k_Mx + sigma^2 k_xM H^{-1} k_Mx``.
     With the preconditioner's ``T^T T = D K_MM D + j I`` and ``B = n^{-1/2} D T^{-1} A^{-1}``, whose

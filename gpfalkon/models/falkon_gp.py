@@ -24,6 +24,7 @@ from linear_operator.operators import (
 )
 from torch import Tensor
 
+from .. import settings
 from .._validation import (
     all_finite,
     check_center_weights,
@@ -36,6 +37,7 @@ from .._validation import (
     is_row_source,
 )
 from ..backend.passes import is_sharded, reduce_rows, total_rows
+from ..backend.precision import matmul_precision
 from ..centers import (
     CenterSelection,
     CenterSelector,
@@ -743,15 +745,21 @@ class FalkonGP(gpytorch.models.GP):
         """``k(P, P)`` (flattened, float64) at ``P`` = the first (at most 3) centers and the first center shifted by
         one in every coordinate: what the kernel computes, which its raw parameters alone do not settle (a
         constraint's transform, a Matern ``nu``, any setting that is not a parameter or a buffer). ``O(d)``, no
-        gradient; empty where the kernel cannot be evaluated there."""
+        gradient; empty where the kernel cannot be evaluated there.
+
+        Evaluated on float64 points, so a float32 model's probe carries no float32 (or, on a GPU, TF32) rounding
+        and one device reproduces another's to float64 rounding; a kernel that refuses float64 points is
+        evaluated in its own dtype with TF32 off."""
         c = self.centers.detach()
         p = torch.cat([c[:3], c[:1] + 1.0])
-        try:
-            with torch.no_grad():
-                k = self.kernel(p, p)
-                return (k if isinstance(k, Tensor) else k.to_dense()).reshape(-1).to(torch.float64)
-        except Exception:  # a kernel for other inputs (e.g. indices): no probe, its parameters still tracked
-            return torch.zeros(0, dtype=torch.float64, device=c.device)
+        for q in dict.fromkeys([torch.float64, p.dtype]):
+            try:
+                with torch.no_grad(), settings.tf32(False), matmul_precision(p.device):
+                    k = self.kernel(p.to(q), p.to(q))
+                    return (k if isinstance(k, Tensor) else k.to_dense()).reshape(-1).to(torch.float64)
+            except Exception:  # a kernel for other inputs (e.g. indices): no probe, its parameters still tracked
+                continue
+        return torch.zeros(0, dtype=torch.float64, device=c.device)
 
     def _fit_dependencies(self) -> list[Tensor]:
         """Everything alpha depends on except the data: kernel, centers, noise, constant mean. Compared at every
@@ -958,10 +966,14 @@ class FalkonGP(gpytorch.models.GP):
                             if now[2 * i : 2 * i + 2] != saved[4 + 2 * i : 6 + 2 * i].tolist()]
                 if not differs and module.kernel_probe.numel() > 0:
                     probe = module._kernel_probe()
-                    # float32: another device's (or TF32's) rounding of the same kernel stays within 1e-4
-                    tol = 1e-4 if module.train_inputs[0].dtype == torch.float32 else 1e-10
-                    if probe.shape != module.kernel_probe.shape or not torch.allclose(
-                        probe.to(module.kernel_probe.device), module.kernel_probe, rtol=tol, atol=tol
+                    saved_probe = module.kernel_probe
+                    # relative to the kernel's scale: a float32 model's probe within 1e-4 (one computed in
+                    # float32 by a kernel that refuses float64 points), another device's float64 summation
+                    # order within 1e-9
+                    tol = 1e-4 if module.train_inputs[0].dtype == torch.float32 else 1e-9
+                    scale = float(saved_probe.abs().max()) if saved_probe.numel() else 0.0
+                    if probe.shape != saved_probe.shape or not torch.allclose(
+                        probe.to(saved_probe.device), saved_probe, rtol=tol, atol=tol * scale
                     ):
                         differs.append("the kernel's values at the same parameters (another kernel class, "
                                        "constraint transform or setting such as nu)")

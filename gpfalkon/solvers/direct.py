@@ -1,6 +1,6 @@
 """The direct Nyström solve, and the cost model that picks it over FALKON's CG.
 
-Direct solve (docs/math.md §3), in the coordinates whitened by ``L L^T = K_MM + j I``
+Direct solve (docs/math.md §3.2a), in the coordinates whitened by ``L L^T = K_MM + j I``
 (``j`` the Cholesky jitter):
 
     (B + n lambda I) beta = L^{-1} K_Mn y,    B = L^{-1} K_Mn K_nM L^{-T},    alpha = L^{-T} beta,
