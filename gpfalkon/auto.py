@@ -274,14 +274,30 @@ def _rescale_outputscale(kernel: ScaleKernel, factor: float) -> None:
         new = GreaterThan(lo, **kw)
     elif type(c) is LessThan:
         new = LessThan(hi, **kw)
-    if new is not None:
+    if new is not None and c.enforced:
         new = new.to(value)
+        raw = kernel.raw_outputscale.detach()
+        tiny = torch.finfo(raw.dtype).tiny
         with torch.no_grad():  # GPyTorch rounds a constraint's bounds to the default dtype: keep them exact
             new.lower_bound.copy_(lo.to(new.lower_bound))
             new.upper_bound.copy_(hi.to(new.upper_bound))
-        kernel.register_constraint("raw_outputscale", new)
+            # the raw value from the gap to the bound, not from the value (at the bound ``value - bound`` rounds
+            # to 0 and the raw value to -inf): Interval's lo + (hi - lo) t(raw) scales with its bounds as it is
+            if type(c) is Interval:
+                new_raw = raw.clone()
+            elif type(c) is GreaterThan:
+                new_raw = c._inv_transform((factor * c._transform(raw)).clamp_min(tiny))
+            else:
+                new_raw = -c._inv_transform((factor * c._transform(-raw)).clamp_min(tiny))
+        if bool(torch.isfinite(new_raw).all()):
+            kernel.register_constraint("raw_outputscale", new)
+            with torch.no_grad():
+                kernel.raw_outputscale.copy_(new_raw)
+            return
     try:
         with torch.no_grad():
+            if new is not None:
+                kernel.register_constraint("raw_outputscale", new.to(value))
             kernel.outputscale = value
     except RuntimeError as exc:
         raise ValueError(f"kernel: its outputscale constraint {c} cannot hold the outputscale in the targets' units "

@@ -1380,17 +1380,26 @@ def test_a_float64_outputscale_at_its_bound_is_rescaled_with_exact_bounds():
 
     from gpfalkon.auto import _rescale_outputscale
 
-    for constraint in (gpytorch.constraints.Interval(0.05, 2.0), gpytorch.constraints.LessThan(2.0)):
-        k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(), outputscale_constraint=constraint).double()
+    cases = [(gpytorch.constraints.Interval(0.05, 2.0), 40.0, torch.float64),
+             (gpytorch.constraints.LessThan(2.0), 40.0, torch.float64),
+             (gpytorch.constraints.GreaterThan(0.5), -40.0, torch.float64),
+             (gpytorch.constraints.Interval(0.05, 2.0), 40.0, torch.float32),
+             (gpytorch.constraints.GreaterThan(0.5), -40.0, torch.float32)]
+    for constraint, raw, dtype in cases:
+        k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(), outputscale_constraint=constraint).to(dtype)
         with torch.no_grad():
-            k.raw_outputscale.fill_(40.0)  # saturated: the outputscale is the upper bound to float64 rounding
-        before = k.outputscale.detach().clone()
-        hi = k.raw_outputscale_constraint.upper_bound.detach().clone()
+            k.raw_outputscale.fill_(raw)  # saturated: the outputscale is the bound to rounding
+        before = k.outputscale.detach().double()
+        old = k.raw_outputscale_constraint
+        lo, hi = old.lower_bound.detach().clone(), old.upper_bound.detach().clone()
         _rescale_outputscale(k, 1.3)
         c = k.raw_outputscale_constraint
-        assert c.upper_bound.dtype == torch.float64
+        assert type(c) is type(constraint) and c.upper_bound.dtype == dtype
         torch.testing.assert_close(c.upper_bound, hi * 1.3, rtol=0.0, atol=0.0)
-        torch.testing.assert_close(k.outputscale.detach(), before * 1.3, rtol=1e-12, atol=0.0)
+        torch.testing.assert_close(c.lower_bound, lo * 1.3, rtol=0.0, atol=0.0)
+        assert bool(torch.isfinite(k.raw_outputscale).all())  # still learnable: a finite raw value
+        torch.testing.assert_close(k.outputscale.detach().double(), before * 1.3,
+                                   rtol=1e-12 if dtype == torch.float64 else 1e-6, atol=0.0)
 
 
 def test_auto_fit_draws_do_not_depend_on_free_memory():

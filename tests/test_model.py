@@ -494,3 +494,22 @@ def test_a_rescaled_fit_and_an_old_pickle_keep_their_fit_through_the_kernel_prob
     restored.fit()
     restored.float()
     assert restored.kernel_probe.numel() > 0
+
+
+def test_a_float32_kernel_that_refuses_float64_points_fits_and_predicts():
+    """GPyTorch's PolynomialKernel (its offset added by addmm) fails on points of another dtype than its parameters;
+    a float32 model evaluates it on float32 points where the library works in float64 (K_MM, the posterior, the
+    kernel probe), and predicts what the float64 model predicts to float32 accuracy."""
+    x, y = make_data(200, 3)
+    y = x.sum(-1) + 0.1 * x[:, 0] ** 2
+    xt = x[:30] + 0.05
+    preds = {}
+    for dtype in (torch.float32, torch.float64):
+        k = gpytorch.kernels.PolynomialKernel(power=2).to(dtype)
+        m = FalkonGP(x.to(dtype), y.to(dtype), kernel=k, num_centers=20, penalty=1e-3, seed=0).fit().eval()
+        assert m.kernel_probe.numel() == 16  # 4 points: recorded
+        pred = m(xt.to(dtype))
+        preds[dtype] = (pred.mean.double(), pred.variance.double(), pred.covariance_matrix.double())
+    for got, want in zip(preds[torch.float32], preds[torch.float64], strict=True):
+        scale = float(want.abs().max())
+        torch.testing.assert_close(got, want, rtol=0.0, atol=1e-4 * max(scale, 1.0))

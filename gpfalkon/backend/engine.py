@@ -284,12 +284,23 @@ def _lower_rank_update_(g: Tensor, a: Tensor) -> None:
         g[i0:i1, :i1].addmm_(a[i0:i1], a[:i1].mT)
 
 
-def kernel_block(kernel: Kernel, x1: Tensor, x2: Tensor) -> Tensor:
-    """Dense ``k(x1, x2)`` through GPyTorch (differentiable; generic path)."""
-    out = kernel(x1, x2)
-    if not isinstance(out, Tensor):
-        out = out.to_dense()
-    return out
+def kernel_block(kernel: Kernel, x1: Tensor, x2: Tensor, *, diag: bool = False) -> Tensor:
+    """Dense ``k(x1, x2)`` (or its diagonal, ``diag=True``) through GPyTorch (differentiable; generic path), in
+    ``x1``'s dtype.
+
+    A kernel that refuses points of another dtype than its parameters' (GPyTorch's ``PolynomialKernel`` adds
+    its offset by ``addmm``: a float32 kernel fails on the float64 points of ``K_MM`` and of the posterior) is
+    evaluated on points of its parameters' dtype and the block cast to ``x1``'s: its values are what that
+    kernel can compute."""
+    try:
+        out = kernel(x1, x2, diag=diag)
+        return out if isinstance(out, Tensor) else out.to_dense()
+    except RuntimeError:
+        own = next((p.dtype for p in kernel.parameters() if p.is_floating_point()), None)
+        if own is None or own == x1.dtype:
+            raise
+        out = kernel(x1.to(own), x2.to(own), diag=diag)
+        return (out if isinstance(out, Tensor) else out.to_dense()).to(x1.dtype)
 
 
 class KernelEngine:

@@ -8,6 +8,7 @@ import torch
 from gpytorch.kernels import Kernel
 from torch import Tensor
 
+from ..backend.engine import kernel_block
 from ..operators import FalkonPreconditioner
 
 __all__ = ["preconditioned_variances", "variance_scale"]
@@ -41,10 +42,10 @@ def preconditioned_variances(kernel: Kernel, x: Tensor, centers: Tensor, precond
         # kernel values in float64 (as the posterior's own variances): a float32 k_Mx's rounding would be
         # amplified by (D K_MM D + j I)^{-1} in ||z||^2, which k(x, x) - ||z||^2 subtracts
         x64 = x.to(torch.float64)
-        kmx = kernel(centers.to(torch.float64), x64).to_dense().to(t.dtype)  # (M, q)
+        kmx = kernel_block(kernel, centers.to(torch.float64), x64).to(t.dtype)  # (M, q)
         z = torch.linalg.solve_triangular(t.mT, precond.weights.to(t.dtype).unsqueeze(-1) * kmx, upper=False)
         h = torch.linalg.solve_triangular(a.mT, z, upper=False)
-        kxx = kernel(x64, diag=True).to(torch.float64)
+        kxx = kernel_block(kernel, x64, x64, diag=True).to(torch.float64)
         q = z.to(torch.float64).square().sum(0)
         coef = h.to(torch.float64).square().sum(0) / precond.n
         return float(noise) + (kxx - q).clamp_min(0.0) + float(noise) * coef

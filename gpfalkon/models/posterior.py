@@ -13,6 +13,7 @@ from linear_operator.utils.memoize import cached
 from torch import Tensor
 
 from ..backend.blocks import row_blocks
+from ..backend.engine import kernel_block
 from ..backend.passes import backend_pass
 from ..linalg import jittered_cholesky
 
@@ -119,7 +120,8 @@ class NystromPosteriorCovariance(LinearOperator):
         out = []
         for s, e in self._chunks():
             xs = self.x[..., s:e, :]
-            kdiag = self.kernel(xs.to(torch.float64), diag=True)
+            x64 = xs.to(torch.float64)
+            kdiag = kernel_block(self.kernel, x64, x64, diag=True)
             a, c = self._roots(xs)
             out.append(kdiag - a.square().sum(-2) + c.square().sum(-2))
         return torch.cat(out, -1).to(self.x.dtype)
@@ -132,7 +134,8 @@ class NystromPosteriorCovariance(LinearOperator):
         if self.x.shape[-2] > self.chunk_size:
             return super().to_dense()
         a, c = self._roots(self.x)
-        kxx = self.kernel(self.x.to(torch.float64)).to_dense()
+        x64 = self.x.to(torch.float64)
+        kxx = kernel_block(self.kernel, x64, x64)
         return (kxx - a.mT @ a + c.mT @ c).to(self.x.dtype)
 
     def _matmul(self, rhs: Tensor) -> Tensor:
@@ -154,7 +157,7 @@ class NystromPosteriorCovariance(LinearOperator):
             assert ar is not None and cr is not None  # pass 1 ran over the same (non-empty) chunks
             row = c.mT @ cr - a.mT @ ar
             for s2, e2 in self._chunks():
-                row = row + self.kernel(xs, x64[..., s2:e2, :]).to_dense() @ r[..., s2:e2, :]
+                row = row + kernel_block(self.kernel, xs, x64[..., s2:e2, :]) @ r[..., s2:e2, :]
             rows.append(row)
         out = torch.cat(rows, -2).to(rhs.dtype if rhs.is_floating_point() else self.x.dtype)
         return out.squeeze(-1) if vec else out
@@ -186,7 +189,7 @@ def posterior_roots(kernel: Kernel, xs: Tensor, centers: Tensor, L: Tensor, LB: 
     Differentiable w.r.t. ``xs`` and the kernel's parameters."""
     cen = centers.to(torch.float64)
     cen = cen.expand(*xs.shape[:-2], *cen.shape)  # GPyTorch kernels want both inputs with the same dims
-    kxm = kernel(xs.to(torch.float64), cen).to_dense()  # (..., q, M)
+    kxm = kernel_block(kernel, xs.to(torch.float64), cen)  # (..., q, M)
     # all batches as the columns of one (M, batch * q) right-hand side: a batched
     # solve would broadcast (copy) the M x M factors once per batch
     m, q = kxm.shape[-1], kxm.shape[-2]
