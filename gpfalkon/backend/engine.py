@@ -45,7 +45,7 @@ import math
 import threading
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
-from typing import overload
+from typing import Any, overload
 
 import torch
 from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
@@ -291,16 +291,24 @@ def kernel_block(kernel: Kernel, x1: Tensor, x2: Tensor, *, diag: bool = False) 
     A kernel that refuses points of another dtype than its parameters' (GPyTorch's ``PolynomialKernel`` adds
     its offset by ``addmm``: a float32 kernel fails on the float64 points of ``K_MM`` and of the posterior) is
     evaluated on points of its parameters' dtype and the block cast to ``x1``'s: its values are what that
-    kernel can compute."""
+    kernel can compute (:func:`kernel_block_in` also says which dtype that was)."""
+    return kernel_block_in(kernel, x1, x2, diag=diag)[0]
+
+
+def kernel_block_in(kernel: Kernel, x1: Tensor, x2: Tensor, *, diag: bool = False) -> tuple[Tensor, torch.dtype]:
+    """:func:`kernel_block` and the dtype of the points the kernel was evaluated on (``x1``'s, or its
+    parameters' where it refused ``x1``'s)."""
     try:
-        out = kernel(x1, x2, diag=diag)
-        return out if isinstance(out, Tensor) else out.to_dense()
+        return _dense(kernel(x1, x2, diag=diag)), x1.dtype
     except RuntimeError:
         own = next((p.dtype for p in kernel.parameters() if p.is_floating_point()), None)
         if own is None or own == x1.dtype:
             raise
-        out = kernel(x1.to(own), x2.to(own), diag=diag)
-        return (out if isinstance(out, Tensor) else out.to_dense()).to(x1.dtype)
+        return _dense(kernel(x1.to(own), x2.to(own), diag=diag)).to(x1.dtype), own
+
+
+def _dense(out: Any) -> Tensor:
+    return out if isinstance(out, Tensor) else out.to_dense()
 
 
 class KernelEngine:

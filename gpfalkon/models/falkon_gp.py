@@ -36,6 +36,7 @@ from .._validation import (
     check_targets,
     is_row_source,
 )
+from ..backend.engine import kernel_block_in
 from ..backend.passes import is_sharded, reduce_rows, total_rows
 from ..backend.precision import matmul_precision
 from ..centers import (
@@ -755,15 +756,13 @@ class FalkonGP(gpytorch.models.GP):
     def _kernel_probe_in(self) -> tuple[Tensor, torch.dtype]:
         """:meth:`_kernel_probe` and the dtype of the points it was computed on."""
         c = self.centers.detach()
-        p = torch.cat([c[:3], c[:1] + 1.0])
-        for q in dict.fromkeys([torch.float64, p.dtype]):
-            try:
-                with torch.no_grad(), settings.tf32(False), matmul_precision(p.device):
-                    k = self.kernel(p.to(q), p.to(q))
-                    return (k if isinstance(k, Tensor) else k.to_dense()).reshape(-1).to(torch.float64), q
-            except Exception:  # a kernel for other inputs (e.g. indices): no probe, its parameters still tracked
-                continue
-        return torch.zeros(0, dtype=torch.float64, device=c.device), torch.float64
+        p = torch.cat([c[:3], c[:1] + 1.0]).to(torch.float64)
+        try:
+            with torch.no_grad(), settings.tf32(False), matmul_precision(p.device):
+                k, dtype = kernel_block_in(self.kernel, p, p)
+                return k.reshape(-1), dtype
+        except Exception:  # a kernel for other inputs (e.g. indices): no probe, its parameters still tracked
+            return torch.zeros(0, dtype=torch.float64, device=c.device), torch.float64
 
     def _fit_dependencies(self) -> list[Tensor]:
         """Everything alpha depends on except the data: kernel, centers, noise, constant mean. Compared at every
