@@ -17,7 +17,7 @@ import numbers
 from typing import Any, ClassVar
 
 __all__ = ["aggregate_route", "block_rows", "cg_tolerance", "kmm_through_factor", "max_cg_iterations", "memory_budget",
-           "prefault_stores", "tf32", "triton_fly"]
+           "tf32", "triton_fly"]
 
 _UNSET = object()
 
@@ -203,27 +203,6 @@ class kmm_through_factor(_setting):
     def _check(cls, value: Any) -> bool:
         if not isinstance(value, bool):
             raise ValueError(f"gpfalkon.settings.kmm_through_factor: must be True or False, got {value!r}")
-        return value
-
-
-class prefault_stores(_setting):
-    """Whether the engine faults in the pages of a fresh host store of ``K_nM`` (one parallel zero fill,
-    ``Tensor.zero_``) before its fused first pass computes the kernel values into it.
-
-    Default ``True``. Written into fresh memory, the fused C++ pass takes the page faults itself, between its
-    tiles, from both threads at once, which the 2-core VMs this library is developed on serve several times
-    slower per page than a zero fill's faults once the store is many GB (at 1.6 GB the two cost the same:
-    ``benchmarks/results/store-prefault.md``). The zero fill writes the store once more, a write pass at
-    memory bandwidth. A store kept by :func:`~gpfalkon.backend.engine.reuse_stores` is never zero filled (its
-    pages are mapped already). ``False``: the fused pass writes into the fresh pages directly (for comparisons).
-    """
-
-    _default: ClassVar[bool] = True
-
-    @classmethod
-    def _check(cls, value: Any) -> bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"gpfalkon.settings.prefault_stores: must be True or False, got {value!r}")
         return value
 
 

@@ -354,50 +354,6 @@ def test_reuse_stores_hands_a_released_store_to_the_next_engine_of_its_size(monk
     eng_mod._await_frees()
 
 
-def test_prefault_zero_fills_a_fresh_fused_store_only(monkeypatch):
-    """``settings.prefault_stores`` (default on): the fused first pass's fresh host store is zero filled once
-    before the pass writes it; off, or a store kept by reuse_stores() (its pages mapped), it is not. The
-    products equal the dense kernel's either way (the fill precedes the kernel values, never follows them)."""
-    import gpfalkon.backend.engine as eng_mod
-    import gpfalkon.backend.fused as fused_mod
-
-    if not fused_mod.fused_available()[0]:
-        pytest.skip(f"fused kernel unavailable: {fused_mod.fused_available()[1]}")
-    monkeypatch.setitem(fused_mod._state, "enabled", True)
-    monkeypatch.setattr(eng_mod, "BACKGROUND_FREE_BYTES", 1)  # every store counts as large (kept in the block)
-    x, _ = make_data(300, 3)
-    centers = x[:20].clone()
-    u = torch.randn(20, 2, dtype=torch.float64)
-    kernel = make_kernel("rbf", 3)
-    knm = dense_kernel(kernel, x, centers)
-    exact = knm.T @ (knm @ u)
-    zeroed: list[tuple[int, ...]] = []
-    real_zero = torch.Tensor.zero_
-
-    def spy(t):
-        zeroed.append(tuple(t.shape))
-        return real_zero(t)
-
-    monkeypatch.setattr(torch.Tensor, "zero_", spy)
-
-    def run() -> int:
-        zeroed.clear()
-        eng = KernelEngine(kernel, x, centers, store=True)
-        torch.testing.assert_close(eng.kmn_k(u), exact)
-        torch.testing.assert_close(eng.kmn_k(u), exact)  # the store's values, read back
-        eng.release()
-        return zeroed.count((300, 20))
-
-    assert settings.prefault_stores.value() is True
-    assert run() == 1
-    with settings.prefault_stores(False):
-        assert run() == 0
-    with eng_mod.reuse_stores():
-        assert run() == 1  # fresh
-        assert run() == 0  # the kept store, already faulted in
-    eng_mod._await_frees()
-
-
 def test_reuse_stores_is_per_thread(monkeypatch):
     """A block open in one thread keeps only that thread's released stores: another thread's release frees
     its store as outside any block."""

@@ -56,8 +56,7 @@ def test_settings_nest_restore_and_validate():
         assert settings.block_rows.value() == 64
     assert settings.block_rows.value() is None
     for cls, bad in ((settings.block_rows, 0), (settings.memory_budget, -5), (settings.max_cg_iterations, 2.5),
-                     (settings.cg_tolerance, float("nan")), (settings.max_cg_iterations, True),
-                     (settings.prefault_stores, "yes"), (settings.prefault_stores, 1)):
+                     (settings.cg_tolerance, float("nan")), (settings.max_cg_iterations, True)):
         with pytest.raises(ValueError, match=cls.__name__):
             cls(bad)
     old = settings.max_cg_iterations.value()

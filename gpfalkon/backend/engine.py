@@ -51,7 +51,6 @@ import torch
 from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from torch import Tensor
 
-from .. import settings
 from . import blocks as _blocks
 from .blocks import (
     PRODUCT,
@@ -463,23 +462,18 @@ class KernelEngine:
             tmp = self._tmp[:rows]
         return _apply_profile_(self.spec.kind, out, tmp, zero_below)
 
-    def _new_store(self, rows: int, prefault: bool = False) -> Tensor:
+    def _new_store(self, rows: int) -> Tensor:
         """An empty ``(rows, M)`` tensor for stored rows of ``K_nM``, once any released store is freed
         (:func:`_await_frees`). Plain pages: transparent huge pages (``madvise``) were measured and left out
         (``benchmarks/results/hugepages.md``: a process's first advised store paid 1.8-2.1 s of memory
         compaction against 0.35-0.4 s of page faults). Inside :func:`reuse_stores`, a kept store of exactly
-        this size, dtype and device is reused instead. ``prefault``: a fresh host store is zero filled first
-        (its pages faulted in by torch's parallel fill) where :class:`gpfalkon.settings.prefault_stores` is on:
-        for the fused C++ fill, which takes page faults badly at large stores (that setting says why)."""
+        this size, dtype and device is reused instead."""
         if reuse_depth() > 0:
             kept = _take_pooled(rows, self.m, self.dtype, self.device)
             if kept is not None:
                 return kept
         _await_frees()
-        store = torch.empty(rows, self.m, dtype=self.dtype, device=self.device)
-        if prefault and self.device.type == "cpu" and settings.prefault_stores.value():
-            store.zero_()
-        return store
+        return torch.empty(rows, self.m, dtype=self.dtype, device=self.device)
 
     def _ensure_stored(self) -> Tensor:
         """The stored rows ``K0[:stored_rows]``, computed on first use."""
@@ -645,7 +639,7 @@ class KernelEngine:
             return True  # CUDA float32 (or Triton's interpreter): gpfalkon.backend.triton_fly
         if self.device.type != "cpu" or not fly_applies(acc, self._xa[rows], self._ca_t, self.spec.kind):
             return False  # checked first: a store taken here (a kept one, reuse_stores) must be filled
-        store = self._new_store(head, prefault=True) if fill else None
+        store = self._new_store(head) if fill else None
         tile = fly_tile_rows(self.m, torch.finfo(self.dtype).bits // 8, cap=self.block_rows)
         done = fused_fly_kmn_k(acc, self._xa[rows], self._ca_t, self._x_sq[rows], u_t, v_t, self.spec.kind,
                                floor, self._c_sq_max, tile, store=store)
