@@ -390,11 +390,12 @@ def _rows_within(cost: Callable[[int], float], lo: int, hi: int, seconds: float)
     return lo
 
 
-def _fit_quiet(model: FalkonGP, time_limit: float | None = None) -> tuple[FalkonGP, bool]:
+def _fit_quiet(model: FalkonGP, time_limit: float | None = None,
+               initial_alpha: Tensor | None = None) -> tuple[FalkonGP, bool]:
     """Fit, recording (not printing) CG's cap warning; returns (model, converged)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model.fit(time_limit=time_limit)
+        model.fit(time_limit=time_limit, initial_alpha=initial_alpha)
     for w in caught:  # other warnings (jitter escalation, ...) reach the caller as usual
         if not issubclass(w.category, CGNotConvergedWarning):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -1269,6 +1270,9 @@ def auto_fit(
         cal_idx = torch.randperm(xv.shape[0], generator=torch.Generator(device=dev).manual_seed(_sub_seed(seed, 1)),
                                  device=dev)[:CALIBRATION_ROWS]
         cal_residuals: dict[tuple[int, float, float, str], Tensor] = {}
+        # each selection fit's coefficients (M float64 values a fit, standardised units): the final fit of the
+        # chosen level starts CG from them (``f = k(., Z) alpha`` is the same function on any rows)
+        sel_alpha: dict[tuple[int, float, float, str], Tensor] = {}
         # the calibration rows gathered once (standardised), not at every selection fit
         xv_cal, yv_cal = xv_z[cal_idx], yv_z[cal_idx].to(torch.float64)
 
@@ -1305,6 +1309,8 @@ def auto_fit(
                 err = _val_mse(mod, xv_z, yv_z)
                 if calibrate_variance and n_back > 0 and math.isfinite(err):
                     cal_residuals[key] = yv_cal - mod.posterior_mean(xv_cal).to(torch.float64)
+                if math.isfinite(err):
+                    sel_alpha[key] = mod.alpha.detach().reshape(-1).clone()
                 info = mod.fit_info
                 iters = info.iterations if info is not None else None
                 extra_info = info.extra if info is not None else {}
@@ -1412,16 +1418,30 @@ def auto_fit(
         x_fin_t = x_fin.to(dtype)
         y_fin_t = y_fin.to(dtype)
 
+        def start_for(level: dict[str, Any], centers: Tensor) -> Tensor | None:
+            """CG's starting coefficients (standardised units) for a final fit of ``level`` at ``centers``: the
+            level's selection fit's, zero for the centers a grown level adds after them; ``None`` where that fit
+            was not kept or its centers are not the leading ones of ``centers``."""
+            m_sel = int(level.get("grown_from") or level["M"])
+            a = sel_alpha.get(score_key(m_sel, level["noise"], level["multiplier"], level["centers"]))
+            if a is None or a.numel() != m_sel or centers.shape[0] < m_sel:
+                return None
+            if not torch.equal(centers_at(m_sel, level["centers"])[0].to(centers.dtype), centers[:m_sel]):
+                return None
+            return torch.cat([a, a.new_zeros(centers.shape[0] - m_sel)])
+
         def build_final(level: dict[str, Any], time_limit: float | None = None,
                         centers: Tensor | None = None, weights: Tensor | None = None,
-                        rows: int | None = None, keeper: _KeptPreconditioner | None = None
-                        ) -> tuple[FalkonGP, bool]:
+                        rows: int | None = None, keeper: _KeptPreconditioner | None = None,
+                        start: Tensor | None = None) -> tuple[FalkonGP, bool]:
             """The model of a selection level on the final rows, in raw units, fitted; (model, converged).
             ``time_limit`` bounds the fit's wall time (CG stops at the clock, see ``FalkonGP.fit``);
-            ``centers`` (standardised units) and their preconditioner ``weights`` replace the level's;
-            ``rows`` (default: all final rows) takes the first ``rows - n_back`` selection-order training
-            rows (every size's selection rows come first) and the held-out rows put back; ``keeper`` builds the
-            fit's preconditioner and keeps it."""
+            ``centers`` (standardised units) and their preconditioner ``weights`` replace the level's, ``start``
+            (standardised units) their coefficients CG starts from; without ``centers``, CG starts from the
+            level's selection fit (:func:`start_for`): in raw units ``f = y_mu + y_sd f_z`` with the kernel
+            scaled by ``y_sd^2``, so the coefficients are ``alpha_z / y_sd``. ``rows`` (default: all final rows)
+            takes the first ``rows - n_back`` selection-order training rows (every size's selection rows come
+            first) and the held-out rows put back; ``keeper`` builds the fit's preconditioner and keeps it."""
             x_use, y_use = x_fin_t, y_fin_t
             if rows is not None and rows < x_fin.shape[0]:
                 idx = torch.cat([s_order[: rows - n_back], torch.arange(n_tr, n_tr + n_back, device=dev)])
@@ -1442,6 +1462,7 @@ def auto_fit(
                 fin_kernel = wrapped
             if centers is None:
                 centers, weights = centers_at(m_fin, level.get("centers"))
+                start = start_for(level, centers)
             chosen_c = centers
             centers_raw = (chosen_c.to(torch.float64) * x_sd + x_mu).to(dtype)
             noise_raw = level["noise"] * float(y_sd) ** 2
@@ -1449,7 +1470,10 @@ def auto_fit(
                              penalty=noise_raw / x_use.shape[0], mean_constant=float(y_mu), max_iter=max_iter, tol=tol,
                              center_weights=weights,
                              options=None if keeper is None else FalkonOptions(preconditioner=keeper))
-            return _fit_quiet(model, time_limit=time_limit)
+            initial = None
+            if start is not None and start.numel() == model.alpha.numel():
+                initial = (start.to(torch.float64) / float(y_sd)).reshape(model.alpha.shape)
+            return _fit_quiet(model, time_limit=time_limit, initial_alpha=initial)
 
         def calibration_scale(final: FalkonGP, precond: FalkonPreconditioner | None) -> float:
             """``c = mean(r^2 / v)`` on the calibration rows (raw units; see ``calibrate_variance``)."""
@@ -1731,6 +1755,7 @@ def auto_fit(
                                 f"fit is predicted at {t_better:.0f} s, {clock.left():.0f} s were left")
         lev_centers: Tensor | None = None
         lev_weights: Tensor | None = None
+        lev_alpha: Tensor | None = None
         centers_kind = best_level["centers"]
         if leverage_check:
             m_b = int(best_level["M"])
@@ -1762,6 +1787,7 @@ def auto_fit(
                                                      penalty=best_level["noise"] / x_b.shape[0],
                                                      max_iter=max_iter, tol=tol))
                         err_lev = _val_mse(mod, xv_z, yv_z)
+                        alpha_lev = mod.alpha.detach().reshape(-1).clone()
                         del mod
                     if any(not issubclass(w.category, CGNotConvergedWarning) for w in caught):
                         report.notes.append("leverage check: " + "; ".join(
@@ -1777,6 +1803,7 @@ def auto_fit(
                 clock.tick("leverage check", val_rmse=f"{math.sqrt(err_lev):.4f}" if math.isfinite(err_lev) else "inf")
                 if sel is not None and math.isfinite(err_lev) and err_lev < best_level["error"]:
                     lev_centers, lev_weights, centers_kind = sel.centers, sel.weights, "leverage (check)"
+                    lev_alpha = alpha_lev
         # the validation error of the centers the returned model has (the leverage check's where it swapped them)
         chosen_error = float(report.leverage["error"]) if centers_kind == "leverage (check)" else best_level["error"]
         final_level = best_level
@@ -1806,8 +1833,8 @@ def auto_fit(
         # low. Never below 1.2 x the prediction: a final CG cut to a few iterations returns a useless model
         keeper = _KeptPreconditioner() if calibrate_variance else None
         final, converged = build_final(final_level, time_limit=max(clock.left() + grace, 1.2 * final_predicted, 1e-3),
-                                       centers=lev_centers,
-                                       weights=lev_weights, rows=rows_final, keeper=keeper)
+                                       centers=lev_centers, weights=lev_weights, rows=rows_final, keeper=keeper,
+                                       start=lev_alpha)
         report.stages["final fit"] = time.perf_counter() - t_stage
         variance_c = 1.0
         if keeper is not None:

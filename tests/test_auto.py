@@ -715,7 +715,17 @@ def test_auto_fit_final_growth_spends_the_time_a_next_size_could_not(monkeypatch
     fits of M = 120: the final fit then takes more nested centers (at most 2 x, at least 1.25 x) at the
     level's noise and multiplier, within the budget, and equals the dense Nystrom solve with those centers;
     off, it keeps the level's 60 centers (a prefix of the grown ones). A stage 2 that stopped for lack of
-    gain (budget 0.15) does not grow."""
+    gain (budget 0.15) does not grow. The grown fit's CG starts from the level's selection fit, zero for the
+    added centers (the same function)."""
+    starts: dict[int, torch.Tensor] = {}
+    real_fit = FalkonGP.fit
+
+    def spy(self, *args, **kwargs):
+        if kwargs.get("initial_alpha") is not None:
+            starts[id(self)] = kwargs["initial_alpha"].detach().clone()
+        return real_fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(FalkonGP, "fit", spy)
     model, spent = _fake_clock_auto_fit(monkeypatch, budget=0.04, memory_budget=2**40, max_centers=400)
     rep = model.auto_report
     assert [lv["M"] for lv in rep.chosen["levels"]] == [60], rep.notes
@@ -729,6 +739,10 @@ def test_auto_fit_final_growth_spends_the_time_a_next_size_could_not(monkeypatch
                                   final_growth=False)
     assert off.auto_report.chosen["num_centers"] == 60 and off.auto_report.chosen["grown_from"] is None
     torch.testing.assert_close(model.centers[:60], off.centers)
+    grown_start, off_start = starts[id(model)], starts[id(off)]
+    assert grown_start.shape == model.alpha.shape and off_start.shape == off.alpha.shape
+    assert bool((grown_start[60:] == 0).all()) and float(grown_start[:60].abs().sum()) > 0
+    torch.testing.assert_close(grown_start[:60], off_start)  # both the level's selection fit
     # the same selected noise (each model's then carries its own variance calibration)
     assert model.auto_report.chosen["noise"] == off.auto_report.chosen["noise"]
     assert float(model.noise.detach()) / model.auto_report.chosen["variance_scale"] == pytest.approx(
@@ -925,6 +939,50 @@ def test_auto_fit_leverage_check_keeps_the_better_centers_on_validation(monkeypa
     assert float((fitted - fitted_ref).norm() / fitted_ref.norm()) < 1e-3
     with pytest.raises(TypeError, match="leverage_check"):
         auto_fit(x, y, leverage_check="yes", **SMALL)
+
+
+@pytest.mark.parametrize("case", ["level", "leverage-check"])
+def test_auto_fit_final_cg_starts_from_the_chosen_selection_fit(monkeypatch, case):
+    """The final fit's CG starts from the coefficients of the chosen level's selection fit (or of the leverage
+    check's fit whose centers it takes), carried to raw units: CG's initial residual is below a cold start's 1,
+    the start's function is close to the final model's on new points (a wrong unit conversion, e.g. missing
+    the 1 / y_sd, puts it 35x off: the targets here have std 35 and mean 1000), and the returned model is
+    still the dense Nystrom solution. CG is forced (the cost model would pick the direct solve here)."""
+    import gpfalkon.auto as auto_module
+    import gpfalkon.operators.nystrom as nystrom_module
+
+    monkeypatch.setattr(nystrom_module, "choose_method", lambda *a, **k: "cg")
+    if case == "leverage-check":
+        real = auto_module._val_mse
+        monkeypatch.setattr(auto_module, "_val_mse",
+                            lambda model, x, y: 0.0 if model.center_weights is not None else real(model, x, y))
+    starts: list[tuple[FalkonGP, torch.Tensor]] = []
+    real_fit = FalkonGP.fit
+
+    def spy(self, *args, **kwargs):
+        if kwargs.get("initial_alpha") is not None:
+            starts.append((self, kwargs["initial_alpha"].detach().clone()))
+        return real_fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(FalkonGP, "fit", spy)
+    x, y, _ = _data(800)
+    model = auto_fit(x, y, **SMALL, leverage_check=case == "leverage-check", center_sampling="uniform")
+    assert model.auto_report.chosen["centers"] == ("leverage (check)" if case == "leverage-check" else "uniform")
+    assert starts and starts[-1][0] is model
+    start = starts[-1][1]
+    assert start.shape == model.alpha.shape
+    assert float(model.fit_info.residuals[0].max()) < 0.5
+    xt, _, _ = _data(300, seed=1)
+    k_t = dense_kernel(model.kernel, xt, model.centers)
+    # the variance calibration after the fit scaled the kernel by c and alpha by 1 / c (the same mean)
+    f_start = k_t @ start.reshape(-1) / model.auto_report.chosen["variance_scale"]
+    f_final = k_t @ model.alpha.reshape(-1)
+    assert float((f_start - f_final).norm() / f_final.norm()) < 0.2
+    with torch.no_grad():
+        knm = dense_kernel(model.kernel, model.train_inputs[0], model.centers)
+        alpha_ref = _dense_alpha(model, model.train_targets - model.mean_constant)
+        fitted, fitted_ref = knm @ model.alpha.reshape(-1), knm @ alpha_ref.reshape(-1)
+    assert float((fitted - fitted_ref).norm() / fitted_ref.norm()) < 1e-3
 
 
 @pytest.mark.parametrize("mode", ["auto-leverage", "auto-uniform", "auto-scored", "leverage"])

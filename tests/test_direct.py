@@ -88,6 +88,10 @@ def test_auto_picks_by_the_model_and_keeps_cg_for_iterative_requests():
     seen = []
     small.fit(callback=lambda i, a, r: seen.append(i))
     assert seen and small.fit_info.iterations > 0  # a per-iteration callback gets CG
+    direct_alpha = small.fit().alpha.clone()
+    small.fit(initial_alpha=torch.zeros_like(direct_alpha))
+    assert small.fit_info.extra.get("method") == "direct"  # a starting point alone does not ask for CG
+    torch.testing.assert_close(small.alpha, direct_alpha)
     small.fit(warm_start=True)
     assert "method" not in small.fit_info.extra  # a warm start is CG's
     assert small.nystrom_operator(solve_method="cg").chosen_method() == "cg"

@@ -247,6 +247,45 @@ def test_fit_options_warm_start_variance_and_verbose(capsys):
     assert "FALKON CG" in capsys.readouterr().err
 
 
+def test_fit_initial_alpha_starts_cg_from_given_coefficients():
+    """``fit(initial_alpha=a)``: CG's initial residual is that of ``a`` (row 0 of the residual history, 1 for
+    a cold start), the solution is the dense Nystrom solve's whatever the start, a start worse than zero is
+    dropped, and bad starts are refused before any data pass, naming the argument."""
+    from conftest import dense_nystrom
+
+    x, y = make_data(400, 3)
+    k = make_kernel("rbf", 3)
+    model = FalkonGP(x, y, kernel=k, centers=x[:30].clone(), penalty=1e-4, tol=1e-10, max_iter=500,
+                     options=FalkonOptions(solve_method="cg"))
+    h, knm, _ = dense_nystrom(k, x, model.centers, 1e-4)
+    ref = torch.linalg.solve(h, knm.T @ y)
+    cold = model.fit().fit_info
+    assert float(cold.residuals[0].max()) == 1.0
+    torch.testing.assert_close(model.alpha.reshape(-1), ref, rtol=1e-5, atol=1e-8)
+    fitted = knm @ ref
+    precond = model.nystrom_operator().preconditioner
+    rhs = (knm.T @ y).unsqueeze(-1)
+    for start in (ref, 0.9 * ref, 0.5 * ref + 0.01, -1e3 * ref):
+        info = model.fit(initial_alpha=start.clone()).fit_info
+        r0 = float(info.residuals[0].max())
+        # CG on W beta = B^T rhs from beta0 = B^-1 a: its residual B^T (rhs - H a), relative to ||B^T rhs||
+        expected = float(precond.apply_bt(rhs - h @ start.unsqueeze(-1)).norm() / precond.apply_bt(rhs).norm())
+        if expected >= 1.0:
+            assert r0 == 1.0  # worse than zero: dropped
+        else:
+            assert r0 == pytest.approx(expected, rel=1e-5, abs=1e-9)
+            assert info.iterations < cold.iterations
+        torch.testing.assert_close(knm @ model.alpha.reshape(-1), fitted, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="initial_alpha must have alpha's shape"):
+        model.fit(initial_alpha=ref[:5])
+    with pytest.raises(ValueError, match="initial_alpha must be floating point and finite"):
+        model.fit(initial_alpha=torch.full_like(ref, float("nan")))
+    with pytest.raises(ValueError, match="initial_alpha and warm_start"):
+        model.fit(initial_alpha=ref, warm_start=True)
+    with pytest.raises(TypeError, match="initial_alpha must be a tensor"):
+        model.fit(initial_alpha=ref.tolist())
+
+
 def test_set_train_data_keeps_penalty_and_requires_refit():
     model, x, y, _k = _fitted("rbf")
     lam = model.penalty.detach().clone()

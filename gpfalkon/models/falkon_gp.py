@@ -686,11 +686,18 @@ class FalkonGP(gpytorch.models.GP):
         max_iter: int | None = None,
         verbose: bool | None = None,
         time_limit: float | None = None,
+        initial_alpha: Tensor | None = None,
     ) -> FalkonGP:
         """Solve ``H alpha = K_Mn y`` by FALKON and store ``alpha``; returns ``self``.
 
         ``warm_start`` starts CG from the previous ``alpha`` (one more data pass,
         usually far fewer iterations after a small hyperparameter change).
+        ``initial_alpha`` (the shape of :attr:`alpha`: one coefficient per center and output) starts CG from
+        those coefficients instead, e.g. a fit of the same centers and hyperparameters on a subsample
+        (``f(x) = c + k(x, Z) alpha`` is the same function on any rows, so its ``alpha`` is close to the full
+        data's). Unlike ``warm_start`` it does not ask for CG: where the cost model picks the direct solve
+        it is not used. Either start costs one data pass and is dropped (CG starts from zero) where its
+        residual is not below the right-hand side's.
         ``compute_variance`` also forms the posterior factors now, sharing a stored
         ``K_nM``. ``time_limit`` (seconds, counted from this call) stops CG at the first iteration
         that ends past it, with a :class:`~gpfalkon.errors.CGNotConvergedWarning` when ``tol`` was not
@@ -706,6 +713,8 @@ class FalkonGP(gpytorch.models.GP):
         with torch.no_grad():
             if callback is not None and not callable(callback):  # before the O(n M) passes, not after
                 raise TypeError(f"callback must be callable (iteration, x, residual), got {type(callback).__name__}")
+            if initial_alpha is not None:
+                self._check_initial_alpha(initial_alpha, warm_start)
             # the data may have been edited in place since construction: O(n d), before any pass
             x_tr = self.train_inputs[0]
             bad = torch.tensor([float(not all_finite(self.train_targets)),
@@ -729,10 +738,12 @@ class FalkonGP(gpytorch.models.GP):
             x0 = None
             if warm_start and bool(self.fitted):
                 x0 = self.alpha.reshape(op.m, -1).to(torch.float64)
+            elif initial_alpha is not None:
+                x0 = initial_alpha.detach().reshape(op.m, -1).to(device=rhs.device, dtype=torch.float64)
             # the CG's share of the limit: what the K_Mn y pass (and the preconditioner) left of it
             cg_limit = None if time_limit is None else max(1e-9, time_limit - (time.perf_counter() - t_start))
             alpha, info = op.solve_system(rhs, x0, tol=tol, max_iter=max_iter, callback=callback, verbose=verbose,
-                                          time_limit=cg_limit)
+                                          time_limit=cg_limit, x0_forces_cg=initial_alpha is None)
             self.alpha = alpha.reshape(self.alpha.shape).to(torch.float64)
             info.extra["fit_seconds"] = time.perf_counter() - t_start
             self.fit_info = info
@@ -740,6 +751,18 @@ class FalkonGP(gpytorch.models.GP):
             self._factors = NystromPosteriorFactors.compute(op) if compute_variance else None
             op.engine.release()
         return self
+
+    def _check_initial_alpha(self, initial_alpha: Tensor, warm_start: bool) -> None:
+        """Raise unless ``initial_alpha`` is a finite tensor of :attr:`alpha`'s shape (and ``warm_start`` is off)."""
+        if warm_start:
+            raise ValueError("initial_alpha and warm_start=True both give CG a starting point: pass one of them")
+        if not isinstance(initial_alpha, Tensor):
+            raise TypeError(f"initial_alpha must be a tensor, got {type(initial_alpha).__name__}")
+        if tuple(initial_alpha.shape) != tuple(self.alpha.shape):
+            raise ValueError(f"initial_alpha must have alpha's shape {tuple(self.alpha.shape)} (one coefficient per "
+                             f"center and output), got {tuple(initial_alpha.shape)}")
+        if not initial_alpha.dtype.is_floating_point or not bool(torch.isfinite(initial_alpha).all()):
+            raise ValueError("initial_alpha must be floating point and finite (no NaN or Inf)")
 
     # ------------------------------------------------ is the fit still valid?
     def _kernel_probe(self) -> Tensor:

@@ -467,12 +467,14 @@ class NystromKRROperator(LinearOperator):
         verbose: bool | None = None,
         warn: bool = True,
         time_limit: float | None = None,
+        x0_forces_cg: bool = True,
     ) -> tuple[Tensor, CGInfo]:
         """``H alpha = rhs`` by the method :meth:`chosen_method` picks: :meth:`direct_solve` or
         :meth:`falkon_solve` (same arguments and return value). ``time_limit`` bounds CG; the direct
         solve, picked only where the cost model finds it cheaper than CG, is one pass and is not
-        interrupted."""
-        iterative = x0 is not None or callback is not None or self.callback is not None
+        interrupted. A warm start ``x0`` asks for CG unless ``x0_forces_cg`` is ``False`` (then it is a
+        starting point CG uses where the cost model picks CG anyway; the direct solve ignores it)."""
+        iterative = (x0 is not None and x0_forces_cg) or callback is not None or self.callback is not None
         if self.chosen_method(tol=tol, max_iter=max_iter, iterative=iterative) == "direct":
             return self.direct_solve(rhs)
         return self.falkon_solve(rhs, x0, tol=tol, max_iter=max_iter, callback=callback, verbose=verbose, warn=warn,
