@@ -71,13 +71,16 @@ def _table(rows: list[dict]) -> str:
     sys.path.insert(0, str(HERE))
     from _common import markdown_table
 
-    by = {(r["arm"], r["spec"]): r for r in rows}
-    specs = list(dict.fromkeys(r["spec"] for r in rows))
+    # a spec given more than once is paired by occurrence: its k-th "before" run with its k-th "after" run
+    by: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        by.setdefault((r["arm"], r["spec"]), []).append(r)
+    pairs = []
+    for spec in dict.fromkeys(r["spec"] for r in rows):
+        pairs += list(zip(by.get(("before", spec), []), by.get(("after", spec), []), strict=False))
     body, ratios, same_ratios = [], [], []
-    for spec in specs:
-        a, b = by.get(("before", spec)), by.get(("after", spec))
-        if a is None or b is None:
-            continue
+    for a, b in pairs:
+        spec = a["spec"]
         ratio = b["nrmse"] / a["nrmse"]
         same = _learn_end(a) == _learn_end(b)
         ratios.append(ratio)

@@ -200,11 +200,39 @@ def _inconsistent(rank: int, world: int, out_dir: str, what: str) -> None:
     if rank == 1 and what == "learn_centers":
         kw["learn_centers"] = True
     try:
-        FalkonGP(x[s:e], y[s:e], k, **kw, options=FalkonOptions(backend=DistributedBackend()))
+        model = FalkonGP(x[s:e], y[s:e], k, **kw, options=FalkonOptions(backend=DistributedBackend()))
+        if what.startswith("initial_alpha"):  # a CG start given on one rank only, or different ones
+            start = torch.zeros_like(model.alpha) if rank == 0 or what == "initial_alpha" else None
+            if start is not None and rank == 1:
+                start += 1.0
+            model.fit(initial_alpha=start)
         msg = "no error"
     except ValueError as exc:
         msg = str(exc)
     torch.save({"message": msg}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def start_of(model: FalkonGP) -> torch.Tensor:
+    """A deterministic CG start of ``model.alpha``'s shape (the same on every rank)."""
+    return torch.linspace(-1.0, 1.0, model.alpha.numel(), dtype=torch.float64).reshape(model.alpha.shape)
+
+
+def _started(rank: int, world: int, out_dir: str, mode: str) -> None:
+    """``fit(initial_alpha=...)`` with rows sharded: ``"same"`` start on every rank (saved: alpha and CG's
+    residuals), or ``"invalid"`` on rank 1 only (NaN; rank 0 passes a valid one): every rank raises."""
+    x, y, _ = data()
+    s, e = shard_bounds([N // 2, N - N // 2])[rank]
+    model = FalkonGP(x[s:e], y[s:e], make_kernel(), num_centers=M, seed=3, penalty=1e-4, max_iter=7, tol=0.0,
+                     options=FalkonOptions(backend=DistributedBackend(), solve_method="cg"))
+    start = start_of(model)
+    if mode == "invalid" and rank == 1:
+        start = torch.full_like(start, float("nan"))
+    try:
+        model.fit(initial_alpha=start)
+        res = {"alpha": model.alpha, "residuals": model.fit_info.residuals, "message": "no error"}
+    except ValueError as exc:
+        res = {"message": str(exc)}
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def _mixed_storage(rank: int, world: int, sizes: Sequence[int], m: int, budget: int, out_dir: str) -> None:

@@ -743,6 +743,13 @@ def test_auto_fit_final_growth_spends_the_time_a_next_size_could_not(monkeypatch
     assert grown_start.shape == model.alpha.shape and off_start.shape == off.alpha.shape
     assert bool((grown_start[60:] == 0).all()) and float(grown_start[:60].abs().sum()) > 0
     torch.testing.assert_close(grown_start[:60], off_start)  # both the level's selection fit
+    # in raw units: the start's function is close to the grown model's (the calibration after the fit scaled the
+    # kernel by c and alpha by 1 / c); here the cost model may pick the direct solve, which does not use it
+    with torch.no_grad():
+        k_x = dense_kernel(model.kernel, model.train_inputs[0], model.centers)
+        f_start = k_x @ grown_start.reshape(-1) / model.auto_report.chosen["variance_scale"]
+        f_final = k_x @ model.alpha.reshape(-1)
+    assert float((f_start - f_final).norm() / f_final.norm()) < 0.2
     # the same selected noise (each model's then carries its own variance calibration)
     assert model.auto_report.chosen["noise"] == off.auto_report.chosen["noise"]
     assert float(model.noise.detach()) / model.auto_report.chosen["variance_scale"] == pytest.approx(
@@ -941,13 +948,14 @@ def test_auto_fit_leverage_check_keeps_the_better_centers_on_validation(monkeypa
         auto_fit(x, y, leverage_check="yes", **SMALL)
 
 
-@pytest.mark.parametrize("case", ["level", "leverage-check"])
+@pytest.mark.parametrize("case", ["level", "leverage-check", "user-kernel"])
 def test_auto_fit_final_cg_starts_from_the_chosen_selection_fit(monkeypatch, case):
     """The final fit's CG starts from the coefficients of the chosen level's selection fit (or of the leverage
     check's fit whose centers it takes), carried to raw units: CG's initial residual is below a cold start's 1,
     the start's function is close to the final model's on new points (a wrong unit conversion, e.g. missing
     the 1 / y_sd, puts it 35x off: the targets here have std 35 and mean 1000), and the returned model is
-    still the dense Nystrom solution. CG is forced (the cost model would pick the direct solve here)."""
+    still the dense Nystrom solution. CG is forced (the cost model would pick the direct solve here). With a
+    user's kernel (not a ScaleKernel; the inputs are not standardised, the final fit wraps it in one) likewise."""
     import gpfalkon.auto as auto_module
     import gpfalkon.operators.nystrom as nystrom_module
 
@@ -966,8 +974,16 @@ def test_auto_fit_final_cg_starts_from_the_chosen_selection_fit(monkeypatch, cas
 
     monkeypatch.setattr(FalkonGP, "fit", spy)
     x, y, _ = _data(800)
-    model = auto_fit(x, y, **SMALL, leverage_check=case == "leverage-check", center_sampling="uniform")
+    extra = {}
+    if case == "user-kernel":
+        kern = gpytorch.kernels.RBFKernel(ard_num_dims=3).double()
+        kern.lengthscale = x.std(0)
+        extra["kernel"] = kern
+    model = auto_fit(x, y, **SMALL, leverage_check=case == "leverage-check", center_sampling="uniform", **extra)
     assert model.auto_report.chosen["centers"] == ("leverage (check)" if case == "leverage-check" else "uniform")
+    if case == "user-kernel":
+        assert isinstance(model.kernel, gpytorch.kernels.ScaleKernel)
+        assert isinstance(model.kernel.base_kernel, gpytorch.kernels.RBFKernel)
     assert starts and starts[-1][0] is model
     start = starts[-1][1]
     assert start.shape == model.alpha.shape

@@ -111,11 +111,32 @@ def _sorted_classifier(rank, world, sizes, out_dir):
 
 @pytest.mark.parametrize("what,named", [("kernel", "kernel_hyperparameters"), ("d", "data_shape"),
                                         ("seed", "center_indices"), ("num_centers", "num_centers"),
-                                        ("max_iter", "solver_settings"), ("learn_centers", "solver_settings")])
+                                        ("max_iter", "solver_settings"), ("learn_centers", "solver_settings"),
+                                        ("initial_alpha", "cg_start"), ("initial_alpha_one_rank", "cg_start")])
 def test_ranks_that_disagree_are_told_so(tmp_path, what, named):
     W.run(2, W._inconsistent, (str(tmp_path), what), str(tmp_path))
     for res in _load(tmp_path, 2):
         assert f"ranks disagree on {named}" in res["message"], res["message"]
+
+
+def test_a_cg_start_is_shared_checked_and_equals_one_process(tmp_path):
+    """fit(initial_alpha=...) with rows on two ranks: the same start on both gives the single-process fit from
+    that start (alpha and CG's residual history, 7 iterations); an invalid start on one rank raises on both
+    (the other rank is told, instead of waiting in a collective)."""
+    x, y, _ = W.data()
+    ref = FalkonGP(x, y, W.make_kernel(), num_centers=W.M, seed=3, penalty=1e-4, max_iter=7, tol=0.0,
+                   options=FalkonOptions(solve_method="cg"))
+    ref.fit(initial_alpha=W.start_of(ref))
+    assert float(ref.fit_info.residuals[0].max()) < 1.0  # the start was used
+    W.run(2, W._started, (str(tmp_path), "same"), str(tmp_path))
+    for r, res in enumerate(_load(tmp_path, 2)):
+        assert res["message"] == "no error", res["message"]
+        _close(res["alpha"], ref.alpha, f"rank {r} alpha")
+        _close(res["residuals"], ref.fit_info.residuals, f"rank {r} residuals")
+    W.run(2, W._started, (str(tmp_path), "invalid"), str(tmp_path))
+    msgs = [res["message"] for res in _load(tmp_path, 2)]
+    assert "another rank passed an invalid callback or initial_alpha" in msgs[0], msgs
+    assert "initial_alpha must be floating point and finite" in msgs[1], msgs
 
 
 def test_a_dead_rank_makes_the_others_raise(tmp_path):

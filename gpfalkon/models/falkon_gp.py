@@ -697,7 +697,8 @@ class FalkonGP(gpytorch.models.GP):
         (``f(x) = c + k(x, Z) alpha`` is the same function on any rows, so its ``alpha`` is close to the full
         data's). Unlike ``warm_start`` it does not ask for CG: where the cost model picks the direct solve
         it is not used. Either start costs one data pass and is dropped (CG starts from zero) where its
-        residual is not below the right-hand side's.
+        residual is not below the right-hand side's. With rows sharded over processes every rank must pass the
+        same ``initial_alpha`` and ``warm_start`` (checked: a ``ValueError`` naming ``cg_start`` on every rank).
         ``compute_variance`` also forms the posterior factors now, sharing a stored
         ``K_nM``. ``time_limit`` (seconds, counted from this call) stops CG at the first iteration
         that ends past it, with a :class:`~gpfalkon.errors.CGNotConvergedWarning` when ``tol`` was not
@@ -711,17 +712,28 @@ class FalkonGP(gpytorch.models.GP):
         t_start = time.perf_counter()
         y2 = self.centered_targets()
         with torch.no_grad():
-            if callback is not None and not callable(callback):  # before the O(n M) passes, not after
-                raise TypeError(f"callback must be callable (iteration, x, residual), got {type(callback).__name__}")
-            if initial_alpha is not None:
-                self._check_initial_alpha(initial_alpha, warm_start)
+            # bad arguments are found before the O(n M) passes, and (like a bad shard) reported on every rank: a
+            # rank that raised alone would leave the others waiting in the next collective
+            problem = self._fit_argument_problem(callback, initial_alpha, warm_start)
             # the data may have been edited in place since construction: O(n d), before any pass
             x_tr = self.train_inputs[0]
             bad = torch.tensor([float(not all_finite(self.train_targets)),
-                                float(not is_row_source(x_tr) and not all_finite(x_tr))],
+                                float(not is_row_source(x_tr) and not all_finite(x_tr)), float(problem is not None)],
                                dtype=torch.float64, device=self.centers.device)
             bad = self._row_sum(bad)  # every rank learns of a bad shard (no rank waits in a collective alone)
-            for flag, name in zip(bad.tolist(), ("train_y", "train_x"), strict=True):
+            if problem is not None:
+                raise problem[0](problem[1])
+            if float(bad[2]) > 0:
+                raise ValueError("fit(): another rank passed an invalid callback or initial_alpha (every rank must "
+                                 "pass the same, valid ones)")
+            if is_sharded(self.options.backend):
+                # every rank runs CG's collectives from one starting point: the same warm_start, the same
+                # initial_alpha (NaN marks none), else ranks would stop at different iterations
+                marker = torch.full((1,), float("nan"), dtype=torch.float64, device=self.centers.device)
+                given = marker if initial_alpha is None else initial_alpha.detach().reshape(-1).to(marker)
+                self.options.backend.check_consistent(
+                    cg_start=torch.cat([marker.new_tensor([float(bool(warm_start))]), given]))
+            for flag, name in zip(bad.tolist()[:2], ("train_y", "train_x"), strict=True):
                 if flag:
                     raise ValueError(f"{name} contains NaN or Inf (was it edited in place after the model was "
                                      "built?)")
@@ -752,17 +764,25 @@ class FalkonGP(gpytorch.models.GP):
             op.engine.release()
         return self
 
-    def _check_initial_alpha(self, initial_alpha: Tensor, warm_start: bool) -> None:
-        """Raise unless ``initial_alpha`` is a finite tensor of :attr:`alpha`'s shape (and ``warm_start`` is off)."""
+    def _fit_argument_problem(self, callback: Any, initial_alpha: Any, warm_start: bool
+                              ) -> tuple[type[Exception], str] | None:
+        """``(exception type, message)`` for the first bad argument of :meth:`fit`, or ``None``: a callback that is
+        not callable; an ``initial_alpha`` that is not a finite floating-point tensor of :attr:`alpha`'s shape, or
+        given together with ``warm_start``."""
+        if callback is not None and not callable(callback):
+            return TypeError, f"callback must be callable (iteration, x, residual), got {type(callback).__name__}"
+        if initial_alpha is None:
+            return None
         if warm_start:
-            raise ValueError("initial_alpha and warm_start=True both give CG a starting point: pass one of them")
+            return ValueError, "initial_alpha and warm_start=True both give CG a starting point: pass one of them"
         if not isinstance(initial_alpha, Tensor):
-            raise TypeError(f"initial_alpha must be a tensor, got {type(initial_alpha).__name__}")
+            return TypeError, f"initial_alpha must be a tensor, got {type(initial_alpha).__name__}"
         if tuple(initial_alpha.shape) != tuple(self.alpha.shape):
-            raise ValueError(f"initial_alpha must have alpha's shape {tuple(self.alpha.shape)} (one coefficient per "
-                             f"center and output), got {tuple(initial_alpha.shape)}")
+            return ValueError, (f"initial_alpha must have alpha's shape {tuple(self.alpha.shape)} (one coefficient "
+                                f"per center and output), got {tuple(initial_alpha.shape)}")
         if not initial_alpha.dtype.is_floating_point or not bool(torch.isfinite(initial_alpha).all()):
-            raise ValueError("initial_alpha must be floating point and finite (no NaN or Inf)")
+            return ValueError, "initial_alpha must be floating point and finite (no NaN or Inf)"
+        return None
 
     # ------------------------------------------------ is the fit still valid?
     def _kernel_probe(self) -> Tensor:
