@@ -1418,17 +1418,16 @@ def auto_fit(
         x_fin_t = x_fin.to(dtype)
         y_fin_t = y_fin.to(dtype)
 
-        def start_for(level: dict[str, Any], centers: Tensor) -> Tensor | None:
-            """CG's starting coefficients (standardised units) for a final fit of ``level`` at ``centers``: the
-            level's selection fit's, zero for the centers a grown level adds after them; ``None`` where that fit
-            was not kept or its centers are not the leading ones of ``centers``."""
+        def start_for(level: dict[str, Any], m: int) -> Tensor | None:
+            """CG's starting coefficients (standardised units) for a final fit of ``level`` at its pool's first
+            ``m`` centers: the level's selection fit's (its centers are the pool's first ones: both pools are
+            nested), zero for the centers a grown level adds after them; ``None`` where that fit was not kept or
+            ``m`` is below its size."""
             m_sel = int(level.get("grown_from") or level["M"])
             a = sel_alpha.get(score_key(m_sel, level["noise"], level["multiplier"], level["centers"]))
-            if a is None or a.numel() != m_sel or centers.shape[0] < m_sel:
+            if a is None or a.numel() != m_sel or m < m_sel:
                 return None
-            if not torch.equal(centers_at(m_sel, level["centers"])[0].to(centers.dtype), centers[:m_sel]):
-                return None
-            return torch.cat([a, a.new_zeros(centers.shape[0] - m_sel)])
+            return torch.cat([a, a.new_zeros(m - m_sel)])
 
         def build_final(level: dict[str, Any], time_limit: float | None = None,
                         centers: Tensor | None = None, weights: Tensor | None = None,
@@ -1462,7 +1461,7 @@ def auto_fit(
                 fin_kernel = wrapped
             if centers is None:
                 centers, weights = centers_at(m_fin, level.get("centers"))
-                start = start_for(level, centers)
+                start = start_for(level, int(centers.shape[0]))
             chosen_c = centers
             centers_raw = (chosen_c.to(torch.float64) * x_sd + x_mu).to(dtype)
             noise_raw = level["noise"] * float(y_sd) ** 2
