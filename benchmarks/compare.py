@@ -146,7 +146,9 @@ METHODS = ["falkon", "falkon-learned", "sgpr", "svgp", "exact", "nystroem", "rff
 AUTO_FRACTIONS = {"falkon-auto": 1, "falkon-auto-half": 2, "falkon-auto-quarter": 4, "falkon-auto-8": 8,
                   "falkon-auto-10": 10, "falkon-auto-12": 12, "falkon-auto-16": 16, "falkon-auto-24": 24,
                   "falkon-auto-32": 32}
-ALL_METHODS = [*METHODS, *AUTO_FRACTIONS]
+# "falkon-auto16-<k>": the same call with K_nM stored in 16-bit fixed point (gpfalkon.settings.store_format)
+AUTO16_FRACTIONS = {f"falkon-auto16-{k}": k for k in (1, 2, 4, 8, 10, 12, 16, 24, 32)}
+ALL_METHODS = [*METHODS, *AUTO_FRACTIONS, *AUTO16_FRACTIONS]
 # issue 18's protocol: auto_fit's defaults were chosen on DEV_DATASETS only (n < 10,000); it is
 # reported on REPORT_DATASETS (every regression set with n >= 10,000, and flights)
 DEV_DATASETS = ["cpusmall", "pumadyn32nm", "parkinsons", "powerplant"]
@@ -882,12 +884,14 @@ def run_svgp(data: dict, budget: float) -> list[dict]:
                           float(lik.noise.detach()))
 
 
-def run_auto(data: dict, budget: float, label: str = "gpfalkon auto_fit") -> list[dict]:
+def run_auto(data: dict, budget: float, label: str = "gpfalkon auto_fit",
+             store_format: str | None = None) -> list[dict]:
     """``gpfalkon.auto_fit`` with its defaults and the same budget as every other method, on the
-    raw (unstandardised) targets: the pipeline standardises by itself."""
+    raw (unstandardised) targets: the pipeline standardises by itself; ``store_format``: under
+    ``gpfalkon.settings.store_format`` (``"int16"``: every fit's ``K_nM`` stored in 16-bit fixed point)."""
     import gpytorch
 
-    from gpfalkon import auto_fit
+    from gpfalkon import auto_fit, settings
 
     xtr = data["xtr"]
     ytr = data["ytr"].double() * data["y_scale"] + data["y_mean"]
@@ -908,8 +912,9 @@ def run_auto(data: dict, budget: float, label: str = "gpfalkon auto_fit") -> lis
         callback_s[0] += time.perf_counter() - t
 
     t0 = time.perf_counter()
-    model = auto_fit(xtr, ytr, budget=budget, seed=0, level_callback=on_level,
-                     **json.loads(os.environ.get("GPFALKON_AUTO_KWARGS", "{}")))
+    with settings.store_format(store_format):
+        model = auto_fit(xtr, ytr, budget=budget, seed=0, level_callback=on_level,
+                         **json.loads(os.environ.get("GPFALKON_AUTO_KWARGS", "{}")))
     fit_s = time.perf_counter() - t0 - callback_s[0]
     model.eval()
     t1 = time.perf_counter()
@@ -1111,11 +1116,14 @@ RUNNERS = {
     **{key: (lambda data, budget, k=k: run_auto(data, budget / k, "gpfalkon auto_fit" if k == 1
                                                  else f"gpfalkon auto_fit (budget / {k})"))
        for key, k in AUTO_FRACTIONS.items()},
+    **{key: (lambda data, budget, k=k: run_auto(data, budget / k, "gpfalkon auto_fit, int16 store" + (
+        "" if k == 1 else f" (budget / {k})"), store_format="int16"))
+       for key, k in AUTO16_FRACTIONS.items()},
 }
 
 
 #: methods that run on a GPU (``--device cuda``); the others are CPU-only here
-DEVICE_METHODS = ("sgpr", "svgp", *AUTO_FRACTIONS)
+DEVICE_METHODS = ("sgpr", "svgp", *AUTO_FRACTIONS, *AUTO16_FRACTIONS)
 
 
 def to_device(data: dict, device: str) -> dict:

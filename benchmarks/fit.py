@@ -76,9 +76,12 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import gpfalkon
 from gpfalkon import FalkonGP, KernelEngine, median_lengthscale, uniform_centers
+from gpfalkon.backend import stored_rows_for
+from gpfalkon.backend.blocks import resolve_store_dtype
 from gpfalkon.backend.engine import reuse_stores
 from gpfalkon.errors import FalkonConvergenceError, NotPSDError
 from gpfalkon.linalg import jittered_cholesky
+from gpfalkon.operators.preconditioner import engine_memory_budget
 
 from _common import (
     REPO,
@@ -330,7 +333,7 @@ def run_choice(args, notes: list[str]) -> str:
     )
 
 
-def physical_limit(n: int, m: int, d: int, iterations: int, dtype: torch.dtype
+def physical_limit(n: int, m: int, d: int, iterations: int, dtype: torch.dtype, store_itemsize: int | None = None
                    ) -> tuple[float, str, float, float]:
     """A lower bound on the wall time of a stored-K_nM FALKON fit on this machine, from rates measured
     now: K_nM computed once (2 n M d flops at torch's matmul rate in ``dtype``, n M exps at the
@@ -340,11 +343,12 @@ def physical_limit(n: int, m: int, d: int, iterations: int, dtype: torch.dtype
     seconds of obtaining K_nM's memory: a fresh ``n M`` tensor's first write and release, which a
     fit pays and the limit does not count, and the limit with the reads at the read rate of that fresh
     ``n M`` tensor itself: memory allocated as K_nM's is, whose rate can differ from the 1 GiB buffer's,
-    ``benchmarks/results/stored-read-diagnosis.md``)."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    ``benchmarks/results/stored-read-diagnosis.md``). ``store_itemsize``: the bytes of a stored value where
+    the store is not of ``dtype`` (the int16 store: 2; its reads and its fresh memory then count those)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size() if store_itemsize is None else store_itemsize
     gc.collect()
     t0 = time.perf_counter()
-    fresh = torch.empty(n * m, dtype=dtype)
+    fresh = torch.empty(n * m * itemsize // 4, dtype=torch.float32)  # the store's bytes
     fresh.fill_(0.0)  # the first write of freshly mapped memory: page faults and zeroing
     t1 = time.perf_counter()
     own = tensor_read_rate(fresh) * 1e9
@@ -374,80 +378,99 @@ def run_reference(args, notes: list[str]) -> str:
     ls = float(median_lengthscale(xtr))
     idx = uniform_centers(xtr, m, torch.Generator().manual_seed(args.seed)).indices
     c64 = xtr[idx].clone()
-    headers = ["n", "dtype", "K_nM", "fit wall s", "fit CPU s", "iterations", "test RMSE", "RMSE vs f",
+    headers = ["n", "dtype", "K_nM", "store", "fit wall s", "fit CPU s", "iterations", "test RMSE", "RMSE vs f",
                "speed-up vs 70 CPU-s", ">= 5x", "RMSE / float64 RMSE", "physical limit s", "x limit", "<= 1.5x",
                "K_nM memory s", "x (limit + memory)", "limit at K_nM's read rate s", "x that limit",
-               "refit s (reuse_stores)", "refit x limit"]
+               "refit s (reuse_stores)", "refit x limit", "x the dtype store's limit"]
     rows = []
     results = {}
     limits = []
-    for name in args.dtypes:
+    dtype_limit: dict[str, float] = {}
+    for name, fmt in [(name, fmt) for name in args.dtypes for fmt in args.store_formats]:
         dtype = DTYPES[name]
+        store_fmt = None if fmt == "dtype" else fmt
+        label = name if store_fmt is None else f"{name}, {fmt} store"
         try:
-            fits = []
-            for _ in range(args.reference_repeats):  # the fit with the median wall time is reported
-                model, wall, cpu, warns = fit_falkon(xtr.to(dtype), ytr.to(dtype), c64.to(dtype),
-                                                     make_kernel("rbf", ls, dtype), args.lam, 20, 0.0)
-                fits.append((wall, cpu))
-                if len(fits) < args.reference_repeats:
+            with gpfalkon.settings.store_format(store_fmt):
+                fits = []
+                for _ in range(args.reference_repeats):  # the fit with the median wall time is reported
+                    model, wall, cpu, warns = fit_falkon(xtr.to(dtype), ytr.to(dtype), c64.to(dtype),
+                                                         make_kernel("rbf", ls, dtype), args.lam, 20, 0.0)
+                    fits.append((wall, cpu))
+                    if len(fits) < args.reference_repeats:
+                        del model
+                        gc.collect()
+                walls = sorted(fits)
+                wall, cpu = walls[len(walls) // 2]
+                if len(fits) > 1:
+                    notes.append(f"reference {label}: fit wall s of the {len(fits)} fits: "
+                                 + ", ".join(f"{w:.2f}" for w, _ in fits) + f" (median {wall:.2f} reported)")
+                # refits of the same size in one reuse_stores() block: the second and later write K_nM into the
+                # first one's store (no fresh pages), as auto_fit's selection fits of one size do
+                refits = []
+                if args.reference_repeats > 1:
                     del model
                     gc.collect()
-            walls = sorted(fits)
-            wall, cpu = walls[len(walls) // 2]
-            if len(fits) > 1:
-                notes.append(f"reference {name}: fit wall s of the {len(fits)} fits: "
-                             + ", ".join(f"{w:.2f}" for w, _ in fits) + f" (median {wall:.2f} reported)")
-            # refits of the same size in one reuse_stores() block: the second and later write K_nM into the
-            # first one's store (no fresh pages), as auto_fit's selection fits of one size do
-            refits = []
-            if args.reference_repeats > 1:
-                del model
-                gc.collect()
-                with reuse_stores():
-                    for i in range(args.reference_repeats + 1):
-                        model, r_wall, _, _ = fit_falkon(xtr.to(dtype), ytr.to(dtype), c64.to(dtype),
-                                                         make_kernel("rbf", ls, dtype), args.lam, 20, 0.0)
-                        refits.append(r_wall)
-                        if i < args.reference_repeats:  # the last one is kept for the test error below
-                            del model
-                            gc.collect()
-                notes.append(f"reference {name}: fit wall s in one reuse_stores() block: "
-                             + ", ".join(f"{w:.2f}" for w in refits) + " (the median of all but the first reported)")
-            refit = statistics.median(refits[1:]) if len(refits) > 1 else None
+                    with reuse_stores():
+                        for i in range(args.reference_repeats + 1):
+                            model, r_wall, _, _ = fit_falkon(xtr.to(dtype), ytr.to(dtype), c64.to(dtype),
+                                                             make_kernel("rbf", ls, dtype), args.lam, 20, 0.0)
+                            refits.append(r_wall)
+                            if i < args.reference_repeats:  # the last one is kept for the test error below
+                                del model
+                                gc.collect()
+                    notes.append(f"reference {label}: fit wall s in one reuse_stores() block: "
+                                 + ", ".join(f"{w:.2f}" for w in refits)
+                                 + " (the median of all but the first reported)")
+                refit = statistics.median(refits[1:]) if len(refits) > 1 else None
         except (FalkonConvergenceError, NotPSDError, RuntimeError) as exc:
-            notes.append(f"reference {name} failed: {type(exc).__name__}: {exc}")
+            notes.append(f"reference {label} failed: {type(exc).__name__}: {exc}")
             log("  " + notes[-1])
             continue
         pred = predict_model(model, xte.to(dtype), args.predict_chunk)
         r, rf = rmse(pred, yte), rmse(pred, fte)
         for w in warns:
-            notes.append(f"reference {name}: {w}")
-        log(f"  {name}: fit {wall:.2f} s wall / {cpu:.2f} s CPU, test RMSE {r:.4f} (vs f {rf:.4f})")
-        results[name] = r
+            notes.append(f"reference {label}: {w}")
+        log(f"  {label}: fit {wall:.2f} s wall / {cpu:.2f} s CPU, test RMSE {r:.4f} (vs f {rf:.4f})")
+        if store_fmt is None:
+            results[name] = r
+        else:
+            results[label] = r
         iterations = model.fit_info.iterations
         del model
         gc.collect()
-        limit, how, touch, own_limit = physical_limit(n, m, d, iterations, dtype)
-        limits.append(f"{name}: {limit:.2f} s = {how}")
-        log(f"  {name}: physical limit {limit:.2f} s ({how})")
-        rows.append([n, name, kn_mode(n, m, dtype), wall, cpu, iterations, r, rf,
+        limit, how, touch, own_limit = physical_limit(n, m, d, iterations, dtype,
+                                                      store_itemsize=None if store_fmt is None else 2)
+        if store_fmt is None:
+            dtype_limit[name] = limit
+        limits.append(f"{label}: {limit:.2f} s = {how}")
+        log(f"  {label}: physical limit {limit:.2f} s ({how})")
+        base = dtype_limit.get(name)
+        rows.append([n, name, kn_mode(n, m, dtype), fmt, wall, cpu, iterations, r, rf,
                      REFERENCE_CPU_S / cpu, REFERENCE_CPU_S / cpu >= 5.0, None, limit, wall / limit,
                      wall / limit <= 1.5, touch, wall / (limit + touch), own_limit, wall / own_limit,
-                     refit, None if refit is None else refit / limit])
+                     refit, None if refit is None else refit / limit, None if base is None else wall / base])
     if "float64" in results:
         for row in rows:
-            row[10] = row[6] / results["float64"]
+            row[11] = row[7] / results["float64"]
     text = (
         f"## Reference target (d = {d}, M = {m:,}, lambda = {args.lam:g}, RBF, median-heuristic lengthscale "
         f"{ls:.3f}, exactly 20 CG iterations)\n\n"
-        + markdown_table(headers, rows, align="rll" + "r" * 17)
+        + markdown_table(headers, rows, align="rlll" + "r" * 18)
         + "\n\nfalkon 0.9 reference: ~70 CPU-s (float64), test RMSE 0.145 (float64) / 0.30 (float32) on its own "
         "synthetic problem. Targets: CPU-s <= 14 (>= 5x) at equal error; float32 test RMSE within 2% of float64"
     )
-    if "float64" in results and "float32" in results:
-        rel = results["float32"] / results["float64"] - 1.0
-        text += f" (here: {100 * rel:+.2f}%, {'met' if abs(rel) <= 0.02 else 'NOT met'})"
+    if "float64" in results:
+        for key in [k for k in results if k != "float64"]:
+            rel = results[key] / results["float64"] - 1.0
+            text += f" (here {key}: {100 * rel:+.2f}%, {'met' if abs(rel) <= 0.02 else 'NOT met'})"
     text += "."
+    if any(fmt != "dtype" for fmt in args.store_formats):
+        text += ("\n\n'store': `dtype`, K_nM stored in the data's dtype; `int16`, under "
+                 "`gpfalkon.settings.store_format(\"int16\")` (16-bit fixed point with a scale per row: 2 bytes a "
+                 "value). An int16 row's physical limit, 'K_nM memory s' and read-rate limit count its 2-byte "
+                 "values (its own floor); 'x the dtype store's limit' = its fit wall / the limit of the same "
+                 "dtype's row with K_nM stored in that dtype (the floor issue 17 states for the fit).")
     if limits:
         text += ("\n\n'K_nM memory s': the first write and the release of a fresh n M tensor of the fit's dtype, "
                  "measured right after the fit (page faults, zeroing, unmapping: what obtaining the stored K_nM "
@@ -501,27 +524,35 @@ def run_flights(args, notes: list[str]) -> str | None:
     mean_rmse = rmse(torch.zeros_like(yte_t), yte_t)  # predicting the training mean (0 after standardising)
     log(f"[flights] n_train={len(tr):,} n_test={len(te):,} d={xtr_t.shape[1]} M={m:,} lengthscale {ls:.3f}; "
         f"predicting the mean: RMSE {mean_rmse:.4f} (standardised), {mean_rmse * ys:.2f} min")
-    headers = ["dtype", "K_nM", "fit wall s", "fit CPU s", "iterations", "final residual", "test RMSE (std.)",
-               "test RMSE (min)", "mean-prediction RMSE (std.)", "mean-prediction RMSE (min)", "predict s"]
+    headers = ["dtype", "store", "K_nM rows stored", "fit wall s", "fit CPU s", "iterations", "final residual",
+               "test RMSE (std.)", "test RMSE (min)", "mean-prediction RMSE (std.)", "mean-prediction RMSE (min)",
+               "predict s"]
     rows = []
-    for name in args.dtypes:
+    for name, fmt in [(name, fmt) for name in args.dtypes for fmt in args.flights_store_formats]:
         dtype = DTYPES[name]
+        store_fmt = None if fmt == "dtype" else fmt
+        label = name if store_fmt is None else f"{name}, {fmt} store"
         try:
-            model, wall, cpu, warns = fit_falkon(xtr_t.to(dtype), ytr_t.to(dtype), c64.to(dtype),
-                                                 make_kernel(args.flights_kernel, ls, dtype), args.flights_lam, 20, 0.0)
+            with gpfalkon.settings.store_format(store_fmt):
+                model, wall, cpu, warns = fit_falkon(xtr_t.to(dtype), ytr_t.to(dtype), c64.to(dtype),
+                                                     make_kernel(args.flights_kernel, ls, dtype), args.flights_lam,
+                                                     20, 0.0)
+                itemsize = torch.empty(0, dtype=dtype).element_size()
+                head = stored_rows_for(len(tr), m, itemsize, engine_memory_budget(m, torch.device("cpu")),
+                                       store_dtype=resolve_store_dtype(dtype))
         except (FalkonConvergenceError, NotPSDError, RuntimeError) as exc:
-            notes.append(f"flights {name} failed: {type(exc).__name__}: {exc}")
+            notes.append(f"flights {label} failed: {type(exc).__name__}: {exc}")
             log("  " + notes[-1])
             continue
         for w in warns:
-            notes.append(f"flights {name}: {w}")
+            notes.append(f"flights {label}: {w}")
         info = model.fit_info
-        log(f"  {name}: fit {wall:.1f} s wall / {cpu:.1f} s CPU; predicting {len(te):,} test points ...")
+        log(f"  {label}: fit {wall:.1f} s wall / {cpu:.1f} s CPU; predicting {len(te):,} test points ...")
         tp, _, pred = timed(lambda model=model, dtype=dtype: predict_model(model, xte_t.to(dtype), args.predict_chunk))
         r = rmse(pred, yte_t)
-        log(f"  {name}: test RMSE {r:.4f} (standardised), {r * ys:.2f} min; predict {tp:.1f} s")
-        rows.append([name, kn_mode(len(tr), m, dtype), wall, cpu, info.iterations, float(info.final_residual.max()),
-                     r, r * ys, mean_rmse, mean_rmse * ys, tp])
+        log(f"  {label}: test RMSE {r:.4f} (standardised), {r * ys:.2f} min; predict {tp:.1f} s")
+        rows.append([name, fmt, f"{head:,} of {len(tr):,}", wall, cpu, info.iterations,
+                     float(info.final_residual.max()), r, r * ys, mean_rmse, mean_rmse * ys, tp])
         del model
         gc.collect()
     kname = "RBF" if args.flights_kernel == "rbf" else "Matern 5/2"
@@ -530,7 +561,10 @@ def run_flights(args, notes: list[str]) -> str | None:
         f"{kname} with lengthscale {ls:.3f} (median heuristic on standardised X"
         + (f" x {args.flights_ls_factor:g}" if args.flights_ls_factor != 1.0 else "")
         + f"), exactly 20 CG iterations, shuffle seed {args.seed})\n\n"
-        + markdown_table(headers, rows, align="ll" + "r" * 9)
+        + markdown_table(headers, rows, align="lll" + "r" * 9)
+        + "\n\n'store': K_nM's stored rows in the data's dtype (`dtype`) or in 16-bit fixed point (`int16`, "
+        "`gpfalkon.settings.store_format`); the rows that do not fit the memory budget are recomputed at every "
+        "iteration ('K_nM rows stored', by the engine's rule)."
         + f"\n\ny standardised with training statistics (mean {ym:.3f} min, sd {ys:.3f} min); "
         "RMSE (min) = RMSE (std.) x sd. Mean prediction = the training mean."
     )
@@ -555,6 +589,11 @@ def main() -> None:
     ap.add_argument("--no-direct", action="store_true", help="skip all direct solves")
     ap.add_argument("--reference-repeats", type=int, default=3,
                     help="fits of each reference dtype; the median wall time is reported (default 3)")
+    ap.add_argument("--store-formats", nargs="+", choices=["dtype", "int16"], default=["dtype", "int16"],
+                    help="reference part: K_nM stored in the data's dtype and/or in 16-bit fixed point "
+                         "(gpfalkon.settings.store_format; default both)")
+    ap.add_argument("--flights-store-formats", nargs="+", choices=["dtype", "int16"], default=["dtype", "int16"],
+                    help="flights part: K_nM stored in the data's dtype and/or in 16-bit fixed point (default both)")
     ap.add_argument("--reference-n", type=int, default=None,
                     help="n of the reference row (default 200,000; 1e5 with --quick)")
     ap.add_argument("--choice-sizes", nargs="+", type=float, default=None,

@@ -66,7 +66,7 @@ from torch import Tensor
 from ._optim import Adam
 from ._validation import check_inputs, check_seed, check_targets
 from .backend import KernelEngine, stored_rows_for
-from .backend.blocks import available_memory
+from .backend.blocks import available_memory, resolve_store_dtype
 from .backend.engine import reuse_stores
 from .centers import NestedLeverageCenters, dictionary_leverage_scores, leverage_centers, nested_leverage_centers
 from .errors import CGNotConvergedWarning
@@ -1094,7 +1094,9 @@ def auto_fit(
             return engine_memory_budget(m, dev, available=free_bytes)
 
         itemsize = torch.finfo(dtype).bits // 8
-        head_first = stored_rows_for(n_final, m_first, itemsize, budget_at(m_first), device=dev)
+        store_dtype = resolve_store_dtype(dtype)  # gpfalkon.settings.store_format
+        head_first = stored_rows_for(n_final, m_first, itemsize, budget_at(m_first), device=dev,
+                                     store_dtype=store_dtype)
         if head_first < n_final:
             rows0 = min(n_tr, select_rows)
             # its own generator: whether this probe runs depends on the free memory, which must not shift the
@@ -1393,7 +1395,7 @@ def auto_fit(
             and every CG iteration recomputes the others: ``iterations + 2`` measured on-the-fly passes over
             those rows on top."""
             cost = predicted_fit_seconds(base, m, max(1.0, rows / rows_at(base)))
-            head = stored_rows_for(rows, m, itemsize, budget_at(m), device=dev)
+            head = stored_rows_for(rows, m, itemsize, budget_at(m), device=dev, store_dtype=store_dtype)
             if head < rows:
                 recompute = (iterations + 2) * onthefly_pass_seconds(m) * (rows - head) / n_s
                 # plus a fit on the first size's n_s rows: the parts that do not grow with the rows
@@ -1538,7 +1540,8 @@ def auto_fit(
             left = clock.left()
             m_g = growth_cap(m, min(2.0, final_growth_factor))
             while m_g >= 1.25 * m:
-                if (stored_rows_for(n_final, m_g, itemsize, budget_at(m_g), device=dev) >= n_final
+                if (stored_rows_for(n_final, m_g, itemsize, budget_at(m_g), device=dev,
+                                    store_dtype=store_dtype) >= n_final
                         and 1.2 * final_cost(m_g, base=m) <= 0.5 * left):
                     return m_g
                 m_g = int(m_g / 1.15)

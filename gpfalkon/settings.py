@@ -17,7 +17,7 @@ import numbers
 from typing import Any, ClassVar
 
 __all__ = ["aggregate_route", "block_rows", "cg_tolerance", "kmm_through_factor", "max_cg_iterations", "memory_budget",
-           "tf32", "triton_fly"]
+           "store_format", "tf32", "triton_fly"]
 
 _UNSET = object()
 
@@ -93,6 +93,32 @@ class memory_budget(_setting):
     @classmethod
     def _check(cls, value: Any) -> int | None:
         return _positive_int("memory_budget", value, allow_none=True)
+
+
+class store_format(_setting):
+    """How the kernel engine keeps the stored rows of ``K_nM``.
+
+    ``None`` (default): in the data's dtype. ``"int16"``: in 16-bit fixed point, each row ``i`` as integers
+    ``|q_ic| <= 32767`` times one scale ``s_i = max_c |K_ic| / 32767`` (in the data's dtype), rounded to
+    nearest when the first pass computes them: an absolute error of at most ``s_i / 2`` per value (about
+    ``1.5e-5`` of the row's largest value), half the memory of float32 (a quarter of float64), so twice the
+    rows of ``K_nM`` stay in memory under the same :class:`memory_budget`, and half the bytes read per CG
+    iteration, which is memory-bound with a stored ``K_nM``. Every pass (the first one's products included)
+    reads the rounded values, so CG solves one system: the Nyström system of the rounded ``K_nM``; ``K_MM``,
+    the preconditioner, the vectors and the predictions keep their dtypes. ``benchmarks/results/store-int16.md``
+    measures its speed and test error (float16, whose error grows with the value, moved the reference
+    problem's test RMSE by 25 % where this format moves it by 0.2 %). Use it where a measurement on your
+    data shows the test error unchanged.
+    """
+
+    _default: ClassVar[str | None] = None
+
+    @classmethod
+    def _check(cls, value: Any) -> str | None:
+        if value not in (None, "int16"):
+            raise ValueError(f"gpfalkon.settings.store_format: must be None (the data's dtype) or 'int16', "
+                             f"got {value!r}")
+        return value
 
 
 class block_rows(_setting):

@@ -49,6 +49,30 @@ def test_backend_products(device, kname, store):
     torch.testing.assert_close(e.column_sq_norms().cpu(), knm.square().sum(0), rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fixed_point_store_products(device, dtype):
+    """An int16 store (gpfalkon.settings.store_format) on the device: the first and later products are those of
+    the rounded matrix, which is within half a unit of each row's scale of the dense kernel."""
+    x, _ = make_data(300)
+    k = make_kernel("scale_matern52", x.shape[1])
+    c = x[:25].clone()
+    u = torch.randn(25, 2, dtype=torch.float64)
+    knm = dense_kernel(k, x, c).detach()
+    xd, cd, ud = _on(device, x.to(dtype), c.to(dtype), u.to(dtype))
+    with gpfalkon.settings.store_format("int16"):
+        e = KernelEngine(k.to(device=device, dtype=dtype), xd, cd, store=True)
+    outs = [e.kmn_k(ud).cpu() for _ in range(2)]
+    assert e._k.dtype == torch.int16 and e._k.device == xd.device
+    held = e.materialize().double().cpu()
+    bound = knm.abs().amax(1, keepdim=True) / 32767 * 0.5
+    eps = 1e-12 if dtype == torch.float64 else 1e-6
+    assert bool(((held - knm).abs() <= bound * (1 + 1e-3) + eps).all())
+    want = held.T @ (held @ u)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    for out in outs:
+        torch.testing.assert_close(out, want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
 def test_operator_solve_and_gradients(device):
     x, y = make_data(200)
     k = make_kernel("scale_matern52", x.shape[1])

@@ -64,8 +64,10 @@ __all__ = [
     "kept_stores",
     "memory_budget_for",
     "resolve_block_rows",
+    "resolve_store_dtype",
     "reuse_depth",
     "row_blocks",
+    "store_row_bytes",
     "stored_batch",
 ]
 
@@ -92,6 +94,22 @@ AGGREGATE = BlockProfile(live_blocks=4, default_rows=2048, graph_bytes=48)
 #: a differentiable pass keeps its whole graph within 1 / GRAPH_SHARE of the memory budget
 GRAPH_SHARE = 8
 STORED = BlockProfile(live_blocks=1, target_bytes=512 * 2**10, min_rows=8)
+
+
+def resolve_store_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a stored ``K_nM`` for data of ``dtype``: ``torch.int16`` where
+    :class:`gpfalkon.settings.store_format` (read now) is ``"int16"`` (fixed point with a scale per row), else
+    ``dtype``."""
+    return torch.int16 if settings.store_format.value() == "int16" else dtype
+
+
+def store_row_bytes(m: int, itemsize: int, store_dtype: torch.dtype | None = None) -> int:
+    """Bytes one stored row of ``K_nM`` takes for data of ``itemsize`` bytes: ``M`` values of ``store_dtype``
+    (default: the data's dtype), plus the row's scale (a data value) where the store is fixed point."""
+    m = max(int(m), 1)
+    if store_dtype is None or store_dtype.is_floating_point:
+        return m * (itemsize if store_dtype is None else torch.empty(0, dtype=store_dtype).element_size())
+    return m * torch.empty(0, dtype=store_dtype).element_size() + itemsize
 
 
 def resolve_block_rows(block_rows: int | None = None) -> int | None:

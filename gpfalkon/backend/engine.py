@@ -59,8 +59,10 @@ from .blocks import (
     kept_stores,
     memory_budget_for,
     resolve_block_rows,
+    resolve_store_dtype,
     reuse_depth,
     row_blocks,
+    store_row_bytes,
     stored_batch,
 )
 from .fused import fly_applies, fly_tile_rows, fused_fly_kmn_k, fused_kmn_k, fused_profile_
@@ -148,18 +150,20 @@ def _apply_profile_(kind: str, buf: Tensor, tmp: Tensor | None, zero_below: floa
 
 
 def stored_rows_for(n: int, m: int, itemsize: int, memory_budget: int, block_rows: int | None = None,
-                    device: torch.device | str | None = None) -> int:
+                    device: torch.device | str | None = None, store_dtype: torch.dtype | None = None) -> int:
     """Rows of ``K_nM`` a :class:`KernelEngine` built with ``store=None`` holds in memory: ``n`` when
-    the whole ``n M`` values fit ``memory_budget`` bytes, else the rows that fit beside the
-    on-the-fly pass's two ``block_rows x M`` buffers (``block_rows`` by :func:`block_rows_for` when
-    ``None``), or ``0`` where not one block does. Cost models (``auto_fit``'s) use it to predict a
-    pass: ``(n - rows) / n`` of it recomputes kernel values."""
+    the whole ``K_nM`` (in ``store_dtype``, default the data's dtype of ``itemsize`` bytes:
+    :func:`~gpfalkon.backend.blocks.store_row_bytes`) fits ``memory_budget`` bytes, else the rows that fit
+    beside the on-the-fly pass's two ``block_rows x M`` buffers of data values (``block_rows`` by
+    :func:`block_rows_for` when ``None``), or ``0`` where not one block does. Cost models (``auto_fit``'s)
+    use it to predict a pass: ``(n - rows) / n`` of it recomputes kernel values."""
     row_bytes = max(int(m), 1) * itemsize
-    if n * row_bytes <= memory_budget:
+    kept_row_bytes = store_row_bytes(m, itemsize, store_dtype)
+    if n * kept_row_bytes <= memory_budget:
         return int(n)
     if block_rows is None:
         block_rows = block_rows_for(n, m, itemsize, PRODUCT, memory_budget=memory_budget, device=device)
-    head = (memory_budget - PRODUCT.live_blocks * block_rows * row_bytes) // row_bytes
+    head = (memory_budget - PRODUCT.live_blocks * block_rows * row_bytes) // kept_row_bytes
     return int(min(head, n)) if head >= block_rows else 0
 
 
@@ -284,6 +288,30 @@ def _lower_rank_update_(g: Tensor, a: Tensor) -> None:
         g[i0:i1, :i1].addmm_(a[i0:i1], a[:i1].mT)
 
 
+#: the largest integer of a fixed-point store (int16, symmetric)
+FIXED_MAX = 32767
+#: bytes of the data-dtype buffer into which a fixed-point store's rows are converted per product on a GPU
+#: (the CPU's fused kernel converts them in its cache; its torch path uses the stored sub-blocks' size)
+FIXED_CHUNK_BYTES = 64 * 2**20
+
+
+def _quantize_rows_(blk: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """Rows of ``blk`` in 16-bit fixed point: ``scale_i = max |blk_i| / 32767``, ``q_i = round(blk_i /
+    scale_i)`` (nearest even; a zero row: ``scale_i = 0``, ``q_i = 0``; a row with a non-finite value:
+    ``scale_i = NaN``, ``q_i = 0``), written into ``q`` (int16) and ``scale``; ``blk`` becomes ``q_i scale_i``
+    in place and is returned. The same operations as the fused kernel's ``quantize_row`` (so both paths
+    store the same values). Cost: four passes over the block."""
+    top = blk.abs().amax(1)
+    s = top / FIXED_MAX
+    bad = ~torch.isfinite(blk).all(1)
+    r = torch.where(top[:, None] > 0, blk / s[:, None], torch.zeros((), dtype=blk.dtype, device=blk.device))
+    r = r.round_().clamp_(-FIXED_MAX, FIXED_MAX).masked_fill_(bad[:, None], 0.0)
+    s = s.masked_fill_(bad, float("nan"))
+    q.copy_(r)
+    scale.copy_(s)
+    return blk.copy_(r.mul_(s[:, None]))
+
+
 def kernel_block(kernel: Kernel, x1: Tensor, x2: Tensor, *, diag: bool = False) -> Tensor:
     """Dense ``k(x1, x2)`` (or its diagonal, ``diag=True``) through GPyTorch (differentiable; generic path), in
     ``x1``'s dtype.
@@ -325,8 +353,15 @@ class KernelEngine:
             to always recompute, ``None`` (default) to store it whole if it fits, else the first
             rows that fit (:attr:`stored_rows`; the rest recomputed at each pass).
 
+    The stored rows are kept in :attr:`store_dtype`: the data's dtype, or int16 where
+    :class:`gpfalkon.settings.store_format` is ``"int16"`` when the engine is built (fixed point: row ``i``
+    is ``q_i s_i``, ``s_i = max |K_i| / 32767``, the scales in the data's dtype), rounded once by the first
+    pass; every pass (the first one's products included) reads those values, converted to the data's dtype
+    in the core's cache (the fused CPU kernel) or block by block.
+
     Attributes:
         stored: whether the whole ``K_nM`` is stored.
+        store_dtype: the dtype of the stored rows (the data's, or int16).
         stored_rows: rows of ``K_nM`` held in memory once the first pass has run (``n`` when
             ``stored``; ``0`` with ``store=False`` or where not one block fits beside the buffers).
 
@@ -356,7 +391,9 @@ class KernelEngine:
         self.acc_dtype = torch.float64
         budget = memory_budget_for(memory_budget, device=self.device)
         itemsize = torch.finfo(self.dtype).bits // 8
-        row_bytes = self.m * itemsize
+        self.store_dtype = resolve_store_dtype(self.dtype)
+        self.fixed = self.store_dtype != self.dtype  # a fixed-point (int16) store with row scales
+        row_bytes = store_row_bytes(self.m, itemsize, self.store_dtype)
         full_bytes = self.n * row_bytes
         partial = store is None
         if store is None:
@@ -375,7 +412,8 @@ class KernelEngine:
         )
         self.stored_rows = self.n if self.stored else 0
         if partial and not self.stored:  # the rows that fit beside the on-the-fly buffers
-            self.stored_rows = stored_rows_for(self.n, self.m, itemsize, budget, self.block_rows)
+            self.stored_rows = stored_rows_for(self.n, self.m, itemsize, budget, self.block_rows,
+                                               store_dtype=self.store_dtype)
         # Thin products read a stored K_nM in chunks of `stored_batch` sub-blocks of about
         # 512 KiB, one batched product per chunk: each thread reads its sub-block twice,
         # the second time from its own cache (benchmarks/engine.py measures it). On a GPU
@@ -383,6 +421,8 @@ class KernelEngine:
         if self.device.type == "cuda":
             self.stored_batch = 1
             self.stored_block_rows = max(self.n, 1)
+            if self.fixed:  # converted chunk by chunk into a buffer of the data's dtype: bounded chunks
+                self.stored_block_rows = max(1, min(self.n, FIXED_CHUNK_BYTES // (self.m * itemsize)))
         else:
             self.stored_batch = stored_batch()
             assert STORED.target_bytes is not None  # the STORED profile sizes by bytes
@@ -418,6 +458,8 @@ class KernelEngine:
         self._k: Tensor | None = None
         self._buf: Tensor | None = None
         self._tmp: Tensor | None = None
+        self._scale: Tensor | None = None  # the row scales of a fixed-point store (stored_rows,)
+        self._wide: Tensor | None = None  # stored rows of a fixed-point store converted to the data's dtype
 
     def _augment(self, xb: Tensor) -> tuple[Tensor, Tensor]:
         """``([-2 f z, f |z|^2, 1], |z|^2)`` for ``z = (x_b - mu) / ell`` (see ``__init__``)."""
@@ -462,27 +504,55 @@ class KernelEngine:
             tmp = self._tmp[:rows]
         return _apply_profile_(self.spec.kind, out, tmp, zero_below)
 
-    def _new_store(self, rows: int) -> Tensor:
-        """An empty ``(rows, M)`` tensor for stored rows of ``K_nM``, once any released store is freed
+    def _new_store(self, rows: int) -> tuple[Tensor, Tensor | None]:
+        """An empty ``(rows, M)`` tensor (:attr:`store_dtype`) for stored rows of ``K_nM`` and, for a fixed-point
+        store, its ``(rows,)`` row scales (else ``None``), once any released store is freed
         (:func:`_await_frees`). Plain pages: transparent huge pages (``madvise``) were measured and left out
         (``benchmarks/results/hugepages.md``: a process's first advised store paid 1.8-2.1 s of memory
         compaction against 0.35-0.4 s of page faults). Inside :func:`reuse_stores`, a kept store of exactly
         this size, dtype and device is reused instead."""
+        scale = torch.empty(rows, dtype=self.dtype, device=self.device) if self.fixed else None
         if reuse_depth() > 0:
-            kept = _take_pooled(rows, self.m, self.dtype, self.device)
+            kept = _take_pooled(rows, self.m, self.store_dtype, self.device)
             if kept is not None:
-                return kept
+                return kept, scale
         _await_frees()
-        return torch.empty(rows, self.m, dtype=self.dtype, device=self.device)
+        return torch.empty(rows, self.m, dtype=self.store_dtype, device=self.device), scale
+
+    def _fill_block(self, k: Tensor, scale: Tensor | None, start: int, stop: int, xb: Tensor | None) -> Tensor:
+        """Rows ``start:stop`` of the store ``k`` computed (``K0``), returned in the data's dtype: a view
+        of the store, or (a fixed-point store, ``scale`` its row scales) the block as stored
+        (:func:`_quantize_rows_`), in a reused buffer."""
+        if scale is None:
+            return self._compute_block(start, stop, out=k[start:stop], xb=xb)
+        blk = self._compute_block(start, stop, out=self._buffer(stop - start), xb=xb)
+        return _quantize_rows_(blk, k[start:stop], scale[start:stop])
+
+    def _buffer(self, rows: int) -> Tensor:
+        """The first ``rows`` rows of the reused on-the-fly buffer (``block_rows x M``, the data's dtype)."""
+        if self._buf is None:
+            self._buf = torch.empty(self.block_rows, self.m, dtype=self.dtype, device=self.device)
+        return self._buf[:rows]
+
+    def _stored(self, start: int, stop: int) -> Tensor:
+        """Stored rows ``start:stop`` in the data's dtype: a view of the store, or (a fixed-point store)
+        ``q_i s_i`` in a reused buffer (valid until the next call)."""
+        assert self._k is not None
+        if self._scale is None:
+            return self._k[start:stop]
+        rows = stop - start
+        if self._wide is None or self._wide.shape[0] < rows:
+            self._wide = torch.empty(rows, self.m, dtype=self.dtype, device=self.device)
+        return self._wide[:rows].copy_(self._k[start:stop]).mul_(self._scale[start:stop, None])
 
     def _ensure_stored(self) -> Tensor:
-        """The stored rows ``K0[:stored_rows]``, computed on first use."""
+        """The stored rows ``K0[:stored_rows]`` (in :attr:`store_dtype`), computed on first use."""
         if self._k is None:
-            k = self._new_store(self.stored_rows)
+            k, scale = self._new_store(self.stored_rows)
             with torch.no_grad():
                 for start, stop, xb in self._rows(row_blocks(self.stored_rows, self.block_rows)):
-                    self._compute_block(start, stop, out=k[start:stop], xb=xb)
-            self._k = k
+                    self._fill_block(k, scale, start, stop, xb)
+            self._k, self._scale = k, scale
         return self._k
 
     def iter_blocks(self, rows: int | None = None) -> Generator[tuple[int, int, Tensor], None, None]:
@@ -505,21 +575,18 @@ class KernelEngine:
             if head > first:
                 if self._k is None:
                     assert first == 0, "a pass that skips rows needs the store filled"
-                    k = self._new_store(head)
+                    k, scale = self._new_store(head)
                     for start, stop, xb in self._rows(row_blocks(head, self.block_rows)):
-                        yield start, stop, self._compute_block(start, stop, out=k[start:stop], xb=xb)
-                    self._k = k
+                        yield start, stop, self._fill_block(k, scale, start, stop, xb)
+                    self._k, self._scale = k, scale
                 else:
                     for start, stop in row_blocks(head, self.stored_block_rows if rows is None else rows, first):
-                        yield start, stop, self._k[start:stop]
+                        yield start, stop, self._stored(start, stop)
             for start, stop, xb in self._rows(row_blocks(self.n, self.block_rows, max(head, first))):
-                n_rows = stop - start
                 if self.spec is None:
                     yield start, stop, self._compute_block(start, stop, xb=xb)
                     continue
-                if self._buf is None:
-                    self._buf = torch.empty(self.block_rows, self.m, dtype=self.dtype, device=self.device)
-                yield start, stop, self._compute_block(start, stop, out=self._buf[:n_rows], xb=xb)
+                yield start, stop, self._compute_block(start, stop, out=self._buffer(stop - start), xb=xb)
 
     def _rows(self, ranges: Iterator[tuple[int, int]]) -> Iterator[tuple[int, int, Tensor | None]]:
         """``(start, stop, x_b)`` for the ranges of a pass: a streamed source's blocks through
@@ -536,6 +603,9 @@ class KernelEngine:
         """Return the dense ``K_nM`` (n x M, includes the outputscale). O(n M) memory."""
         if self.stored:
             k = self._ensure_stored()
+            if self._scale is not None:  # fixed point: q_i s_i
+                k = k.to(self.dtype).mul_(self._scale[:, None])
+                return k.mul_(self.scale) if self.scale != 1.0 else k
             return k * self.scale if self.scale != 1.0 else k.clone()
         out = torch.empty(self.n, self.m, dtype=self.dtype, device=self.device)
         for start, stop, blk in self.iter_blocks():
@@ -546,8 +616,8 @@ class KernelEngine:
         """Free the stored matrix (a large host one on a background thread: :func:`_release_store`) and
         the buffers. Only the stored matrix may be kept for the next engine (:func:`reuse_stores`); the
         buffers never are."""
-        store, buffers = self._k, [t for t in (self._buf, self._tmp) if t is not None]
-        self._k = self._buf = self._tmp = None
+        store, buffers = self._k, [t for t in (self._buf, self._tmp, self._wide, self._scale) if t is not None]
+        self._k = self._buf = self._tmp = self._wide = self._scale = None
         _release_store(buffers, keep=False)
         if store is not None:
             _release_store([store])
@@ -592,7 +662,7 @@ class KernelEngine:
             head = self.stored_rows
             v_head = None if v_t is None else v_t[:, :head]
             if self._k is not None:
-                stored_done = fused_kmn_k(acc, self._k, u_t, v_head)
+                stored_done = fused_kmn_k(acc, self._k, u_t, v_head, self._scale)
             else:  # the first pass: the stored rows computed into the store by the fused tile kernel
                 stored_done = head > 0 and self._fly_fused(acc, u_t, v_head, fill=True)
             # the rows not stored on CPU: one call of the fused on-the-fly kernel, once any store is filled
@@ -603,7 +673,7 @@ class KernelEngine:
                 # run): the stored rows alone, as views (iter_blocks would compute the next block before the
                 # loop could stop; no subclass wraps them where the fused kernels ran)
                 for start, stop in row_blocks(head, self.stored_block_rows):
-                    self._thin_block_(acc, self._k[start:stop], u_t, None if v_t is None else v_t[:, start:stop])
+                    self._thin_block_(acc, self._stored(start, stop), u_t, None if v_t is None else v_t[:, start:stop])
             elif not ((stored_done or head == 0) and fly_done):
                 # (all rows: through iter_blocks, which a backend subclass may wrap)
                 blocks = self._iter_blocks(None, head) if stored_done else self.iter_blocks()
@@ -639,12 +709,12 @@ class KernelEngine:
             return True  # CUDA float32 (or Triton's interpreter): gpfalkon.backend.triton_fly
         if self.device.type != "cpu" or not fly_applies(acc, self._xa[rows], self._ca_t, self.spec.kind):
             return False  # checked first: a store taken here (a kept one, reuse_stores) must be filled
-        store = self._new_store(head) if fill else None
+        store, scale = self._new_store(head) if fill else (None, None)
         tile = fly_tile_rows(self.m, torch.finfo(self.dtype).bits // 8, cap=self.block_rows)
         done = fused_fly_kmn_k(acc, self._xa[rows], self._ca_t, self._x_sq[rows], u_t, v_t, self.spec.kind,
-                               floor, self._c_sq_max, tile, store=store)
+                               floor, self._c_sq_max, tile, store=store, store_scale=scale)
         if done and fill:
-            self._k = store
+            self._k, self._scale = store, scale
         return done
 
     def _thin_block_(self, acc: Tensor, blk: Tensor, u_t: Tensor | None, v_t: Tensor | None) -> None:

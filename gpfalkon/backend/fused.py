@@ -79,72 +79,165 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 #include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#include <limits>
 
 // Rows are taken R at a time (8, then 4 and 1 for the remainder): one pass over the R rows computes their
 // k dot products with u (R independent accumulators: no serial dependency on one sum), a second pass adds
 // the R rows, weighted, into the accumulator (now in L1/L2), so the accumulator is loaded and stored once
 // per R rows rather than once per row. R = 8 read the stored K 5-10 % faster than R = 4 (0.84-0.86 of
 // torch.sum's read rate against 0.77-0.81, 200,000 x 2,000 float32 on 2 EPYC cores).
+// w_q = r_q . uj for the R rows r_q = K0 + q M (R independent sums: no serial dependency on one sum)
+template <typename T, int R>
+__attribute__((always_inline)) static inline void row_dots(const T* K0, int64_t M, const T* __restrict uj, T* w) {
+  const T* __restrict r0 = K0;
+  const T* __restrict r1 = K0 + (R > 1 ? M : 0);
+  const T* __restrict r2 = K0 + (R > 2 ? 2 * M : 0);
+  const T* __restrict r3 = K0 + (R > 3 ? 3 * M : 0);
+  const T* __restrict r4 = K0 + (R > 4 ? 4 * M : 0);
+  const T* __restrict r5 = K0 + (R > 5 ? 5 * M : 0);
+  const T* __restrict r6 = K0 + (R > 6 ? 6 * M : 0);
+  const T* __restrict r7 = K0 + (R > 7 ? 7 * M : 0);
+  T s0 = T(0), s1 = T(0), s2 = T(0), s3 = T(0), s4 = T(0), s5 = T(0), s6 = T(0), s7 = T(0);
+  if constexpr (R == 8) {
+#pragma omp simd reduction(+ : s0, s1, s2, s3, s4, s5, s6, s7)
+    for (int64_t c = 0; c < M; ++c) {
+      const T x = uj[c];
+      s0 += r0[c] * x;
+      s1 += r1[c] * x;
+      s2 += r2[c] * x;
+      s3 += r3[c] * x;
+      s4 += r4[c] * x;
+      s5 += r5[c] * x;
+      s6 += r6[c] * x;
+      s7 += r7[c] * x;
+    }
+    w[0] = s0; w[1] = s1; w[2] = s2; w[3] = s3; w[4] = s4; w[5] = s5; w[6] = s6; w[7] = s7;
+  } else if constexpr (R == 4) {
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t c = 0; c < M; ++c) {
+      const T x = uj[c];
+      s0 += r0[c] * x;
+      s1 += r1[c] * x;
+      s2 += r2[c] * x;
+      s3 += r3[c] * x;
+    }
+    w[0] = s0; w[1] = s1; w[2] = s2; w[3] = s3;
+  } else {
+#pragma omp simd reduction(+ : s0)
+    for (int64_t c = 0; c < M; ++c) s0 += r0[c] * uj[c];
+    w[0] = s0;
+  }
+}
+
+// a += sum_q w_q r_q over the R rows r_q = K0 + q M
+template <typename T, int R>
+__attribute__((always_inline)) static inline void row_axpys(const T* K0, int64_t M, const T* w, T* __restrict a) {
+  const T* __restrict r0 = K0;
+  const T* __restrict r1 = K0 + (R > 1 ? M : 0);
+  const T* __restrict r2 = K0 + (R > 2 ? 2 * M : 0);
+  const T* __restrict r3 = K0 + (R > 3 ? 3 * M : 0);
+  const T* __restrict r4 = K0 + (R > 4 ? 4 * M : 0);
+  const T* __restrict r5 = K0 + (R > 5 ? 5 * M : 0);
+  const T* __restrict r6 = K0 + (R > 6 ? 6 * M : 0);
+  const T* __restrict r7 = K0 + (R > 7 ? 7 * M : 0);
+  if constexpr (R == 8) {
+    const T w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3], w4 = w[4], w5 = w[5], w6 = w[6], w7 = w[7];
+#pragma omp simd
+    for (int64_t c = 0; c < M; ++c)
+      a[c] += (w0 * r0[c] + w1 * r1[c] + w2 * r2[c] + w3 * r3[c]) +
+              (w4 * r4[c] + w5 * r5[c] + w6 * r6[c] + w7 * r7[c]);
+  } else if constexpr (R == 4) {
+    const T w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+#pragma omp simd
+    for (int64_t c = 0; c < M; ++c) a[c] += w0 * r0[c] + w1 * r1[c] + w2 * r2[c] + w3 * r3[c];
+  } else {
+    const T w0 = w[0];
+#pragma omp simd
+    for (int64_t c = 0; c < M; ++c) a[c] += w0 * r0[c];
+  }
+}
+
+// Rows are taken R at a time (8, then 4 and 1 for the remainder): one pass over the R rows computes their
+// k dot products with u (R independent accumulators: no serial dependency on one sum), a second pass adds
+// the R rows, weighted, into the accumulator (now in L1/L2), so the accumulator is loaded and stored once
+// per R rows rather than once per row. R = 8 read the stored K 5-10 % faster than R = 4 (0.84-0.86 of
+// torch.sum's read rate against 0.77-0.81, 200,000 x 2,000 float32 on 2 EPYC cores).
+// w_q = r_q . uj for the R rows r_q (R independent sums: no serial dependency on one sum)
+template <typename T, int R>
+static inline void row_dots(const T* const* r, int64_t M, const T* uj, T* w) {
+  T s0 = T(0), s1 = T(0), s2 = T(0), s3 = T(0), s4 = T(0), s5 = T(0), s6 = T(0), s7 = T(0);
+  if constexpr (R == 8) {
+#pragma omp simd reduction(+ : s0, s1, s2, s3, s4, s5, s6, s7)
+    for (int64_t c = 0; c < M; ++c) {
+      const T x = uj[c];
+      s0 += r[0][c] * x;
+      s1 += r[1][c] * x;
+      s2 += r[2][c] * x;
+      s3 += r[3][c] * x;
+      s4 += r[4][c] * x;
+      s5 += r[5][c] * x;
+      s6 += r[6][c] * x;
+      s7 += r[7][c] * x;
+    }
+    w[0] = s0; w[1] = s1; w[2] = s2; w[3] = s3; w[4] = s4; w[5] = s5; w[6] = s6; w[7] = s7;
+  } else if constexpr (R == 4) {
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t c = 0; c < M; ++c) {
+      const T x = uj[c];
+      s0 += r[0][c] * x;
+      s1 += r[1][c] * x;
+      s2 += r[2][c] * x;
+      s3 += r[3][c] * x;
+    }
+    w[0] = s0; w[1] = s1; w[2] = s2; w[3] = s3;
+  } else {
+#pragma omp simd reduction(+ : s0)
+    for (int64_t c = 0; c < M; ++c) s0 += r[0][c] * uj[c];
+    w[0] = s0;
+  }
+}
+
+// a += sum_q w_q r_q over the R rows
+template <typename T, int R>
+static inline void row_axpys(const T* const* r, int64_t M, const T* w, T* a) {
+  if constexpr (R == 8) {
+    const T w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3], w4 = w[4], w5 = w[5], w6 = w[6], w7 = w[7];
+#pragma omp simd
+    for (int64_t c = 0; c < M; ++c)
+      a[c] += (w0 * r[0][c] + w1 * r[1][c] + w2 * r[2][c] + w3 * r[3][c]) +
+              (w4 * r[4][c] + w5 * r[5][c] + w6 * r[6][c] + w7 * r[7][c]);
+  } else if constexpr (R == 4) {
+    const T w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+#pragma omp simd
+    for (int64_t c = 0; c < M; ++c) a[c] += w0 * r[0][c] + w1 * r[1][c] + w2 * r[2][c] + w3 * r[3][c];
+  } else {
+    const T w0 = w[0];
+#pragma omp simd
+    for (int64_t c = 0; c < M; ++c) a[c] += w0 * r[0][c];
+  }
+}
+
+// Rows are taken R at a time (8, then 4 and 1 for the remainder): one pass over the R rows computes their
+// k dot products with u, a second pass adds the R rows, weighted, into the accumulator (now in L1/L2), so
+// the accumulator is loaded and stored once per R rows rather than once per row. R = 8 read the stored K
+// 5-10 % faster than R = 4 (0.84-0.86 of torch.sum's read rate against 0.77-0.81, 200,000 x 2,000 float32
+// on 2 EPYC cores).
 template <typename T, int R>
 static inline void block_rows(const T* K, int64_t i, int64_t M, const T* u, const T* v, int64_t ldv,
                               int64_t k, T* acc) {
-  const T* r[R];
-  for (int q = 0; q < R; ++q) r[q] = K + (i + q) * M;
+  const T* K0 = K + i * M;
   for (int64_t j = 0; j < k; ++j) {
     T w[R];
     for (int q = 0; q < R; ++q) w[q] = T(0);
-    if (u != nullptr) {
-      const T* uj = u + j * M;
-      T s0 = T(0), s1 = T(0), s2 = T(0), s3 = T(0), s4 = T(0), s5 = T(0), s6 = T(0), s7 = T(0);
-      if constexpr (R == 8) {
-#pragma omp simd reduction(+ : s0, s1, s2, s3, s4, s5, s6, s7)
-        for (int64_t c = 0; c < M; ++c) {
-          const T x = uj[c];
-          s0 += r[0][c] * x;
-          s1 += r[1][c] * x;
-          s2 += r[2][c] * x;
-          s3 += r[3][c] * x;
-          s4 += r[4][c] * x;
-          s5 += r[5][c] * x;
-          s6 += r[6][c] * x;
-          s7 += r[7][c] * x;
-        }
-        w[0] = s0; w[1] = s1; w[2] = s2; w[3] = s3; w[4] = s4; w[5] = s5; w[6] = s6; w[7] = s7;
-      } else if constexpr (R == 4) {
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-        for (int64_t c = 0; c < M; ++c) {
-          const T x = uj[c];
-          s0 += r[0][c] * x;
-          s1 += r[1][c] * x;
-          s2 += r[2][c] * x;
-          s3 += r[3][c] * x;
-        }
-        w[0] = s0; w[1] = s1; w[2] = s2; w[3] = s3;
-      } else {
-#pragma omp simd reduction(+ : s0)
-        for (int64_t c = 0; c < M; ++c) s0 += r[0][c] * uj[c];
-        w[0] = s0;
-      }
-    }
+    if (u != nullptr) row_dots<T, R>(K0, M, u + j * M, w);
     if (v != nullptr)
       for (int q = 0; q < R; ++q) w[q] += v[j * ldv + i + q];
-    T* a = acc + j * M;
-    if constexpr (R == 8) {
-      const T w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3], w4 = w[4], w5 = w[5], w6 = w[6], w7 = w[7];
-#pragma omp simd
-      for (int64_t c = 0; c < M; ++c)
-        a[c] += (w0 * r[0][c] + w1 * r[1][c] + w2 * r[2][c] + w3 * r[3][c]) +
-                (w4 * r[4][c] + w5 * r[5][c] + w6 * r[6][c] + w7 * r[7][c]);
-    } else if constexpr (R == 4) {
-      const T w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
-#pragma omp simd
-      for (int64_t c = 0; c < M; ++c) a[c] += w0 * r[0][c] + w1 * r[1][c] + w2 * r[2][c] + w3 * r[3][c];
-    } else {
-      const T w0 = w[0];
-#pragma omp simd
-      for (int64_t c = 0; c < M; ++c) a[c] += w0 * r[0][c];
-    }
+    row_axpys<T, R>(K0, M, w, acc + j * M);
   }
 }
 
@@ -165,6 +258,214 @@ static void rows_into(const T* K, int64_t begin, int64_t end, int64_t M, const T
   }
 }
 
+// A 16-bit fixed-point store (gpfalkon.settings.store_format "int16"): row i of K is q_i s_i with integers
+// |q_ic| <= 32767 and one scale s_i = max_c |K_ic| / 32767 per row (absolute error at most s_i / 2).
+// quantize_row: the T values b (one row of M) into q and s (returned), and b rounded in place to q s, the values
+// every pass uses (the first pass's products included). Round to nearest even (as torch.round). A row with a
+// non-finite value gets s = NaN and q = 0, so its products are NaN as with the data's dtype; a zero row s = 0.
+template <typename T>
+static inline T quantize_row(T* __restrict b, int16_t* __restrict q, int64_t M) {
+  T top = T(0), probe = T(0);
+#pragma omp simd reduction(max : top) reduction(+ : probe)
+  for (int64_t c = 0; c < M; ++c) {
+    const T a = b[c] < T(0) ? -b[c] : b[c];
+    top = a > top ? a : top;
+    probe += b[c] * T(0);  // NaN where some value is NaN or infinite
+  }
+  if (probe != T(0)) {
+    for (int64_t c = 0; c < M; ++c) {
+      q[c] = 0;
+      b[c] = std::numeric_limits<T>::quiet_NaN();
+    }
+    return std::numeric_limits<T>::quiet_NaN();
+  }
+  if (top == T(0)) {
+    for (int64_t c = 0; c < M; ++c) q[c] = 0;
+    return T(0);
+  }
+  const T scale = top / T(32767);
+#pragma omp simd
+  for (int64_t c = 0; c < M; ++c) {
+    T r = std::nearbyint(b[c] / scale);
+    r = r > T(32767) ? T(32767) : (r < T(-32767) ? T(-32767) : r);
+    q[c] = static_cast<int16_t>(r);
+    b[c] = r * scale;
+  }
+  return scale;
+}
+
+// q s to T values into dst (one row)
+template <typename T>
+static inline void dequantize_row(const int16_t* __restrict q, T scale, T* __restrict dst, int64_t M) {
+#pragma omp simd
+  for (int64_t c = 0; c < M; ++c) dst[c] = static_cast<T>(q[c]) * scale;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight int16 rows src .. src + 8 M (scales sc) in float32 without a converted copy: each pass widens the values
+// it reads in registers and folds the row's scale into its weight; the second and later passes read the rows
+// (32 KiB at M = 2,000) from the core's cache
+static inline __m256 widen8(const int16_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+static inline void fixed_block8_avx2(const int16_t* __restrict src, const float* sc, int64_t i, int64_t M,
+                                     const float* u, const float* v, int64_t ldv, int64_t k, float* acc) {
+  const int64_t M8 = M / 8 * 8;
+  for (int64_t j = 0; j < k; ++j) {
+    float w[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (u != nullptr) {
+      const float* uj = u + j * M;
+      __m256 s[8];
+      for (int q = 0; q < 8; ++q) s[q] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < M8; c += 8) {
+        const __m256 x = _mm256_loadu_ps(uj + c);
+#pragma GCC unroll 8
+        for (int q = 0; q < 8; ++q) s[q] = _mm256_fmadd_ps(widen8(src + q * M + c), x, s[q]);
+      }
+      for (int q = 0; q < 8; ++q) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, s[q]);
+        float t = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+        for (int64_t c = M8; c < M; ++c) t += static_cast<float>(src[q * M + c]) * uj[c];
+        w[q] = t * sc[q];
+      }
+    }
+    if (v != nullptr)
+      for (int q = 0; q < 8; ++q) w[q] += v[j * ldv + i + q];
+    float* a = acc + j * M;
+    __m256 wv[8];
+    for (int q = 0; q < 8; ++q) wv[q] = _mm256_set1_ps(w[q] * sc[q]);
+    for (int64_t c = 0; c < M8; c += 8) {
+      __m256 p0 = _mm256_mul_ps(wv[0], widen8(src + c));
+      __m256 p1 = _mm256_mul_ps(wv[4], widen8(src + 4 * M + c));
+#pragma GCC unroll 3
+      for (int q = 1; q < 4; ++q) {
+        p0 = _mm256_fmadd_ps(wv[q], widen8(src + q * M + c), p0);
+        p1 = _mm256_fmadd_ps(wv[q + 4], widen8(src + (q + 4) * M + c), p1);
+      }
+      _mm256_storeu_ps(a + c, _mm256_add_ps(_mm256_loadu_ps(a + c), _mm256_add_ps(p0, p1)));
+    }
+    for (int64_t c = M8; c < M; ++c) {
+      float t = 0.0f;
+      for (int q = 0; q < 8; ++q) t += (w[q] * sc[q]) * static_cast<float>(src[q * M + c]);
+      a[c] += t;
+    }
+  }
+}
+#endif
+
+// The same products for one right-hand side u over the groups of eight rows g = 0 .. groups - 1 (src, scales
+// sc, rows i0 ..), software-pipelined: one loop over the columns adds group g's weighted rows into the
+// accumulator (from the cache) while it takes group g + 1's dot products (from memory) and prefetches group
+// g + 2, so the read from memory overlaps both passes. (Eight 2-byte rows of M = 2,000 are one 4 KiB page each,
+// where the hardware's stream prefetchers stop: without the prefetch the store was read at 0.5-0.6 of
+// torch.sum's rate, with it 0.85, benchmarks/results/store-int16.md.)
+static inline void fixed_groups1_avx2(const int16_t* __restrict src, const float* sc, int64_t i0, int64_t groups,
+                                      int64_t M, const float* u, const float* v, int64_t ldv, float* a) {
+  const int64_t M8 = M / 8 * 8;
+  float w[8];
+  auto finish = [&](const int16_t* g, const float* gs, int64_t gi, const __m256* s) {
+    for (int q = 0; q < 8; ++q) {
+      float lanes[8];
+      _mm256_storeu_ps(lanes, s[q]);
+      float t = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+      for (int64_t c = M8; c < M; ++c) t += static_cast<float>(g[q * M + c]) * u[c];
+      w[q] = t * gs[q] + (v != nullptr ? v[gi + q] : 0.0f);
+    }
+  };
+  {  // group 0's dot products
+    __m256 s[8];
+    for (int q = 0; q < 8; ++q) s[q] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < M8; c += 8) {
+      const __m256 x = _mm256_loadu_ps(u + c);
+#pragma GCC unroll 8
+      for (int q = 0; q < 8; ++q) s[q] = _mm256_fmadd_ps(widen8(src + q * M + c), x, s[q]);
+    }
+    finish(src, sc, i0, s);
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const int16_t* cur = src + g * 8 * M;
+    const int16_t* nxt = cur + 8 * M;
+    const bool more = g + 1 < groups;
+    float wq[8];
+    for (int q = 0; q < 8; ++q) wq[q] = w[q] * sc[g * 8 + q];
+    __m256 s[8];
+    for (int q = 0; q < 8; ++q) s[q] = _mm256_setzero_ps();
+    if (more) {
+      for (int64_t c = 0; c < M8; c += 8) {
+        const __m256 x = _mm256_loadu_ps(u + c);
+        __m256 p0 = _mm256_mul_ps(_mm256_set1_ps(wq[0]), widen8(cur + c));
+        __m256 p1 = _mm256_mul_ps(_mm256_set1_ps(wq[4]), widen8(cur + 4 * M + c));
+#pragma GCC unroll 3
+        for (int q = 1; q < 4; ++q) {
+          p0 = _mm256_fmadd_ps(_mm256_set1_ps(wq[q]), widen8(cur + q * M + c), p0);
+          p1 = _mm256_fmadd_ps(_mm256_set1_ps(wq[q + 4]), widen8(cur + (q + 4) * M + c), p1);
+        }
+#pragma GCC unroll 8
+        for (int q = 0; q < 8; ++q) s[q] = _mm256_fmadd_ps(widen8(nxt + q * M + c), x, s[q]);
+        if ((c & 31) == 0) {
+#pragma GCC unroll 8
+          for (int q = 0; q < 8; ++q) _mm_prefetch(reinterpret_cast<const char*>(nxt + (8 + q) * M + c), _MM_HINT_T0);
+        }
+        _mm256_storeu_ps(a + c, _mm256_add_ps(_mm256_loadu_ps(a + c), _mm256_add_ps(p0, p1)));
+      }
+    } else {
+      for (int64_t c = 0; c < M8; c += 8) {
+        __m256 p0 = _mm256_mul_ps(_mm256_set1_ps(wq[0]), widen8(cur + c));
+        __m256 p1 = _mm256_mul_ps(_mm256_set1_ps(wq[4]), widen8(cur + 4 * M + c));
+#pragma GCC unroll 3
+        for (int q = 1; q < 4; ++q) {
+          p0 = _mm256_fmadd_ps(_mm256_set1_ps(wq[q]), widen8(cur + q * M + c), p0);
+          p1 = _mm256_fmadd_ps(_mm256_set1_ps(wq[q + 4]), widen8(cur + (q + 4) * M + c), p1);
+        }
+        _mm256_storeu_ps(a + c, _mm256_add_ps(_mm256_loadu_ps(a + c), _mm256_add_ps(p0, p1)));
+      }
+    }
+    for (int64_t c = M8; c < M; ++c) {
+      float t = 0.0f;
+      for (int q = 0; q < 8; ++q) t += wq[q] * static_cast<float>(cur[q * M + c]);
+      a[c] += t;
+    }
+    if (more) finish(nxt, sc + (g + 1) * 8, i0 + (g + 1) * 8, s);
+  }
+}
+
+// rows_into for an int16 store (scales sc), read from memory once at 2 bytes a value: in float32 on a CPU with
+// AVX2, eight rows at a time by fixed_block8_avx2; otherwise (float64, or no AVX2) each group of eight rows is
+// dequantized into `rowbuf` (8 M values, in the core's cache) and block_rows runs on it
+template <typename T>
+static void fixed_rows_into(const int16_t* K, const T* sc, int64_t begin, int64_t end, int64_t M, const T* u,
+                            const T* v, int64_t ldv, int64_t k, int64_t flush, std::vector<T>& acc,
+                            std::vector<double>& acc64, std::vector<T>& rowbuf) {
+  for (int64_t i0 = begin; i0 < end; i0 += flush) {
+    const int64_t i1 = std::min(end, i0 + flush);
+    int64_t i = i0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (std::is_same<T, float>::value) {
+      if (k == 1 && u != nullptr && i + 16 <= i1) {
+        const int64_t groups = (i1 - i) / 8;
+        fixed_groups1_avx2(K + i * M, sc + i, i, groups, M, u, v, ldv, acc.data());
+        i += groups * 8;
+      }
+      for (; i + 8 <= i1; i += 8) fixed_block8_avx2(K + i * M, sc + i, i, M, u, v, ldv, k, acc.data());
+    }
+#endif
+    for (; i + 8 <= i1; i += 8) {
+      for (int q = 0; q < 8; ++q) dequantize_row<T>(K + (i + q) * M, sc[i + q], rowbuf.data() + q * M, M);
+      block_rows<T, 8>(rowbuf.data(), 0, M, u, v != nullptr ? v + i : nullptr, ldv, k, acc.data());
+    }
+    for (; i < i1; ++i) {
+      dequantize_row<T>(K + i * M, sc[i], rowbuf.data(), M);
+      block_rows<T, 1>(rowbuf.data(), 0, M, u, v != nullptr ? v + i : nullptr, ldv, k, acc.data());
+    }
+    for (int64_t c = 0; c < k * M; ++c) {
+      acc64[c] += static_cast<double>(acc[c]);
+      acc[c] = T(0);
+    }
+  }
+}
+
 template <typename T>
 static void fused_rows(const T* K, int64_t rows, int64_t M, const T* u, const T* v, int64_t ldv,
                        int64_t k, int64_t flush, double* out) {
@@ -173,6 +474,20 @@ static void fused_rows(const T* K, int64_t rows, int64_t M, const T* u, const T*
     std::vector<T> acc(k * M, T(0));
     std::vector<double> acc64(k * M, 0.0);
     rows_into<T>(K, begin, end, M, u, v, ldv, k, flush, acc, acc64);
+    std::lock_guard<std::mutex> guard(lock);
+    for (int64_t c = 0; c < k * M; ++c) out[c] += acc64[c];
+  });
+}
+
+template <typename T>
+static void fused_fixed_rows(const int16_t* K, const T* sc, int64_t rows, int64_t M, const T* u, const T* v,
+                             int64_t ldv, int64_t k, int64_t flush, double* out) {
+  std::mutex lock;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> acc(k * M, T(0));
+    std::vector<double> acc64(k * M, 0.0);
+    std::vector<T> rowbuf(8 * M);
+    fixed_rows_into<T>(K, sc, begin, end, M, u, v, ldv, k, flush, acc, acc64, rowbuf);
     std::lock_guard<std::mutex> guard(lock);
     for (int64_t c = 0; c < k * M; ++c) out[c] += acc64[c];
   });
@@ -191,12 +506,25 @@ static void check_operands(const torch::Tensor& acc, const torch::Tensor& u, con
 
 // acc (k, M) float64 += U^T K^T K + V^T K, for K (rows, M) row-major, u (k, M), v (k, rows) rows
 // with unit stride (leading dimension ldv); u or v may be empty (0 elements) meaning absent.
-void fused_kmn_k(torch::Tensor acc, torch::Tensor K, torch::Tensor u, torch::Tensor v, int64_t flush) {
+// K int16: the rows q_i of a fixed-point store, K_i = q_i scale_i (scale (rows,) in u's dtype; else empty).
+void fused_kmn_k(torch::Tensor acc, torch::Tensor K, torch::Tensor u, torch::Tensor v, torch::Tensor scale,
+                 int64_t flush) {
   TORCH_CHECK(K.dim() == 2 && K.is_contiguous(), "K must be a contiguous 2-D tensor");
   TORCH_CHECK(acc.scalar_type() == torch::kFloat64 && acc.is_contiguous(), "acc must be contiguous float64");
   const int64_t rows = K.size(0), M = K.size(1), k = acc.size(0);
   const bool has_u = u.numel() > 0, has_v = v.numel() > 0;
   check_operands(acc, u, v, rows, M);
+  if (K.scalar_type() == torch::kInt16) {  // an int16 store: row scales and products in the scales' dtype
+    TORCH_CHECK(scale.dim() == 1 && scale.size(0) == rows && scale.is_contiguous(), "scale must be (rows,)");
+    AT_DISPATCH_FLOATING_TYPES(scale.scalar_type(), "fused_kmn_k_fixed", [&] {
+      TORCH_CHECK(!has_u || u.scalar_type() == scale.scalar_type(), "u must have scale's dtype");
+      TORCH_CHECK(!has_v || v.scalar_type() == scale.scalar_type(), "v must have scale's dtype");
+      fused_fixed_rows<scalar_t>(K.data_ptr<int16_t>(), scale.data_ptr<scalar_t>(), rows, M,
+                                 has_u ? u.data_ptr<scalar_t>() : nullptr, has_v ? v.data_ptr<scalar_t>() : nullptr,
+                                 has_v ? v.stride(0) : 0, k, flush, acc.data_ptr<double>());
+    });
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES(K.scalar_type(), "fused_kmn_k", [&] {
     TORCH_CHECK(!has_u || u.scalar_type() == K.scalar_type(), "u must have K's dtype");
     TORCH_CHECK(!has_v || v.scalar_type() == K.scalar_type(), "v must have K's dtype");
@@ -317,8 +645,8 @@ void profile_(torch::Tensor b, int64_t kind, double zero_below) {
 // (U^T K^T + V^T) K with the single-read products above while the tile is still in its core's cache.
 // m12_floor: zero_below = m12_floor * (max of the tile's x_sq + c_sq_max) for Matern-1/2.
 void fly_kmn_k(torch::Tensor acc, torch::Tensor xa, torch::Tensor ca, torch::Tensor x_sq, torch::Tensor u,
-               torch::Tensor v, torch::Tensor store, int64_t kind, double m12_floor, double c_sq_max, int64_t tile,
-               int64_t flush) {
+               torch::Tensor v, torch::Tensor store, torch::Tensor store_scale, int64_t kind, double m12_floor,
+               double c_sq_max, int64_t tile, int64_t flush) {
   TORCH_CHECK(xa.dim() == 2 && ca.dim() == 2 && xa.size(1) == ca.size(0), "xa (rows, a) and ca (a, M) needed");
   TORCH_CHECK(acc.scalar_type() == torch::kFloat64 && acc.is_contiguous(), "acc must be contiguous float64");
   TORCH_CHECK(kind >= 0 && kind <= 3 && tile >= 1 && flush >= 1, "bad kind / tile / flush");
@@ -327,9 +655,16 @@ void fly_kmn_k(torch::Tensor acc, torch::Tensor xa, torch::Tensor ca, torch::Ten
   check_operands(acc, u, v, rows, M);
   if (kind == 1) TORCH_CHECK(x_sq.numel() == rows, "x_sq must hold one value per row for Matern-1/2");
   // store: the tiles are computed into its rows (kept) instead of a thread's buffer
+  // (an int16 store: each tile computed in the thread's buffer, then quantized row by row into the store and
+  // store_scale, and its products taken with the quantized values, which later passes read back)
   const bool has_store = store.numel() > 0;
+  const bool fixed_store = has_store && store.scalar_type() == torch::kInt16;
   if (has_store) TORCH_CHECK(store.is_contiguous() && store.size(0) == rows && store.size(1) == M &&
-                             store.scalar_type() == xa.scalar_type(), "store must be contiguous (rows, M), xa's dtype");
+                             (fixed_store || store.scalar_type() == xa.scalar_type()),
+                             "store must be contiguous (rows, M), xa's dtype or int16");
+  if (fixed_store)
+    TORCH_CHECK(store_scale.dim() == 1 && store_scale.size(0) == rows && store_scale.is_contiguous() &&
+                store_scale.scalar_type() == xa.scalar_type(), "store_scale must be (rows,), xa's dtype");
   const int64_t ntiles = (rows + tile - 1) / tile;
   std::mutex lock;
   double* out = acc.data_ptr<double>();
@@ -341,12 +676,12 @@ void fly_kmn_k(torch::Tensor acc, torch::Tensor xa, torch::Tensor ca, torch::Ten
     const scalar_t* vp = has_v ? v.data_ptr<scalar_t>() : nullptr;
     const int64_t ldv = has_v ? v.stride(0) : 0;
     at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
-      at::Tensor buf = at::empty({has_store ? 0 : std::min(tile, rows), M}, xa.options());
+      at::Tensor buf = at::empty({has_store && !fixed_store ? 0 : std::min(tile, rows), M}, xa.options());
       std::vector<scalar_t> part(k * M, scalar_t(0));
       std::vector<double> part64(k * M, 0.0);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t s = t * tile, r = std::min(rows, s + tile) - s;
-        at::Tensor b = has_store ? store.narrow(0, s, r) : buf.narrow(0, 0, r);
+        at::Tensor b = has_store && !fixed_store ? store.narrow(0, s, r) : buf.narrow(0, 0, r);
         at::mm_out(b, xa.narrow(0, s, r), ca);
         double zero_below = 0.0;
         if (kind == 1) zero_below = m12_floor * (x_sq.narrow(0, s, r).max().item<double>() + c_sq_max);
@@ -354,6 +689,12 @@ void fly_kmn_k(torch::Tensor acc, torch::Tensor xa, torch::Tensor ca, torch::Ten
           b.clamp_max_(0.0).exp2_();
         } else {
           profile_values<scalar_t>(kind, b.data_ptr<scalar_t>(), r * M, static_cast<scalar_t>(zero_below));
+        }
+        if (fixed_store) {
+          scalar_t* bp = b.data_ptr<scalar_t>();
+          int16_t* qp = store.data_ptr<int16_t>() + s * M;
+          scalar_t* sp = store_scale.data_ptr<scalar_t>() + s;
+          for (int64_t row = 0; row < r; ++row) sp[row] = quantize_row<scalar_t>(bp + row * M, qp + row * M, M);
         }
         const scalar_t* K = b.data_ptr<scalar_t>();
         const scalar_t* vt = vp != nullptr ? vp + s : nullptr;
@@ -655,28 +996,40 @@ def fused_available() -> tuple[bool, str]:
     return True, ""
 
 
-def fused_kmn_k(acc: Tensor, k_nm: Tensor, u_t: Tensor | None, v_t: Tensor | None) -> bool:
+def fused_kmn_k(acc: Tensor, k_nm: Tensor, u_t: Tensor | None, v_t: Tensor | None,
+                scale: Tensor | None = None) -> bool:
     """``acc += (u_t K + v_t) K`` in place, i.e. ``acc^T += K^T (K u + v)``, reading ``K`` once.
 
     Args:
         acc: ``(k, M)`` float64, contiguous, on the CPU.
-        k_nm: ``(rows, M)`` contiguous, float32 or float64.
-        u_t: ``(k, M)`` in ``k_nm``'s dtype, or ``None``.
-        v_t: ``(k, rows)`` in ``k_nm``'s dtype with unit column stride, or ``None``.
+        k_nm: ``(rows, M)`` contiguous, float32 or float64; or int16, a fixed-point store
+            (:class:`gpfalkon.settings.store_format`) whose row ``i`` is ``k_nm[i] * scale[i]``: in float32 on
+            a CPU with AVX2 eight rows at a time widened in registers (the scale folded into the rows'
+            weights), else each group of eight rows dequantized in the core's cache; ``K`` is read at two
+            bytes a value.
+        u_t: ``(k, M)`` in ``k_nm``'s dtype (an int16 ``k_nm``: ``scale``'s), or ``None``.
+        v_t: ``(k, rows)`` in ``u_t``'s dtype with unit column stride, or ``None``.
+        scale: ``(rows,)`` contiguous, float32 or float64: the row scales of an int16 ``k_nm`` (else ``None``).
 
     Returns:
         ``True`` if the fused kernel ran; ``False`` (``acc`` untouched) where it does not apply
         (not CPU, another dtype, more than :data:`MAX_K` right-hand sides, a non-contiguous
         ``K``, or the kernel unavailable): the caller then uses its own path.
     """
-    if (k_nm.device.type != "cpu" or k_nm.dtype not in (torch.float32, torch.float64) or not k_nm.is_contiguous()
-            or acc.shape[0] > MAX_K or acc.dtype != torch.float64 or not acc.is_contiguous()
-            or k_nm.requires_grad):
+    if (k_nm.device.type != "cpu" or k_nm.dtype not in (torch.float32, torch.float64, torch.int16)
+            or not k_nm.is_contiguous() or acc.shape[0] > MAX_K or acc.dtype != torch.float64
+            or not acc.is_contiguous() or k_nm.requires_grad):
         return False
-    args = _operands("fused_kmn_k", k_nm, u_t, v_t)
+    like = k_nm
+    if k_nm.dtype == torch.int16:  # products in the scales' dtype
+        if (scale is None or scale.dtype not in (torch.float32, torch.float64) or not scale.is_contiguous()
+                or scale.shape != (k_nm.shape[0],)):
+            return False
+        like = scale
+    args = _operands("fused_kmn_k", like, u_t, v_t)
     if args is None:
         return False
-    _state["module"].fused_kmn_k(acc, k_nm, *args, FLUSH_ROWS)
+    _state["module"].fused_kmn_k(acc, k_nm, *args, like.new_empty(0) if scale is None else scale, FLUSH_ROWS)
     return True
 
 
@@ -743,7 +1096,8 @@ def fly_applies(acc: Tensor, xa: Tensor, ca_t: Tensor, kind: str) -> bool:
 
 
 def fused_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: Tensor | None, v_t: Tensor | None,
-                    kind: str, m12_floor: float, c_sq_max: float, tile: int, store: Tensor | None = None) -> bool:
+                    kind: str, m12_floor: float, c_sq_max: float, tile: int, store: Tensor | None = None,
+                    store_scale: Tensor | None = None) -> bool:
     """``acc += (u_t K + v_t) K`` for ``K = phi(xa @ ca_t)`` computed tile by tile and never stored.
 
     The on-the-fly pass of :class:`~gpfalkon.backend.engine.KernelEngine`'s stationary fast path in one
@@ -765,8 +1119,12 @@ def fused_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: Te
         kind: ``"rbf"``, ``"matern12"``, ``"matern32"`` or ``"matern52"``.
         m12_floor, c_sq_max: the Matern-1/2 floor is ``m12_floor * (max_tile x_sq + c_sq_max)``.
         tile: rows per tile.
-        store: ``(rows, M)`` contiguous in ``xa``'s dtype, or ``None``: where given, the tiles are computed
-            into its rows, which then hold ``K`` (the engine's first pass fills its stored ``K_nM`` so).
+        store: ``(rows, M)`` contiguous in ``xa``'s dtype or int16, or ``None``: where given, the tiles are
+            computed into its rows, which then hold ``K`` (the engine's first pass fills its stored ``K_nM``
+            so); an int16 store receives each row in fixed point (``K_i ~ store[i] * store_scale[i]``,
+            ``store_scale[i] = max |K_i| / 32767``, rounded to nearest even), and the tile's products are
+            taken with those values (the values every later pass reads).
+        store_scale: ``(rows,)`` contiguous in ``xa``'s dtype: the row scales an int16 store receives.
 
     Returns:
         ``True`` if the kernel ran; ``False`` (``acc`` untouched) where it does not apply (not CPU,
@@ -774,14 +1132,19 @@ def fused_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: Te
         unavailable).
     """
     if not fly_applies(acc, xa, ca_t, kind) or (
-            store is not None and (store.dtype != xa.dtype or not store.is_contiguous()
+            store is not None and (store.dtype not in (xa.dtype, torch.int16) or not store.is_contiguous()
                                    or store.shape != (xa.shape[0], ca_t.shape[1]))):
+        return False
+    fixed = store is not None and store.dtype == torch.int16
+    if fixed and (store_scale is None or store_scale.dtype != xa.dtype or not store_scale.is_contiguous()
+                  or store_scale.shape != (xa.shape[0],)):
         return False
     args = _operands("fused_fly_kmn_k", xa, u_t, v_t)
     if args is None:
         return False
     _state["module"].fly_kmn_k(acc, xa, ca_t, x_sq, *args, xa.new_empty(0) if store is None else store,
-                               _KINDS[kind], float(m12_floor), float(c_sq_max), int(tile), FLUSH_ROWS)
+                               store_scale if fixed else xa.new_empty(0), _KINDS[kind], float(m12_floor),
+                               float(c_sq_max), int(tile), FLUSH_ROWS)
     return True
 
 

@@ -17,6 +17,7 @@ from torch.autograd.function import once_differentiable
 from .. import settings
 from .._validation import check_dtype, check_inputs, check_penalty
 from ..backend.autograd import backward_params, blockwise_kernel_grad, kernel_params, kernel_product, scatter_grads
+from ..backend.blocks import resolve_store_dtype
 from ..backend.engine import KernelEngine, kernel_block
 from ..backend.passes import is_sharded, total_rows
 from ..errors import FalkonConvergenceError, JitterWarning
@@ -223,8 +224,14 @@ class NystromKRROperator(LinearOperator):
 
     @property
     def engine(self) -> KernelEngine:
-        """The kernel-product engine (built on first use; may store ``K_nM``)."""
+        """The kernel-product engine (built on first use; may store ``K_nM``, in the dtype
+        :class:`gpfalkon.settings.store_dtype` gives when it is built: an engine whose store has another
+        dtype than the setting in force now is rebuilt)."""
         self._refresh()
+        if self._engine is not None and getattr(self._engine, "store_dtype", None) not in (
+                None, resolve_store_dtype(self.x.dtype)):
+            self._engine.release()
+            self._engine = None
         if self._engine is None:
             build = KernelEngine if self.options.backend is None else self.options.backend
             # the automatic budget leaves the preconditioner's M x M matrices free on the same device (at
