@@ -206,6 +206,9 @@ def _inconsistent(rank: int, world: int, out_dir: str, what: str) -> None:
             if start is not None and rank == 1:
                 start += 1.0
             model.fit(initial_alpha=start)
+        if what == "store_format":  # K_nM stored in 16-bit fixed point on rank 1 only
+            with gpfalkon.settings.store_format("int16" if rank == 1 else None):
+                model.fit()
         msg = "no error"
     except ValueError as exc:
         msg = str(exc)
@@ -219,7 +222,8 @@ def start_of(model: FalkonGP) -> torch.Tensor:
 
 def _started(rank: int, world: int, out_dir: str, mode: str) -> None:
     """``fit(initial_alpha=...)`` with rows sharded: ``"same"`` start on every rank (saved: alpha and CG's
-    residuals), or ``"invalid"`` on rank 1 only (NaN; rank 0 passes a valid one): every rank raises."""
+    residuals), or ``"invalid"`` on rank 1 only (NaN; rank 0 passes a valid one): every rank raises;
+    ``"int16"``: the same start, every rank under ``gpfalkon.settings.store_format("int16")``."""
     x, y, _ = data()
     s, e = shard_bounds([N // 2, N - N // 2])[rank]
     model = FalkonGP(x[s:e], y[s:e], make_kernel(), num_centers=M, seed=3, penalty=1e-4, max_iter=7, tol=0.0,
@@ -228,7 +232,8 @@ def _started(rank: int, world: int, out_dir: str, mode: str) -> None:
     if mode == "invalid" and rank == 1:
         start = torch.full_like(start, float("nan"))
     try:
-        model.fit(initial_alpha=start)
+        with gpfalkon.settings.store_format("int16" if mode == "int16" else None):
+            model.fit(initial_alpha=start)
         res = {"alpha": model.alpha, "residuals": model.fit_info.residuals, "message": "no error"}
     except ValueError as exc:
         res = {"message": str(exc)}

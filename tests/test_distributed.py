@@ -112,7 +112,8 @@ def _sorted_classifier(rank, world, sizes, out_dir):
 @pytest.mark.parametrize("what,named", [("kernel", "kernel_hyperparameters"), ("d", "data_shape"),
                                         ("seed", "center_indices"), ("num_centers", "num_centers"),
                                         ("max_iter", "solver_settings"), ("learn_centers", "solver_settings"),
-                                        ("initial_alpha", "cg_start"), ("initial_alpha_one_rank", "cg_start")])
+                                        ("initial_alpha", "cg_start"), ("initial_alpha_one_rank", "cg_start"),
+                                        ("store_format", "store_format")])
 def test_ranks_that_disagree_are_told_so(tmp_path, what, named):
     W.run(2, W._inconsistent, (str(tmp_path), what), str(tmp_path))
     for res in _load(tmp_path, 2):
@@ -137,6 +138,25 @@ def test_a_cg_start_is_shared_checked_and_equals_one_process(tmp_path):
     msgs = [res["message"] for res in _load(tmp_path, 2)]
     assert "another rank passed an invalid callback or initial_alpha" in msgs[0], msgs
     assert "initial_alpha must be floating point and finite" in msgs[1], msgs
+
+
+def test_a_fixed_point_store_on_two_ranks_equals_one_process(tmp_path):
+    """store_format("int16") rounds each row of K_nM by its own scale, so two ranks' shards store the rows one
+    process stores: the same alpha and CG residual history (7 iterations from one start)."""
+    x, y, _ = W.data()
+    ref = FalkonGP(x, y, W.make_kernel(), num_centers=W.M, seed=3, penalty=1e-4, max_iter=7, tol=0.0,
+                   options=FalkonOptions(solve_method="cg"))
+    with gpfalkon.settings.store_format("int16"):
+        ref.fit(initial_alpha=W.start_of(ref))
+    plain = FalkonGP(x, y, W.make_kernel(), num_centers=W.M, seed=3, penalty=1e-4, max_iter=7, tol=0.0,
+                     options=FalkonOptions(solve_method="cg"))
+    plain.fit(initial_alpha=W.start_of(plain))
+    assert not torch.allclose(ref.alpha, plain.alpha, rtol=1e-9, atol=0)  # the rounding shows
+    W.run(2, W._started, (str(tmp_path), "int16"), str(tmp_path))
+    for r, res in enumerate(_load(tmp_path, 2)):
+        assert res["message"] == "no error", res["message"]
+        _close(res["alpha"], ref.alpha, f"rank {r} alpha")
+        _close(res["residuals"], ref.fit_info.residuals, f"rank {r} residuals")
 
 
 def test_a_dead_rank_makes_the_others_raise(tmp_path):

@@ -437,9 +437,9 @@ class DistributedBackend:
         for r, other in enumerate(everyone):
             if not torch.equal(other, mine):
                 bad = int((other != mine).nonzero()[0].item()) // 5
-                what = ("every rank must pass the same initial_alpha and warm_start to fit()"
-                        if names[bad] == "cg_start"
-                        else "every rank must build the model with the same kernel, centers, dtype and d")
+                what = {"cg_start": "every rank must pass the same initial_alpha and warm_start to fit()",
+                        "store_format": "every rank must fit under the same gpfalkon.settings.store_format"}.get(
+                    names[bad], "every rank must build the model with the same kernel, centers, dtype and d")
                 raise ValueError(
                     f"ranks disagree on {names[bad]}: rank {self.rank} and rank {r} hold different values ({what})")
 

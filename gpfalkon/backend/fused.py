@@ -86,11 +86,6 @@ _SOURCE = r"""
 #endif
 #include <limits>
 
-// Rows are taken R at a time (8, then 4 and 1 for the remainder): one pass over the R rows computes their
-// k dot products with u (R independent accumulators: no serial dependency on one sum), a second pass adds
-// the R rows, weighted, into the accumulator (now in L1/L2), so the accumulator is loaded and stored once
-// per R rows rather than once per row. R = 8 read the stored K 5-10 % faster than R = 4 (0.84-0.86 of
-// torch.sum's read rate against 0.77-0.81, 200,000 x 2,000 float32 on 2 EPYC cores).
 // w_q = r_q . uj for the R rows r_q = K0 + q M (R independent sums: no serial dependency on one sum)
 template <typename T, int R>
 __attribute__((always_inline)) static inline void row_dots(const T* K0, int64_t M, const T* __restrict uj, T* w) {
@@ -159,66 +154,6 @@ __attribute__((always_inline)) static inline void row_axpys(const T* K0, int64_t
     const T w0 = w[0];
 #pragma omp simd
     for (int64_t c = 0; c < M; ++c) a[c] += w0 * r0[c];
-  }
-}
-
-// Rows are taken R at a time (8, then 4 and 1 for the remainder): one pass over the R rows computes their
-// k dot products with u (R independent accumulators: no serial dependency on one sum), a second pass adds
-// the R rows, weighted, into the accumulator (now in L1/L2), so the accumulator is loaded and stored once
-// per R rows rather than once per row. R = 8 read the stored K 5-10 % faster than R = 4 (0.84-0.86 of
-// torch.sum's read rate against 0.77-0.81, 200,000 x 2,000 float32 on 2 EPYC cores).
-// w_q = r_q . uj for the R rows r_q (R independent sums: no serial dependency on one sum)
-template <typename T, int R>
-static inline void row_dots(const T* const* r, int64_t M, const T* uj, T* w) {
-  T s0 = T(0), s1 = T(0), s2 = T(0), s3 = T(0), s4 = T(0), s5 = T(0), s6 = T(0), s7 = T(0);
-  if constexpr (R == 8) {
-#pragma omp simd reduction(+ : s0, s1, s2, s3, s4, s5, s6, s7)
-    for (int64_t c = 0; c < M; ++c) {
-      const T x = uj[c];
-      s0 += r[0][c] * x;
-      s1 += r[1][c] * x;
-      s2 += r[2][c] * x;
-      s3 += r[3][c] * x;
-      s4 += r[4][c] * x;
-      s5 += r[5][c] * x;
-      s6 += r[6][c] * x;
-      s7 += r[7][c] * x;
-    }
-    w[0] = s0; w[1] = s1; w[2] = s2; w[3] = s3; w[4] = s4; w[5] = s5; w[6] = s6; w[7] = s7;
-  } else if constexpr (R == 4) {
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-    for (int64_t c = 0; c < M; ++c) {
-      const T x = uj[c];
-      s0 += r[0][c] * x;
-      s1 += r[1][c] * x;
-      s2 += r[2][c] * x;
-      s3 += r[3][c] * x;
-    }
-    w[0] = s0; w[1] = s1; w[2] = s2; w[3] = s3;
-  } else {
-#pragma omp simd reduction(+ : s0)
-    for (int64_t c = 0; c < M; ++c) s0 += r[0][c] * uj[c];
-    w[0] = s0;
-  }
-}
-
-// a += sum_q w_q r_q over the R rows
-template <typename T, int R>
-static inline void row_axpys(const T* const* r, int64_t M, const T* w, T* a) {
-  if constexpr (R == 8) {
-    const T w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3], w4 = w[4], w5 = w[5], w6 = w[6], w7 = w[7];
-#pragma omp simd
-    for (int64_t c = 0; c < M; ++c)
-      a[c] += (w0 * r[0][c] + w1 * r[1][c] + w2 * r[2][c] + w3 * r[3][c]) +
-              (w4 * r[4][c] + w5 * r[5][c] + w6 * r[6][c] + w7 * r[7][c]);
-  } else if constexpr (R == 4) {
-    const T w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
-#pragma omp simd
-    for (int64_t c = 0; c < M; ++c) a[c] += w0 * r[0][c] + w1 * r[1][c] + w2 * r[2][c] + w3 * r[3][c];
-  } else {
-    const T w0 = w[0];
-#pragma omp simd
-    for (int64_t c = 0; c < M; ++c) a[c] += w0 * r[0][c];
   }
 }
 

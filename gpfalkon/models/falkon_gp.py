@@ -731,8 +731,11 @@ class FalkonGP(gpytorch.models.GP):
                 # initial_alpha (NaN marks none), else ranks would stop at different iterations
                 marker = torch.full((1,), float("nan"), dtype=torch.float64, device=self.centers.device)
                 given = marker if initial_alpha is None else initial_alpha.detach().reshape(-1).to(marker)
+                # and one stored K_nM format (gpfalkon.settings.store_format): else the ranks' rows would form
+                # a system of partly rounded rows
                 self.options.backend.check_consistent(
-                    cg_start=torch.cat([marker.new_tensor([float(bool(warm_start))]), given]))
+                    cg_start=torch.cat([marker.new_tensor([float(bool(warm_start))]), given]),
+                    store_format=marker.new_tensor([float(settings.store_format.value() == "int16")]))
             for flag, name in zip(bad.tolist()[:2], ("train_y", "train_x"), strict=True):
                 if flag:
                     raise ValueError(f"{name} contains NaN or Inf (was it edited in place after the model was "
