@@ -237,134 +237,121 @@ static inline void dequantize_row(const int16_t* __restrict q, T scale, T* __res
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// Eight int16 rows src .. src + 8 M (scales sc) in float32 without a converted copy: each pass widens the values
-// it reads in registers and folds the row's scale into its weight; the second and later passes read the rows
-// (32 KiB at M = 2,000) from the core's cache
+// eight int16 values widened to float32
 static inline __m256 widen8(const int16_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// s_q += the eight rows' products with u over the first M8 columns (one vector accumulator per row)
+static inline void dots8_avx2(const int16_t* __restrict src, int64_t M, int64_t M8, const float* u, __m256* s) {
+  for (int64_t c = 0; c < M8; c += 8) {
+    const __m256 x = _mm256_loadu_ps(u + c);
+#pragma GCC unroll 8
+    for (int q = 0; q < 8; ++q) s[q] = _mm256_fmadd_ps(widen8(src + q * M + c), x, s[q]);
+  }
+}
+
+// a[c] += sum_q wq_q src_q[c] for the columns c of the vector at c (two chains of four rows)
+static inline __m256 axpy8_at(const int16_t* __restrict src, int64_t M, int64_t c, const float* wq) {
+  __m256 p0 = _mm256_mul_ps(_mm256_set1_ps(wq[0]), widen8(src + c));
+  __m256 p1 = _mm256_mul_ps(_mm256_set1_ps(wq[4]), widen8(src + 4 * M + c));
+#pragma GCC unroll 3
+  for (int q = 1; q < 4; ++q) {
+    p0 = _mm256_fmadd_ps(_mm256_set1_ps(wq[q]), widen8(src + q * M + c), p0);
+    p1 = _mm256_fmadd_ps(_mm256_set1_ps(wq[q + 4]), widen8(src + (q + 4) * M + c), p1);
+  }
+  return _mm256_add_ps(p0, p1);
+}
+
+// a += sum_q wq_q src_q over all M columns (the vectors, then the tail)
+static inline void axpy8_avx2(const int16_t* __restrict src, int64_t M, int64_t M8, const float* wq, float* a) {
+  for (int64_t c = 0; c < M8; c += 8)
+    _mm256_storeu_ps(a + c, _mm256_add_ps(_mm256_loadu_ps(a + c), axpy8_at(src, M, c, wq)));
+  for (int64_t c = M8; c < M; ++c) {
+    float t = 0.0f;
+    for (int q = 0; q < 8; ++q) t += wq[q] * static_cast<float>(src[q * M + c]);
+    a[c] += t;
+  }
+}
+
+// w_q = (the lanes of s_q summed + the tail columns' products with u) sc_q (+ v_q)
+static inline void finish8(const int16_t* __restrict src, int64_t M, int64_t M8, const float* u, const __m256* s,
+                           const float* sc, const float* v, float* w) {
+  for (int q = 0; q < 8; ++q) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, s[q]);
+    float t = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    for (int64_t c = M8; c < M; ++c) t += static_cast<float>(src[q * M + c]) * u[c];
+    w[q] = t * sc[q] + (v != nullptr ? v[q] : 0.0f);
+  }
+}
+
+// Eight int16 rows src .. src + 8 M (scales sc) in float32 without a converted copy: each pass widens the values
+// it reads in registers and folds the row's scale into its weight; the second and later passes read the rows
+// (32 KiB at M = 2,000) from the core's cache. k right-hand sides.
 static inline void fixed_block8_avx2(const int16_t* __restrict src, const float* sc, int64_t i, int64_t M,
                                      const float* u, const float* v, int64_t ldv, int64_t k, float* acc) {
   const int64_t M8 = M / 8 * 8;
   for (int64_t j = 0; j < k; ++j) {
     float w[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     if (u != nullptr) {
-      const float* uj = u + j * M;
       __m256 s[8];
       for (int q = 0; q < 8; ++q) s[q] = _mm256_setzero_ps();
-      for (int64_t c = 0; c < M8; c += 8) {
-        const __m256 x = _mm256_loadu_ps(uj + c);
-#pragma GCC unroll 8
-        for (int q = 0; q < 8; ++q) s[q] = _mm256_fmadd_ps(widen8(src + q * M + c), x, s[q]);
-      }
-      for (int q = 0; q < 8; ++q) {
-        float lanes[8];
-        _mm256_storeu_ps(lanes, s[q]);
-        float t = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-        for (int64_t c = M8; c < M; ++c) t += static_cast<float>(src[q * M + c]) * uj[c];
-        w[q] = t * sc[q];
-      }
+      dots8_avx2(src, M, M8, u + j * M, s);
+      finish8(src, M, M8, u + j * M, s, sc, nullptr, w);
     }
     if (v != nullptr)
       for (int q = 0; q < 8; ++q) w[q] += v[j * ldv + i + q];
-    float* a = acc + j * M;
-    __m256 wv[8];
-    for (int q = 0; q < 8; ++q) wv[q] = _mm256_set1_ps(w[q] * sc[q]);
-    for (int64_t c = 0; c < M8; c += 8) {
-      __m256 p0 = _mm256_mul_ps(wv[0], widen8(src + c));
-      __m256 p1 = _mm256_mul_ps(wv[4], widen8(src + 4 * M + c));
-#pragma GCC unroll 3
-      for (int q = 1; q < 4; ++q) {
-        p0 = _mm256_fmadd_ps(wv[q], widen8(src + q * M + c), p0);
-        p1 = _mm256_fmadd_ps(wv[q + 4], widen8(src + (q + 4) * M + c), p1);
-      }
-      _mm256_storeu_ps(a + c, _mm256_add_ps(_mm256_loadu_ps(a + c), _mm256_add_ps(p0, p1)));
-    }
-    for (int64_t c = M8; c < M; ++c) {
-      float t = 0.0f;
-      for (int q = 0; q < 8; ++q) t += (w[q] * sc[q]) * static_cast<float>(src[q * M + c]);
-      a[c] += t;
-    }
+    float wq[8];
+    for (int q = 0; q < 8; ++q) wq[q] = w[q] * sc[q];
+    axpy8_avx2(src, M, M8, wq, acc + j * M);
   }
 }
-#endif
 
 // The same products for one right-hand side u over the groups of eight rows g = 0 .. groups - 1 (src, scales
 // sc, rows i0 ..), software-pipelined: one loop over the columns adds group g's weighted rows into the
 // accumulator (from the cache) while it takes group g + 1's dot products (from memory) and prefetches group
 // g + 2, so the read from memory overlaps both passes. (Eight 2-byte rows of M = 2,000 are one 4 KiB page each,
-// where the hardware's stream prefetchers stop: without the prefetch the store was read at 0.5-0.6 of
-// torch.sum's rate, with it 0.85, benchmarks/results/store-int16.md.)
+// where the hardware's stream prefetchers stop: without the prefetch the store was read at 0.46-0.64 of
+// torch.sum's rate, with it 0.76-0.85, benchmarks/results/store-int16.md.)
 static inline void fixed_groups1_avx2(const int16_t* __restrict src, const float* sc, int64_t i0, int64_t groups,
-                                      int64_t M, const float* u, const float* v, int64_t ldv, float* a) {
+                                      int64_t M, const float* u, const float* v, float* a) {
   const int64_t M8 = M / 8 * 8;
   float w[8];
-  auto finish = [&](const int16_t* g, const float* gs, int64_t gi, const __m256* s) {
-    for (int q = 0; q < 8; ++q) {
-      float lanes[8];
-      _mm256_storeu_ps(lanes, s[q]);
-      float t = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-      for (int64_t c = M8; c < M; ++c) t += static_cast<float>(g[q * M + c]) * u[c];
-      w[q] = t * gs[q] + (v != nullptr ? v[gi + q] : 0.0f);
-    }
-  };
-  {  // group 0's dot products
-    __m256 s[8];
-    for (int q = 0; q < 8; ++q) s[q] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < M8; c += 8) {
-      const __m256 x = _mm256_loadu_ps(u + c);
-#pragma GCC unroll 8
-      for (int q = 0; q < 8; ++q) s[q] = _mm256_fmadd_ps(widen8(src + q * M + c), x, s[q]);
-    }
-    finish(src, sc, i0, s);
-  }
+  __m256 s[8];
+  for (int q = 0; q < 8; ++q) s[q] = _mm256_setzero_ps();
+  dots8_avx2(src, M, M8, u, s);  // group 0's dot products
+  finish8(src, M, M8, u, s, sc, v != nullptr ? v + i0 : nullptr, w);
   for (int64_t g = 0; g < groups; ++g) {
     const int16_t* cur = src + g * 8 * M;
     const int16_t* nxt = cur + 8 * M;
-    const bool more = g + 1 < groups;
     float wq[8];
     for (int q = 0; q < 8; ++q) wq[q] = w[q] * sc[g * 8 + q];
-    __m256 s[8];
+    if (g + 1 == groups) {  // the last group: its second pass alone
+      axpy8_avx2(cur, M, M8, wq, a);
+      break;
+    }
     for (int q = 0; q < 8; ++q) s[q] = _mm256_setzero_ps();
-    if (more) {
-      for (int64_t c = 0; c < M8; c += 8) {
-        const __m256 x = _mm256_loadu_ps(u + c);
-        __m256 p0 = _mm256_mul_ps(_mm256_set1_ps(wq[0]), widen8(cur + c));
-        __m256 p1 = _mm256_mul_ps(_mm256_set1_ps(wq[4]), widen8(cur + 4 * M + c));
-#pragma GCC unroll 3
-        for (int q = 1; q < 4; ++q) {
-          p0 = _mm256_fmadd_ps(_mm256_set1_ps(wq[q]), widen8(cur + q * M + c), p0);
-          p1 = _mm256_fmadd_ps(_mm256_set1_ps(wq[q + 4]), widen8(cur + (q + 4) * M + c), p1);
-        }
+    for (int64_t c = 0; c < M8; c += 8) {
+      const __m256 x = _mm256_loadu_ps(u + c);
+      const __m256 add = axpy8_at(cur, M, c, wq);
 #pragma GCC unroll 8
-        for (int q = 0; q < 8; ++q) s[q] = _mm256_fmadd_ps(widen8(nxt + q * M + c), x, s[q]);
-        if ((c & 31) == 0) {
+      for (int q = 0; q < 8; ++q) s[q] = _mm256_fmadd_ps(widen8(nxt + q * M + c), x, s[q]);
+      if ((c & 31) == 0) {
 #pragma GCC unroll 8
-          for (int q = 0; q < 8; ++q) _mm_prefetch(reinterpret_cast<const char*>(nxt + (8 + q) * M + c), _MM_HINT_T0);
-        }
-        _mm256_storeu_ps(a + c, _mm256_add_ps(_mm256_loadu_ps(a + c), _mm256_add_ps(p0, p1)));
+        for (int q = 0; q < 8; ++q) _mm_prefetch(reinterpret_cast<const char*>(nxt + (8 + q) * M + c), _MM_HINT_T0);
       }
-    } else {
-      for (int64_t c = 0; c < M8; c += 8) {
-        __m256 p0 = _mm256_mul_ps(_mm256_set1_ps(wq[0]), widen8(cur + c));
-        __m256 p1 = _mm256_mul_ps(_mm256_set1_ps(wq[4]), widen8(cur + 4 * M + c));
-#pragma GCC unroll 3
-        for (int q = 1; q < 4; ++q) {
-          p0 = _mm256_fmadd_ps(_mm256_set1_ps(wq[q]), widen8(cur + q * M + c), p0);
-          p1 = _mm256_fmadd_ps(_mm256_set1_ps(wq[q + 4]), widen8(cur + (q + 4) * M + c), p1);
-        }
-        _mm256_storeu_ps(a + c, _mm256_add_ps(_mm256_loadu_ps(a + c), _mm256_add_ps(p0, p1)));
-      }
+      _mm256_storeu_ps(a + c, _mm256_add_ps(_mm256_loadu_ps(a + c), add));
     }
     for (int64_t c = M8; c < M; ++c) {
       float t = 0.0f;
       for (int q = 0; q < 8; ++q) t += wq[q] * static_cast<float>(cur[q * M + c]);
       a[c] += t;
     }
-    if (more) finish(nxt, sc + (g + 1) * 8, i0 + (g + 1) * 8, s);
+    finish8(nxt, M, M8, u, s, sc + (g + 1) * 8, v != nullptr ? v + i0 + (g + 1) * 8 : nullptr, w);
   }
 }
+#endif
 
 // rows_into for an int16 store (scales sc), read from memory once at 2 bytes a value: in float32 on a CPU with
 // AVX2, eight rows at a time by fixed_block8_avx2; otherwise (float64, or no AVX2) each group of eight rows is
@@ -380,7 +367,7 @@ static void fixed_rows_into(const int16_t* K, const T* sc, int64_t begin, int64_
     if constexpr (std::is_same<T, float>::value) {
       if (k == 1 && u != nullptr && i + 16 <= i1) {
         const int64_t groups = (i1 - i) / 8;
-        fixed_groups1_avx2(K + i * M, sc + i, i, groups, M, u, v, ldv, acc.data());
+        fixed_groups1_avx2(K + i * M, sc + i, i, groups, M, u, v, acc.data());
         i += groups * 8;
       }
       for (; i + 8 <= i1; i += 8) fixed_block8_avx2(K + i * M, sc + i, i, M, u, v, ldv, k, acc.data());
