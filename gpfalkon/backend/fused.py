@@ -176,23 +176,6 @@ static inline void block_rows(const T* K, int64_t i, int64_t M, const T* u, cons
   }
 }
 
-// acc64 += rows begin .. end - 1 of K's products, summed in T over at most `flush` rows at a time
-template <typename T>
-static void rows_into(const T* K, int64_t begin, int64_t end, int64_t M, const T* u, const T* v, int64_t ldv,
-                      int64_t k, int64_t flush, std::vector<T>& acc, std::vector<double>& acc64) {
-  for (int64_t i0 = begin; i0 < end; i0 += flush) {
-    const int64_t i1 = std::min(end, i0 + flush);
-    int64_t i = i0;
-    for (; i + 8 <= i1; i += 8) block_rows<T, 8>(K, i, M, u, v, ldv, k, acc.data());
-    for (; i + 4 <= i1; i += 4) block_rows<T, 4>(K, i, M, u, v, ldv, k, acc.data());
-    for (; i < i1; ++i) block_rows<T, 1>(K, i, M, u, v, ldv, k, acc.data());
-    for (int64_t c = 0; c < k * M; ++c) {
-      acc64[c] += static_cast<double>(acc[c]);
-      acc[c] = T(0);
-    }
-  }
-}
-
 // A 16-bit fixed-point store (gpfalkon.settings.store_format "int16"): row i of K is q_i s_i with integers
 // |q_ic| <= 32767 and one scale s_i = max_c |K_ic| / 32767 per row (absolute error at most s_i / 2).
 // quantize_row: the T values b (one row of M) into q and s (returned), and b rounded in place to q s, the values
@@ -237,125 +220,191 @@ static inline void dequantize_row(const int16_t* __restrict q, T scale, T* __res
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// eight int16 values widened to float32
-static inline __m256 widen8(const int16_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
+// One AVX2 vector of T (eight float32 or four float64 lanes): loads of T values, or of int16 values widened to
+// T in registers (a fixed-point store read at two bytes a value), and the arithmetic the row loops below use.
+template <typename T> struct Vec;
+template <> struct Vec<float> {
+  using V = __m256;
+  static constexpr int64_t W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const int16_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static float lanes(V x) {
+    float l[8];
+    _mm256_storeu_ps(l, x);
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+  }
+};
+template <> struct Vec<double> {
+  using V = __m256d;
+  static constexpr int64_t W = 4;
+  static V zero() { return _mm256_setzero_pd(); }
+  static V set1(double x) { return _mm256_set1_pd(x); }
+  static V load(const double* p) { return _mm256_loadu_pd(p); }
+  static V load(const int16_t* p) {
+    return _mm256_cvtepi32_pd(_mm_cvtepi16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void store(double* p, V x) { _mm256_storeu_pd(p, x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_pd(a, b); }
+  static V add(V a, V b) { return _mm256_add_pd(a, b); }
+  static double lanes(V x) {
+    double l[4];
+    _mm256_storeu_pd(l, x);
+    return (l[0] + l[1]) + (l[2] + l[3]);
+  }
+};
 
-// s_q += the eight rows' products with u over the first M8 columns (one vector accumulator per row)
-static inline void dots8_avx2(const int16_t* __restrict src, int64_t M, int64_t M8, const float* u, __m256* s) {
-  for (int64_t c = 0; c < M8; c += 8) {
-    const __m256 x = _mm256_loadu_ps(u + c);
+// Eight int16 rows src_q = src + q M of a fixed-point store, products in T. MW: the columns in whole vectors; the
+// tail columns MW .. M - 1 are scalar.
+// s_q += the eight rows' products with u over the first MW columns (one vector accumulator per row)
+template <typename T>
+static inline void dots8(const int16_t* __restrict src, int64_t M, int64_t MW, const T* u, typename Vec<T>::V* s) {
+  using X = Vec<T>;
+  for (int64_t c = 0; c < MW; c += X::W) {
+    const typename X::V x = X::load(u + c);
 #pragma GCC unroll 8
-    for (int q = 0; q < 8; ++q) s[q] = _mm256_fmadd_ps(widen8(src + q * M + c), x, s[q]);
+    for (int q = 0; q < 8; ++q) s[q] = X::fma(X::load(src + q * M + c), x, s[q]);
   }
 }
 
-// a[c] += sum_q wq_q src_q[c] for the columns c of the vector at c (two chains of four rows)
-static inline __m256 axpy8_at(const int16_t* __restrict src, int64_t M, int64_t c, const float* wq) {
-  __m256 p0 = _mm256_mul_ps(_mm256_set1_ps(wq[0]), widen8(src + c));
-  __m256 p1 = _mm256_mul_ps(_mm256_set1_ps(wq[4]), widen8(src + 4 * M + c));
+// sum_q wq_q src_q[c ..] for the columns of the vector at c (two chains of four rows)
+template <typename T>
+static inline typename Vec<T>::V axpy8_at(const int16_t* __restrict src, int64_t M, int64_t c, const T* wq) {
+  using X = Vec<T>;
+  typename X::V p0 = X::mul(X::set1(wq[0]), X::load(src + c));
+  typename X::V p1 = X::mul(X::set1(wq[4]), X::load(src + 4 * M + c));
 #pragma GCC unroll 3
   for (int q = 1; q < 4; ++q) {
-    p0 = _mm256_fmadd_ps(_mm256_set1_ps(wq[q]), widen8(src + q * M + c), p0);
-    p1 = _mm256_fmadd_ps(_mm256_set1_ps(wq[q + 4]), widen8(src + (q + 4) * M + c), p1);
+    p0 = X::fma(X::set1(wq[q]), X::load(src + q * M + c), p0);
+    p1 = X::fma(X::set1(wq[q + 4]), X::load(src + (q + 4) * M + c), p1);
   }
-  return _mm256_add_ps(p0, p1);
+  return X::add(p0, p1);
 }
 
-// a += sum_q wq_q src_q over all M columns (the vectors, then the tail)
-static inline void axpy8_avx2(const int16_t* __restrict src, int64_t M, int64_t M8, const float* wq, float* a) {
-  for (int64_t c = 0; c < M8; c += 8)
-    _mm256_storeu_ps(a + c, _mm256_add_ps(_mm256_loadu_ps(a + c), axpy8_at(src, M, c, wq)));
-  for (int64_t c = M8; c < M; ++c) {
-    float t = 0.0f;
-    for (int q = 0; q < 8; ++q) t += wq[q] * static_cast<float>(src[q * M + c]);
+// a += sum_q wq_q src_q over the M columns c from `from` on (the vectors, then the tail)
+template <typename T>
+static inline void axpy8(const int16_t* __restrict src, int64_t M, int64_t MW, const T* wq, T* a, int64_t from = 0) {
+  using X = Vec<T>;
+  for (int64_t c = from; c < MW; c += X::W) X::store(a + c, X::add(X::load(a + c), axpy8_at<T>(src, M, c, wq)));
+  for (int64_t c = MW; c < M; ++c) {
+    T t = T(0);
+    for (int q = 0; q < 8; ++q) t += wq[q] * static_cast<T>(src[q * M + c]);
     a[c] += t;
   }
 }
 
 // w_q = (the lanes of s_q summed + the tail columns' products with u) sc_q (+ v_q)
-static inline void finish8(const int16_t* __restrict src, int64_t M, int64_t M8, const float* u, const __m256* s,
-                           const float* sc, const float* v, float* w) {
+template <typename T>
+static inline void finish8(const int16_t* __restrict src, int64_t M, int64_t MW, const T* u, const typename Vec<T>::V* s,
+                           const T* sc, const T* v, T* w) {
   for (int q = 0; q < 8; ++q) {
-    float lanes[8];
-    _mm256_storeu_ps(lanes, s[q]);
-    float t = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-    for (int64_t c = M8; c < M; ++c) t += static_cast<float>(src[q * M + c]) * u[c];
-    w[q] = t * sc[q] + (v != nullptr ? v[q] : 0.0f);
+    T t = Vec<T>::lanes(s[q]);
+    for (int64_t c = MW; c < M; ++c) t += static_cast<T>(src[q * M + c]) * u[c];
+    w[q] = t * sc[q] + (v != nullptr ? v[q] : T(0));
   }
 }
 
-// Eight int16 rows src .. src + 8 M (scales sc) in float32 without a converted copy: each pass widens the values
-// it reads in registers and folds the row's scale into its weight; the second and later passes read the rows
-// (32 KiB at M = 2,000) from the core's cache. k right-hand sides.
-static inline void fixed_block8_avx2(const int16_t* __restrict src, const float* sc, int64_t i, int64_t M,
-                                     const float* u, const float* v, int64_t ldv, int64_t k, float* acc) {
-  const int64_t M8 = M / 8 * 8;
+// Eight int16 rows src .. src + 8 M (scales sc) without a converted copy, k right-hand sides: each pass widens
+// the values it reads in registers and folds the row's scale into its weight; the second and later passes read
+// the rows (32 KiB at M = 2,000) from the core's cache.
+template <typename T>
+static inline void fixed_block8(const int16_t* __restrict src, const T* sc, int64_t i, int64_t M, const T* u,
+                                const T* v, int64_t ldv, int64_t k, T* acc) {
+  using X = Vec<T>;
+  const int64_t MW = M / X::W * X::W;
   for (int64_t j = 0; j < k; ++j) {
-    float w[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    T w[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     if (u != nullptr) {
-      __m256 s[8];
-      for (int q = 0; q < 8; ++q) s[q] = _mm256_setzero_ps();
-      dots8_avx2(src, M, M8, u + j * M, s);
-      finish8(src, M, M8, u + j * M, s, sc, nullptr, w);
+      typename X::V s[8];
+      for (int q = 0; q < 8; ++q) s[q] = X::zero();
+      dots8<T>(src, M, MW, u + j * M, s);
+      finish8<T>(src, M, MW, u + j * M, s, sc, nullptr, w);
     }
     if (v != nullptr)
       for (int q = 0; q < 8; ++q) w[q] += v[j * ldv + i + q];
-    float wq[8];
+    T wq[8];
     for (int q = 0; q < 8; ++q) wq[q] = w[q] * sc[q];
-    axpy8_avx2(src, M, M8, wq, acc + j * M);
+    axpy8<T>(src, M, MW, wq, acc + j * M);
   }
 }
 
-// The same products for one right-hand side u over the groups of eight rows g = 0 .. groups - 1 (src, scales
-// sc, rows i0 ..), software-pipelined: one loop over the columns adds group g's weighted rows into the
-// accumulator (from the cache) while it takes group g + 1's dot products (from memory) and prefetches group
-// g + 2, so the read from memory overlaps both passes. (Eight 2-byte rows of M = 2,000 are one 4 KiB page each,
-// where the hardware's stream prefetchers stop: without the prefetch the store was read at 0.46-0.64 of
-// torch.sum's rate, with it 0.76-0.85, benchmarks/results/store-int16.md.)
-static inline void fixed_groups1_avx2(const int16_t* __restrict src, const float* sc, int64_t i0, int64_t groups,
-                                      int64_t M, const float* u, const float* v, float* a) {
-  const int64_t M8 = M / 8 * 8;
-  float w[8];
-  __m256 s[8];
-  for (int q = 0; q < 8; ++q) s[q] = _mm256_setzero_ps();
-  dots8_avx2(src, M, M8, u, s);  // group 0's dot products
-  finish8(src, M, M8, u, s, sc, v != nullptr ? v + i0 : nullptr, w);
+// The products of one right-hand side u over the groups of eight int16 rows g = 0 .. groups - 1 (src, scales sc,
+// rows i0 ..), software-pipelined: one loop over the columns adds group g's weighted rows into the accumulator
+// (from the cache) while it takes group g + 1's dot products (from memory) and prefetches group g + 2's cache
+// lines, so the read from memory overlaps both passes and crosses the rows' page boundaries, where the
+// hardware's stream prefetchers stop (eight 2-byte rows of M = 2,000 are one 4 KiB page each). Measured in
+// benchmarks/results/store-int16.md: without the prefetch float32 read the store at 0.46-0.64 of torch.sum's
+// rate, with it 0.76-0.85; float64 reads it 1.6-1.9x faster than dequantizing each group into the cache did
+// (benchmarks/results/product-rate-s37.md). Over a float32 or float64 store neither this loop, nor a prefetch
+// alone, nor eight rows packed column-block by column-block into one stream read faster than block_rows there.
+template <typename T>
+static inline void groups1(const int16_t* __restrict src, const T* sc, int64_t i0, int64_t groups, int64_t M, const T* u,
+                           const T* v, T* a) {
+  using X = Vec<T>;
+  constexpr int64_t LINE = 32;  // int16 columns per cache line (a multiple of W)
+  const int64_t MW = M / X::W * X::W;
+  T w[8];
+  typename X::V s[8];
+  for (int q = 0; q < 8; ++q) s[q] = X::zero();
+  dots8<T>(src, M, MW, u, s);  // group 0's dot products
+  finish8<T>(src, M, MW, u, s, sc, v != nullptr ? v + i0 : nullptr, w);
   for (int64_t g = 0; g < groups; ++g) {
     const int16_t* cur = src + g * 8 * M;
     const int16_t* nxt = cur + 8 * M;
-    float wq[8];
+    T wq[8];
     for (int q = 0; q < 8; ++q) wq[q] = w[q] * sc[g * 8 + q];
     if (g + 1 == groups) {  // the last group: its second pass alone
-      axpy8_avx2(cur, M, M8, wq, a);
+      axpy8<T>(cur, M, MW, wq, a);
       break;
     }
-    for (int q = 0; q < 8; ++q) s[q] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < M8; c += 8) {
-      const __m256 x = _mm256_loadu_ps(u + c);
-      const __m256 add = axpy8_at(cur, M, c, wq);
+    for (int q = 0; q < 8; ++q) s[q] = X::zero();
+    for (int64_t c = 0; c < MW; c += X::W) {
+      const typename X::V x = X::load(u + c);
+      const typename X::V add = axpy8_at<T>(cur, M, c, wq);
 #pragma GCC unroll 8
-      for (int q = 0; q < 8; ++q) s[q] = _mm256_fmadd_ps(widen8(nxt + q * M + c), x, s[q]);
-      if ((c & 31) == 0) {
+      for (int q = 0; q < 8; ++q) s[q] = X::fma(X::load(nxt + q * M + c), x, s[q]);
+      if (c % LINE == 0 && g + 2 < groups) {
 #pragma GCC unroll 8
         for (int q = 0; q < 8; ++q) _mm_prefetch(reinterpret_cast<const char*>(nxt + (8 + q) * M + c), _MM_HINT_T0);
       }
-      _mm256_storeu_ps(a + c, _mm256_add_ps(_mm256_loadu_ps(a + c), add));
+      X::store(a + c, X::add(X::load(a + c), add));
     }
-    for (int64_t c = M8; c < M; ++c) {
-      float t = 0.0f;
-      for (int q = 0; q < 8; ++q) t += wq[q] * static_cast<float>(cur[q * M + c]);
-      a[c] += t;
-    }
-    finish8(nxt, M, M8, u, s, sc + (g + 1) * 8, v != nullptr ? v + i0 + (g + 1) * 8 : nullptr, w);
+    axpy8<T>(cur, M, MW, wq, a, MW);  // the tail columns
+    finish8<T>(nxt, M, MW, u, s, sc + (g + 1) * 8,
+                  v != nullptr ? v + i0 + (g + 1) * 8 : nullptr, w);
   }
 }
 #endif
 
-// rows_into for an int16 store (scales sc), read from memory once at 2 bytes a value: in float32 on a CPU with
-// AVX2, eight rows at a time by fixed_block8_avx2; otherwise (float64, or no AVX2) each group of eight rows is
-// dequantized into `rowbuf` (8 M values, in the core's cache) and block_rows runs on it
+// acc64 += rows begin .. end - 1 of K's products, summed in T over at most `flush` rows at a time
+template <typename T>
+static void rows_into(const T* K, int64_t begin, int64_t end, int64_t M, const T* u, const T* v, int64_t ldv,
+                      int64_t k, int64_t flush, std::vector<T>& acc, std::vector<double>& acc64) {
+  for (int64_t i0 = begin; i0 < end; i0 += flush) {
+    const int64_t i1 = std::min(end, i0 + flush);
+    int64_t i = i0;
+    for (; i + 8 <= i1; i += 8) block_rows<T, 8>(K, i, M, u, v, ldv, k, acc.data());
+    for (; i + 4 <= i1; i += 4) block_rows<T, 4>(K, i, M, u, v, ldv, k, acc.data());
+    for (; i < i1; ++i) block_rows<T, 1>(K, i, M, u, v, ldv, k, acc.data());
+    for (int64_t c = 0; c < k * M; ++c) {
+      acc64[c] += static_cast<double>(acc[c]);
+      acc[c] = T(0);
+    }
+  }
+}
+
+// rows_into for an int16 store (scales sc), read from memory once at 2 bytes a value: on a CPU with AVX2, eight
+// rows at a time widened in registers (groups1 for one right-hand side, fixed_block8 for more); otherwise (no
+// AVX2, and the last rows of fewer than eight) each group of rows is dequantized into `rowbuf` (8 M values, in
+// the core's cache) and block_rows runs on it
 template <typename T>
 static void fixed_rows_into(const int16_t* K, const T* sc, int64_t begin, int64_t end, int64_t M, const T* u,
                             const T* v, int64_t ldv, int64_t k, int64_t flush, std::vector<T>& acc,
@@ -364,14 +413,12 @@ static void fixed_rows_into(const int16_t* K, const T* sc, int64_t begin, int64_
     const int64_t i1 = std::min(end, i0 + flush);
     int64_t i = i0;
 #if defined(__AVX2__) && defined(__FMA__)
-    if constexpr (std::is_same<T, float>::value) {
-      if (k == 1 && u != nullptr && i + 16 <= i1) {
-        const int64_t groups = (i1 - i) / 8;
-        fixed_groups1_avx2(K + i * M, sc + i, i, groups, M, u, v, acc.data());
-        i += groups * 8;
-      }
-      for (; i + 8 <= i1; i += 8) fixed_block8_avx2(K + i * M, sc + i, i, M, u, v, ldv, k, acc.data());
+    if (k == 1 && u != nullptr && i + 16 <= i1) {
+      const int64_t groups = (i1 - i) / 8;
+      groups1<T>(K + i * M, sc + i, i, groups, M, u, v, acc.data());
+      i += groups * 8;
     }
+    for (; i + 8 <= i1; i += 8) fixed_block8<T>(K + i * M, sc + i, i, M, u, v, ldv, k, acc.data());
 #endif
     for (; i + 8 <= i1; i += 8) {
       for (int q = 0; q < 8; ++q) dequantize_row<T>(K + (i + q) * M, sc[i + q], rowbuf.data() + q * M, M);
@@ -925,10 +972,9 @@ def fused_kmn_k(acc: Tensor, k_nm: Tensor, u_t: Tensor | None, v_t: Tensor | Non
     Args:
         acc: ``(k, M)`` float64, contiguous, on the CPU.
         k_nm: ``(rows, M)`` contiguous, float32 or float64; or int16, a fixed-point store
-            (:class:`gpfalkon.settings.store_format`) whose row ``i`` is ``k_nm[i] * scale[i]``: in float32 on
-            a CPU with AVX2 eight rows at a time widened in registers (the scale folded into the rows'
-            weights), else each group of eight rows dequantized in the core's cache; ``K`` is read at two
-            bytes a value.
+            (:class:`gpfalkon.settings.store_format`) whose row ``i`` is ``k_nm[i] * scale[i]``: on a CPU with AVX2
+            eight rows at a time widened in registers (the scale folded into the rows' weights), else each
+            group of eight rows dequantized in the core's cache; ``K`` is read at two bytes a value.
         u_t: ``(k, M)`` in ``k_nm``'s dtype (an int16 ``k_nm``: ``scale``'s), or ``None``.
         v_t: ``(k, rows)`` in ``u_t``'s dtype with unit column stride, or ``None``.
         scale: ``(rows,)`` contiguous, float32 or float64: the row scales of an int16 ``k_nm`` (else ``None``).

@@ -1,0 +1,98 @@
+"""The fused stored-``K_nM`` product against the read rate of the same memory.
+
+One ``K^T (K u)`` by :func:`gpfalkon.backend.fused.fused_kmn_k` over a whole store of ``--bytes`` (about 1.6 GB,
+the reference fit's float32 ``K_nM``) of random values: float32 and float64 stores and int16 fixed-point stores
+(:class:`gpfalkon.settings.store_format`) with float32 or float64 row scales, at ``--ms`` columns, with 1 and 4
+right-hand sides. Each product is timed right after a ``torch.sum`` over the same bytes (as float32: torch's
+integer sum is far slower than the memory), alternating, ``--repeats`` times after a warm-up; reported: the
+medians, and the product's bytes per second over the sum's (issue 17's target for one stored-``K`` iteration:
+at least 0.8). The store's own memory is measured, not a separate buffer's (their rates differ on these VMs:
+``stored-read-diagnosis.md``).
+
+    .venv/bin/python benchmarks/product_rate.py --out benchmarks/results/product-rate.md
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from gpfalkon.backend import fused
+from gpfalkon.backend.engine import FIXED_MAX
+
+from _common import environment_lines, log, markdown_table, write_result
+
+
+def measure(k_nm: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, k: int, repeats: int
+            ) -> tuple[float, float]:
+    """(median seconds of torch.sum over the store's bytes, median seconds of one fused product)."""
+    m = k_nm.shape[1]
+    u = torch.randn(k, m, dtype=dtype)
+    acc = torch.zeros(k, m, dtype=torch.float64)
+    flat = k_nm.view(torch.float32) if k_nm.dtype == torch.int16 else k_nm
+    if not fused.fused_kmn_k(acc, k_nm, u, None, scale):
+        raise RuntimeError("the fused kernel did not run")
+    flat.sum()
+    sums, prods = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        flat.sum()
+        sums.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        fused.fused_kmn_k(acc, k_nm, u, None, scale)
+        prods.append(time.perf_counter() - t)
+    return statistics.median(sums), statistics.median(prods)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bytes", type=float, default=1.6e9, help="bytes of each store (default 1.6e9)")
+    ap.add_argument("--ms", nargs="+", type=int, default=[2000, 10_000], help="columns M (default 2,000 10,000)")
+    ap.add_argument("--ks", nargs="+", type=int, default=[1, 4], help="right-hand sides (default 1 4)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", type=pathlib.Path, default=None)
+    args = ap.parse_args()
+    env = environment_lines()
+    for line in env:
+        log(line)
+    ok, why = fused.fused_available()
+    if not ok:
+        raise SystemExit(f"the fused kernel is not available here: {why}")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for m in args.ms:
+        for dtype in (torch.float32, torch.float64):
+            for store in ("dtype", "int16"):
+                itemsize = 2 if store == "int16" else dtype.itemsize
+                n = int(args.bytes // (m * itemsize)) // 8 * 8
+                if store == "int16":
+                    k_nm = torch.randint(-FIXED_MAX, FIXED_MAX + 1, (n, m), generator=g, dtype=torch.int16)
+                    scale = torch.rand(n, generator=g, dtype=dtype) / FIXED_MAX
+                else:
+                    k_nm, scale = torch.rand(n, m, generator=g, dtype=dtype), None
+                nbytes = k_nm.numel() * itemsize
+                for k in args.ks:
+                    t_sum, t_prod = measure(k_nm, scale, dtype, k, args.repeats)
+                    row = [f"{m:,}", str(dtype).removeprefix("torch."), store, k, f"{n:,}", nbytes / t_sum / 1e9,
+                           nbytes / t_prod / 1e9, t_sum / t_prod]
+                    rows.append(row)
+                    log(f"  M={m} {row[1]} {store} k={k}: sum {row[5]:.1f} GB/s, product {row[6]:.1f} GB/s, "
+                        f"ratio {row[7]:.3f}")
+                del k_nm, scale
+    body = ("## One fused product against torch.sum over the same store\n\n"
+            f"Medians of {args.repeats} alternating pairs after a warm-up; 'x sum' = the product's bytes per "
+            "second over the sum's.\n\n"
+            + markdown_table(["M", "dtype", "store", "k", "rows", "sum GB/s", "product GB/s", "x sum"], rows,
+                             align="rllrrrrr"))
+    print(body)
+    if args.out is not None:
+        log(f"written to {write_result(args.out, 'The fused stored-K product against the read rate', env, body)}")
+
+
+if __name__ == "__main__":
+    main()
