@@ -87,6 +87,9 @@ LEVERAGE_DICTIONARY = 2048
 #: :func:`_calibration_rows`)
 CALIBRATION_ROWS = 1000
 
+#: ``report.chosen["centers"]`` where the leverage check's centers replaced the level's
+_LEVERAGE_CHECK = "leverage (check)"
+
 #: how :func:`auto_fit` draws the nested centers of stages 2-3 (``center_sampling=``)
 CENTER_SAMPLING: tuple[str, ...] = ("auto", "uniform", "leverage")
 
@@ -816,8 +819,9 @@ def auto_fit(
             (:func:`~gpfalkon.models.calibration.preconditioned_variances`, ``2 rows M^2`` flops);
             ``r``: the final model's residuals there where the held-out rows are not refit (``val_x``
             given or ``refit_on_all=False``), else those of the selection fit that scored the chosen level
-            (before the held-out rows joined its training rows: its error, usually the larger, tends to make
-            ``c`` err high, the safe side). ``auto_report.chosen["variance_scale"]`` is ``c`` (1 when off
+            with the returned model's centers (the leverage check's fit where its centers were taken), before
+            the held-out rows joined its training rows: its error, usually the larger, tends to make ``c`` err
+            high, the safe side. ``auto_report.chosen["variance_scale"]`` is ``c`` (1 when off
             or skipped, with a note).
         dtype: dtype of the data passes (float32 by default: half the time; CG, Cholesky factors
             and predictions stay float64 inside FALKON).
@@ -1481,8 +1485,8 @@ def auto_fit(
             rows = _calibration_rows(int(final.centers.shape[0]), int(cal_idx.shape[0]))
             idx = cal_idx[:rows]
             x_c = xv[idx].to(dtype)
-            if n_back > 0:
-                key = score_key(best_level["M"], best_level["noise"], best_level["multiplier"], best_level["centers"])
+            if n_back > 0:  # the residuals of the selection fit whose centers the final model has
+                key = score_key(best_level["M"], best_level["noise"], best_level["multiplier"], centers_kind)
                 if key not in cal_residuals:
                     raise LookupError("the chosen level's selection residuals were not kept")
                 r = cal_residuals[key][:rows] * float(y_sd)
@@ -1790,6 +1794,11 @@ def auto_fit(
                                                      max_iter=max_iter, tol=tol))
                         err_lev = _val_mse(mod, xv_z, yv_z)
                         alpha_lev = mod.alpha.detach().reshape(-1).clone()
+                        if calibrate_variance and n_back > 0 and math.isfinite(err_lev):
+                            # the calibration's residuals where these centers are taken (as a level's are kept)
+                            cal_residuals[score_key(m_b, best_level["noise"], best_level["multiplier"],
+                                                    _LEVERAGE_CHECK)] = (
+                                yv_cal - mod.posterior_mean(xv_cal).to(torch.float64))
                         del mod
                     if any(not issubclass(w.category, CGNotConvergedWarning) for w in caught):
                         report.notes.append("leverage check: " + "; ".join(
@@ -1804,10 +1813,10 @@ def auto_fit(
                                        error=err_lev, uniform_error=best_level["error"], seconds=lev_s)
                 clock.tick("leverage check", val_rmse=f"{math.sqrt(err_lev):.4f}" if math.isfinite(err_lev) else "inf")
                 if sel is not None and math.isfinite(err_lev) and err_lev < best_level["error"]:
-                    lev_centers, lev_weights, centers_kind = sel.centers, sel.weights, "leverage (check)"
+                    lev_centers, lev_weights, centers_kind = sel.centers, sel.weights, _LEVERAGE_CHECK
                     lev_alpha = alpha_lev
         # the validation error of the centers the returned model has (the leverage check's where it swapped them)
-        chosen_error = float(report.leverage["error"]) if centers_kind == "leverage (check)" else best_level["error"]
+        chosen_error = float(report.leverage["error"]) if centers_kind == _LEVERAGE_CHECK else best_level["error"]
         final_level = best_level
         if final_growth:
             final_level = grown_level(best_level)

@@ -1524,3 +1524,46 @@ def test_the_report_gives_the_validation_error_of_the_centers_returned():
         assert r.chosen["val_error"] <= r.leverage.get("error", math.inf)
     if not swapped:
         pytest.skip("no run swapped its centers within the budget on this machine")
+
+
+def test_auto_fit_calibrates_with_the_residuals_of_the_centers_it_returns(monkeypatch):
+    """Where the leverage check's centers replace the level's, the variance calibration's residuals are the
+    leverage check's fit's on the calibration rows (the returned model's centers), not the replaced level's:
+    every residual it uses is one of that fit's validation residuals (raw units), and they are not the level's."""
+    import gpfalkon.auto as auto_module
+    import gpfalkon.models.calibration as calibration_module
+
+    real_mse = auto_module._val_mse
+    scored: dict[str, list[torch.Tensor]] = {"leverage": [], "uniform": []}
+
+    def val_mse(model, x, y):
+        with torch.no_grad():
+            r = (y.to(torch.float64) - model.posterior_mean(x).to(torch.float64)).reshape(-1)
+        if model.center_weights is not None:  # the leverage check's fit: forced to win
+            scored["leverage"].append(r)
+            return 0.0
+        scored["uniform"].append(r)
+        return real_mse(model, x, y)
+
+    used: list[torch.Tensor] = []
+    real_scale = auto_module.variance_scale
+
+    def spy(r, v):
+        used.append(r.detach().clone())
+        return real_scale(r, v)
+
+    monkeypatch.setattr(auto_module, "_val_mse", val_mse)
+    monkeypatch.setattr(auto_module, "variance_scale", spy)
+    assert calibration_module.variance_scale is real_scale
+    x, y, _ = _data(800)
+    model = auto_fit(x, y, leverage_check=True, center_sampling="uniform", **SMALL)
+    rep = model.auto_report
+    assert rep.chosen["centers"] == "leverage (check)" and len(used) == 1 and rep.chosen["variance_scale"] != 1.0
+    r = used[0] / rep.chosen["y_scale"]  # back to the standardised units the fits were scored in
+
+    def all_among(found: torch.Tensor, pool: torch.Tensor) -> bool:
+        return bool(((found[:, None] - pool[None, :]).abs().min(dim=1).values < 1e-9).all())
+
+    assert len(scored["leverage"]) == 1
+    assert all_among(r, scored["leverage"][0])
+    assert not any(all_among(r, res) for res in scored["uniform"])

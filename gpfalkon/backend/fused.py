@@ -303,8 +303,8 @@ static inline void axpy8(const int16_t* __restrict src, int64_t M, int64_t MW, c
 
 // w_q = (the lanes of s_q summed + the tail columns' products with u) sc_q (+ v_q)
 template <typename T>
-static inline void finish8(const int16_t* __restrict src, int64_t M, int64_t MW, const T* u, const typename Vec<T>::V* s,
-                           const T* sc, const T* v, T* w) {
+static inline void finish8(const int16_t* __restrict src, int64_t M, int64_t MW, const T* u,
+                           const typename Vec<T>::V* s, const T* sc, const T* v, T* w) {
   for (int q = 0; q < 8; ++q) {
     T t = Vec<T>::lanes(s[q]);
     for (int64_t c = MW; c < M; ++c) t += static_cast<T>(src[q * M + c]) * u[c];
@@ -346,8 +346,8 @@ static inline void fixed_block8(const int16_t* __restrict src, const T* sc, int6
 // (benchmarks/results/product-rate-s37.md). Over a float32 or float64 store neither this loop, nor a prefetch
 // alone, nor eight rows packed column-block by column-block into one stream read faster than block_rows there.
 template <typename T>
-static inline void groups1(const int16_t* __restrict src, const T* sc, int64_t i0, int64_t groups, int64_t M, const T* u,
-                           const T* v, T* a) {
+static inline void groups1(const int16_t* __restrict src, const T* sc, int64_t i0, int64_t groups, int64_t M,
+                           const T* u, const T* v, T* a) {
   using X = Vec<T>;
   constexpr int64_t LINE = 32;  // int16 columns per cache line (a multiple of W)
   const int64_t MW = M / X::W * X::W;
