@@ -335,7 +335,7 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
         new.likelihood.noise = noise.to(new.likelihood.raw_noise.dtype)
         if hasattr(new, "outcome_transform"):
             new.outcome_transform = new.outcome_transform.subset_output(idcs)
-        new._factors = None
+        new._forget_factors()
         new.fitted.fill_(False)
         new._fit_tracker.forget()
         if was_fitted:

@@ -226,7 +226,9 @@ class FalkonGP(gpytorch.models.GP):
     when it fits :class:`gpfalkon.settings.memory_budget`. Mean at ``q`` points:
     ``O(q M d)``. Variance: exact, from :class:`NystromPosteriorFactors` formed once
     (lazily at the first variance request, or in ``fit(compute_variance=True)``)
-    in ``O(n M^2)`` time and ``O(M^2)`` memory, then ``O(q M^2)`` per batch. The
+    in ``O(n M^2)`` time and ``O(M^2)`` memory, then ``O(q M^2)`` per batch; under
+    ``gpytorch.settings.fast_pred_var()`` from FALKON's approximation of ``K_Mn K_nM`` instead, in ``O(M^3)``
+    with no data pass (the mean and the Nyström part of the variance exact; docs/math.md §4.2). The
     float32 path computes K_nM products in float32 but CG vectors, Cholesky
     factors and predictions in float64.
 
@@ -475,7 +477,8 @@ class FalkonGP(gpytorch.models.GP):
         self._legacy_state = False  # set while loading a state saved before fit_digest existed
         self.fit_info: CGInfo | None = None
         self._fit_tracker = FitTracker()
-        self._factors: NystromPosteriorFactors | None = None
+        self._factors: NystromPosteriorFactors | None = None  # exact
+        self._fast_factors: NystromPosteriorFactors | None = None  # FALKON's approximation (fast_pred_var)
         self.register_load_state_dict_post_hook(FalkonGP._after_load)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -594,13 +597,15 @@ class FalkonGP(gpytorch.models.GP):
         if was_valid:
             self.alpha = self.alpha / ratio
             if self._factors is not None:
-                self._factors = NystromPosteriorFactors(self._factors.L * math.sqrt(ratio), self._factors.LB)
+                self._factors = self._factors.scaled(ratio)
+            if self._fast_factors is not None:
+                self._fast_factors = self._fast_factors.scaled(ratio)
             if self._legacy_state:
                 self._mark_fitted()
             else:  # the data are those of the fit (checked above): only the hyperparameters' record changes
                 self._mark_hyper_fitted()
         else:
-            self._factors = None
+            self._forget_factors()
         return self
 
     def calibrate_variance(self, val_x: Tensor, val_y: Tensor) -> float:
@@ -763,7 +768,9 @@ class FalkonGP(gpytorch.models.GP):
             info.extra["fit_seconds"] = time.perf_counter() - t_start
             self.fit_info = info
             self._mark_fitted()
-            self._factors = NystromPosteriorFactors.compute(op) if compute_variance else None
+            self._forget_factors()
+            if compute_variance:
+                self._factors = NystromPosteriorFactors.compute(op)
             op.engine.release()
         return self
 
@@ -902,7 +909,7 @@ class FalkonGP(gpytorch.models.GP):
         self.kernel_probe = self.kernel_probe.to(torch.float64)
         if weights is not None:
             self.center_weights = weights.to(device=self.centers.device, dtype=torch.float64)
-        self._factors = None
+        self._forget_factors()
         if was_valid:
             self._mark_fitted()
         else:
@@ -983,7 +990,7 @@ class FalkonGP(gpytorch.models.GP):
 
     @staticmethod
     def _after_load(module: FalkonGP, incompatible_keys) -> None:
-        module._factors = None
+        module._forget_factors()
         module._fit_tracker.forget()
         legacy, module._legacy_state = module._legacy_state, False
         if not bool(module.fitted):
@@ -1098,7 +1105,7 @@ class FalkonGP(gpytorch.models.GP):
         self.train_targets = targets
         if n_new != n_old:
             self.penalty = pen  # keep lambda: the noise n * lambda follows n
-        self._factors = None
+        self._forget_factors()
         if was_valid and not self._fit_tracker.data_changed(self._fit_data(), self._stored_fingerprint(),
                                                             reduce=self._row_sum, row_offset=self._row_offset):
             return  # the same data by value: alpha still solves the system
@@ -1120,14 +1127,32 @@ class FalkonGP(gpytorch.models.GP):
                 "fit(); call fit() again"
             )
 
-    def posterior_factors(self) -> NystromPosteriorFactors:
-        """The variance factors (formed on first use, ``O(n M^2)``)."""
+    def posterior_factors(self, approximate: bool | None = None) -> NystromPosteriorFactors:
+        """The variance factors, formed on first use and kept until the fit changes: exact
+        (:meth:`NystromPosteriorFactors.compute`, one data pass, ``O(n M^2)``), or with ``approximate``
+        (``None``: whether ``gpytorch.settings.fast_pred_var`` is on) FALKON's approximation of ``K_Mn K_nM``
+        (:meth:`NystromPosteriorFactors.approximate_from`, ``O(M^3)``, no data pass: the posterior mean and
+        the Nyström part of the variances stay exact, the posterior variance of the coefficients is
+        approximated; docs/math.md §4.2)."""
         self._check_fitted()
+        if approximate is None:
+            approximate = gpytorch.settings.fast_pred_var.on()
+        if approximate:
+            if self._fast_factors is None:
+                op = self.nystrom_operator(store_kernel=False)
+                self._fast_factors = NystromPosteriorFactors.approximate_from(op)
+                op.engine.release()
+            return self._fast_factors
         if self._factors is None:
             op = self.nystrom_operator(store_kernel=False)  # one pass: storing K_nM would not pay
             self._factors = NystromPosteriorFactors.compute(op)
             op.engine.release()
         return self._factors
+
+    def _forget_factors(self) -> None:
+        """Drop both kinds of variance factors (the fit they belong to changed)."""
+        self._factors = None
+        self._fast_factors = None
 
     def _check_test_inputs(self, x: Tensor) -> None:
         check_dtype("x", x)

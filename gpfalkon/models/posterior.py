@@ -1,6 +1,7 @@
 """The SGPR/DTC posterior (docs/math.md §4): its factors, its chunked mean and its lazy covariance."""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,7 @@ from torch import Tensor
 from ..backend.blocks import row_blocks
 from ..backend.engine import kernel_block
 from ..backend.passes import backend_pass
-from ..linalg import jittered_cholesky
+from ..linalg import jittered_cholesky, upper_gram
 
 if TYPE_CHECKING:
     from ..operators import NystromKRROperator
@@ -58,12 +59,20 @@ class NystromPosteriorFactors:
                 = K_** - K_*M K_MM^{-1} K_M* + n lambda K_*M H^{-1} K_M*.
 
     ``B = I + A A^T / v`` has eigenvalues >= 1, so this form stays accurate where
-    the Woodbury form of GPyTorch's SGPR (entries ~ n / sigma^2) does not.
+    the Woodbury form of GPyTorch's SGPR (entries ~ n / sigma^2) does not. :meth:`approximate_from` forms
+    ``L_B`` from FALKON's approximation of ``K_Mn K_nM`` instead, in ``O(M^3)`` with no data pass.
     """
 
-    def __init__(self, L: Tensor, LB: Tensor) -> None:
+    def __init__(self, L: Tensor, LB: Tensor, *, approximate: bool = False) -> None:
         self.L = L
         self.LB = LB
+        #: whether ``L_B`` is FALKON's approximation (:meth:`approximate`) rather than the exact factor
+        self.approximate = bool(approximate)
+
+    def scaled(self, c: float) -> NystromPosteriorFactors:
+        """The factors of the prior scaled by ``c`` (kernel and noise times ``c``): ``L`` times ``c^{1/2}``, ``L_B``
+        unchanged (docs/math.md §4, "Scaling the prior")."""
+        return NystromPosteriorFactors(self.L * math.sqrt(c), self.LB, approximate=self.approximate)
 
     @classmethod
     def compute(cls, op: NystromKRROperator) -> NystromPosteriorFactors:
@@ -73,6 +82,30 @@ class NystromPosteriorFactors:
         bmat.diagonal().add_(1.0)
         LB, _ = jittered_cholesky(bmat, upper=False, name="I + A A^T / (n lambda)", jitter=0.0)
         return cls(L, LB)
+
+    @classmethod
+    def approximate_from(cls, op: NystromKRROperator) -> NystromPosteriorFactors:
+        r"""The factors with ``K_Mn K_nM`` replaced by FALKON's Nyström approximation
+        ``(n/M) K_MM D^2 K_MM`` (the one its preconditioner makes; ``D`` the centers' weights, ``I`` for
+        uniform centers; docs/math.md §4.2):
+
+            L L^T = K_MM,     L_B L_B^T = I + (n/M) L^T D^2 L / (n lambda).
+
+        No pass over the data: ``K_MM``, two Cholesky factorisations and one ``M x M`` product,
+        ``O(M^3)`` flops against the exact factors' ``2 n M^2``. In ``S(X_*) = K_** - a^T a + c^T c``
+        the first two terms stay exact; ``c^T c = n lambda K_*M H^{-1} K_M*`` uses the approximate ``H``,
+        is still between 0 and ``a^T a`` (both ``H``'s are ``>= n lambda K_MM``), and is the exact one where
+        the centers are the training rows (``M = n``). Meant where ``n >> M`` and the centers are drawn from
+        the training rows (uniformly, or by leverage scores with their weights), as FALKON's preconditioner
+        assumes."""
+        v = op.n * float(op.penalty.detach())
+        L, _ = jittered_cholesky(op.kmm, upper=False, name="K_MM")
+        m = L.shape[-1]
+        u = (L if op.weights is None else op.weights.to(L).unsqueeze(-1) * L).mT  # (D L)^T, upper triangular
+        bmat = (upper_gram(u) if u.dim() == 2 else u @ u.mT).mul_(op.n / (m * v))  # L^T D^2 L
+        bmat.diagonal(dim1=-2, dim2=-1).add_(1.0)
+        LB, _ = jittered_cholesky(bmat, upper=False, name="I + (n/M) L^T D^2 L / (n lambda)", jitter=0.0)
+        return cls(L, LB, approximate=True)
 
 
 class NystromPosteriorCovariance(LinearOperator):
