@@ -163,3 +163,39 @@ def test_both_kinds_of_factors_are_kept_apart_and_follow_the_fit(monkeypatch):
     with torch.no_grad(), gpytorch.settings.fast_pred_var():
         assert bool((model(xt).variance > 0).all())
     assert calls == {"compute": 1, "approximate": 3}
+
+
+def test_fantasies_under_fast_pred_var_condition_the_approximate_posterior():
+    """A fantasy model built under fast_pred_var starts from the approximate factors: its posterior is the dense
+    DTC posterior of the base rows and the fantasy rows with ``K_Mn K_nM`` of the base rows replaced by
+    ``G~ = (n/M) K_MM^2``, and the base rows' right-hand side by ``H~ alpha`` (``H~ = G~ + s2 K_MM``; the fitted
+    ``alpha``), as docs/math.md §4.1-4.2 derive."""
+    from botorch.utils.testing import get_random_data
+
+    from gpfalkon.botorch import FalkonModel
+    from gpfalkon.integrations.fantasy import FalkonFantasyModel
+
+    X, Y = get_random_data(torch.Size(), m=1, d=2, n=300, dtype=torch.float64)
+    X[:, 1] = torch.rand(300, generator=torch.Generator().manual_seed(1), dtype=torch.float64)  # off the diagonal
+    model = FalkonModel(X, Y, num_centers=25, penalty=1e-3, tol=1e-12, max_iter=2000, outcome_transform=None)
+    g = torch.Generator().manual_seed(3)
+    xf = torch.rand(1, 4, 2, generator=g, dtype=torch.float64)  # a batch of one set: the closed-form fantasy
+    yf = torch.randn(1, 4, 1, generator=g, dtype=torch.float64)
+    with gpytorch.settings.fast_pred_var():
+        fm = model.condition_on_observations(xf, yf)
+    assert isinstance(fm, FalkonFantasyModel)
+    xt = torch.rand(6, 2, generator=g, dtype=torch.float64)
+    post = fm.posterior(xt)  # (the setting off: the factors were taken when the fantasy was built)
+    xf, yf = xf[0], yf[0]
+    k, c = model.kernel, model.centers.detach()
+    n, m, s2 = 300, 25, float(model.noise.detach())
+    mu = float(model.mean_constant.reshape(-1)[0])
+    with torch.no_grad():
+        kmm, kfm, kxm, kxx = (k(c).to_dense(), k(xf, c).to_dense(), k(xt, c).to_dense(), k(xt).to_dense())
+    h_approx = (n / m) * kmm @ kmm + s2 * kmm
+    prec = (h_approx + kfm.mT @ kfm) / s2
+    rhs = (h_approx @ model.alpha.reshape(-1).to(torch.float64) + kfm.mT @ (yf[:, 0] - mu)) / s2
+    mean = mu + kxm @ torch.linalg.solve(prec, rhs)
+    cov = kxx - kxm @ torch.linalg.solve(kmm, kxm.mT) + kxm @ torch.linalg.solve(prec, kxm.mT)
+    torch.testing.assert_close(post.mean[0, :, 0], mean, rtol=1e-7, atol=1e-8)
+    torch.testing.assert_close(post.distribution.covariance_matrix[0], cov, rtol=1e-6, atol=1e-9)
