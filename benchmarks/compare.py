@@ -336,7 +336,7 @@ def nlpd(data: dict, scores, variances, idx=None) -> float:
 #: NLPD: predictive variances on at most this many test rows (a fixed random subset beyond it: flights)
 NLPD_TEST_MAX = 20_000
 #: NLPD of a Nystrom model with its exact ``O(n M^2)`` posterior variance factors where they cost at most this
-#: many flops (about 30 s here); above it (flights at thousands of centers) with ``fast_pred_var``'s ``O(M^3)`` ones
+#: many flops (about 30 s here); above it (flights at thousands of centers) with the approximate ``O(M^3)`` ones
 NLPD_MAX_FLOPS = 4e12
 
 
@@ -364,15 +364,15 @@ def predictive_variances(fn: Callable, data: dict, *, scale: float = 1.0) -> dic
 def nystrom_variances(model, data: dict, n: int, m: int, *, scale: float = 1.0) -> dict:
     """:func:`predictive_variances` of a gpfalkon model (``model.likelihood(model(x))``); where its exact
     posterior variance factors (``2 n M^2`` flops) exceed :data:`NLPD_MAX_FLOPS`, with the approximate ones
-    (``gpytorch.settings.fast_pred_var``: FALKON's approximation of ``K_Mn K_nM``, ``O(M^3)``, docs/math.md §4.2;
-    ``benchmarks/results/fast-variance.md`` compares the two), and a note saying so."""
-    import gpytorch
+    (``gpfalkon.settings.variance_factors("approximate")``: FALKON's approximation of ``K_Mn K_nM``, ``O(M^3)``,
+    docs/math.md §4.2; ``benchmarks/results/fast-variance.md`` compares the two), and a note saying so."""
+    from gpfalkon import settings
 
     fast = 2.0 * n * m * m > NLPD_MAX_FLOPS
-    with gpytorch.settings.fast_pred_var(fast):
+    with settings.variance_factors("approximate" if fast else "exact"):
         out = predictive_variances(lambda x: model.likelihood(model(x)).variance, data, scale=scale)
     if fast:
-        out["nlpd_note"] = (f"NLPD with fast_pred_var variances (the exact factors need {2.0 * n * m * m:.1e} "
+        out["nlpd_note"] = (f"NLPD with approximate variance factors (the exact ones need {2.0 * n * m * m:.1e} "
                             "flops)")
     return out
 

@@ -1,5 +1,5 @@
-"""Predictive variances through FALKON's approximation (``gpytorch.settings.fast_pred_var``) against the exact
-posterior factors, on the comparison datasets.
+"""Predictive variances through FALKON's approximation (``gpfalkon.settings.variance_factors("approximate")``)
+against the exact posterior factors, on the comparison datasets.
 
 For each ``--datasets`` set (``compare.py``'s data and split), ``gpfalkon.auto_fit`` with ``--budget`` seconds
 chooses the hyperparameters and centers; then, for that one model, the exact variance factors
@@ -20,11 +20,10 @@ import pathlib
 import sys
 import time
 
-import gpytorch
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from gpfalkon import FalkonGP, auto_fit
+from gpfalkon import FalkonGP, auto_fit, settings
 
 import compare
 from _common import environment_lines, log, markdown_table, write_result
@@ -36,7 +35,7 @@ def variances(model: FalkonGP, data: dict, xte: torch.Tensor, fast: bool) -> tup
     t0 = time.perf_counter()
     model.posterior_factors(approximate=fast)
     factors_s = time.perf_counter() - t0
-    with torch.no_grad(), gpytorch.settings.fast_pred_var(fast):
+    with torch.no_grad(), settings.variance_factors("approximate" if fast else "exact"):
         v = compare.predict_chunks(lambda x: model.likelihood(model(x)).variance, xte)
     return v / data["y_scale"] ** 2, factors_s
 
@@ -82,7 +81,7 @@ def main() -> None:
         log(f"{name}: n={n} M={m}: exact {exact_s:.2f} s, fast {fast_s:.3f} s; rel diff median "
             f"{float(rel.median()):.2e} max {float(rel.max()):.2e}; NLPD {nlpd_exact:.4f} vs {nlpd_fast:.4f}")
         del model
-    body = ("## Exact and approximate (`fast_pred_var`) predictive variances of one auto_fit model per set\n\n"
+    body = ("## Exact and approximate predictive variances of one auto_fit model per set\n\n"
             f"auto_fit budget {args.budget:g} s; 'factors s': forming the variance factors (exact: one data pass, "
             "float64; fast: no data pass); 'rel diff': |v_fast - v_exact| / v_exact of the predictive variances "
             "(noise included) on the test rows; NLPD in raw units on at most "
@@ -93,7 +92,8 @@ def main() -> None:
             + f"\n\nTotal benchmark time {time.perf_counter() - t_all:.0f} s.")
     print(body)
     if args.out is not None:
-        log(f"written to {write_result(args.out, 'Approximate predictive variances (fast_pred_var)', env, body)}")
+        title = "Approximate predictive variances (settings.variance_factors)"
+        log(f"written to {write_result(args.out, title, env, body)}")
 
 
 if __name__ == "__main__":

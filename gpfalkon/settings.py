@@ -17,7 +17,7 @@ import numbers
 from typing import Any, ClassVar
 
 __all__ = ["aggregate_route", "block_rows", "cg_tolerance", "kmm_through_factor", "max_cg_iterations", "memory_budget",
-           "store_format", "tf32", "triton_fly"]
+           "store_format", "tf32", "triton_fly", "variance_factors"]
 
 _UNSET = object()
 
@@ -253,4 +253,28 @@ class triton_fly(_setting):
         if value not in ("auto", "on", "off", "interpret"):
             raise ValueError(
                 f"gpfalkon.settings.triton_fly: must be 'auto', 'on', 'off' or 'interpret', got {value!r}")
+        return str(value)
+
+
+class variance_factors(_setting):
+    """How ``FalkonGP`` forms its posterior variance factors (docs/math.md §4).
+
+    ``"exact"`` (default): the SGPR/DTC factors, one pass over the data and about ``2 n M^2`` float64
+    flops (minutes for millions of rows on a CPU). ``"approximate"``: ``K_Mn K_nM`` replaced by FALKON's
+    approximation ``(n/M) K_MM D^2 K_MM`` (the one its preconditioner makes), formed from ``K_MM`` alone in
+    ``O(M^3)`` with no data pass (docs/math.md §4.2): the posterior mean and the Nyström part of the variance
+    stay exact; the coefficients' part is close inside the data and less so near its edge (on flights, 2M rows
+    and ``M = 2,000``, 0.32 s against 178 s and the same test NLPD: ``benchmarks/results/fast-variance*.md``).
+    Read when the variances are first asked for after a fit; the model keeps both kinds.
+
+    Not tied to ``gpytorch.settings.fast_pred_var``: BoTorch's ``posterior()`` turns that on for every model,
+    and BoTorch models are usually small enough for the exact factors.
+    """
+
+    _default: ClassVar[str] = "exact"
+
+    @classmethod
+    def _check(cls, value: Any) -> str:
+        if value not in ("exact", "approximate"):
+            raise ValueError(f"gpfalkon.settings.variance_factors: must be 'exact' or 'approximate', got {value!r}")
         return str(value)

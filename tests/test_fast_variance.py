@@ -1,12 +1,13 @@
-"""Predictive variances through FALKON's approximation of ``K_Mn K_nM`` (``gpytorch.settings.fast_pred_var``;
-``NystromPosteriorFactors.approximate_from``, docs/math.md §4.2) against dense closed forms and the exact factors."""
+"""Predictive variances through FALKON's approximation of ``K_Mn K_nM``
+(``gpfalkon.settings.variance_factors("approximate")``; ``NystromPosteriorFactors.approximate_from``, docs/math.md
+§4.2) against dense closed forms and the exact factors."""
 from __future__ import annotations
 
 import gpytorch
 import pytest
 import torch
 
-from gpfalkon import FalkonGP, KernelEngine
+from gpfalkon import FalkonGP, KernelEngine, settings
 from gpfalkon.models import NystromPosteriorFactors
 
 from conftest import dense_kernel, make_data, make_kernel
@@ -35,7 +36,7 @@ def test_the_approximation_is_exact_when_the_centers_are_the_training_rows():
     xt = torch.rand(30, 2, generator=g, dtype=torch.float64) * 8
     with torch.no_grad():
         exact = model(xt)
-        with gpytorch.settings.fast_pred_var():
+        with settings.variance_factors("approximate"):
             fast = model(xt)
     noise = float(model.noise.detach())
     knm = dense_kernel(kern, x, x)
@@ -71,7 +72,7 @@ def test_the_approximate_factors_follow_the_formula(weighted):
     torch.testing.assert_close(f.LB @ f.LB.T, torch.eye(m, dtype=torch.float64) + w / v, rtol=1e-8, atol=1e-10)
     xt = make_data(20, 3, seed=3)[0]
     want, _, _ = _dense_variances(kern, x, centers, xt, v, approx_gram)
-    with torch.no_grad(), gpytorch.settings.fast_pred_var():
+    with torch.no_grad(), settings.variance_factors("approximate"):
         got = model(xt).variance
     torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-12)
 
@@ -91,7 +92,7 @@ def test_fast_variances_are_bounded_and_close_to_the_exact_ones_inside_the_data(
         xt = make_data(300, 3, seed=4)[0] * spread
         with torch.no_grad():
             exact = model.likelihood(model(xt))
-            with gpytorch.settings.fast_pred_var():
+            with settings.variance_factors("approximate"):
                 fast_latent = model(xt)
                 fast = model.likelihood(fast_latent)
             eye = torch.eye(200, dtype=torch.float64)  # (the gram's value does not enter the two bounds)
@@ -106,7 +107,7 @@ def test_fast_variances_are_bounded_and_close_to_the_exact_ones_inside_the_data(
 
 
 def test_both_kinds_of_factors_are_kept_apart_and_follow_the_fit(monkeypatch):
-    """fast_pred_var forms the approximate factors without a data pass and leaves the exact ones alone (and
+    """The setting forms the approximate factors without a data pass and leaves the exact ones alone (and
     the reverse); each is formed once; fit() drops both; scale_prior scales both as a refit would."""
     x, y = make_data(500, 3)
     model = FalkonGP(x, y, kernel=make_kernel("scale_matern52", 3), num_centers=30, penalty=1e-3, seed=0).fit()
@@ -139,7 +140,7 @@ def test_both_kinds_of_factors_are_kept_apart_and_follow_the_fit(monkeypatch):
     with monkeypatch.context() as mp:
         mp.setattr(KernelEngine, "whitened_gram", no_pass(real_gram))
         mp.setattr(KernelEngine, "iter_blocks", no_pass(real_blocks))
-        with torch.no_grad(), gpytorch.settings.fast_pred_var():
+        with torch.no_grad(), settings.variance_factors("approximate"):
             v_fast = model(xt).variance
             again = model(xt).variance
     torch.testing.assert_close(again, v_fast, rtol=0, atol=0)
@@ -147,26 +148,26 @@ def test_both_kinds_of_factors_are_kept_apart_and_follow_the_fit(monkeypatch):
     with torch.no_grad():
         v_exact = model(xt).variance
         torch.testing.assert_close(model(xt).variance, v_exact, rtol=0, atol=0)
-        with gpytorch.settings.fast_pred_var():
+        with settings.variance_factors("approximate"):
             torch.testing.assert_close(model(xt).variance, v_fast, rtol=0, atol=0)
     assert calls == {"compute": 1, "approximate": 1}
     assert not torch.equal(v_fast, v_exact)
     model.scale_prior(2.5)
-    with torch.no_grad(), gpytorch.settings.fast_pred_var():
+    with torch.no_grad(), settings.variance_factors("approximate"):
         v_scaled = model(xt).variance
     assert calls == {"compute": 1, "approximate": 1}  # scaled, not formed again
     torch.testing.assert_close(v_scaled, 2.5 * v_fast, rtol=1e-9, atol=0)
     model._forget_factors()
-    with torch.no_grad(), gpytorch.settings.fast_pred_var():
+    with torch.no_grad(), settings.variance_factors("approximate"):
         torch.testing.assert_close(model(xt).variance, v_scaled, rtol=1e-9, atol=0)  # as formed afresh
     model.fit()
-    with torch.no_grad(), gpytorch.settings.fast_pred_var():
+    with torch.no_grad(), settings.variance_factors("approximate"):
         assert bool((model(xt).variance > 0).all())
     assert calls == {"compute": 1, "approximate": 3}
 
 
-def test_fantasies_under_fast_pred_var_condition_the_approximate_posterior():
-    """A fantasy model built under fast_pred_var starts from the approximate factors: its posterior is the dense
+def test_fantasies_under_the_setting_condition_the_approximate_posterior():
+    """A fantasy model built under the setting starts from the approximate factors: its posterior is the dense
     DTC posterior of the base rows and the fantasy rows with ``K_Mn K_nM`` of the base rows replaced by
     ``G~ = (n/M) K_MM^2``, and the base rows' right-hand side by ``H~ alpha`` (``H~ = G~ + s2 K_MM``; the fitted
     ``alpha``), as docs/math.md §4.1-4.2 derive."""
@@ -181,7 +182,7 @@ def test_fantasies_under_fast_pred_var_condition_the_approximate_posterior():
     g = torch.Generator().manual_seed(3)
     xf = torch.rand(1, 4, 2, generator=g, dtype=torch.float64)  # a batch of one set: the closed-form fantasy
     yf = torch.randn(1, 4, 1, generator=g, dtype=torch.float64)
-    with gpytorch.settings.fast_pred_var():
+    with settings.variance_factors("approximate"):
         fm = model.condition_on_observations(xf, yf)
     assert isinstance(fm, FalkonFantasyModel)
     xt = torch.rand(6, 2, generator=g, dtype=torch.float64)
@@ -199,3 +200,21 @@ def test_fantasies_under_fast_pred_var_condition_the_approximate_posterior():
     cov = kxx - kxm @ torch.linalg.solve(kmm, kxm.mT) + kxm @ torch.linalg.solve(prec, kxm.mT)
     torch.testing.assert_close(post.mean[0, :, 0], mean, rtol=1e-7, atol=1e-8)
     torch.testing.assert_close(post.distribution.covariance_matrix[0], cov, rtol=1e-6, atol=1e-9)
+
+
+def test_the_setting_is_checked_and_gpytorchs_fast_pred_var_keeps_the_exact_factors():
+    """BoTorch's posterior() turns GPyTorch's fast_pred_var on for every model: the variances stay exact under it
+    (only gpfalkon.settings.variance_factors asks for the approximation); a bad value names the setting."""
+    x, y = make_data(400, 3)
+    model = FalkonGP(x, y, kernel=make_kernel("scale_rbf", 3), num_centers=20, penalty=1e-3, seed=0).fit()
+    model.eval()
+    xt = make_data(10, 3, seed=7)[0]
+    with torch.no_grad():
+        exact = model(xt).variance
+        with gpytorch.settings.fast_pred_var():
+            torch.testing.assert_close(model(xt).variance, exact, rtol=0, atol=0)
+        with settings.variance_factors("approximate"):
+            assert not torch.equal(model(xt).variance, exact)
+    assert model._fast_factors is not None and not model._factors.approximate
+    with pytest.raises(ValueError, match="variance_factors"):
+        settings.variance_factors("fast")

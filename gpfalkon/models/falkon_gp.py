@@ -227,9 +227,9 @@ class FalkonGP(gpytorch.models.GP):
     ``O(q M d)``. Variance: exact, from :class:`NystromPosteriorFactors` formed once
     (lazily at the first variance request, or in ``fit(compute_variance=True)``)
     in ``O(n M^2)`` time and ``O(M^2)`` memory, then ``O(q M^2)`` per batch; under
-    ``gpytorch.settings.fast_pred_var()`` from FALKON's approximation of ``K_Mn K_nM`` instead, in ``O(M^3)``
-    with no data pass (the mean and the Nyström part of the variance exact; docs/math.md §4.2). The
-    float32 path computes K_nM products in float32 but CG vectors, Cholesky
+    ``gpfalkon.settings.variance_factors("approximate")`` from FALKON's approximation of ``K_Mn K_nM``
+    instead, in ``O(M^3)`` with no data pass (the mean and the Nyström part of the variance exact;
+    docs/math.md §4.2). The float32 path computes K_nM products in float32 but CG vectors, Cholesky
     factors and predictions in float64.
 
     Args:
@@ -478,7 +478,7 @@ class FalkonGP(gpytorch.models.GP):
         self.fit_info: CGInfo | None = None
         self._fit_tracker = FitTracker()
         self._factors: NystromPosteriorFactors | None = None  # exact
-        self._fast_factors: NystromPosteriorFactors | None = None  # FALKON's approximation (fast_pred_var)
+        self._fast_factors: NystromPosteriorFactors | None = None  # FALKON's approximation (settings.variance_factors)
         self.register_load_state_dict_post_hook(FalkonGP._after_load)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -1130,13 +1130,13 @@ class FalkonGP(gpytorch.models.GP):
     def posterior_factors(self, approximate: bool | None = None) -> NystromPosteriorFactors:
         """The variance factors, formed on first use and kept until the fit changes: exact
         (:meth:`NystromPosteriorFactors.compute`, one data pass, ``O(n M^2)``), or with ``approximate``
-        (``None``: whether ``gpytorch.settings.fast_pred_var`` is on) FALKON's approximation of ``K_Mn K_nM``
-        (:meth:`NystromPosteriorFactors.approximate_from`, ``O(M^3)``, no data pass: the posterior mean and
-        the Nyström part of the variances stay exact, the posterior variance of the coefficients is
-        approximated; docs/math.md §4.2)."""
+        (``None``: whether :class:`gpfalkon.settings.variance_factors` is ``"approximate"``) FALKON's
+        approximation of ``K_Mn K_nM`` (:meth:`NystromPosteriorFactors.approximate_from`, ``O(M^3)``, no data
+        pass: the posterior mean and the Nyström part of the variances stay exact, the posterior variance of
+        the coefficients is approximated; docs/math.md §4.2)."""
         self._check_fitted()
         if approximate is None:
-            approximate = gpytorch.settings.fast_pred_var.on()
+            approximate = settings.variance_factors.value() == "approximate"
         if approximate:
             if self._fast_factors is None:
                 op = self.nystrom_operator(store_kernel=False)
