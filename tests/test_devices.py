@@ -131,6 +131,32 @@ def test_falkon_gp_fit_and_posterior(device, dtype):
     torch.testing.assert_close(pred.variance.double().cpu(), ref_var, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_approximate_variance_factors(device, dtype):
+    """gpfalkon.settings.variance_factors("approximate") on the device: the latent variances are the dense SGPR
+    ones with ``K_Mn K_nM`` replaced by ``(n/M) K_MM D^2 K_MM`` (centers with weights D; docs/math.md §4.2)."""
+    x, y = make_data(250)
+    xt, _ = make_data(30, seed=3)
+    k = make_kernel("scale_rbf", x.shape[1])
+    c = x[::8][:30].clone()
+    d = torch.linspace(0.7, 1.4, 30, dtype=torch.float64)
+    n, m, v = 250, 30, 250 * 1e-3
+    kmm, ksm = dense_kernel(k, c, c).detach(), dense_kernel(k, xt, c).detach()
+    h = (n / m) * kmm @ torch.diag(d**2) @ kmm + v * kmm
+    want = (torch.diagonal(dense_kernel(k, xt, xt)).detach() - (ksm * torch.linalg.solve(kmm, ksm.T).T).sum(-1)
+            + v * (ksm * torch.linalg.solve(h, ksm.T).T).sum(-1))
+    xd, yd = x.to(device=device, dtype=dtype), y.to(device=device, dtype=dtype)
+    kd = make_kernel("scale_rbf", x.shape[1]).to(device=device, dtype=dtype)
+    model = FalkonGP(xd, yd, kernel=kd, centers=c.to(device=device, dtype=dtype), center_weights=d.to(device),
+                     penalty=1e-3).fit()
+    model.eval()
+    with torch.no_grad(), gpfalkon.settings.variance_factors("approximate"):
+        got = model(xt.to(device=device, dtype=dtype)).variance
+    assert got.device == xd.device and model._fast_factors is not None and model._factors is None
+    tol = 1e-8 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol * float(want.max()))
+
+
 def _dense_objective(name, k, x, y, c, lam):
     """The objectives of docs/math.md §5.2 from dense n x n matrices (test reference only)."""
     n = x.shape[0]
