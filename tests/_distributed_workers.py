@@ -240,6 +240,22 @@ def _started(rank: int, world: int, out_dir: str, mode: str) -> None:
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+def _approximate_variances(rank: int, world: int, out_dir: str) -> None:
+    """Rows sharded over the ranks; after the fit only rank 0 asks for predictive variances under
+    ``gpfalkon.settings.variance_factors("approximate")`` (formed from ``K_MM`` alone: no collective, so
+    rank 1 does not take part), then every rank meets in the final barrier."""
+    x, y, xt = data()
+    s, e = shard_bounds([N // 2, N - N // 2])[rank]
+    model = FalkonGP(x[s:e], y[s:e], make_kernel(), num_centers=M, seed=3, penalty=1e-4,
+                     options=FalkonOptions(backend=DistributedBackend()))
+    model.fit()
+    if rank == 0:
+        model.eval()
+        with torch.no_grad(), gpfalkon.settings.variance_factors("approximate"):
+            var = model(xt).variance
+        torch.save({"var": var, "alpha": model.alpha}, os.path.join(out_dir, "rank0.pt"))
+
+
 def _mixed_storage(rank: int, world: int, sizes: Sequence[int], m: int, budget: int, out_dir: str) -> None:
     """Shards of unequal size under one memory budget: one rank stores its K_nM, the other
     does not; ``solve_method="auto"`` must still take one method on every rank."""

@@ -159,6 +159,20 @@ def test_a_fixed_point_store_on_two_ranks_equals_one_process(tmp_path):
         _close(res["residuals"], ref.fit_info.residuals, f"rank {r} residuals")
 
 
+def test_approximate_variances_on_one_rank_need_no_collective_and_equal_one_process(tmp_path):
+    """settings.variance_factors("approximate") forms the factors from K_MM, n and the penalty: rank 0 alone asks
+    for variances (rank 1 waits in the final barrier, no hang) and gets the single process's."""
+    x, y, xt = W.data()
+    ref = FalkonGP(x, y, W.make_kernel(), num_centers=W.M, seed=3, penalty=1e-4).fit()
+    ref.eval()
+    with torch.no_grad(), gpfalkon.settings.variance_factors("approximate"):
+        want = ref(xt).variance
+    W.run(2, W._approximate_variances, (str(tmp_path),), str(tmp_path))
+    res = torch.load(os.path.join(tmp_path, "rank0.pt"), weights_only=False)
+    _close(res["alpha"], ref.alpha, "rank 0 alpha")
+    _close(res["var"], want, "rank 0 approximate variances")
+
+
 def test_a_dead_rank_makes_the_others_raise(tmp_path):
     codes = W.run(2, W._killed, (str(tmp_path),), str(tmp_path), timeout_s=20.0, deadline_s=120.0, allow_exit=(1,),
               final_barrier=False)

@@ -36,7 +36,7 @@ from .._validation import (
     check_targets,
     is_row_source,
 )
-from ..backend.engine import kernel_block_in
+from ..backend.engine import KernelEngine, kernel_block_in
 from ..backend.passes import is_sharded, reduce_rows, total_rows
 from ..backend.precision import matmul_precision
 from ..centers import (
@@ -1138,10 +1138,11 @@ class FalkonGP(gpytorch.models.GP):
         if approximate is None:
             approximate = settings.variance_factors.value() == "approximate"
         if approximate:
-            if self._fast_factors is None:
-                op = self.nystrom_operator(store_kernel=False)
-                self._fast_factors = NystromPosteriorFactors.approximate_from(op)
-                op.engine.release()
+            if self._fast_factors is None:  # K_MM alone: no operator over the rows (no collective when sharded)
+                c = self.centers.detach()
+                kmm = KernelEngine(self.kernel, c, c, store=False).kmm(torch.float64)
+                self._fast_factors = NystromPosteriorFactors.approximate_from(
+                    kmm, self.n, float(self.penalty.detach()), self.center_weights)
             return self._fast_factors
         if self._factors is None:
             op = self.nystrom_operator(store_kernel=False)  # one pass: storing K_nM would not pay

@@ -84,25 +84,27 @@ class NystromPosteriorFactors:
         return cls(L, LB)
 
     @classmethod
-    def approximate_from(cls, op: NystromKRROperator) -> NystromPosteriorFactors:
+    def approximate_from(cls, kmm: Tensor, n: int, penalty: float, weights: Tensor | None = None
+                         ) -> NystromPosteriorFactors:
         r"""The factors with ``K_Mn K_nM`` replaced by FALKON's Nyström approximation
-        ``(n/M) K_MM D^2 K_MM`` (the one its preconditioner makes; ``D`` the centers' weights, ``I`` for
-        uniform centers; docs/math.md §4.2):
+        ``(n/M) K_MM D^2 K_MM`` (the one its preconditioner makes; ``D`` the centers' ``weights``, ``I`` for
+        uniform centers; docs/math.md §4.2), from the float64 ``kmm`` (``K_MM``), the number of training rows
+        ``n`` (all shards') and the ``penalty`` lambda:
 
             L L^T = K_MM,     L_B L_B^T = I + (n/M) L^T D^2 L / (n lambda).
 
-        No pass over the data: ``K_MM``, two Cholesky factorisations and one ``M x M`` product,
-        ``O(M^3)`` flops against the exact factors' ``2 n M^2``. In ``S(X_*) = K_** - a^T a + c^T c``
-        the first two terms stay exact; ``c^T c = n lambda K_*M H^{-1} K_M*`` uses the approximate ``H``,
-        is still between 0 and ``a^T a`` (both ``H``'s are ``>= n lambda K_MM``), and is the exact one where
-        the centers are the training rows (``M = n``). Meant where ``n >> M`` and the centers are drawn from
-        the training rows (uniformly, or by leverage scores with their weights), as FALKON's preconditioner
-        assumes."""
-        v = op.n * float(op.penalty.detach())
-        L, _ = jittered_cholesky(op.kmm, upper=False, name="K_MM")
+        No pass over the data (and so no collective between row shards): two Cholesky factorisations and one
+        ``M x M`` triangular product, ``O(M^3)`` flops against the exact factors' ``2 n M^2``. In
+        ``S(X_*) = K_** - a^T a + c^T c`` the first two terms stay exact; ``c^T c = n lambda K_*M H^{-1} K_M*``
+        uses the approximate ``H``, is still between 0 and ``a^T a`` (both ``H``'s are ``>= n lambda K_MM``),
+        and is the exact one where the centers are the training rows (``M = n``). Meant where ``n >> M`` and
+        the centers are drawn from the training rows (uniformly, or by leverage scores with their weights), as
+        FALKON's preconditioner assumes."""
+        v = n * float(penalty)
+        L, _ = jittered_cholesky(kmm, upper=False, name="K_MM")
         m = L.shape[-1]
-        u = (L if op.weights is None else op.weights.to(L).unsqueeze(-1) * L).mT  # (D L)^T, upper triangular
-        bmat = (upper_gram(u) if u.dim() == 2 else u @ u.mT).mul_(op.n / (m * v))  # L^T D^2 L
+        u = (L if weights is None else weights.to(L).unsqueeze(-1) * L).mT  # (D L)^T, upper triangular
+        bmat = (upper_gram(u) if u.dim() == 2 else u @ u.mT).mul_(n / (m * v))  # L^T D^2 L
         bmat.diagonal(dim1=-2, dim2=-1).add_(1.0)
         LB, _ = jittered_cholesky(bmat, upper=False, name="I + (n/M) L^T D^2 L / (n lambda)", jitter=0.0)
         return cls(L, LB, approximate=True)
