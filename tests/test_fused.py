@@ -17,7 +17,7 @@ def _need_kernel() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("k", [1, 3, fused.MAX_K])
+@pytest.mark.parametrize("k", [1, 3, 5, fused.MAX_K])
 @pytest.mark.parametrize("rows", [1, 7, fused.FLUSH_ROWS + 3, 3 * fused.FLUSH_ROWS + 17])
 def test_fused_matches_dense(dtype, k, rows):
     """``acc += (u^T K^T + v^T) K`` for every mix of u / v, row counts across the flush boundary, a v

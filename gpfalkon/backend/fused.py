@@ -262,6 +262,77 @@ template <> struct Vec<double> {
   }
 };
 
+// Several right-hand sides over a float32 / float64 store (k >= 3), eight rows at a time: the dot products of
+// four rows with three vectors in one pass over the rows (twelve accumulators: each row value loaded once for
+// three vectors), then one pass that adds the eight weighted rows into each of the k accumulator rows, the
+// rows held in registers. block_rows instead passes over the rows twice per vector; this reads the core's cache
+// about half as much and was 1.3-1.55x faster at k = 10-16, 1.1x at k = 4, on a par at k = 2
+// (benchmarks/results/product-rate-s37.md).
+// w[q * ldw + j] = row_q . u_j for R rows and J vectors
+template <typename T, int R, int J>
+static inline void dots_rj(const T* __restrict K0, int64_t M, int64_t MW, const T* u, T* w, int64_t ldw) {
+  using X = Vec<T>;
+  typename X::V s[R][J];
+  for (int q = 0; q < R; ++q)
+    for (int j = 0; j < J; ++j) s[q][j] = X::zero();
+  for (int64_t c = 0; c < MW; c += X::W) {
+    typename X::V x[J];
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) x[j] = X::load(u + j * M + c);
+#pragma GCC unroll 8
+    for (int q = 0; q < R; ++q) {
+      const typename X::V r = X::load(K0 + q * M + c);
+#pragma GCC unroll 8
+      for (int j = 0; j < J; ++j) s[q][j] = X::fma(r, x[j], s[q][j]);
+    }
+  }
+  for (int q = 0; q < R; ++q)
+    for (int j = 0; j < J; ++j) {
+      T t = X::lanes(s[q][j]);
+      for (int64_t c = MW; c < M; ++c) t += K0[q * M + c] * u[j * M + c];
+      w[q * ldw + j] = t;
+    }
+}
+
+// acc_j += sum_q (row_q . u_j + v_j[i + q]) row_q for the eight rows K0 .. K0 + 8 M and the k <= 64 vectors u_j
+template <typename T>
+static inline void rows8_rhs(const T* __restrict K0, int64_t M, const T* u, const T* v, int64_t ldv, int64_t i,
+                             int64_t k, T* acc) {
+  using X = Vec<T>;
+  const int64_t MW = M / X::W * X::W;
+  T w[8 * 64];
+  for (int h = 0; h < 8; h += 4) {
+    int64_t j = 0;
+    for (; j + 3 <= k; j += 3) dots_rj<T, 4, 3>(K0 + h * M, M, MW, u + j * M, w + h * k + j, k);
+    for (; j + 2 <= k; j += 2) dots_rj<T, 4, 2>(K0 + h * M, M, MW, u + j * M, w + h * k + j, k);
+    for (; j < k; ++j) dots_rj<T, 4, 1>(K0 + h * M, M, MW, u + j * M, w + h * k + j, k);
+  }
+  if (v != nullptr)
+    for (int q = 0; q < 8; ++q)
+      for (int64_t j = 0; j < k; ++j) w[q * k + j] += v[j * ldv + i + q];
+  for (int64_t c = 0; c < MW; c += X::W) {
+    typename X::V r[8];
+#pragma GCC unroll 8
+    for (int q = 0; q < 8; ++q) r[q] = X::load(K0 + q * M + c);
+    for (int64_t j = 0; j < k; ++j) {
+      typename X::V a0 = X::mul(X::set1(w[j]), r[0]);
+      typename X::V a1 = X::mul(X::set1(w[4 * k + j]), r[4]);
+#pragma GCC unroll 3
+      for (int q = 1; q < 4; ++q) {
+        a0 = X::fma(X::set1(w[q * k + j]), r[q], a0);
+        a1 = X::fma(X::set1(w[(q + 4) * k + j]), r[q + 4], a1);
+      }
+      X::store(acc + j * M + c, X::add(X::load(acc + j * M + c), X::add(a0, a1)));
+    }
+  }
+  for (int64_t c = MW; c < M; ++c)
+    for (int64_t j = 0; j < k; ++j) {
+      T t = T(0);
+      for (int q = 0; q < 8; ++q) t += w[q * k + j] * K0[q * M + c];
+      acc[j * M + c] += t;
+    }
+}
+
 // Eight int16 rows src_q = src + q M of a fixed-point store, products in T. MW: the columns in whole vectors; the
 // tail columns MW .. M - 1 are scalar.
 // s_q += the eight rows' products with u over the first MW columns (one vector accumulator per row)
@@ -391,6 +462,10 @@ static void rows_into(const T* K, int64_t begin, int64_t end, int64_t M, const T
   for (int64_t i0 = begin; i0 < end; i0 += flush) {
     const int64_t i1 = std::min(end, i0 + flush);
     int64_t i = i0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (k >= 3 && u != nullptr)
+      for (; i + 8 <= i1; i += 8) rows8_rhs<T>(K + i * M, M, u, v, ldv, i, k, acc.data());
+#endif
     for (; i + 8 <= i1; i += 8) block_rows<T, 8>(K, i, M, u, v, ldv, k, acc.data());
     for (; i + 4 <= i1; i += 4) block_rows<T, 4>(K, i, M, u, v, ldv, k, acc.data());
     for (; i < i1; ++i) block_rows<T, 1>(K, i, M, u, v, ldv, k, acc.data());
