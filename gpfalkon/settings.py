@@ -264,7 +264,7 @@ class variance_factors(_setting):
     approximation ``(n/M) K_MM D^2 K_MM`` (the one its preconditioner makes), formed from ``K_MM`` alone in
     ``O(M^3)`` with no data pass (docs/math.md §4.2): the posterior mean and the Nyström part of the variance
     stay exact; the coefficients' part is close inside the data and less so near its edge (on flights, 2M rows
-    and ``M = 2,000``, 0.32 s against 178 s and the same test NLPD: ``benchmarks/results/fast-variance*.md``).
+    and ``M = 2,000``, 0.38 s against 172 s and the same test NLPD: ``benchmarks/results/fast-variance*.md``).
     Read when the variances are first asked for after a fit; the model keeps both kinds.
 
     Not tied to ``gpytorch.settings.fast_pred_var``: BoTorch's ``posterior()`` turns that on for every model,
