@@ -266,7 +266,7 @@ template <> struct Vec<double> {
 // four rows with three vectors in one pass over the rows (twelve accumulators: each row value loaded once for
 // three vectors), then one pass that adds the eight weighted rows into each of the k accumulator rows, the
 // rows held in registers. block_rows instead passes over the rows twice per vector; this reads the core's cache
-// about half as much and was 1.3-1.55x faster at k = 10-16, 1.1x at k = 4, on a par at k = 2
+// about half as much and was 1.3-1.6x faster at k = 10-16, 1.06-1.24x at k = 4, on a par at k = 2
 // (benchmarks/results/product-rate-s37.md).
 // w[q * ldw + j] = row_q . u_j for R rows and J vectors
 template <typename T, int R, int J>

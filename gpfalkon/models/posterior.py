@@ -66,7 +66,7 @@ class NystromPosteriorFactors:
     def __init__(self, L: Tensor, LB: Tensor, *, approximate: bool = False) -> None:
         self.L = L
         self.LB = LB
-        #: whether ``L_B`` is FALKON's approximation (:meth:`approximate`) rather than the exact factor
+        #: whether ``L_B`` is FALKON's approximation (:meth:`approximate_from`) rather than the exact factor
         self.approximate = bool(approximate)
 
     def scaled(self, c: float) -> NystromPosteriorFactors:
