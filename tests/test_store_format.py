@@ -142,7 +142,7 @@ def test_fused_fixed_products_handle_every_row_count_and_non_finite_rows():
     _need_kernel()
     g = torch.Generator().manual_seed(0)
     for dtype, rows, k in itertools.product((torch.float32, torch.float64), (1, 7, 8, 13, 40, fused.FLUSH_ROWS + 5),
-                                            (1, 2)):
+                                            (1, 2, 5)):
         m = 21 if rows != 40 else 3  # (fewer columns than one vector of eight)
         q = torch.randint(-FIXED_MAX, FIXED_MAX + 1, (rows, m), generator=g, dtype=torch.int16)
         s = torch.rand(rows, generator=g, dtype=torch.float64) / FIXED_MAX

@@ -262,15 +262,16 @@ template <> struct Vec<double> {
   }
 };
 
-// Several right-hand sides over a float32 / float64 store (k >= 3), eight rows at a time: the dot products of
-// four rows with three vectors in one pass over the rows (twelve accumulators: each row value loaded once for
-// three vectors), then one pass that adds the eight weighted rows into each of the k accumulator rows, the
-// rows held in registers. block_rows instead passes over the rows twice per vector; this reads the core's cache
-// about half as much and was 1.3-1.6x faster at k = 10-16, 1.06-1.24x at k = 4, on a par at k = 2
+// Several right-hand sides (k >= 3), eight rows at a time, over a float32 / float64 store or an int16 one (rows
+// of S values; sc: the int16 rows' scales, nullptr otherwise): the dot products of four rows with three vectors
+// in one pass over the rows (twelve accumulators: each row value loaded, and widened, once for three vectors),
+// then one pass that adds the eight weighted rows into each of the k accumulator rows, the rows held in
+// registers. block_rows instead passes over the rows twice per vector; this reads the core's cache about half
+// as much and was 1.3-1.6x faster at k = 10-16, 1.06-1.24x at k = 4, on a par at k = 2
 // (benchmarks/results/product-rate-s37.md).
 // w[q * ldw + j] = row_q . u_j for R rows and J vectors
-template <typename T, int R, int J>
-static inline void dots_rj(const T* __restrict K0, int64_t M, int64_t MW, const T* u, T* w, int64_t ldw) {
+template <typename T, typename S, int R, int J>
+static inline void dots_rj(const S* __restrict K0, int64_t M, int64_t MW, const T* u, T* w, int64_t ldw) {
   using X = Vec<T>;
   typename X::V s[R][J];
   for (int q = 0; q < R; ++q)
@@ -289,27 +290,32 @@ static inline void dots_rj(const T* __restrict K0, int64_t M, int64_t MW, const 
   for (int q = 0; q < R; ++q)
     for (int j = 0; j < J; ++j) {
       T t = X::lanes(s[q][j]);
-      for (int64_t c = MW; c < M; ++c) t += K0[q * M + c] * u[j * M + c];
+      for (int64_t c = MW; c < M; ++c) t += static_cast<T>(K0[q * M + c]) * u[j * M + c];
       w[q * ldw + j] = t;
     }
 }
 
-// acc_j += sum_q (row_q . u_j + v_j[i + q]) row_q for the eight rows K0 .. K0 + 8 M and the k <= 64 vectors u_j
-template <typename T>
-static inline void rows8_rhs(const T* __restrict K0, int64_t M, const T* u, const T* v, int64_t ldv, int64_t i,
-                             int64_t k, T* acc) {
+// acc_j += sum_q (s_q row_q . u_j + v_j[i + q]) s_q row_q for the eight rows K0 .. K0 + 8 M (s_q = sc[q], 1 without
+// scales) and the k <= 64 vectors u_j
+template <typename T, typename S>
+static inline void rows8_rhs(const S* __restrict K0, const T* sc, int64_t M, const T* u, const T* v, int64_t ldv,
+                             int64_t i, int64_t k, T* acc) {
   using X = Vec<T>;
   const int64_t MW = M / X::W * X::W;
   T w[8 * 64];
   for (int h = 0; h < 8; h += 4) {
     int64_t j = 0;
-    for (; j + 3 <= k; j += 3) dots_rj<T, 4, 3>(K0 + h * M, M, MW, u + j * M, w + h * k + j, k);
-    for (; j + 2 <= k; j += 2) dots_rj<T, 4, 2>(K0 + h * M, M, MW, u + j * M, w + h * k + j, k);
-    for (; j < k; ++j) dots_rj<T, 4, 1>(K0 + h * M, M, MW, u + j * M, w + h * k + j, k);
+    for (; j + 3 <= k; j += 3) dots_rj<T, S, 4, 3>(K0 + h * M, M, MW, u + j * M, w + h * k + j, k);
+    for (; j + 2 <= k; j += 2) dots_rj<T, S, 4, 2>(K0 + h * M, M, MW, u + j * M, w + h * k + j, k);
+    for (; j < k; ++j) dots_rj<T, S, 4, 1>(K0 + h * M, M, MW, u + j * M, w + h * k + j, k);
   }
-  if (v != nullptr)
-    for (int q = 0; q < 8; ++q)
-      for (int64_t j = 0; j < k; ++j) w[q * k + j] += v[j * ldv + i + q];
+  for (int q = 0; q < 8; ++q)
+    for (int64_t j = 0; j < k; ++j) {
+      T t = w[q * k + j];
+      if (sc != nullptr) t *= sc[q];
+      if (v != nullptr) t += v[j * ldv + i + q];
+      w[q * k + j] = sc != nullptr ? t * sc[q] : t;  // the weight of the stored (unscaled) row
+    }
   for (int64_t c = 0; c < MW; c += X::W) {
     typename X::V r[8];
 #pragma GCC unroll 8
@@ -328,7 +334,7 @@ static inline void rows8_rhs(const T* __restrict K0, int64_t M, const T* u, cons
   for (int64_t c = MW; c < M; ++c)
     for (int64_t j = 0; j < k; ++j) {
       T t = T(0);
-      for (int q = 0; q < 8; ++q) t += w[q * k + j] * K0[q * M + c];
+      for (int q = 0; q < 8; ++q) t += w[q * k + j] * static_cast<T>(K0[q * M + c]);
       acc[j * M + c] += t;
     }
 }
@@ -464,7 +470,7 @@ static void rows_into(const T* K, int64_t begin, int64_t end, int64_t M, const T
     int64_t i = i0;
 #if defined(__AVX2__) && defined(__FMA__)
     if (k >= 3 && u != nullptr)
-      for (; i + 8 <= i1; i += 8) rows8_rhs<T>(K + i * M, M, u, v, ldv, i, k, acc.data());
+      for (; i + 8 <= i1; i += 8) rows8_rhs<T, T>(K + i * M, nullptr, M, u, v, ldv, i, k, acc.data());
 #endif
     for (; i + 8 <= i1; i += 8) block_rows<T, 8>(K, i, M, u, v, ldv, k, acc.data());
     for (; i + 4 <= i1; i += 4) block_rows<T, 4>(K, i, M, u, v, ldv, k, acc.data());
@@ -493,6 +499,8 @@ static void fixed_rows_into(const int16_t* K, const T* sc, int64_t begin, int64_
       groups1<T>(K + i * M, sc + i, i, groups, M, u, v, acc.data());
       i += groups * 8;
     }
+    if (k >= 3 && u != nullptr)
+      for (; i + 8 <= i1; i += 8) rows8_rhs<T, int16_t>(K + i * M, sc + i, M, u, v, ldv, i, k, acc.data());
     for (; i + 8 <= i1; i += 8) fixed_block8<T>(K + i * M, sc + i, i, M, u, v, ldv, k, acc.data());
 #endif
     for (; i + 8 <= i1; i += 8) {
