@@ -74,6 +74,7 @@ _KINDS = {"rbf": 0, "matern12": 1, "matern32": 2, "matern52": 3}
 
 _SOURCE = r"""
 #include <torch/extension.h>
+#include <algorithm>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
@@ -296,14 +297,15 @@ static inline void dots_rj(const S* __restrict K0, int64_t M, int64_t MW, const 
 }
 
 // acc_j += sum_q (s_q row_q . u_j + v_j[i + q]) s_q row_q for the eight rows K0 .. K0 + 8 M (s_q = sc[q], 1 without
-// scales) and the k <= 64 vectors u_j
+// scales) and the k <= 64 vectors u_j (u or v may be nullptr, meaning zero)
 template <typename T, typename S>
 static inline void rows8_rhs(const S* __restrict K0, const T* sc, int64_t M, const T* u, const T* v, int64_t ldv,
                              int64_t i, int64_t k, T* acc) {
   using X = Vec<T>;
   const int64_t MW = M / X::W * X::W;
   T w[8 * 64];
-  for (int h = 0; h < 8; h += 4) {
+  if (u == nullptr) std::fill(w, w + 8 * k, T(0));
+  for (int h = 0; h < 8 && u != nullptr; h += 4) {
     int64_t j = 0;
     for (; j + 3 <= k; j += 3) dots_rj<T, S, 4, 3>(K0 + h * M, M, MW, u + j * M, w + h * k + j, k);
     for (; j + 2 <= k; j += 2) dots_rj<T, S, 4, 2>(K0 + h * M, M, MW, u + j * M, w + h * k + j, k);
@@ -389,30 +391,6 @@ static inline void finish8(const int16_t* __restrict src, int64_t M, int64_t MW,
   }
 }
 
-// Eight int16 rows src .. src + 8 M (scales sc) without a converted copy, k right-hand sides: each pass widens
-// the values it reads in registers and folds the row's scale into its weight; the second and later passes read
-// the rows (32 KiB at M = 2,000) from the core's cache.
-template <typename T>
-static inline void fixed_block8(const int16_t* __restrict src, const T* sc, int64_t i, int64_t M, const T* u,
-                                const T* v, int64_t ldv, int64_t k, T* acc) {
-  using X = Vec<T>;
-  const int64_t MW = M / X::W * X::W;
-  for (int64_t j = 0; j < k; ++j) {
-    T w[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    if (u != nullptr) {
-      typename X::V s[8];
-      for (int q = 0; q < 8; ++q) s[q] = X::zero();
-      dots8<T>(src, M, MW, u + j * M, s);
-      finish8<T>(src, M, MW, u + j * M, s, sc, nullptr, w);
-    }
-    if (v != nullptr)
-      for (int q = 0; q < 8; ++q) w[q] += v[j * ldv + i + q];
-    T wq[8];
-    for (int q = 0; q < 8; ++q) wq[q] = w[q] * sc[q];
-    axpy8<T>(src, M, MW, wq, acc + j * M);
-  }
-}
-
 // The products of one right-hand side u over the groups of eight int16 rows g = 0 .. groups - 1 (src, scales sc,
 // rows i0 ..), software-pipelined: one loop over the columns adds group g's weighted rows into the accumulator
 // (from the cache) while it takes group g + 1's dot products (from memory) and prefetches group g + 2's cache
@@ -483,7 +461,7 @@ static void rows_into(const T* K, int64_t begin, int64_t end, int64_t M, const T
 }
 
 // rows_into for an int16 store (scales sc), read from memory once at 2 bytes a value: on a CPU with AVX2, eight
-// rows at a time widened in registers (groups1 for one right-hand side, fixed_block8 for more); otherwise (no
+// rows at a time widened in registers (groups1 for one right-hand side, rows8_rhs for more); otherwise (no
 // AVX2, and the last rows of fewer than eight) each group of rows is dequantized into `rowbuf` (8 M values, in
 // the core's cache) and block_rows runs on it
 template <typename T>
@@ -499,9 +477,7 @@ static void fixed_rows_into(const int16_t* K, const T* sc, int64_t begin, int64_
       groups1<T>(K + i * M, sc + i, i, groups, M, u, v, acc.data());
       i += groups * 8;
     }
-    if (k >= 3 && u != nullptr)
-      for (; i + 8 <= i1; i += 8) rows8_rhs<T, int16_t>(K + i * M, sc + i, M, u, v, ldv, i, k, acc.data());
-    for (; i + 8 <= i1; i += 8) fixed_block8<T>(K + i * M, sc + i, i, M, u, v, ldv, k, acc.data());
+    for (; i + 8 <= i1; i += 8) rows8_rhs<T, int16_t>(K + i * M, sc + i, M, u, v, ldv, i, k, acc.data());
 #endif
     for (; i + 8 <= i1; i += 8) {
       for (int q = 0; q < 8; ++q) dequantize_row<T>(K + (i + q) * M, sc[i + q], rowbuf.data() + q * M, M);
