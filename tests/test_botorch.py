@@ -114,6 +114,12 @@ def test_condition_on_observations_refits_with_fixed_noise():
         torch.testing.assert_close(new.posterior(Xt).mean.squeeze(-1), ref(Xt).mean, rtol=1e-8, atol=1e-8)
     with pytest.raises(NotImplementedError, match="per-observation noise"):
         model.condition_on_observations(X[250:], Y[250:], noise=torch.full_like(Y[250:], 0.01))
+    # shapes are checked before the rows are appended, with the caller's sizes
+    for bad_x, bad_y in ((torch.rand(2, 3, dtype=torch.float64), Y[:2]), (X[:2], torch.rand(2, 2, dtype=torch.float64)),
+                         (X[:2], Y[:3])):
+        with pytest.raises(ValueError, match=r"X and Y must have shapes \(q, 2\) and \(q, 1\) with the same q, got "
+                                             rf"\({bad_x.shape[0]}, {bad_x.shape[1]}\) and \({bad_y.shape[0]}, "):
+            model.condition_on_observations(bad_x, bad_y)
 
 
 def test_bad_training_shapes():
@@ -122,6 +128,10 @@ def test_bad_training_shapes():
         FalkonModel(X, Y.squeeze(-1), num_centers=5)
     with pytest.raises(ValueError, match="train_X"):
         FalkonModel(X[0], Y, num_centers=5)
+    with pytest.raises(TypeError, match=r"train_X must be float32 or float64, got torch\.int64"):
+        FalkonModel((X * 10).long(), Y, num_centers=5)
+    with pytest.raises(TypeError, match=r"train_Y must be float32 or float64, got torch\.int32"):
+        FalkonModel(X, (Y * 10).int(), num_centers=5)
 
 
 def test_posterior_transform_and_subset_of_outputs():
@@ -139,11 +149,13 @@ def test_posterior_transform_and_subset_of_outputs():
 
 
 # ------------------------------------------------------------------ issue 14 regressions (items 1, 3, 5)
+@pytest.mark.parametrize("m_out", [1, 2])
 @pytest.mark.parametrize("transform", ["standardize", None])
-def test_load_state_dict_on_botorchs_path(transform):
+def test_load_state_dict_on_botorchs_path(transform, m_out):
     """BoTorch's load_state_dict calls set_train_data(targets=..., strict=...): the loaded model
-    predicts as the saved one (item 1)."""
-    X, Y = _data(n=200)
+    predicts as the saved one (item 1); with two outputs too (the model holds them as (n, m), not BoTorch's
+    batched (m, n): its own _extract_targets_and_noise)."""
+    X, Y = _data(n=200, m=m_out)
     m = FalkonModel(X, Y, num_centers=40, outcome_transform=transform, tol=1e-10, max_iter=500)
     fresh = FalkonModel(X, Y, num_centers=40, outcome_transform=transform, fit=False)
     fresh.load_state_dict(m.state_dict())
@@ -158,6 +170,33 @@ def test_load_state_dict_on_botorchs_path(transform):
         other.load_state_dict(m.state_dict())
     with pytest.raises(NotFittedError, match="call fit"):
         other.posterior(Xt)
+
+
+def test_two_output_model_in_cache_root_acquisition_functions():
+    """qLogNEHVI and qLogNEI with an objective default to cache_root=True, which reads a several-output posterior as
+    block-diagonal; a two-output FalkonModel opts out (its covariance is covar (x) I_t) and the values equal those
+    computed with cache_root=False, same base samples."""
+    from botorch.acquisition.multi_objective.logei import qLogNoisyExpectedHypervolumeImprovement
+    from botorch.acquisition.objective import GenericMCObjective
+    from botorch.sampling import SobolQMCNormalSampler
+
+    X, Y = _data(n=60, m=2)
+    model = FalkonModel(X, Y, num_centers=30)
+    assert model._supports_cache_root is False and FalkonModel(X, Y[:, :1], num_centers=30)._supports_cache_root
+    Xc = torch.rand(4, 2, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    builders = {
+        "nehvi": lambda **kw: qLogNoisyExpectedHypervolumeImprovement(
+            model, ref_point=[-3.0, -6.0], X_baseline=X[:10], prune_baseline=False, **kw),
+        "nei": lambda **kw: qLogNoisyExpectedImprovement(
+            model, X_baseline=X[:10], prune_baseline=False, objective=GenericMCObjective(lambda s, X=None: s.sum(-1)),
+            **kw),
+    }
+    for build in builders.values():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # BoTorch's "cache_root is not supported" notice
+            default = build(sampler=SobolQMCNormalSampler(torch.Size([64]), seed=0))
+        explicit = build(sampler=SobolQMCNormalSampler(torch.Size([64]), seed=0), cache_root=False)
+        torch.testing.assert_close(default(Xc), explicit(Xc))
 
 
 def test_set_train_data_follows_exactgp():

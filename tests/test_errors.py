@@ -35,6 +35,24 @@ def test_shape_mismatches(data):
         FalkonGP(x, y, kernel=_k(), centers=x[:3], num_centers=3)
 
 
+def test_a_batched_kernel_is_refused_at_construction_and_at_fit(data):
+    """One kernel serves every output (one K_nM): a kernel with a batch_shape, or with a batched part, is refused
+    with the cause, at construction and (replaced after construction) at fit(), leaving the fit untouched."""
+    x, y = data
+    y2 = torch.stack([y, -y], 1)
+    batched = gpytorch.kernels.RBFKernel(batch_shape=torch.Size([2])).double()
+    with pytest.raises(ValueError, match=r"kernel has batch_shape=\(2,\).*one kernel for every output"):
+        FalkonGP(x, y2, kernel=batched, num_centers=5)
+    with pytest.raises(ValueError, match=r"kernel.base_kernel has batch_shape=\(2,\)"):
+        FalkonGP(x, y2, kernel=gpytorch.kernels.ScaleKernel(batched), num_centers=5)
+    model = FalkonGP(x, y2, kernel=_k(), num_centers=5).fit()
+    alpha = model.alpha.clone()
+    model.kernel = batched
+    with pytest.raises(ValueError, match="batch_shape"):
+        model.fit()
+    assert torch.equal(model.alpha, alpha)
+
+
 def test_empty_data(data):
     x, y = data
     with pytest.raises(ValueError, match="train_x is empty"):
@@ -155,6 +173,14 @@ def test_empty_test_batch_gives_an_empty_distribution(data, t):
         pred = model(torch.empty(*shape, dtype=x.dtype))
         want = (*shape[:-1], t) if t > 1 else shape[:-1]
         assert pred.mean.shape == want and pred.variance.shape == want
+    # an empty batch of q > 0 points: one output gives an empty distribution; several are refused by name
+    # (GPyTorch's MultitaskMultivariateNormal cannot reshape an empty batch's mean)
+    empty_batch = torch.empty(0, 5, x.shape[1], dtype=x.dtype)
+    if t == 1:
+        assert model(empty_batch).mean.shape == (0, 5)
+    else:
+        with pytest.raises(ValueError, match=r"x has an empty batch shape \(0,\) with q = 5"):
+            model(empty_batch)
     # a non-empty batch next to it is unaffected
     torch.testing.assert_close(model(x[:4]).mean, model(x[:6]).mean[:4])
 

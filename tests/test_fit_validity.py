@@ -284,3 +284,35 @@ def test_fingerprint_legacy_sums_are_the_old_expressions():
     assert float(summary[3]) == float(x.to(torch.float64).square().sum().sqrt())
     assert float(summary[4]) == float(y.sum(dtype=torch.float64))
     assert float(summary[5]) == float(y.to(torch.float64).square().sum().sqrt())
+
+
+@pytest.mark.parametrize("change", ["kernel", "base_kernel", "nu", "transform"])
+def test_a_kernel_replaced_or_reconfigured_after_fit_makes_the_fit_stale(change):
+    """A kernel (or a part of one) of another class has the same raw parameter values as the old one (GPyTorch's
+    defaults are all 0) and a Matern ``nu`` is not a parameter: the fit must still become stale, and a deep copy
+    or pickle of the fitted model must not (same structure)."""
+    import pickle
+
+    from gpytorch.constraints import Positive
+    from gpytorch.kernels import MaternKernel, RBFKernel, ScaleKernel
+
+    x, y = make_data(150, 3)
+    xt = x[:4] + 0.01
+    model = _model(x, y, kernel=ScaleKernel(MaternKernel(nu=2.5)).double()).fit().eval()
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        clone(xt)  # still fitted
+    if change == "kernel":
+        model.kernel = ScaleKernel(RBFKernel()).double()
+    elif change == "base_kernel":
+        model.kernel.base_kernel = RBFKernel().double()
+    elif change == "nu":
+        model.kernel.base_kernel.nu = 0.5
+    else:  # a constraint with another transform, same bounds and raw values
+        model.kernel.base_kernel.register_constraint("raw_lengthscale", Positive(transform=torch.exp,
+                                                                                 inv_transform=torch.log))
+    with pytest.raises(NotFittedError, match="changed since"):
+        model(xt)
+    model.fit()
+    reference = FalkonGP(x, y, kernel=model.kernel, centers=model.centers.clone(), penalty=1e-3, tol=1e-10,
+                         max_iter=200).fit().eval()
+    torch.testing.assert_close(model(xt).mean, reference(xt).mean, rtol=1e-9, atol=1e-9)

@@ -244,6 +244,13 @@ def test_stochastic_warm_start_and_training_loop():
     assert exact().item() < start
     with pytest.raises(ValueError, match="trace_vectors"):
         StochasticNystromCompReg(model, trace_vectors=torch.ones(3, 2, dtype=torch.float64))
+    n = model.train_inputs[0].shape[0]
+    bad = torch.ones(n, 2, dtype=torch.float64)
+    bad[n // 2, 1] = float("nan")
+    with pytest.raises(ValueError, match="trace_vectors contains NaN or Inf"):
+        StochasticNystromCompReg(model, trace_vectors=bad)
+    with pytest.raises(ValueError, match=r"trace_vectors must have at least one column"):
+        StochasticNystromCompReg(model, trace_vectors=bad[:, :0])
     with pytest.raises(ValueError, match="ktilde_trace"):
         StochasticNystromCompReg(model, ktilde_trace="exact")
 

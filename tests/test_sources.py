@@ -88,6 +88,16 @@ def test_parquet_rows_read_row_groups_and_columns(tmp_path, data):
     torch.testing.assert_close(two[0:301], x[:, [2, 0]], rtol=0, atol=0)
     with pytest.raises(ValueError, match="not in"):
         ParquetRows(_write_parquet(tmp_path, x.numpy(), y.numpy()), columns=["nope"])
+    # an empty file and a file that is not Parquet are named (pyarrow's messages do not name them)
+    good = _write_parquet(tmp_path, x.numpy(), y.numpy())
+    for name, content in (("empty.parquet", b""), ("text.parquet", b"f0,f1,f2\n1,2,3\n")):
+        bad = tmp_path / name
+        bad.write_bytes(content)
+        for paths in ([bad], [*good, bad]):
+            with pytest.raises(ValueError, match=rf"ParquetRows: .*{name} is not a readable Parquet file"):
+                ParquetRows(paths)
+    with pytest.raises(FileNotFoundError):
+        ParquetRows([tmp_path / "missing.parquet"])
 
 
 def test_a_source_with_nan_is_rejected_with_its_row(tmp_path, data):
@@ -245,3 +255,47 @@ def test_npy_files_of_the_other_byte_order_read_the_same_values(tmp_path, data):
     np.save(tmp_path / "none.npy", np.zeros((5, 0)))
     with pytest.raises(ValueError, match="train_x has 0 features"):
         FalkonGP(NpyRows(tmp_path / "none.npy"), torch.zeros(5, dtype=torch.float64), num_centers=2)
+
+
+@pytest.mark.parametrize("kind", ["npy", "parquet"])
+def test_a_file_rewritten_after_fit_is_refused_not_read(tmp_path, kind):
+    """A fitted model reads its source again (the variance factors, formed at the first variance request): a file
+    rewritten in between (same shape, other rows) is refused by name, not mixed in; a copy or pickle of the source
+    keeps watching the files it was opened on. A float32 model's float64 view of the rows does too."""
+    import os
+    import pickle
+
+    pq = pytest.importorskip("pyarrow.parquet") if kind == "parquet" else None
+    x, y = make_data(400, 3)
+    for dtype in (torch.float64, torch.float32):
+        d = tmp_path / str(dtype)[6:]
+        d.mkdir()
+        if kind == "npy":
+            paths = _write_npy(d, x.numpy())
+            src = NpyRows(paths, dtype=dtype)
+        else:
+            paths = _write_parquet(d, x.numpy(), y.numpy())
+            src = ParquetRows(paths, exclude=["target"], dtype=dtype)
+        model = FalkonGP(src, y.to(dtype), kernel=make_kernel("rbf", 3, dtype=dtype), num_centers=20,
+                         penalty=1e-3).fit().eval()
+        xt = x[:5].to(dtype)
+        model.posterior_mean(xt)  # the mean needs no pass
+        clone = pickle.loads(pickle.dumps(src))
+        # rewrite the last file with other rows of the same shape (and a later modification time)
+        target = paths[-1]
+        stat = os.stat(target)
+        if kind == "npy":
+            np.save(target, np.load(target) * 0.5)
+        else:
+            t = pq.read_table(target)
+            pa = pytest.importorskip("pyarrow")
+            pq.write_table(t.set_column(0, "f0", pa.array(t.column("f0").to_numpy() * 0.5)), target,
+                           row_group_size=37)
+        os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+        with pytest.raises(ValueError, match=rf"{target.name} changed since the source was opened"):
+            model(xt).variance  # noqa: B018
+        with pytest.raises(ValueError, match="changed since the source was opened"):
+            clone[0:len(x)]
+        # a source built now reads the new rows
+        fresh = NpyRows(paths, dtype=dtype) if kind == "npy" else ParquetRows(paths, exclude=["target"], dtype=dtype)
+        assert fresh[0:len(x)].shape == x.shape

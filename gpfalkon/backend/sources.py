@@ -25,6 +25,7 @@ files as a float matrix (``torch.utils.data`` iterates samples; ``pyarrow.datase
 from __future__ import annotations
 
 import abc
+import copy
 import itertools
 import os
 from collections.abc import Iterator, Sequence
@@ -36,7 +37,7 @@ from torch import Tensor
 
 from .blocks import row_blocks
 
-__all__ = ["NpyRows", "ParquetRows", "RowSource", "SliceRows", "TensorRows", "shard_files", "shard_rows"]
+__all__ = ["NpyRows", "ParquetRows", "RowSource", "SliceRows", "TensorRows", "rows_as", "shard_files", "shard_rows"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -166,12 +167,33 @@ class RowSource(abc.ABC):
     def is_floating_point(self) -> bool:
         return True
 
+    def astype(self, dtype: torch.dtype) -> RowSource:
+        """This source read in ``dtype`` (float32 or float64): a shallow copy sharing the files or tensor, each
+        block converted as it is read (no copy of the rows)."""
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"a row source holds float32 or float64 rows, got {dtype}")
+        if dtype == self.dtype:
+            return self
+        out = copy.copy(self)
+        out.dtype = dtype
+        return out
+
     def materialize(self) -> Tensor:
         """All rows in memory (``n d`` values): for small sources and tests."""
         return self.read(0, self._n)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(n={self._n:,}, d={self._d}, dtype={self.dtype})"
+
+
+def rows_as(x: Tensor | RowSource, dtype: torch.dtype) -> Tensor | RowSource:
+    """``x`` (a tensor or a row source) with its rows in ``dtype``: ``x`` itself where it already is, else a row
+    source converting block by block (:meth:`RowSource.astype`; for a tensor a :class:`TensorRows` over it), so a
+    pass in a wider dtype costs one block of it, not a converted copy of all ``n d`` values."""
+    if x.dtype == dtype:
+        return x
+    source = x if isinstance(x, RowSource) else TensorRows(x)
+    return source.astype(dtype)
 
 
 class TensorRows(RowSource):
@@ -238,6 +260,23 @@ def _empty_shape(what: str, d: int | None, dtype: torch.dtype | None, hint: str)
     return d, dtype
 
 
+def _stamp(path: PathLike) -> tuple[int, int]:
+    """``(size, modification time in ns)`` of ``path``: what :func:`_check_stamp` compares."""
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def _check_stamp(kind: str, path: PathLike, stamp: tuple[int, int] | None) -> None:
+    """Raise ``ValueError`` where ``path`` was rewritten since the source recorded ``stamp`` (``None``: not
+    recorded). A model fitted on a source keeps reading it (variance factors, predictions' passes): rows that
+    changed underneath would silently mix two data sets, and no in-memory version counter sees a file. Copies and
+    pickles keep the stamps: a source unpickled where its files were written anew (copied to another machine without
+    their modification times) is refused too; build it again there."""
+    if stamp is not None and _stamp(path) != stamp:
+        raise ValueError(f"{kind}: {path} changed since the source was opened (size or modification time); a "
+                         "source's rows are fixed: build a new source, and refit, for new data")
+
+
 class NpyRows(RowSource):
     """C-ordered 2-D ``.npy`` files (float32 / float64), concatenated by rows.
 
@@ -257,6 +296,7 @@ class NpyRows(RowSource):
                  device: torch.device | None = None, d: int | None = None) -> None:
         self.paths = _as_paths(paths, "NpyRows", empty_ok=True)
         self._files: list[tuple[str, int, int, np.dtype]] = []  # path, rows, data offset, dtype
+        self._stamps: dict[str, tuple[int, int]] = {}  # path -> (size, mtime): rewritten files are refused
         if not self.paths:
             d0, dt0 = _empty_shape("NpyRows", d, dtype, "d= and dtype=")
             self._starts = np.zeros(1, dtype=np.int64)
@@ -292,6 +332,7 @@ class NpyRows(RowSource):
                                  f"bytes with the header), the file has {size} bytes")
             d, fdt = shape[1], native
             self._files.append((p, int(shape[0]), offset, dt))
+            self._stamps[p] = _stamp(p)
         assert d is not None and fdt is not None
         self._starts = np.cumsum([0] + [r for _, r, _, _ in self._files])
         super().__init__(int(self._starts[-1]), d, _DTYPES[fdt] if dtype is None else dtype, device)
@@ -308,6 +349,7 @@ class NpyRows(RowSource):
             if hi <= lo:
                 continue
             row_bytes = self._d * dt.itemsize
+            _check_stamp("NpyRows", path, getattr(self, "_stamps", {}).get(path))
             with open(path, "rb") as fh:
                 a = np.fromfile(fh, dtype=dt, count=(hi - lo) * self._d, offset=offset + lo * row_bytes)
             if a.size != (hi - lo) * self._d:  # the file shrank after it was opened
@@ -317,6 +359,19 @@ class NpyRows(RowSource):
                 a = a.astype(dt.newbyteorder("="))
             parts.append(a.reshape(hi - lo, self._d))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _open_parquet(pq: Any, path: PathLike) -> Any:
+    """``pyarrow.parquet.ParquetFile(path)``, its errors (an empty or truncated file, not Parquet at all) re-raised
+    naming the file: pyarrow's own messages ("Parquet file size is 0 bytes", "magic bytes not found") do not."""
+    import pyarrow as pa
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise ValueError(f"ParquetRows: {path} is not a readable Parquet file ({exc})") from exc
 
 
 class ParquetRows(RowSource):
@@ -352,13 +407,14 @@ class ParquetRows(RowSource):
         self._groups: list[tuple[int, int, int]] = []  # (file index, row group, rows)
         self._cache: tuple[int, np.ndarray | None] = (-1, None)
         self._handles: dict = {}
+        self._stamps: dict = {}  # path -> (size, mtime): rewritten files are refused
         if not self.paths:
             d0, _ = _empty_shape("ParquetRows", None if columns is None else len(list(columns)), dtype, "columns=")
             self.columns = list(columns or [])
             self._starts = np.zeros(1, dtype=np.int64)
             super().__init__(0, d0, dtype, device)
             return
-        names = list(pq.read_schema(self.paths[0]).names)
+        names = list(_open_parquet(pq, self.paths[0]).schema_arrow.names)
         unknown = [c for c in exclude if c not in names]
         if unknown:
             raise ValueError(f"ParquetRows: exclude names {unknown}, not columns of {self.paths[0]} (has {names})")
@@ -370,7 +426,7 @@ class ParquetRows(RowSource):
             raise ValueError(f"ParquetRows: columns {missing or columns} not in {self.paths[0]} (has {names})")
         self.columns = columns
         for i, p in enumerate(self.paths):
-            pf = pq.ParquetFile(p)
+            pf = _open_parquet(pq, p)
             schema = pf.schema_arrow
             lacking = [c for c in columns if c not in schema.names]
             if lacking:
@@ -380,6 +436,7 @@ class ParquetRows(RowSource):
                 if not (pat.is_integer(typ) or pat.is_floating(typ) or pat.is_decimal(typ)):
                     raise TypeError(f"ParquetRows: column {c!r} of {p} has type {typ}; features must be numeric "
                                     "(integer, floating point or decimal): leave it out with exclude= or columns=")
+            self._stamps[p] = _stamp(p)
             meta = pf.metadata
             for g in range(meta.num_row_groups):
                 self._groups.append((i, g, meta.row_group(g).num_rows))
@@ -389,6 +446,7 @@ class ParquetRows(RowSource):
     def _group(self, k: int) -> np.ndarray:
         if self._cache[0] != k:
             fi, g, _ = self._groups[k]
+            _check_stamp("ParquetRows", self.paths[fi], getattr(self, "_stamps", {}).get(self.paths[fi]))
             pf = self._handles.get(fi)
             if pf is None:
                 pf = self._handles[fi] = self._pq.ParquetFile(self.paths[fi])

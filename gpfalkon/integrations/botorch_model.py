@@ -128,6 +128,9 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
             raise ValueError(
                 f"train_Y must be an (n, m) tensor with n = {train_X.shape[0]}, got {getattr(train_Y, 'shape', None)}"
             )
+        for name, t in (("train_X", train_X), ("train_Y", train_Y)):
+            if t.dtype not in (torch.float32, torch.float64):  # before the transforms, which fail on integers
+                raise TypeError(f"{name} must be float32 or float64, got {t.dtype}")
         allowed = "outcome_transform must be 'standardize', an OutcomeTransform or None"
         if isinstance(outcome_transform, str) and outcome_transform != "standardize":
             raise ValueError(f"{allowed}, got {outcome_transform!r}")
@@ -249,6 +252,28 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
         if posterior_transform is not None:
             return posterior_transform(posterior=posterior, X=Xt)
         return posterior
+
+    @property
+    def _supports_cache_root(self) -> bool:
+        """Whether BoTorch's ``cache_root`` (the cached baseline Cholesky of qLogNEI, qLogNEHVI) may be used: it
+        reads a several-output posterior's covariance as a ``BlockDiagLinearOperator``, the layout of
+        ``BatchedMultiOutputGPyTorchModel``; this model's is ``covar (x) I_t`` (:func:`shared_covariance_distribution`),
+        so only with one output (with several the acquisition functions warn and use ``cache_root=False``)."""
+        return self.num_outputs == 1
+
+    def _extract_targets_and_noise(self) -> tuple[Tensor, Tensor | None]:
+        """The targets as ``n x m`` for BoTorch's ``load_state_dict`` (no per-row noise): this model holds several
+        outputs as ``(n, m)``, not BoTorch's batched ``(m, n)``."""
+        if self.num_outputs > 1:
+            return self.train_targets, None
+        return super()._extract_targets_and_noise()
+
+    def _restore_targets_and_noise(self, Y: Tensor, Yvar: Tensor | None, strict: bool) -> None:
+        """The inverse of :meth:`_extract_targets_and_noise`."""
+        if self.num_outputs > 1:
+            self.set_train_data(targets=Y, strict=strict)
+            return
+        super()._restore_targets_and_noise(Y, Yvar, strict)
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, keep_transforms: bool = True, assign: bool = False
@@ -372,6 +397,13 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
                 "FalkonModel refits with one homoskedastic noise sigma^2: per-observation noise is supported for "
                 "batched (fantasy) conditioning only; pass a batched X / Y or drop noise="
             )
+        # the raw inputs' width: the training inputs' (no input transform) or the untransformed ones' where known
+        raw = self._original_train_X
+        d = self.train_inputs[0].shape[-1] if getattr(self, "input_transform", None) is None else (
+            None if raw is None else raw.shape[-1])
+        if (d is not None and X.shape[-1] != d) or Y.shape[-1] != self.num_outputs or X.shape[0] != Y.shape[0]:
+            raise ValueError(f"X and Y must have shapes (q, {'d' if d is None else d}) and (q, {self.num_outputs}) "
+                             f"with the same q, got {tuple(X.shape)} and {tuple(Y.shape)}")
         with torch.no_grad():
             Xt = self.transform_inputs(X)
             Yt = Y

@@ -53,7 +53,7 @@ from ..options import FalkonOptions, option_property
 from ..solvers import CGInfo
 from .calibration import variance_scale
 from .defaults import check_likelihood, default_kernel, default_likelihood
-from .fit_state import FIT_GROUPS, FitTracker, dtype_code, hyper_digest
+from .fit_state import FIT_GROUPS, FitTracker, dtype_code, hyper_digest, module_structure
 from .posterior import (
     NystromPosteriorCovariance,
     NystromPosteriorFactors,
@@ -202,6 +202,30 @@ class FalkonSourcePrior:
                              "NystromMarginalLogLikelihood, or predict in eval mode)")
 
 
+
+def _check_kernel(kernel: object, d: int, device: torch.device) -> None:
+    """Reject a kernel FalkonGP cannot use, naming the cause: not a GPyTorch kernel, parameters on another
+    device than the data, ``ard_num_dims`` other than the data's width, or a ``batch_shape`` (one set of
+    hyperparameters per output or batch: the model solves all outputs with one kernel, ``K_nM`` is one
+    ``n x M`` matrix; a ``ModelListGP`` of one model per output takes a kernel each)."""
+    if not isinstance(kernel, Kernel):
+        raise TypeError(f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}")
+    for name, p in kernel.named_parameters():
+        if p.device != device:
+            raise ValueError(f"kernel parameter {name} is on {p.device} but train_x is on {device}")
+    for name, mod in kernel.named_modules():
+        where = f"kernel{'.' + name if name else ''}"
+        ard = getattr(mod, "ard_num_dims", None)
+        active = getattr(mod, "active_dims", None)
+        if ard is not None and ard > 1 and active is None and ard != d:
+            raise ValueError(f"{where} has ard_num_dims={ard} but train_x has {d} features")
+        # each module's own batch shape (the ``batch_shape`` property broadcasts its sub-kernels' again)
+        batch = getattr(mod, "_batch_shape", None) if isinstance(mod, Kernel) else None
+        if batch is not None and len(batch) > 0:
+            raise ValueError(f"{where} has batch_shape={tuple(batch)}: FalkonGP uses one kernel for every output "
+                             "(one n x M kernel matrix); build it without batch_shape, or fit one model per output "
+                             "(e.g. a ModelListGP of FalkonModels)")
+
 class FalkonGP(gpytorch.models.GP):
     r"""Sparse GP / Nyström kernel ridge regression fitted by FALKON.
 
@@ -339,17 +363,7 @@ class FalkonGP(gpytorch.models.GP):
             raise TypeError(f"train_y has dtype {train_y.dtype} but train_x has {train_x.dtype}")
         if kernel is None:
             kernel = default_kernel(d, dtype=train_x.dtype, device=train_x.device)
-        if not isinstance(kernel, Kernel):
-            raise TypeError(f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}")
-        for name, p in kernel.named_parameters():
-            if p.device != train_x.device:
-                raise ValueError(f"kernel parameter {name} is on {p.device} but train_x is on {train_x.device}")
-        for name, mod in kernel.named_modules():
-            ard = getattr(mod, "ard_num_dims", None)
-            active = getattr(mod, "active_dims", None)
-            if ard is not None and ard > 1 and active is None and ard != d:
-                raise ValueError(f"kernel{'.' + name if name else ''} has ard_num_dims={ard} but train_x has {d} "
-                                 "features")
+        _check_kernel(kernel, d, train_x.device)
         self.kernel = kernel
         self.train_inputs: tuple[Tensor, ...] = (train_x,)
         self.train_targets: Tensor = train_y
@@ -704,8 +718,10 @@ class FalkonGP(gpytorch.models.GP):
         it is not used. Either start costs one data pass and is dropped (CG starts from zero) where its
         residual is not below the right-hand side's. With rows sharded over processes every rank must pass the
         same ``initial_alpha`` and ``warm_start`` (checked: a ``ValueError`` naming ``cg_start`` on every rank).
-        ``compute_variance`` also forms the posterior factors now, sharing a stored
-        ``K_nM``. ``time_limit`` (seconds, counted from this call) stops CG at the first iteration
+        ``compute_variance`` also forms the posterior factors now (float64 data: sharing a stored
+        ``K_nM``; float32 data: a pass of float64 kernel values,
+        :meth:`~gpfalkon.operators.NystromKRROperator.float64_engine`).
+        ``time_limit`` (seconds, counted from this call) stops CG at the first iteration
         that ends past it, with a :class:`~gpfalkon.errors.CGNotConvergedWarning` when ``tol`` was not
         reached (``fit_info.extra["time_limit"]`` records it; rows on one process only; a direct solve,
         chosen where the cost model finds it cheaper than CG, is one pass and is not interrupted).
@@ -715,6 +731,7 @@ class FalkonGP(gpytorch.models.GP):
         ``"precond_apply_seconds"`` (the ``O(M^2)`` triangular solves of every iteration).
         """
         t_start = time.perf_counter()
+        _check_kernel(self.kernel, self.centers.shape[-1], self.centers.device)  # it may have been replaced
         y2 = self.centered_targets()
         with torch.no_grad():
             # bad arguments are found before the O(n M) passes, and (like a bad shard) reported on every rank: a
@@ -820,8 +837,9 @@ class FalkonGP(gpytorch.models.GP):
     def _fit_dependencies(self) -> list[Tensor]:
         """Everything alpha depends on except the data: kernel, centers, noise, constant mean. Compared at every
         prediction, so the kernel's values (:meth:`_kernel_probe`, +25 % on a one-point posterior) are not: they
-        are recorded by ``fit()`` and compared when a state is loaded; a constraint or setting changed in place
-        after ``fit()`` needs ``fit()`` again."""
+        are recorded by ``fit()`` and compared when a state is loaded. The kernel's classes and settings are compared
+        too (:meth:`_kernel_structure`); what neither sees (a transform's own code changed in place, a setting that
+        is not a plain public attribute) needs ``fit()`` again."""
         return [
             *self.kernel.parameters(),
             *self.kernel.buffers(),
@@ -829,6 +847,12 @@ class FalkonGP(gpytorch.models.GP):
             self.likelihood.raw_noise,
             self.mean_constant,
         ]
+
+    def _kernel_structure(self) -> tuple:
+        """The kernel's classes and settings (:func:`~gpfalkon.models.fit_state.module_structure`), compared at
+        every prediction beside its parameters: a kernel (or a part of one) replaced by one of another class, or
+        a ``nu`` changed in place, after ``fit()`` makes the fit stale."""
+        return module_structure(self.kernel)
 
     def _fit_groups(self) -> list[list[Tensor]]:
         """The hyperparameter groups of ``fit_digest`` (FIT_GROUPS after train_x / train_y)."""
@@ -859,7 +883,7 @@ class FalkonGP(gpytorch.models.GP):
         self.fitted.fill_(True)
         self._legacy_state = False
         summary, digest = self._fit_tracker.mark(self._fit_dependencies(), self._fit_data(), reduce=self._row_sum,
-                                                 row_offset=self._row_offset)
+                                                 row_offset=self._row_offset, structure=self._kernel_structure())
         self.data_fingerprint = summary.to(self.data_fingerprint.device)
         self.fit_digest = self._digest_now(digest)
         self.kernel_probe = self._kernel_probe().to(self.kernel_probe.device)
@@ -867,7 +891,7 @@ class FalkonGP(gpytorch.models.GP):
     def _mark_hyper_fitted(self) -> None:
         """Record the current hyperparameters as fitted, keeping the data's digests (no data pass): for a
         change that keeps ``alpha`` valid on the same data (:meth:`scale_prior`)."""
-        self._fit_tracker.adopt(self._fit_dependencies(), self._fit_data())
+        self._fit_tracker.adopt(self._fit_dependencies(), self._fit_data(), structure=self._kernel_structure())
         self.fit_digest = self._digest_now(self.fit_digest[:4])
         self.kernel_probe = self._kernel_probe().to(self.kernel_probe.device)
 
@@ -886,7 +910,7 @@ class FalkonGP(gpytorch.models.GP):
     def _hyper_changed(self) -> bool:
         return self._fit_tracker.stale(
             self._fit_dependencies(), self._fit_data(), self._stored_fingerprint(), reduce=self._row_sum,
-            row_offset=self._row_offset,
+            row_offset=self._row_offset, structure=self._kernel_structure(),
         )
 
     def _apply(self, fn, *args, **kwargs):
@@ -923,7 +947,7 @@ class FalkonGP(gpytorch.models.GP):
             # unpickled from before content digests and still valid by sums and norms: record them now
             self._legacy_state = False
             _, digest = self._fit_tracker.mark(self._fit_dependencies(), self._fit_data(), reduce=self._row_sum,
-                                               row_offset=self._row_offset)
+                                               row_offset=self._row_offset, structure=self._kernel_structure())
             self.fit_digest = self._digest_now(digest)
         super()._save_to_state_dict(destination, prefix, keep_vars)
         key = prefix + "fitted"
@@ -1002,7 +1026,7 @@ class FalkonGP(gpytorch.models.GP):
             # one data pass: the sums and norms are checked against the saved ones, and the digests recorded
             summary, digest = module._fit_tracker.mark(module._fit_dependencies(), module._fit_data(),
                                                        reduce=module._row_sum, row_offset=module._row_offset,
-                                                       legacy_sums=True)
+                                                       legacy_sums=True, structure=module._kernel_structure())
             saved = module.data_fingerprint.to(torch.float64)
             if torch.allclose(summary.to(saved.device), saved, rtol=1e-12, atol=0.0):
                 module.fit_digest = module._digest_now(digest)
@@ -1038,7 +1062,8 @@ class FalkonGP(gpytorch.models.GP):
                         differs.append("the kernel's values at the same parameters (another kernel class, "
                                        "constraint transform or setting such as nu)")
             if not differs:
-                module._fit_tracker.adopt(module._fit_dependencies(), module._fit_data())
+                module._fit_tracker.adopt(module._fit_dependencies(), module._fit_data(),
+                                          structure=module._kernel_structure())
         if differs:
             module.fitted.fill_(False)
             module._fit_tracker.forget()
@@ -1236,6 +1261,10 @@ class FalkonGP(gpytorch.models.GP):
         self._check_fitted()
         out_dtype = x.dtype
         q = x.shape[-2]
+        if self._num_outputs > 1 and x.shape[:-2].numel() == 0 and q > 0:
+            raise ValueError(f"x has an empty batch shape {tuple(x.shape[:-2])} with q = {q} points: GPyTorch's "
+                             "MultitaskMultivariateNormal cannot hold it (its (batch, q * t) mean reshape is "
+                             "ambiguous for 0 elements); drop the empty batch, or ask for q = 0 points")
         if q == 0:  # an empty batch of test points is valid: an empty distribution
             empty = DenseLinearOperator(torch.zeros(*x.shape[:-2], 0, 0, dtype=out_dtype, device=x.device))
             mean0 = torch.zeros(*x.shape[:-2], 0, self._num_outputs, dtype=out_dtype, device=x.device)

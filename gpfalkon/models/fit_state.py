@@ -43,7 +43,7 @@ from torch import Tensor
 from .._validation import is_row_source
 from ..backend.fused import word_digest
 
-__all__ = ["FIT_GROUPS", "FitTracker", "content_digest", "data_fingerprint", "hyper_digest"]
+__all__ = ["FIT_GROUPS", "FitTracker", "content_digest", "data_fingerprint", "hyper_digest", "module_structure"]
 
 Reduce = Callable[[Tensor], Tensor]
 
@@ -249,32 +249,54 @@ def _identity(tensors: Sequence[Tensor]) -> tuple:
     return tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in tensors)
 
 
+def module_structure(module: torch.nn.Module) -> tuple:
+    """What a module computes beyond its parameters and buffers: for every submodule (named as in
+    ``named_modules``), its class and its public settings of type ``bool`` / ``int`` / ``float`` / ``str``
+    (a Matern ``nu``, a polynomial ``power``, ``ard_num_dims``; a constraint's transform is a submodule
+    too). Two kernels of other classes with equal raw parameter values (both ``0`` by default) differ
+    here. ``O(number of submodules)``; plain Python values (it pickles and deep-copies)."""
+    out = []
+    for name, mod in module.named_modules():
+        kind = type(mod)
+        attrs = tuple(sorted((k, v) for k, v in vars(mod).items()
+                             if not k.startswith("_") and k != "training" and isinstance(v, bool | int | float | str)))
+        out.append((name, f"{kind.__module__}.{kind.__qualname__}", attrs))
+    return tuple(out)
+
+
 class FitTracker:
-    """Tracks the validity of a fit. It holds only tensors (it pickles and deep-copies with
-    its model); every call receives the current ``hyper`` tensors (compared by value) and
-    ``data = (x, y)``."""
+    """Tracks the validity of a fit. It holds only tensors and plain Python values (it pickles and
+    deep-copies with its model); every call receives the current ``hyper`` tensors (compared by value),
+    ``data = (x, y)`` and, where given, the ``structure`` of the modules ``hyper`` belongs to
+    (:func:`module_structure`: compared by equality)."""
 
     def __init__(self) -> None:
         self.snapshot: list[Tensor] | None = None
         self.data_key: tuple | None = None
+        self.structure: tuple | None = None
 
     def mark(self, hyper: Sequence[Tensor], data: tuple[Tensor, Tensor], reduce: Reduce | None = None,
-             row_offset: Callable[[], int] | None = None, legacy_sums: bool = False) -> tuple[Tensor, Tensor]:
+             row_offset: Callable[[], int] | None = None, legacy_sums: bool = False,
+             structure: tuple | None = None) -> tuple[Tensor, Tensor]:
         """Record the current state as fitted; returns the data's ``(summary, digest)`` to store
         (``reduce``, ``row_offset``, ``legacy_sums``: see :func:`data_fingerprint`)."""
         self.snapshot = [t.detach().clone() for t in hyper]
         self.data_key = _identity(data)
+        self.structure = structure
         return data_fingerprint(*data, reduce=reduce, row_offset=row_offset, legacy_sums=legacy_sums)
 
     def forget(self) -> None:
         """Nothing is known to be fitted."""
         self.snapshot = None
         self.data_key = None
+        self.structure = None
 
-    def adopt(self, hyper: Sequence[Tensor], data: tuple[Tensor, Tensor] | None = None) -> None:
+    def adopt(self, hyper: Sequence[Tensor], data: tuple[Tensor, Tensor] | None = None,
+              structure: tuple | None = None) -> None:
         """Take ``hyper`` (and ``data``, when given: already checked by content) as fitted."""
         self.snapshot = [t.detach().clone() for t in hyper]
         self.data_key = None if data is None else _identity(data)
+        self.structure = structure
 
     def data_changed(
         self,
@@ -301,9 +323,14 @@ class FitTracker:
         return changed
 
     def stale(self, hyper: Sequence[Tensor], data: tuple[Tensor, Tensor], stored: tuple[Tensor, Tensor | None],
-              reduce: Reduce | None = None, row_offset: Callable[[], int] | None = None) -> bool:
-        """Has anything the fit depends on changed (or was nothing recorded)?"""
+              reduce: Reduce | None = None, row_offset: Callable[[], int] | None = None,
+              structure: tuple | None = None) -> bool:
+        """Has anything the fit depends on changed (or was nothing recorded)? A ``structure`` is compared
+        where one was recorded (a tracker pickled before structures were recorded has none)."""
         if self.snapshot is None:
+            return True
+        recorded = getattr(self, "structure", None)
+        if recorded is not None and structure is not None and structure != recorded:
             return True
         if len(hyper) != len(self.snapshot) or any(
             a.shape != b.shape or not torch.equal(a.detach(), b.to(device=a.device, dtype=a.dtype))

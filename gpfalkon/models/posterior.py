@@ -78,7 +78,10 @@ class NystromPosteriorFactors:
     def compute(cls, op: NystromKRROperator) -> NystromPosteriorFactors:
         v = op.n * float(op.penalty.detach())
         L, _ = jittered_cholesky(op.kmm, upper=False, name="K_MM")
-        bmat = op.engine.whitened_gram(L).div_(v)
+        engine = op.float64_engine()  # float32 kernel values' rounding, times ||L^{-1}||, would swamp B
+        bmat = engine.whitened_gram(L).div_(v)
+        if engine is not op.engine:
+            engine.release()
         bmat.diagonal().add_(1.0)
         LB, _ = jittered_cholesky(bmat, upper=False, name="I + A A^T / (n lambda)", jitter=0.0)
         return cls(L, LB)

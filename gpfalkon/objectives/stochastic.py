@@ -179,6 +179,10 @@ class StochasticNystromCompReg(NystromObjective):
                     f"trace_vectors must have shape ({n_local}, r) (one row per training row of this process), "
                     f"got {tuple(trace_vectors.shape)}"
                 )
+            if trace_vectors.shape[1] == 0:
+                raise ValueError("trace_vectors must have at least one column (r >= 1), got 0")
+            if not bool(torch.isfinite(trace_vectors.detach()).all()):
+                raise ValueError("trace_vectors contains NaN or Inf")
             self.register_buffer("trace_vectors", trace_vectors.detach().to(dtype=x.dtype, device=x.device))
         else:
             self.register_buffer("trace_vectors", None)

@@ -5,7 +5,7 @@ import numbers
 import time
 import warnings
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 from gpytorch.kernels import Kernel
@@ -20,6 +20,7 @@ from ..backend.autograd import backward_params, blockwise_kernel_grad, kernel_pa
 from ..backend.blocks import resolve_store_dtype
 from ..backend.engine import KernelEngine, kernel_block
 from ..backend.passes import is_sharded, total_rows
+from ..backend.sources import rows_as
 from ..errors import FalkonConvergenceError, JitterWarning
 from ..options import FalkonOptions, option_property
 from ..solvers import CGInfo, Preconditioner, PreconditionerBuilder, Solver, choose_method, falkon_solve
@@ -249,6 +250,23 @@ class NystromKRROperator(LinearOperator):
             )
         return self._engine
 
+    def float64_engine(self) -> KernelEngine:
+        """An engine whose kernel values are float64, for passes that need more than the data's precision: the
+        posterior factors' ``L^{-1} K_Mn`` (docs/math.md §4) multiplies the rounding of float32 kernel values by
+        up to ``||L^{-1}||``, which for a numerically singular ``K_MM`` makes a float32 model's variances tens of
+        percent off (``tests/test_model.py``). :attr:`engine` itself for float64 data; otherwise a new engine,
+        built as :attr:`engine` is (same backend: a sharded one still sums over the ranks), over the rows read
+        in float64 block by block (:func:`~gpfalkon.backend.sources.rows_as`: no float64 copy of ``x``) with
+        nothing stored: each pass recomputes its blocks in float64 (``2 n M d`` float64 flops and ``n M``
+        exponentials, beside the ``2 n M^2`` of a gram pass). The caller releases it."""
+        if self.x.dtype == torch.float64:
+            return self.engine
+        build = KernelEngine if self.options.backend is None else self.options.backend
+        budget = engine_memory_budget(self.m, self.centers.device, self.memory_budget, store_kernel=False)
+        rows = cast(Tensor, rows_as(self.x, torch.float64))  # a row source stands in for a tensor, as self.x does
+        return build(self.kernel, rows, self.centers.to(torch.float64),
+                     memory_budget=budget, block_rows=self.block_rows, store=False)
+
     @property
     def kmm(self) -> Tensor:
         """``K_MM`` in float64 (no gradient)."""
@@ -457,7 +475,8 @@ class NystromKRROperator(LinearOperator):
         if rhs.dim() != 2 or rhs.shape[0] != self.m:
             raise ValueError(f"rhs must have shape ({self.m}, k), got {tuple(rhs.shape)}")
         with torch.no_grad():
-            factor, _ = whitened_factor(self.kmm)
+            # the data dtype's eps M jitter, as the preconditioner's: float32 kernel values cannot resolve K_MM below it
+            factor, _ = whitened_factor(self.kmm, jitter=self._precond_jitter())
             gram = self.engine.whitened_gram(factor)
             alpha, info = direct_solve_whitened(gram, factor, rhs.detach(), self.n * float(self.penalty.detach()))
         self.last_info = info

@@ -29,9 +29,15 @@ from .cg import CGInfo
 __all__ = ["SolveCosts", "choose_method", "direct_solve_whitened", "whitened_factor"]
 
 
-def whitened_factor(kmm: Tensor) -> tuple[Tensor, float]:
-    """``(L, j)`` with ``L L^T = K_MM + j I`` (float64, lower; :func:`~gpfalkon.linalg.jittered_cholesky`)."""
-    return jittered_cholesky(kmm.to(torch.float64), name="K_MM")
+def whitened_factor(kmm: Tensor, jitter: float | None = None) -> tuple[Tensor, float]:
+    """``(L, j)`` with ``L L^T = K_MM + j I`` (float64, lower; :func:`~gpfalkon.linalg.jittered_cholesky`),
+    ``j`` from ``jitter`` where given (else float64's ``eps M mean(diag K_MM)``).
+
+    Kernel values computed in a lower precision than float64 need ``j`` at that precision's ``eps M`` scale:
+    ``L^{-1}`` multiplies their rounding by up to ``j^{-1/2}``, and with float64's ``j`` it swamps the
+    directions of ``K_MM`` the data cannot resolve (a float32 fit's mean off by 18 % of its range where CG's is
+    within 2 %; ``tests/test_direct.py``)."""
+    return jittered_cholesky(kmm.to(torch.float64), name="K_MM", jitter=jitter)
 
 
 def direct_solve_whitened(gram: Tensor, factor: Tensor, rhs: Tensor, n_lambda: float) -> tuple[Tensor, CGInfo]:

@@ -110,7 +110,8 @@ def falkon_solve(
     )
     if warn and tol > 0 and not info.converged and info.extra.get("time_limit"):
         warnings.warn(
-            f"FALKON CG stopped at time_limit={time_limit:g} s after {info.iterations} iterations with relative "
+            f"FALKON CG stopped at its time limit after {info.iterations} iterations "
+            f"({time.perf_counter() - t_start:.3g} s of CG) with relative "
             f"residual {float(info.final_residual.max()):.3g} > tol={tol:g}",
             CGNotConvergedWarning,
             stacklevel=3,
