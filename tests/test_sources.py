@@ -98,6 +98,14 @@ def test_parquet_rows_read_row_groups_and_columns(tmp_path, data):
                 ParquetRows(paths)
     with pytest.raises(FileNotFoundError):
         ParquetRows([tmp_path / "missing.parquet"])
+    # nulls are named as nulls (not as NaN), float and integer columns alike
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    holes = tmp_path / "holes.parquet"
+    pq.write_table(pa.table({"a": pa.array([1.0, None, 3.0]), "b": pa.array([1, 2, None])}), holes)
+    for cols, name in ((["a"], "a"), (["b"], "b")):
+        with pytest.raises(ValueError, match=rf"column '{name}' of .*holes.parquet has 1 null values"):
+            ParquetRows([holes], columns=cols)[0:3]
 
 
 def test_a_source_with_nan_is_rejected_with_its_row(tmp_path, data):

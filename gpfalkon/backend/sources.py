@@ -15,6 +15,11 @@ then streams blocks from it and keeps ``K_nM`` only if it fits the memory budget
 * :func:`shard_rows` - this rank's contiguous part of a source (:class:`SliceRows`), for a
   distributed run; :func:`shard_files` - a list of files split between ranks.
 
+A source's rows are fixed: a model fitted on one reads it again (variance factors, objectives), so each file's
+size and modification time are recorded when the source is opened, and a read of a file rewritten since raises
+``ValueError`` naming it (copies and pickles keep the record). :meth:`RowSource.astype` / :func:`rows_as` read the
+same rows in another dtype, block by block (the float64 kernel values of a float32 model's variance factors).
+
 Costs: every pass over the data reads ``n d`` values; a block read costs one ``pread`` per file
 (``.npy``) or the decompression of the row groups it touches (Parquet, whose row groups should
 hold at least a few thousand rows).
@@ -451,6 +456,11 @@ class ParquetRows(RowSource):
             if pf is None:
                 pf = self._handles[fi] = self._pq.ParquetFile(self.paths[fi])
             table = pf.read_row_group(g, columns=self.columns)
+            for c in self.columns:  # nulls would become NaN (or fail for integers) and be reported as such
+                nulls = table.column(c).null_count
+                if nulls:
+                    raise ValueError(f"ParquetRows: column {c!r} of {self.paths[fi]} has {nulls} null values (row "
+                                     f"group {g}); fill or drop them before fitting")
             cols = [table.column(c).to_numpy(zero_copy_only=False) for c in self.columns]
             a = np.stack(cols, 1).astype(np.float64 if self.dtype == torch.float64 else np.float32, copy=False)
             self._cache = (k, a)
