@@ -199,6 +199,66 @@ def test_two_output_model_in_cache_root_acquisition_functions():
         torch.testing.assert_close(default(Xc), explicit(Xc))
 
 
+def test_input_transform_parameters_learnable_refused_changed_refit_consistently():
+    """The training inputs go through the input transform once: a transform with learnable parameters is refused
+    (an MLL would move them by their priors alone, with the stored inputs left behind: silently wrong); a fixed one
+    changed after the fit makes the fit stale, and fit() re-applies it to the untransformed inputs, giving the model
+    a fresh construction with that transform gives."""
+    from botorch.models.transforms.input import Warp
+
+    X, Y = _data(n=80)
+    with pytest.raises(NotImplementedError, match=r"input_transform has learnable parameters \['concentration"):
+        FalkonModel(X, Y, centers=X[:40].clone(), input_transform=Warp(d=2, indices=[0, 1]))
+    warp = Warp(d=2, indices=[0, 1]).double().requires_grad_(False)
+    model = FalkonModel(X, Y, centers=X[:40].clone(), input_transform=warp, tol=1e-12, max_iter=500)
+    Xt = torch.rand(6, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    model.posterior(Xt)
+    with torch.no_grad():
+        model.input_transform.concentration0.fill_(2.0)
+    with pytest.raises(NotFittedError, match="call fit"):
+        model.posterior(Xt)
+    model.fit()
+    fresh_tf = Warp(d=2, indices=[0, 1]).double().requires_grad_(False)
+    with torch.no_grad():
+        fresh_tf.concentration0.fill_(2.0)
+    fresh = FalkonModel(X, Y, centers=X[:40].clone(), input_transform=fresh_tf, tol=1e-12, max_iter=500)
+    torch.testing.assert_close(model.train_inputs[0], fresh.train_inputs[0])
+    want, got = fresh.posterior(Xt), model.posterior(Xt)
+    torch.testing.assert_close(got.mean, want.mean, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(got.variance, want.variance, rtol=1e-9, atol=1e-9)
+    # Normalize's bounds (buffers) edited: the same
+    norm = FalkonModel(X, Y, centers=X[:40].clone(), input_transform=Normalize(d=2), tol=1e-12, max_iter=500)
+    with torch.no_grad():
+        norm.input_transform.offset.sub_(0.5)
+    with pytest.raises(NotFittedError):
+        norm.posterior(Xt)
+    norm.fit()
+    torch.testing.assert_close(norm.train_inputs[0], norm.input_transform(X))
+    # the untransformed inputs unknown (replaced by set_train_data): refused, not fitted on stale inputs
+    norm.set_train_data(inputs=norm.train_inputs[0][:, [1, 0]])
+    with torch.no_grad():
+        norm.input_transform.offset.add_(0.1)
+    with pytest.raises(ValueError, match="the untransformed inputs are not known"):
+        norm.fit()
+
+
+def test_covar_module_is_the_kernel_under_singletaskgps_name():
+    """Code written for SingleTaskGP reads and initialises ``covar_module``; here it is the model's one kernel."""
+    X, Y = _data(n=60)
+    model = FalkonModel(X, Y, num_centers=20)
+    assert model.covar_module is model.kernel
+    model.initialize(**{"covar_module.lengthscale": torch.tensor(0.3, dtype=torch.float64)})
+    torch.testing.assert_close(model.kernel.lengthscale, torch.full_like(model.kernel.lengthscale, 0.3))
+    with pytest.raises(NotFittedError):
+        model.posterior(X[:2])
+    model.covar_module = gpytorch.kernels.MaternKernel(nu=1.5).double()
+    assert isinstance(model.kernel, gpytorch.kernels.MaternKernel) and "covar_module" not in model._modules
+    assert not any(k.startswith("covar_module") for k in model.state_dict())
+    model.fit()
+    ref = FalkonModel(X, Y, kernel=gpytorch.kernels.MaternKernel(nu=1.5).double(), centers=model.centers.clone())
+    torch.testing.assert_close(model.posterior(X[:3]).mean, ref.posterior(X[:3]).mean)
+
+
 def test_set_train_data_follows_exactgp():
     X, Y = _data(n=120)
     model = FalkonGP(X, Y.squeeze(-1), num_centers=20, penalty=1e-4).fit()

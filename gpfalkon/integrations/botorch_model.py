@@ -142,6 +142,14 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
             outcome_transform = Standardize(m=train_Y.shape[-1])
         # the string default is resolved above
         out_tf = cast("OutcomeTransform | None", outcome_transform)
+        if input_transform is not None:
+            learnable = [name for name, p in input_transform.named_parameters() if p.requires_grad]
+            if learnable:
+                raise NotImplementedError(
+                    f"FalkonModel: input_transform has learnable parameters {learnable}: the model transforms the "
+                    "training inputs once and its objectives do not differentiate through the transform (an MLL "
+                    "would move them by their priors alone); fix them (input_transform.requires_grad_(False)) or "
+                    "learn them with another model")
         with torch.no_grad():
             x = train_X
             if input_transform is not None:
@@ -165,6 +173,7 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
                              persistent=False)
         if input_transform is not None:
             self.input_transform = input_transform
+        self._mark_inputs_transformed()
         if out_tf is not None:
             self.outcome_transform = out_tf
             out_tf.eval()
@@ -297,6 +306,49 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
         tf.eval()
         self.set_train_data(inputs=x)
         self._original_train_X = raw
+        self._mark_inputs_transformed()
+
+    # ------------------------------------------------- the input transform the training inputs went through
+    def _transform_tensors(self) -> list[Tensor]:
+        tf = getattr(self, "input_transform", None)
+        return [] if tf is None else [*tf.parameters(), *tf.buffers()]
+
+    def _mark_inputs_transformed(self) -> None:
+        """Record the input transform's parameters and buffers as those the training inputs went through."""
+        self._transform_state = [t.detach().clone() for t in self._transform_tensors()]
+
+    def _transform_changed(self) -> bool:
+        """Whether the input transform's parameters or buffers differ from those the training inputs went through
+        (``False`` for a model pickled before they were recorded)."""
+        old = getattr(self, "_transform_state", None)
+        if old is None:
+            return False
+        now = self._transform_tensors()
+        return len(now) != len(old) or any(
+            a.shape != b.shape or not torch.equal(a.detach(), b.to(device=a.device, dtype=a.dtype))
+            for a, b in zip(now, old, strict=False))
+
+    def _fit_dependencies(self) -> list[Tensor]:
+        """FalkonGP's, and the input transform's parameters and buffers: the training inputs and every test point
+        go through it, so a change of it (e.g. ``Normalize``'s bounds edited) makes the fit stale."""
+        return [*super()._fit_dependencies(), *self._transform_tensors()]
+
+    def fit(self, **kwargs: Any) -> FalkonModel:
+        """:meth:`FalkonGP.fit`, after re-applying the input transform to the untransformed training inputs where
+        its parameters or buffers changed since the training inputs went through it (test points see the transform
+        as it is now; a fit on inputs transformed by an older one would silently disagree with them)."""
+        if getattr(self, "input_transform", None) is not None and self._transform_changed():
+            raw = self._original_train_X
+            if raw is None or raw.shape[0] != self.train_inputs[0].shape[0]:
+                raise ValueError("FalkonModel.fit: the input transform changed since the training inputs went "
+                                 "through it, and the untransformed inputs are not known (set_train_data replaced "
+                                 "them): build the model again, or restore the transform")
+            with torch.no_grad():
+                x = self.input_transform.preprocess_transform(raw.to(self.train_inputs[0]))
+            self.set_train_data(inputs=x)
+            self._original_train_X = raw
+            self._mark_inputs_transformed()
+        return cast("FalkonModel", super().fit(**kwargs))
 
     def set_train_data(self, inputs: Tensor | None = None, targets: Tensor | None = None,
                        strict: bool = False) -> None:

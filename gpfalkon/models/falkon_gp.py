@@ -234,8 +234,9 @@ class FalkonGP(gpytorch.models.GP):
         mean(X*) = K_*M alpha,              H alpha = K_Mn y   (FALKON: PCG, O(n M t) per iteration)
         cov(X*)  = K_** - K_*M K_MM^{-1} K_M* + n lambda K_*M H^{-1} K_M*
 
-    which is exactly GPyTorch's SGPR (Titsias/DTC) posterior with inducing points
-    ``centers`` and Gaussian noise ``n lambda``. ``likelihood(model(x))`` adds the
+    which is exactly the SGPR (Titsias/DTC) posterior with inducing points ``centers`` and Gaussian noise
+    ``n lambda`` (GPyTorch's ``SGPR`` model gives this mean under ``gpytorch.settings.sgpr_diagonal_correction(False)``;
+    by default it predicts with a FITC-like diagonal correction). ``likelihood(model(x))`` adds the
     noise. Multi-output targets ``(n, t)`` are solved jointly as ``t`` right-hand
     sides and predicted as a :class:`~gpytorch.distributions.MultitaskMultivariateNormal`.
 
@@ -535,6 +536,25 @@ class FalkonGP(gpytorch.models.GP):
     @property
     def num_outputs(self) -> int:
         return self._num_outputs
+
+    @property
+    def covar_module(self) -> Kernel:
+        """:attr:`kernel` under the name GPyTorch's and BoTorch's models give theirs (``SingleTaskGP.covar_module``),
+        for code written against them: reading it, assigning it (``model.covar_module = k`` sets :attr:`kernel`) and
+        ``initialize(**{"covar_module.<...>": value})`` reach the one kernel module (its ``state_dict`` keys stay
+        ``kernel.*``)."""
+        return self.kernel
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a Module assigned to the covar_module alias would otherwise be registered as a second submodule
+        super().__setattr__("kernel" if name == "covar_module" else name, value)
+
+    def initialize(self, **kwargs: Any) -> FalkonGP:
+        """GPyTorch's ``initialize``, with ``covar_module.<...>`` names read as ``kernel.<...>``
+        (:attr:`covar_module`)."""
+        renamed = {("kernel" + k[len("covar_module"):] if k.startswith("covar_module.") else k): v
+                   for k, v in kwargs.items()}
+        return cast("FalkonGP", super().initialize(**renamed))
 
     @property
     def n(self) -> int:
