@@ -26,13 +26,45 @@ from gpfalkon import auto_fit
 DEFAULT = pathlib.Path(__file__).resolve().parents[1] / "data" / "protein.npz"
 
 
+def _is_number(field: str) -> bool:
+    try:
+        float(field)
+    except ValueError:
+        return False
+    return True
+
+
+def load_csv(path: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
+    """Features and target (the last column) of a numeric CSV: ``,`` or ``;`` separated, with or without one
+    header line (a first line in which no field is a number). A missing or non-numeric value, a ragged row or
+    fewer than two columns stops with the file's line and column named (nothing is dropped or imputed)."""
+    lines = path.read_text().splitlines()
+    first = next((ln for ln in lines if ln.strip()), "")
+    sep = ";" if ";" in first and "," not in first else ","
+    header = not any(_is_number(f) for f in first.split(sep))  # names only; "1,,3" is data with a hole
+    width = len(first.split(sep))
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip() or (header and line is first):
+            continue
+        fields = line.split(sep)
+        if len(fields) != width:
+            raise SystemExit(f"{path}, line {number}: {len(fields)} fields, the first line has {width}")
+        for col, f in enumerate(fields, start=1):
+            if not _is_number(f) or not np.isfinite(float(f)):
+                raise SystemExit(f"{path}, line {number}, column {col}: {f.strip()!r} is missing or not a finite "
+                                 "number (fill or drop the row first)")
+        rows.append([float(f) for f in fields])
+    if width < 2 or len(rows) < 2:
+        raise SystemExit(f"{path}: need at least one feature column and the target (the last column) in at least "
+                         f"two rows, got {width} column(s) and {len(rows)} row(s)")
+    a = np.asarray(rows, dtype=np.float64)
+    return a[:, :-1], a[:, -1]
+
+
 def load(path: pathlib.Path):
     if path.suffix == ".csv":
-        try:
-            a = np.loadtxt(path, delimiter=",", ndmin=2)
-        except ValueError:  # a header line
-            a = np.loadtxt(path, delimiter=",", ndmin=2, skiprows=1)
-        return a[:, :-1], a[:, -1]
+        return load_csv(path)
     with np.load(path) as z:
         return z["X"], z["y"].reshape(-1)
 

@@ -172,11 +172,18 @@ def plot_predictions(observed: Any, mean: Any, variance: Any = None, ax: Any = N
     mu = torch.as_tensor(_numbers("mean", mean), dtype=torch.float64)
     if y.shape != mu.shape:
         raise ValueError(f"observed has {y.numel()} values but mean has {mu.numel()}")
+    if y.numel() == 0:
+        raise ValueError("observed and mean are empty: nothing to plot")
+    for name, t in (("observed", y), ("mean", mu)):
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} contains NaN or Inf")
     sd = None
     if variance is not None:
         var = torch.as_tensor(_numbers("variance", variance), dtype=torch.float64)
         if var.shape != y.shape:
             raise ValueError(f"variance has {var.numel()} values but observed has {y.numel()}")
+        if not bool(torch.isfinite(var).all()):
+            raise ValueError("variance contains NaN or Inf")
         if bool((var < 0).any()):
             raise ValueError("variance has negative entries")
         sd = var.sqrt()
@@ -214,9 +221,9 @@ def plot_comparison(results: Sequence[Mapping[str, Any]], ax: Any = None, log_ti
     if not rows:
         raise ValueError("results is empty")
     for i, r in enumerate(rows):
-        missing = [k for k in ("method", "fit_s", "error") if k not in r]
+        missing = [k for k in ("method", "fit_s", "error") if k not in r or r[k] is None]
         if missing:
-            raise ValueError(f"results[{i}] lacks {missing}")
+            raise ValueError(f"results[{i}] lacks {missing} (or has None there: a run that gave no error figure)")
     ax = _axes(ax)
     for r in rows:
         curve = r.get("curve") or []

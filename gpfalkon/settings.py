@@ -49,12 +49,14 @@ class _setting:
 
     @classmethod
     def overridden(cls) -> bool:
-        """Whether a ``with`` block in this context or :meth:`set_default` gave a value."""
-        return cls._var.get(_UNSET) is not _UNSET or ("_default" in cls.__dict__ and cls._default is not cls._initial)
+        """Whether a ``with`` block in this context gave a value, or :meth:`set_default` one other than the initial
+        default (setting the initial value again restores the default behaviour, e.g. float32's own CG tolerance)."""
+        return cls._var.get(_UNSET) is not _UNSET or ("_default" in cls.__dict__ and cls._default != cls._initial)
 
     @classmethod
     def set_default(cls, value: Any) -> None:
-        """Set the process-wide default (what contexts without a ``with`` block see)."""
+        """Set the process-wide default (what contexts without a ``with`` block see); the initial value restores
+        it (:meth:`overridden` is then false again)."""
         cls._default = cls._check(value)
 
     def __enter__(self) -> _setting:

@@ -345,6 +345,9 @@ class SearchSpace:
         and as many evenly spaced levels per other dimension as the budget allows."""
         cats = [len(d.choices) for d in self.dims.values() if isinstance(d, Categorical)]
         n_cat = math.prod(cats) if cats else 1
+        if n_cat > budget:
+            raise ValueError(f"budget={budget} cannot hold every combination of the categorical values ({n_cat}): "
+                             f"give a budget of at least {n_cat}, or search with RandomSearch / BoTorchSearch")
         others = [n for n in self.names if not isinstance(self.dims[n], Categorical)]
         # levels per non-categorical dimension, raised round-robin while the grid fits
         levels = {n: 1 for n in others}
@@ -893,9 +896,18 @@ def make_kernel(name: str, lengthscale: float):
     return k
 
 
+#: the configuration keys :func:`falkon_validation_error` and :func:`gradient_tuned_error` read
+CONFIG_KEYS = ("num_centers", "kernel", "penalty", "center_selection", "lengthscale_factor")
+
+
 def _config_model(config: Mapping[str, Any], train_x: Tensor, train_y: Tensor, max_iter: int, seed: int, **kw):
     from .heuristics import median_lengthscale
     from .models import FalkonGP
+
+    unknown = sorted(set(config) - set(CONFIG_KEYS))
+    if unknown:  # a misspelt key would run the default and make its dimension of the search one with no effect
+        raise ValueError(f"the configuration has keys {unknown} this objective does not read; it reads "
+                         f"{list(CONFIG_KEYS)}")
 
     selection = config.get("center_selection", "uniform")
     if selection not in ("uniform", "leverage"):

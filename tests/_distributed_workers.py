@@ -190,7 +190,14 @@ def _inconsistent(rank: int, world: int, out_dir: str, what: str) -> None:
     if rank == 1 and what == "d":
         x = torch.cat([x, x[:, :1]], 1)
         k = make_kernel(D + 1)
+    if rank == 1 and what == "nu":  # another Matern: same parameters, another kernel
+        k.base_kernel.nu = 1.5
+    if rank == 1 and what == "nan":
+        x = x.clone()
+        x[s + 3, 1] = float("nan")
     kw: dict = dict(num_centers=M, seed=3)
+    if rank == 1 and what == "mean_constant":
+        kw["mean_constant"] = 1.0
     if rank == 1 and what == "seed":  # each rank would draw other rows as centers
         kw["seed"] = 4
     if rank == 1 and what == "num_centers":
@@ -209,6 +216,18 @@ def _inconsistent(rank: int, world: int, out_dir: str, what: str) -> None:
         if what == "store_format":  # K_nM stored in 16-bit fixed point on rank 1 only
             with gpfalkon.settings.store_format("int16" if rank == 1 else None):
                 model.fit()
+        if what == "fit_tol":  # CG would stop at different iterations (a collective left waiting)
+            model.fit(tol=1e-3 if rank == 1 else None)
+        if what == "solve_method":  # one rank direct, the other CG (an abort inside gloo)
+            model.options = model.options.replace(solve_method="direct" if rank == 1 else "cg")
+            model.fit()
+        if what == "settings_tol":
+            with gpfalkon.settings.cg_tolerance(1e-3 if rank == 1 else 1e-8):
+                model.fit()
+        if what == "nu_after":  # the kernel changed on one rank after construction
+            if rank == 1:
+                model.kernel.base_kernel.nu = 1.5
+            model.fit()
         msg = "no error"
     except ValueError as exc:
         msg = str(exc)

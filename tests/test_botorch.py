@@ -399,6 +399,37 @@ def test_sgpr_vs_falkon_example_runs_on_a_user_csv(tmp_path):
     assert float(nrmse["gpfalkon auto_fit"]) < 0.5, out  # far below predicting the mean (1.0)
 
 
+def test_sgpr_vs_falkon_reads_a_csv_or_names_the_bad_line(tmp_path):
+    """The example's CSV reader: a header line is skipped (not a data row), ';' works, and a missing, NaN or
+    non-numeric value, a ragged row or a file with only the target stops naming the line and column."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(
+        "sgpr_vs_falkon", pathlib.Path(__file__).resolve().parents[1] / "examples" / "sgpr_vs_falkon.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    good = tmp_path / "good.csv"
+    good.write_text("a,b,target\n1,2,3\n4,5,6\n7,8,9\n")
+    x, y = mod.load_csv(good)
+    assert x.tolist() == [[1, 2], [4, 5], [7, 8]] and y.tolist() == [3, 6, 9]
+    semi = tmp_path / "semi.csv"
+    semi.write_text("1;2;3\n4;5;6\n")
+    x, y = mod.load_csv(semi)
+    assert x.tolist() == [[1, 2], [4, 5]] and y.tolist() == [3, 6]
+    bad = {"missing_first.csv": ("1,,3\n4,5,6\n", r"line 1, column 2: '' is missing"),
+           "header_missing.csv": ("a,b,t\n1,2,3\n4,,6\n", r"line 3, column 2"),
+           "nan.csv": ("1,2,3\n4,nan,6\n", r"line 2, column 2: 'nan'"),
+           "text.csv": ("1,2,3\n4,x,6\n", r"line 2, column 2: 'x'"),
+           "ragged.csv": ("1,2,3\n4,5\n", r"line 2: 2 fields, the first line has 3"),
+           "target_only.csv": ("1\n2\n3\n", r"need at least one feature column")}
+    for name, (text, message) in bad.items():
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(SystemExit, match=message):
+            mod.load_csv(path)
+
+
 def test_default_noise_model_is_singletaskgps_and_survives_noiseless_data():
     """Without penalty= / likelihood=, FalkonModel's noise has SingleTaskGP's LogNormal(-4, 1) prior and
     bound 1e-4; fit_gpytorch_mll on noiseless data then stops at the bound instead of collapsing."""

@@ -91,6 +91,14 @@ def test_predictions_title_has_the_rmse_and_coverage():
         plot.plot_predictions(y, mean, -var)
     with pytest.raises(ValueError, match="observed has 500 values but mean has 3"):
         plot.plot_predictions(y, mean[:3])
+    with pytest.raises(ValueError, match="observed and mean are empty"):
+        plot.plot_predictions([], [])
+    nan_var = var.clone()
+    nan_var[7] = float("nan")
+    with pytest.raises(ValueError, match="variance contains NaN or Inf"):  # a "coverage 0.0%" title otherwise
+        plot.plot_predictions(y, mean, nan_var)
+    with pytest.raises(ValueError, match="mean contains NaN or Inf"):
+        plot.plot_predictions(y, mean * float("inf"))
 
 
 def test_comparison_draws_curves_and_final_points():
@@ -103,6 +111,8 @@ def test_comparison_draws_curves_and_final_points():
     assert markers == {"SGPR": (10.0, 0.3), "FALKON": (2.0, 0.25)}
     with pytest.raises(ValueError, match=r"results\[0\] lacks \['error'\]"):
         plot.plot_comparison([dict(method="a", fit_s=1.0)])
+    with pytest.raises(ValueError, match=r"results\[0\] lacks \['error'\] \(or has None"):
+        plot.plot_comparison([dict(method="a", fit_s=1.0, error=None)])
 
 
 def test_a_missing_matplotlib_is_named(monkeypatch):

@@ -67,8 +67,20 @@ def test_settings_nest_restore_and_validate():
         t.start()
         t.join()
         assert seen == [11]  # a process-wide default reaches new threads
+        assert settings.max_cg_iterations.overridden()
     finally:
         settings.max_cg_iterations.set_default(old)
+    # the initial default set again is the default again (a float32 fit then takes float32's own tolerance)
+    assert not settings.max_cg_iterations.overridden()
+    tol = settings.cg_tolerance.value()
+    try:
+        settings.cg_tolerance.set_default(tol * 1000)
+        assert settings.cg_tolerance.overridden()
+    finally:
+        settings.cg_tolerance.set_default(float(tol))
+    assert not settings.cg_tolerance.overridden()
+    with settings.cg_tolerance(tol):  # a with block is an explicit request, even of the default value
+        assert settings.cg_tolerance.overridden()
 
 
 def test_automatic_memory_budget(monkeypatch):

@@ -63,6 +63,10 @@ def test_encode_decode_round_trip_and_grid():
     assert math.isclose(back["penalty"], 3e-7, rel_tol=1e-12)
     grid = space.grid(30)
     assert 0 < len(grid) <= 30 and {g["kernel"] for g in grid} == {"rbf", "matern12", "matern32"}
+    # "every categorical value": a budget below their number is refused, not cut to the first ones
+    assert {g["kernel"] for g in space.grid(3)} == {"rbf", "matern12", "matern32"}
+    with pytest.raises(ValueError, match=r"budget=2 cannot hold every combination of the categorical values \(3\)"):
+        space.grid(2)
     samples = space.sample(200, torch.Generator().manual_seed(0))
     assert all(10 <= s["num_centers"] <= 1000 and 1e-9 <= s["penalty"] <= 1e-2 for s in samples)
 
@@ -104,6 +108,8 @@ def test_falkon_objectives_run():
     assert math.isfinite(val)
     with pytest.raises(ValueError, match="center_selection"):
         falkon_validation_error()({"center_selection": "kmeans"}, x, y, xv, yv)
+    with pytest.raises(ValueError, match=r"keys \['num_centres'\] this objective does not read"):
+        falkon_validation_error()({"num_centres": 20}, x, y, xv, yv)
     # leverage-score centers are a valid choice (issue 6) and default settings fit
     val = falkon_validation_error()({"center_selection": "leverage", "num_centers": 50, "penalty": 1e-5}, x, y, xv, yv)
     assert 0 < val < float(yv.std())

@@ -438,7 +438,12 @@ class DistributedBackend:
             if not torch.equal(other, mine):
                 bad = int((other != mine).nonzero()[0].item()) // 5
                 what = {"cg_start": "every rank must pass the same initial_alpha and warm_start to fit()",
-                        "store_format": "every rank must fit under the same gpfalkon.settings.store_format"}.get(
+                        "store_format": "every rank must fit under the same gpfalkon.settings.store_format",
+                        "fit_rules": "every rank must fit with the same tol, max_iter, solve_method and "
+                                     "precond_dtype (fit arguments, FalkonOptions, gpfalkon.settings)",
+                        "kernel_structure": "every rank must use the same kernel classes and settings (e.g. a "
+                                            "Matern nu)",
+                        "mean_constant": "every rank must use the same mean_constant"}.get(
                     names[bad], "every rank must build the model with the same kernel, centers, dtype and d")
                 raise ValueError(
                     f"ranks disagree on {names[bad]}: rank {self.rank} and rank {r} hold different values ({what})")

@@ -502,7 +502,11 @@ def shard_rows(source: RowSource, rank: int | None = None, world_size: int | Non
 def shard_files(paths: Sequence[PathLike], rank: int | None = None, world_size: int | None = None) -> list[str]:
     """Files ``rank, rank + world_size, ...`` of ``paths`` (round robin; an empty list where there
     are fewer files than ranks). Defaults: torch.distributed's rank and world size. For whole-file
-    shards; :func:`shard_rows` balances rows instead."""
+    shards; :func:`shard_rows` balances rows instead.
+
+    The global row order of a sharded model is the ranks' order, so with round robin it is files ``0, w, 2w, ...,
+    1, w + 1, ...``: not ``paths``' order, and it changes with the number of ranks ``w`` (and with it the centers
+    a seed draws from the rows). Where the model must not depend on ``w``, use :func:`shard_rows` on one source."""
     from .distributed import shard_range
 
     files = [os.fspath(p) for p in paths]

@@ -7,6 +7,7 @@ import math
 import numbers
 import time
 import warnings
+import zlib
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -203,6 +204,29 @@ class FalkonSourcePrior:
 
 
 
+def _structure_code(kernel: Kernel, device: torch.device) -> Tensor:
+    """The kernel's classes and settings (:func:`~gpfalkon.models.fit_state.module_structure`) as one number (CRC-32
+    of their text), for comparing between ranks: a Matern ``nu`` or a kernel class is neither a parameter nor a
+    buffer."""
+    return torch.tensor([float(zlib.crc32(repr(module_structure(kernel)).encode()))], dtype=torch.float64,
+                        device=device)
+
+
+def _raise_on_every_rank(backend: Any, problem: BaseException | None, anchor: object) -> None:
+    """With rows sharded over ranks: raise ``problem`` on its rank and a ``ValueError`` saying so on the others
+    (one collective every rank reaches), instead of one rank raising while the others wait in their next collective
+    until the process group times out. ``anchor``: the rank's ``train_x``, whose device the flag goes to."""
+    device = getattr(anchor, "device", None)
+    flag = torch.tensor([0.0 if problem is None else 1.0], dtype=torch.float64,
+                        device=device if isinstance(device, torch.device) else "cpu")
+    if float(backend.reduce_nograd(flag)[0]) == 0.0:
+        return
+    if problem is not None:
+        raise problem
+    raise ValueError("another rank's train_x / train_y failed the input checks (NaN or Inf, shapes or dtypes): "
+                     "see that rank's error")
+
+
 def _check_kernel(kernel: object, d: int, device: torch.device) -> None:
     """Reject a kernel FalkonGP cannot use, naming the cause: not a GPyTorch kernel, parameters on another
     device than the data, ``ard_num_dims`` other than the data's width, or a ``batch_shape`` (one set of
@@ -357,11 +381,18 @@ class FalkonGP(gpytorch.models.GP):
     ) -> None:
         super().__init__()
         sharded = options is not None and is_sharded(getattr(options, "backend", None))
-        check_inputs("train_x", train_x, allow_empty=sharded)
-        n, d = train_x.shape
-        check_targets("train_y", train_y, n)
-        if train_y.dtype != train_x.dtype:
-            raise TypeError(f"train_y has dtype {train_y.dtype} but train_x has {train_x.dtype}")
+        try:
+            check_inputs("train_x", train_x, allow_empty=sharded)
+            n, d = train_x.shape
+            check_targets("train_y", train_y, n)
+            if train_y.dtype != train_x.dtype:
+                raise TypeError(f"train_y has dtype {train_y.dtype} but train_x has {train_x.dtype}")
+        except (TypeError, ValueError) as exc:
+            if not sharded:
+                raise
+            _raise_on_every_rank(cast(FalkonOptions, options).backend, exc, train_x)
+        if sharded:
+            _raise_on_every_rank(cast(FalkonOptions, options).backend, None, train_x)
         if kernel is None:
             kernel = default_kernel(d, dtype=train_x.dtype, device=train_x.device)
         _check_kernel(kernel, d, train_x.device)
@@ -452,6 +483,7 @@ class FalkonGP(gpytorch.models.GP):
                     or [torch.zeros(0, dtype=torch.float64, device=c.device)]
                 ),
                 penalty=self.penalty.detach(),
+                kernel_structure=_structure_code(kernel, c.device),
             )
         self._register_centers(c.detach().clone(), learn_centers)
         self.register_buffer("center_weights", None if weights is None else weights.to(torch.float64))
@@ -477,6 +509,8 @@ class FalkonGP(gpytorch.models.GP):
             )
         if not bool(torch.isfinite(mc).all()):
             raise ValueError(f"mean_constant must be finite, got {mc.tolist()}")
+        if is_sharded(self.options.backend):
+            self.options.backend.check_consistent(mean_constant=mc)
         self.register_buffer("mean_constant", mc)
 
         shape = (c.shape[0],) if self._num_outputs == 1 else (c.shape[0], self._num_outputs)
@@ -784,6 +818,21 @@ class FalkonGP(gpytorch.models.GP):
                                      "built?)")
             op = self.nystrom_operator()
             op.check_time_limit(time_limit)  # before the O(n M) pass
+            if is_sharded(self.options.backend):
+                # the model and the solver's rules as they are now (hyperparameters, settings and options may have
+                # changed on one rank since construction): ranks that disagree would solve different systems, stop
+                # CG at different iterations (a collective left waiting) or take different methods (an abort)
+                tol_now, iters_now = op._stopping_rule(tol, max_iter)
+                rules = [tol_now, float(iters_now), float(zlib.crc32(str(self.options.solve_method).encode())),
+                         float(zlib.crc32(str(self.options.precond_dtype).encode()))]
+                self.options.backend.check_consistent(
+                    fit_rules=torch.tensor(rules, dtype=torch.float64, device=self.centers.device),
+                    kernel_structure=_structure_code(self.kernel, self.centers.device),
+                    kernel_hyperparameters=torch.cat(
+                        [t.detach().reshape(-1).to(torch.float64) for t in (*self.kernel.parameters(),
+                                                                            *self.kernel.buffers())]
+                        or [torch.zeros(0, dtype=torch.float64, device=self.centers.device)]),
+                    centers=self.centers.detach(), penalty=self.penalty.detach(), mean_constant=self.mean_constant)
             rhs = op.kmn_y(y2)
             if not bool(torch.isfinite(rhs).all()):
                 raise FalkonConvergenceError(
