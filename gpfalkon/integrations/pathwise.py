@@ -1,0 +1,111 @@
+"""Pathwise posterior samples of a :class:`~gpfalkon.integrations.botorch_model.FalkonModel` for BoTorch's
+``draw_matheron_paths`` (``PathwiseThompsonSampling``, ``optimize_posterior_samples``, ``get_optimal_samples`` and
+the entropy searches built on it).
+
+Matheron's rule with the inducing points of the SGPR/DTC posterior (Wilson et al. 2020, §4): with
+``g ~ GP(0, k)`` drawn by random features (BoTorch's :func:`draw_kernel_feature_paths`), ``c`` the constant mean,
+``Z`` the centers and ``u`` a draw of ``f(Z)`` from the posterior,
+
+    f(x) = c + g(x) + k(x, Z) K_ZZ^{-1} (u - c - g(Z)),
+    u - c ~ N(K_ZZ alpha, L B^{-1} L^T)      (L L^T = K_ZZ, L_B L_B^T = B: docs/math.md §4),
+
+so the path's weight on ``k(x, Z)`` is ``w = alpha + L^{-T} (L_B^{-T} e - L^{-1} g(Z))`` with ``e ~ N(0, I)``. Its
+mean is the model's ``c + k(x, Z) alpha`` and its covariance ``k_** - a^T a + c^T c``, the model's own (up to the
+random features' approximation of the prior): the DTC posterior needs no ``n x n`` solve, only the ``M x M``
+posterior factors the model keeps. Cost per draw ``O(M^2)``, once; a path evaluates at ``q`` points in
+``O(q (M + F) d)`` (``F`` random features).
+
+Written here because BoTorch's pathwise samplers dispatch on the model class and cover ``ExactGP`` (an ``n x n``
+Cholesky factorisation) and variational models, not a model whose posterior is given by its centers and factors.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from botorch.sampling.pathwise.features.maps import KernelEvaluationMap
+from botorch.sampling.pathwise.paths import GeneralizedLinearPath
+from botorch.sampling.pathwise.posterior_samplers import DrawMatheronPaths, MatheronPath
+from botorch.sampling.pathwise.prior_samplers import DrawKernelFeaturePaths, _draw_kernel_feature_paths_fallback
+from botorch.sampling.pathwise.update_strategies import GaussianUpdate
+from botorch.sampling.pathwise.utils import get_input_transform, get_output_transform
+from botorch.utils.context_managers import delattr_ctx
+from gpytorch.likelihoods import Likelihood
+from torch import Size, Tensor
+
+from .botorch_model import FalkonModel
+
+__all__ = ["ConstantOffset"]
+
+
+class ConstantOffset(torch.nn.Module):
+    """``x -> c`` for every point of ``x`` (``(..., q, d) -> (..., q)``): the model's constant mean as the prior
+    paths' bias."""
+
+    constant: Tensor
+
+    def __init__(self, constant: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("constant", constant.detach().reshape(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.constant.to(x).expand(x.shape[:-1])
+
+
+def _one_output(model: FalkonModel) -> None:
+    if model.num_outputs != 1:
+        raise NotImplementedError(
+            f"pathwise samples of a FalkonModel with {model.num_outputs} outputs: draw them per output from a "
+            "ModelListGP of one-output FalkonModels (model.subset_output([i]) gives each)")
+
+
+@DrawKernelFeaturePaths.register(FalkonModel)
+def _draw_kernel_feature_paths_falkon(model: FalkonModel, **kwargs: Any) -> GeneralizedLinearPath:
+    """Random-feature draws of the prior ``c + g``, ``g ~ GP(0, kernel)`` (BoTorch's fallback for a kernel and a
+    mean), on the model's transformed inputs."""
+    _one_output(model)
+    model.eval()  # the input transform in eval mode, as in posterior()
+    return _draw_kernel_feature_paths_fallback(
+        num_inputs=model.train_inputs[0].shape[-1],
+        mean_module=ConstantOffset(model.mean_constant.to(model.train_inputs[0].dtype)),
+        covar_module=model.kernel,
+        input_transform=get_input_transform(model),
+        output_transform=get_output_transform(model),
+        **kwargs,
+    )
+
+
+@GaussianUpdate.register(FalkonModel, Likelihood)
+def _gaussian_update_falkon(model: FalkonModel, likelihood: Likelihood, *, sample_values: Tensor,
+                            **ignore: Any) -> GeneralizedLinearPath:
+    """The update path ``k(x, Z) w`` for prior values ``sample_values`` at the centers (``sample_shape x M``):
+    ``w = alpha + L^{-T} (L_B^{-T} e - L^{-1} (sample_values - c))`` (module docstring), in float64."""
+    _one_output(model)
+    factors = model.posterior_factors()
+    L, LB = factors.L, factors.LB
+    alpha = model.alpha.reshape(-1).to(L)
+    g = (sample_values.to(L) - model.mean_constant.to(L).reshape(())).reshape(-1, L.shape[-1]).mT  # M x S
+    e = torch.randn(g.shape, dtype=L.dtype, device=L.device)
+    inner = torch.linalg.solve_triangular(LB.mT, e, upper=True) - torch.linalg.solve_triangular(L, g, upper=False)
+    w = alpha.unsqueeze(-1) + torch.linalg.solve_triangular(L.mT, inner, upper=True)  # M x S
+    weight = w.mT.reshape(*sample_values.shape[:-1], L.shape[-1]).to(sample_values.dtype)
+    centers = model.centers.detach().to(sample_values.dtype)
+    feature_map = KernelEvaluationMap(kernel=model.kernel, points=centers, input_transform=get_input_transform(model))
+    return GeneralizedLinearPath(feature_map=feature_map, weight=weight)
+
+
+@DrawMatheronPaths.register(FalkonModel)
+def _draw_matheron_paths_falkon(model: FalkonModel, *, sample_shape: Size, prior_sampler: Any,
+                                update_strategy: Any) -> MatheronPath:
+    """BoTorch's ``draw_matheron_paths`` for a fitted FalkonModel (one output): prior draws by ``prior_sampler``,
+    evaluated at the centers, updated by ``update_strategy`` (``gaussian_update``: the inducing-point update of the
+    module docstring); the outcome transform undone on the sum, as for ``ExactGP``."""
+    _one_output(model)
+    model.eval()  # as posterior(): a transform in train mode (Normalize) would re-learn its bounds from the paths' X
+    model._check_fitted()
+    with delattr_ctx(model, "outcome_transform"):
+        prior_paths = prior_sampler(model=model, sample_shape=sample_shape)
+        sample_values = prior_paths.forward(model.centers.detach())  # forward: the centers are transformed inputs
+        update_paths = update_strategy(model=model, sample_values=sample_values)
+    return MatheronPath(prior_paths=prior_paths, update_paths=update_paths,
+                        output_transform=get_output_transform(model))

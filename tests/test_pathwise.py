@@ -1,0 +1,89 @@
+"""FalkonModel with BoTorch's pathwise samplers (gpfalkon.integrations.pathwise): Matheron paths whose moments are
+the model's posterior, and the acquisition functions and optimisers built on them."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from botorch.models.transforms.input import Normalize
+from botorch.sampling.pathwise import draw_matheron_paths
+
+from gpfalkon import NotFittedError
+from gpfalkon.botorch import FalkonModel
+
+
+def _data(n=200, seed=0, m=1):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.rand(n, 2, generator=g, dtype=torch.float64) * 4 - 1  # outside the unit cube: Normalize matters
+    Y = torch.sin(2 * X[:, :1]) + torch.cos(1.5 * X[:, 1:]) + 0.05 * torch.randn(n, 1, generator=g,
+                                                                                   dtype=torch.float64)
+    return X, (Y if m == 1 else torch.cat([Y, -2 * Y + 1], -1))
+
+
+@pytest.mark.parametrize("transforms", [False, True])
+def test_matheron_paths_have_the_models_posterior_moments(transforms):
+    """The Monte-Carlo mean and covariance of 20,000 paths at 5 points equal the model's posterior mean and
+    covariance (DTC, M = 60 centers of 200 rows; the prior drawn by 1,024 random features), in the raw outcome
+    units with Standardize and Normalize; a fixed seed makes the draws reproducible."""
+    X, Y = _data()
+    kw = dict(input_transform=Normalize(d=2)) if transforms else dict(outcome_transform=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # BoTorch's input-scaling notice without Normalize
+        model = FalkonModel(X, Y, num_centers=60, tol=1e-12, max_iter=500, **kw)
+    Xt = torch.rand(5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 4 - 1
+    torch.manual_seed(0)
+    paths = draw_matheron_paths(model, sample_shape=torch.Size([20_000]))
+    with torch.no_grad():
+        v = paths(Xt)
+        post = model.posterior(Xt)
+    assert v.shape == (20_000, 5)
+    mean, cov = post.mean.squeeze(-1), post.distribution.covariance_matrix
+    sd = cov.diagonal().sqrt()
+    # Monte-Carlo error of the mean: sd / sqrt(S) ~ 0.007 sd; the random features add a few percent of the prior
+    torch.testing.assert_close(v.mean(0), mean, rtol=0, atol=float(0.05 * sd.max()))
+    mc_cov = torch.cov(v.T)
+    ratio = mc_cov.diagonal() / cov.diagonal()
+    assert bool(((ratio > 0.85) & (ratio < 1.15)).all()), ratio
+    corr = cov / sd.outer(sd)
+    mc_corr = mc_cov / mc_cov.diagonal().sqrt().outer(mc_cov.diagonal().sqrt())
+    # the random features' prior is off by a few hundredths of its variance in the cross-covariances; BoTorch's own
+    # paths of a SingleTaskGP on these data and points are off by up to 0.13 in correlation (0.79-1.05 in variance)
+    torch.testing.assert_close(mc_corr, corr, rtol=0, atol=0.15)
+    torch.manual_seed(1)
+    a = draw_matheron_paths(model, sample_shape=torch.Size([3]))(Xt)
+    torch.manual_seed(1)
+    b = draw_matheron_paths(model, sample_shape=torch.Size([3]))(Xt)
+    torch.testing.assert_close(a, b)
+
+
+def test_pathwise_thompson_sampling_and_posterior_sample_optima_run():
+    """PathwiseThompsonSampling through optimize_acqf, and optimize_posterior_samples, on a FalkonModel: finite
+    candidates in the bounds; a path's optimum is at least as good as any of the raw points it was started from."""
+    from botorch.acquisition.thompson_sampling import PathwiseThompsonSampling
+    from botorch.optim import optimize_acqf
+    from botorch.utils.sampling import optimize_posterior_samples
+
+    X, Y = _data()
+    X = (X + 1) / 4  # the unit cube
+    model = FalkonModel(X, Y, num_centers=50)
+    bounds = torch.tensor([[0.0, 0.0], [1.0, 1.0]], dtype=torch.float64)
+    torch.manual_seed(0)
+    acqf = PathwiseThompsonSampling(model)
+    cand, value = optimize_acqf(acqf, bounds=bounds, q=1, num_restarts=2, raw_samples=64)
+    assert cand.shape == (1, 2) and bool(((cand >= 0) & (cand <= 1)).all()) and bool(torch.isfinite(value).all())
+    paths = draw_matheron_paths(model, sample_shape=torch.Size([4]))
+    x_opt, f_opt = optimize_posterior_samples(paths=paths, bounds=bounds, raw_samples=128, num_restarts=2)
+    assert x_opt.shape[0] == 4 and bool(torch.isfinite(f_opt).all())
+    grid = torch.rand(256, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert bool((f_opt.reshape(4) >= paths(grid).max(-1).values - 1e-6).all())
+
+
+def test_pathwise_refusals():
+    X, Y = _data(m=2)
+    with pytest.raises(NotImplementedError, match="ModelListGP of one-output FalkonModels"):
+        draw_matheron_paths(FalkonModel(X, Y, num_centers=30), sample_shape=torch.Size([2]))
+    unfitted = FalkonModel(X, Y[:, :1], num_centers=30, fit=False)
+    with pytest.raises(NotFittedError):
+        draw_matheron_paths(unfitted, sample_shape=torch.Size([2]))
