@@ -259,6 +259,31 @@ def test_covar_module_is_the_kernel_under_singletaskgps_name():
     torch.testing.assert_close(model.posterior(X[:3]).mean, ref.posterior(X[:3]).mean)
 
 
+def test_model_list_fits_with_sum_mll_of_the_nystrom_adapter():
+    """BoTorch's multi-output line, fit_gpytorch_mll(SumMarginalLogLikelihood(...)), on a ModelListGP of FalkonModels:
+    with mll_cls=NystromMarginalLogLikelihood every model is fitted as its own adapter fits it (same hyperparameters,
+    fitted, in eval mode); GPyTorch's default exact MLL is refused with this route named."""
+    from botorch.fit import fit_gpytorch_mll
+    from botorch.models import ModelListGP
+    from gpytorch.mlls import SumMarginalLogLikelihood
+
+    from gpfalkon import NystromMarginalLogLikelihood
+
+    X, Y = _data(n=80, m=2)
+    models = [FalkonModel(X, Y[:, i:i + 1], centers=X[:30].clone()) for i in range(2)]
+    lone = [FalkonModel(X, Y[:, i:i + 1], centers=X[:30].clone()) for i in range(2)]
+    ml = ModelListGP(*models)
+    fit_gpytorch_mll(SumMarginalLogLikelihood(ml.likelihood, ml, mll_cls=NystromMarginalLogLikelihood))
+    for m in lone:
+        fit_gpytorch_mll(NystromMarginalLogLikelihood(m.likelihood, m))
+    for got, want in zip(ml.models, lone, strict=True):
+        assert bool(got.fitted) and not got.training
+        torch.testing.assert_close(got.kernel.lengthscale, want.kernel.lengthscale, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got.posterior(X[:4]).mean, want.posterior(X[:4]).mean, rtol=1e-4, atol=1e-6)
+    with pytest.raises(RuntimeError, match="mll_cls=gpfalkon.NystromMarginalLogLikelihood"):
+        fit_gpytorch_mll(SumMarginalLogLikelihood(ml.likelihood, ml))
+
+
 def test_set_train_data_follows_exactgp():
     X, Y = _data(n=120)
     model = FalkonGP(X, Y.squeeze(-1), num_centers=20, penalty=1e-4).fit()

@@ -153,7 +153,8 @@ _EXACT_MLL_MESSAGE = (
     "FalkonGP's train-mode output is the GP prior over the n training points: its exact log-likelihood "
     "(what gpytorch.mlls.ExactMarginalLogLikelihood evaluates) costs O(n^3) and would train an exact GP, not "
     "the Nystrom model. Use gpfalkon.NystromMarginalLogLikelihood(model.likelihood, model, objective='sgpr') "
-    "(or another objective name) with fit_gpytorch_mll or a GPyTorch loop"
+    "(or another objective name) with fit_gpytorch_mll or a GPyTorch loop; for a ModelListGP of FalkonModels, "
+    "SumMarginalLogLikelihood(model.likelihood, model, mll_cls=gpfalkon.NystromMarginalLogLikelihood)"
 )
 
 
