@@ -280,7 +280,7 @@ def test_model_list_fits_with_sum_mll_of_the_nystrom_adapter():
         assert bool(got.fitted) and not got.training
         torch.testing.assert_close(got.kernel.lengthscale, want.kernel.lengthscale, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(got.posterior(X[:4]).mean, want.posterior(X[:4]).mean, rtol=1e-4, atol=1e-6)
-    with pytest.raises(RuntimeError, match="mll_cls=gpfalkon.NystromMarginalLogLikelihood"):
+    with pytest.raises(RuntimeError, match=r"mll_cls=gpfalkon\.NystromMarginalLogLikelihood"):
         fit_gpytorch_mll(SumMarginalLogLikelihood(ml.likelihood, ml))
 
 
