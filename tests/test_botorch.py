@@ -242,6 +242,24 @@ def test_input_transform_parameters_learnable_refused_changed_refit_consistently
         norm.fit()
 
 
+def test_input_perturbation_caches_do_not_make_the_fit_stale():
+    """InputPerturbation fills a cache buffer (``_perturbations``) from every X it transforms: posteriors at X of
+    different shapes, alone or chained after Normalize, and fantasize, keep the fit valid (the transform itself did
+    not change), and the posterior equals a fresh model's."""
+    from botorch.models.transforms.input import ChainedInputTransform, InputPerturbation
+    from botorch.sampling import SobolQMCNormalSampler
+
+    X, Y = _data(n=60)
+    perturb = torch.tensor([[0.0, 0.0], [0.01, -0.01], [-0.02, 0.01]], dtype=torch.float64)
+    for tf in (InputPerturbation(perturbation_set=perturb),
+               ChainedInputTransform(norm=Normalize(d=2), perturb=InputPerturbation(perturbation_set=perturb))):
+        model = FalkonModel(X, Y, centers=X[:20].clone(), input_transform=tf)
+        for q in (1, 4, 7):
+            assert model.posterior(X[:q]).mean.shape == (3 * q, 1)
+        model.fantasize(X[:2], SobolQMCNormalSampler(torch.Size([2]), seed=0))
+        assert bool(model.fitted) and not model._hyper_changed()
+
+
 def test_covar_module_is_the_kernel_under_singletaskgps_name():
     """Code written for SingleTaskGP reads and initialises ``covar_module``; here it is the model's one kernel."""
     X, Y = _data(n=60)

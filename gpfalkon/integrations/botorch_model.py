@@ -59,6 +59,11 @@ def default_botorch_likelihood(
     return lik.to(dtype=dtype, device=device)
 
 
+#: buffers of BoTorch input transforms that cache what the last transformed points needed
+#: (``InputPerturbation._perturbations``: the perturbations expanded to the last ``X``'s batch shape)
+TRANSFORM_CACHES = frozenset({"_perturbations"})
+
+
 class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
     r"""A BoTorch model whose posterior is the FALKON / SGPR-DTC posterior of :class:`FalkonGP`.
 
@@ -310,8 +315,13 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
 
     # ------------------------------------------------- the input transform the training inputs went through
     def _transform_tensors(self) -> list[Tensor]:
+        """The input transform's parameters and buffers, but for the caches it fills from the points it transforms
+        (:data:`TRANSFORM_CACHES`: they change with every ``X`` a posterior is asked at, not with the transform)."""
         tf = getattr(self, "input_transform", None)
-        return [] if tf is None else [*tf.parameters(), *tf.buffers()]
+        if tf is None:
+            return []
+        buffers = [b for name, b in tf.named_buffers() if name.rsplit(".", 1)[-1] not in TRANSFORM_CACHES]
+        return [*tf.parameters(), *buffers]
 
     def _mark_inputs_transformed(self) -> None:
         """Record the input transform's parameters and buffers as those the training inputs went through."""

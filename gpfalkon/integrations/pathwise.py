@@ -20,6 +20,7 @@ Cholesky factorisation) and variational models, not a model whose posterior is g
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from torch import Size, Tensor
 
 from .botorch_model import FalkonModel
 
-__all__ = ["ConstantOffset"]
+__all__ = ["ConstantOffset", "InputsIn", "OutputsIn"]
 
 
 class ConstantOffset(torch.nn.Module):
@@ -52,6 +53,45 @@ class ConstantOffset(torch.nn.Module):
         return self.constant.to(x).expand(x.shape[:-1])
 
 
+class InputsIn(torch.nn.Module):
+    """``x -> transform(x)`` in ``dtype``: a float32 model's paths are evaluated in float64 (see :func:`_wide`)."""
+
+    def __init__(self, transform: torch.nn.Module | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.transform = transform
+        self.dtype = dtype
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x if self.transform is None else self.transform(x)).to(self.dtype)
+
+
+class OutputsIn(torch.nn.Module):
+    """``values -> untransform(values)`` in ``dtype`` (the model's): the float64 paths of a float32 model return its
+    dtype."""
+
+    def __init__(self, untransform: torch.nn.Module | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.untransform = untransform
+        self.dtype = dtype
+
+    def forward(self, values: Tensor) -> Tensor:
+        return (values if self.untransform is None else self.untransform(values)).to(self.dtype)
+
+
+def _wide(model: FalkonModel) -> tuple[Any, Tensor, Any]:
+    """``(kernel, centers, input transform)`` for the paths, in float64 whatever the model's dtype: the update's
+    weights ``K_ZZ^{-1} (u - g(Z))`` are large where ``K_ZZ`` is ill-conditioned, and ``k(x, Z) w`` must cancel
+    the prior ``g(x)`` to the posterior's scale; float32 kernel values and random features there added 4-16 % to
+    the paths' variance (the factors' pass has the same amplification: docs/math.md §4). For a float32 model the
+    kernel is a float64 copy (the paths are a draw at the current hyperparameters) and the inputs are converted
+    after the model's input transform."""
+    tf = get_input_transform(model)
+    centers = model.centers.detach()
+    if centers.dtype == torch.float64:
+        return model.kernel, centers, tf
+    return copy.deepcopy(model.kernel).to(torch.float64), centers.to(torch.float64), InputsIn(tf, torch.float64)
+
+
 def _one_output(model: FalkonModel) -> None:
     if model.num_outputs != 1:
         raise NotImplementedError(
@@ -65,12 +105,15 @@ def _draw_kernel_feature_paths_falkon(model: FalkonModel, **kwargs: Any) -> Gene
     mean), on the model's transformed inputs."""
     _one_output(model)
     model.eval()  # the input transform in eval mode, as in posterior()
+    kernel, _, tf = _wide(model)
+    out = get_output_transform(model)
+    dtype = model.centers.dtype
     return _draw_kernel_feature_paths_fallback(
         num_inputs=model.train_inputs[0].shape[-1],
-        mean_module=ConstantOffset(model.mean_constant.to(model.train_inputs[0].dtype)),
-        covar_module=model.kernel,
-        input_transform=get_input_transform(model),
-        output_transform=get_output_transform(model),
+        mean_module=ConstantOffset(model.mean_constant.to(torch.float64)),
+        covar_module=kernel,
+        input_transform=tf,
+        output_transform=out if dtype == torch.float64 else OutputsIn(out, dtype),
         **kwargs,
     )
 
@@ -88,9 +131,9 @@ def _gaussian_update_falkon(model: FalkonModel, likelihood: Likelihood, *, sampl
     e = torch.randn(g.shape, dtype=L.dtype, device=L.device)
     inner = torch.linalg.solve_triangular(LB.mT, e, upper=True) - torch.linalg.solve_triangular(L, g, upper=False)
     w = alpha.unsqueeze(-1) + torch.linalg.solve_triangular(L.mT, inner, upper=True)  # M x S
-    weight = w.mT.reshape(*sample_values.shape[:-1], L.shape[-1]).to(sample_values.dtype)
-    centers = model.centers.detach().to(sample_values.dtype)
-    feature_map = KernelEvaluationMap(kernel=model.kernel, points=centers, input_transform=get_input_transform(model))
+    kernel, centers, tf = _wide(model)
+    weight = w.mT.reshape(*sample_values.shape[:-1], L.shape[-1]).to(centers.dtype)
+    feature_map = KernelEvaluationMap(kernel=kernel, points=centers, input_transform=tf)
     return GeneralizedLinearPath(feature_map=feature_map, weight=weight)
 
 
@@ -103,9 +146,12 @@ def _draw_matheron_paths_falkon(model: FalkonModel, *, sample_shape: Size, prior
     _one_output(model)
     model.eval()  # as posterior(): a transform in train mode (Normalize) would re-learn its bounds from the paths' X
     model._check_fitted()
+    _, centers, _ = _wide(model)
     with delattr_ctx(model, "outcome_transform"):
         prior_paths = prior_sampler(model=model, sample_shape=sample_shape)
-        sample_values = prior_paths.forward(model.centers.detach())  # forward: the centers are transformed inputs
+        sample_values = prior_paths.forward(centers)  # forward: the centers are transformed inputs (no transform)
         update_paths = update_strategy(model=model, sample_values=sample_values)
+    out = get_output_transform(model)
+    dtype = model.centers.dtype
     return MatheronPath(prior_paths=prior_paths, update_paths=update_paths,
-                        output_transform=get_output_transform(model))
+                        output_transform=out if dtype == torch.float64 else OutputsIn(out, dtype))
