@@ -36,7 +36,7 @@ from torch import Size, Tensor
 
 from .botorch_model import FalkonModel
 
-__all__ = ["ConstantOffset", "InputsIn", "OutputsIn"]
+__all__ = ["ConstantOffset", "ThenCast"]
 
 
 class ConstantOffset(torch.nn.Module):
@@ -53,29 +53,18 @@ class ConstantOffset(torch.nn.Module):
         return self.constant.to(x).expand(x.shape[:-1])
 
 
-class InputsIn(torch.nn.Module):
-    """``x -> transform(x)`` in ``dtype``: a float32 model's paths are evaluated in float64 (see :func:`_wide`)."""
+class ThenCast(torch.nn.Module):
+    """``t -> transform(t)`` (or ``t`` where ``transform`` is ``None``) in ``dtype``: the float64 evaluation of a
+    float32 model's paths (:func:`_wide`): its inputs after the model's input transform, its values after the outcome
+    untransform, back in the model's dtype."""
 
     def __init__(self, transform: torch.nn.Module | None, dtype: torch.dtype) -> None:
         super().__init__()
         self.transform = transform
         self.dtype = dtype
 
-    def forward(self, x: Tensor) -> Tensor:
-        return (x if self.transform is None else self.transform(x)).to(self.dtype)
-
-
-class OutputsIn(torch.nn.Module):
-    """``values -> untransform(values)`` in ``dtype`` (the model's): the float64 paths of a float32 model return its
-    dtype."""
-
-    def __init__(self, untransform: torch.nn.Module | None, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.untransform = untransform
-        self.dtype = dtype
-
-    def forward(self, values: Tensor) -> Tensor:
-        return (values if self.untransform is None else self.untransform(values)).to(self.dtype)
+    def forward(self, t: Tensor) -> Tensor:
+        return (t if self.transform is None else self.transform(t)).to(self.dtype)
 
 
 def _wide(model: FalkonModel) -> tuple[Any, Tensor, Any]:
@@ -89,7 +78,7 @@ def _wide(model: FalkonModel) -> tuple[Any, Tensor, Any]:
     centers = model.centers.detach()
     if centers.dtype == torch.float64:
         return model.kernel, centers, tf
-    return copy.deepcopy(model.kernel).to(torch.float64), centers.to(torch.float64), InputsIn(tf, torch.float64)
+    return copy.deepcopy(model.kernel).to(torch.float64), centers.to(torch.float64), ThenCast(tf, torch.float64)
 
 
 def _one_output(model: FalkonModel) -> None:
@@ -113,7 +102,7 @@ def _draw_kernel_feature_paths_falkon(model: FalkonModel, **kwargs: Any) -> Gene
         mean_module=ConstantOffset(model.mean_constant.to(torch.float64)),
         covar_module=kernel,
         input_transform=tf,
-        output_transform=out if dtype == torch.float64 else OutputsIn(out, dtype),
+        output_transform=out if dtype == torch.float64 else ThenCast(out, dtype),
         **kwargs,
     )
 
@@ -154,4 +143,4 @@ def _draw_matheron_paths_falkon(model: FalkonModel, *, sample_shape: Size, prior
     out = get_output_transform(model)
     dtype = model.centers.dtype
     return MatheronPath(prior_paths=prior_paths, update_paths=update_paths,
-                        output_transform=out if dtype == torch.float64 else OutputsIn(out, dtype))
+                        output_transform=out if dtype == torch.float64 else ThenCast(out, dtype))
