@@ -146,6 +146,13 @@ class TestFalkonFantasies(BotorchTestCase):
                 sub = model.condition_on_observations(Xf, Yf, noise=noise).posterior(xt, output_indices=idx)
                 self.assertAllClose(sub.mean, post.mean[..., idx], rtol=1e-12, atol=1e-12)
                 self.assertAllClose(sub.variance, post.variance[..., idx], rtol=1e-12, atol=1e-12)
+            for idx in ([1], [1, 0]):  # the fantasy model's subset_output: those outputs' fantasy model
+                sub_model = model.condition_on_observations(Xf, Yf, noise=noise).subset_output(idx)
+                self.assertIsInstance(sub_model, FalkonFantasyModel)
+                self.assertEqual(sub_model.num_outputs, len(idx))
+                sub = sub_model.posterior(xt)
+                self.assertAllClose(sub.mean, post.mean[..., idx], rtol=1e-9, atol=1e-9)
+                self.assertAllClose(sub.variance, post.variance[..., idx], rtol=1e-9, atol=1e-11)
 
     def test_nested_fantasize_and_model_list(self) -> None:
         """A fantasy model fantasizes again (multi-step look-ahead), and a ModelListGP of FalkonModels

@@ -135,6 +135,15 @@ class FalkonFantasyModel(Model, FantasizeMixin):
         """The fitted model the fantasies condition."""
         return self._base[0]
 
+    def subset_output(self, idcs: list[int]) -> FalkonFantasyModel:
+        """The fantasy model of outputs ``idcs``: the base model's :meth:`~FalkonModel.subset_output` conditioned on
+        the same fantasy sets' columns ``idcs`` (the outputs share the kernel, centers and noise, so this is the
+        same posterior restricted to them)."""
+        base = self.base_model.subset_output(idcs)
+        cols = self.base_model._output_indices(idcs, "idcs")
+        noise = None if self._noise is None else self._noise[..., cols]
+        return FalkonFantasyModel(base, self._X, self._Y[..., cols], noise)
+
     # BoTorch's Model.posterior signature; FantasizeMixin declares an inconsistent one (*args)
     def posterior(  # type: ignore[override]
         self,
