@@ -135,7 +135,7 @@ def _draw_matheron_paths_falkon(model: FalkonModel, *, sample_shape: Size, prior
     _one_output(model)
     model.eval()  # as posterior(): a transform in train mode (Normalize) would re-learn its bounds from the paths' X
     model._check_fitted()
-    _, centers, _ = _wide(model)
+    centers = model.centers.detach().to(torch.float64)  # the paths' dtype (_wide)
     with delattr_ctx(model, "outcome_transform"):
         prior_paths = prior_sampler(model=model, sample_shape=sample_shape)
         sample_values = prior_paths.forward(centers)  # forward: the centers are transformed inputs (no transform)

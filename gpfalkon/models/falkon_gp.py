@@ -204,13 +204,15 @@ class FalkonSourcePrior:
                              "NystromMarginalLogLikelihood, or predict in eval mode)")
 
 
-
-def _structure_code(kernel: Kernel, device: torch.device) -> Tensor:
-    """The kernel's classes and settings (:func:`~gpfalkon.models.fit_state.module_structure`) as one number (CRC-32
-    of their text), for comparing between ranks: a Matern ``nu`` or a kernel class is neither a parameter nor a
-    buffer."""
-    return torch.tensor([float(zlib.crc32(repr(module_structure(kernel)).encode()))], dtype=torch.float64,
-                        device=device)
+def _kernel_identity(kernel: Kernel, device: torch.device) -> dict[str, Tensor]:
+    """What makes two ranks' kernels the same, for ``check_consistent``: its parameters and buffers (float64, one
+    vector) and its classes and settings (:func:`~gpfalkon.models.fit_state.module_structure`) as one number, the
+    CRC-32 of their text (a Matern ``nu`` or a kernel class is neither a parameter nor a buffer)."""
+    values = [t.detach().reshape(-1).to(torch.float64) for t in (*kernel.parameters(), *kernel.buffers())]
+    structure = float(zlib.crc32(repr(module_structure(kernel)).encode()))
+    return {"kernel_hyperparameters": torch.cat(values) if values else torch.zeros(0, dtype=torch.float64,
+                                                                                  device=device),
+            "kernel_structure": torch.tensor([structure], dtype=torch.float64, device=device)}
 
 
 def _raise_on_every_rank(backend: Any, problem: BaseException | None, anchor: object) -> None:
@@ -250,6 +252,7 @@ def _check_kernel(kernel: object, d: int, device: torch.device) -> None:
             raise ValueError(f"{where} has batch_shape={tuple(batch)}: FalkonGP uses one kernel for every output "
                              "(one n x M kernel matrix); build it without batch_shape, or fit one model per output "
                              "(e.g. a ModelListGP of FalkonModels)")
+
 
 class FalkonGP(gpytorch.models.GP):
     r"""Sparse GP / Nyström kernel ridge regression fitted by FALKON.
@@ -479,12 +482,8 @@ class FalkonGP(gpytorch.models.GP):
             # every rank must hold the same model: the passes' sums assume it (one all_gather)
             self.options.backend.check_consistent(
                 centers=c.detach(),
-                kernel_hyperparameters=torch.cat(
-                    [t.detach().reshape(-1).to(torch.float64) for t in (*kernel.parameters(), *kernel.buffers())]
-                    or [torch.zeros(0, dtype=torch.float64, device=c.device)]
-                ),
                 penalty=self.penalty.detach(),
-                kernel_structure=_structure_code(kernel, c.device),
+                **_kernel_identity(kernel, c.device),
             )
         self._register_centers(c.detach().clone(), learn_centers)
         self.register_buffer("center_weights", None if weights is None else weights.to(torch.float64))
@@ -828,12 +827,8 @@ class FalkonGP(gpytorch.models.GP):
                          float(zlib.crc32(str(self.options.precond_dtype).encode()))]
                 self.options.backend.check_consistent(
                     fit_rules=torch.tensor(rules, dtype=torch.float64, device=self.centers.device),
-                    kernel_structure=_structure_code(self.kernel, self.centers.device),
-                    kernel_hyperparameters=torch.cat(
-                        [t.detach().reshape(-1).to(torch.float64) for t in (*self.kernel.parameters(),
-                                                                            *self.kernel.buffers())]
-                        or [torch.zeros(0, dtype=torch.float64, device=self.centers.device)]),
-                    centers=self.centers.detach(), penalty=self.penalty.detach(), mean_constant=self.mean_constant)
+                    centers=self.centers.detach(), penalty=self.penalty.detach(), mean_constant=self.mean_constant,
+                    **_kernel_identity(self.kernel, self.centers.device))
             rhs = op.kmn_y(y2)
             if not bool(torch.isfinite(rhs).all()):
                 raise FalkonConvergenceError(
