@@ -104,10 +104,43 @@ def test_pathwise_thompson_sampling_and_posterior_sample_optima_run():
         assert bool((f_opt.reshape(4) >= paths(grid).max(-1).values - 1e-6).all())
 
 
+def test_multi_output_paths_have_each_outputs_posterior_moments():
+    """A two-output model (Standardize, Normalize; outputs of different scales and means): 20,000 paths, laid out
+    ``sample x m x q`` as BoTorch's multi-output GPs', have each output's posterior mean and variance, and the outputs
+    are independent draws (their Monte-Carlo correlation is Monte-Carlo noise). ``MatheronPathModel`` gives
+    ``sample x q x m`` values whose mean is the posterior mean."""
+    from botorch.models.deterministic import MatheronPathModel
+
+    X, Y = _data(m=2)
+    Y = Y * torch.tensor([1.0, 30.0], dtype=torch.float64) + torch.tensor([0.0, 100.0], dtype=torch.float64)
+    model = FalkonModel(X, Y, num_centers=60, tol=1e-12, max_iter=500, input_transform=Normalize(d=2))
+    Xt = torch.rand(5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 4 - 1
+    torch.manual_seed(0)
+    paths = draw_matheron_paths(model, sample_shape=torch.Size([20_000]))
+    with torch.no_grad():
+        v = paths(Xt)
+        post = model.posterior(Xt)
+        mean, var = post.mean, post.variance  # q x m
+    assert v.shape == (20_000, 2, 5)
+    for j in range(2):
+        sd = var[:, j].sqrt()
+        torch.testing.assert_close(v[:, j].mean(0), mean[:, j], rtol=0, atol=float(0.05 * sd.max()))
+        ratio = v[:, j].var(0) / var[:, j]
+        assert bool(((ratio > 0.85) & (ratio < 1.15)).all()), (j, ratio)
+    cross = torch.stack([torch.corrcoef(torch.stack([v[:, 0, i], v[:, 1, i]]))[0, 1] for i in range(5)])
+    assert float(cross.abs().max()) < 0.05, cross  # 4 / sqrt(20,000) = 0.028 is the Monte-Carlo scale
+    with torch.no_grad():
+        draws = MatheronPathModel(model, sample_shape=torch.Size([2_000]), seed=1)(Xt)
+    assert draws.shape == (2_000, 5, 2)
+    torch.testing.assert_close(draws.mean(0), mean, rtol=0, atol=float(0.1 * var.sqrt().max()))  # 4.5 std. errors
+
+
 def test_pathwise_refusals():
     X, Y = _data(m=2)
-    with pytest.raises(NotImplementedError, match="ModelListGP of one-output FalkonModels"):
-        draw_matheron_paths(FalkonModel(X, Y, num_centers=30), sample_shape=torch.Size([2]))
+    model = FalkonModel(X, Y, num_centers=30)
+    from botorch.sampling.pathwise.update_strategies import gaussian_update
+    with pytest.raises(ValueError, match="the prior at the 30 centers for each of the 2 outputs"):
+        gaussian_update(model=model, likelihood=model.likelihood, sample_values=torch.zeros(3, 30))
     unfitted = FalkonModel(X, Y[:, :1], num_centers=30, fit=False)
     with pytest.raises(NotFittedError):
         draw_matheron_paths(unfitted, sample_shape=torch.Size([2]))

@@ -15,6 +15,11 @@ random features' approximation of the prior): the DTC posterior needs no ``n x n
 posterior factors the model keeps. Cost per draw ``O(M^2)``, once; a path evaluates at ``q`` points in
 ``O(q (M + F) d)`` (``F`` random features).
 
+With ``m`` outputs (one kernel, one penalty: the outputs' posteriors are independent and share ``L`` and ``L_B``)
+each draw is ``m`` independent paths, ``c_j + g_j(x) + k(x, Z) w_j`` with ``w_j = alpha_j + L^{-T} (L_B^{-T} e_j -
+L^{-1} g_j(Z))``, and the outputs are the paths' last batch dimension, as BoTorch lays out a multi-output
+``SingleTaskGP``'s (``sample_shape x batch x m x q``; ``MatheronPathModel`` evaluates them at ``X.unsqueeze(-3)``).
+
 Written here because BoTorch's pathwise samplers dispatch on the model class and cover ``ExactGP`` (an ``n x n``
 Cholesky factorisation) and variational models, not a model whose posterior is given by its centers and factors.
 """
@@ -40,17 +45,21 @@ __all__ = ["ConstantOffset", "ThenCast"]
 
 
 class ConstantOffset(torch.nn.Module):
-    """``x -> c`` for every point of ``x`` (``(..., q, d) -> (..., q)``): the model's constant mean as the prior
-    paths' bias."""
+    """``x -> c`` for every point of ``x``: the model's constant mean as the prior paths' bias. One output (``c`` a
+    scalar): ``(..., q, d) -> (..., q)``; ``m`` outputs (``c`` of shape ``(m,)``): ``(..., q, d) -> (..., m, q)``
+    broadcast against ``x``'s batch dimensions (``x`` of shape ``(..., 1, q, d)`` gives ``(..., m, q)``)."""
 
     constant: Tensor
 
     def __init__(self, constant: Tensor) -> None:
         super().__init__()
-        self.register_buffer("constant", constant.detach().reshape(()))
+        self.register_buffer("constant", constant.detach().reshape(-1).clone())
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.constant.to(x).expand(x.shape[:-1])
+        c = self.constant.to(x)
+        if c.numel() == 1:
+            return c.reshape(()).expand(x.shape[:-1])
+        return c.unsqueeze(-1) * x.new_ones(x.shape[:-1])
 
 
 class ThenCast(torch.nn.Module):
@@ -81,18 +90,16 @@ def _wide(model: FalkonModel) -> tuple[Any, Tensor, Any]:
     return copy.deepcopy(model.kernel).to(torch.float64), centers.to(torch.float64), ThenCast(tf, torch.float64)
 
 
-def _one_output(model: FalkonModel) -> None:
-    if model.num_outputs != 1:
-        raise NotImplementedError(
-            f"pathwise samples of a FalkonModel with {model.num_outputs} outputs: draw them per output from a "
-            "ModelListGP of one-output FalkonModels (model.subset_output([i]) gives each)")
+def _output_shape(model: FalkonModel) -> Size:
+    """The batch dimension of the outputs: ``()`` for one output, ``(m,)`` for ``m``."""
+    return Size() if model.num_outputs == 1 else Size([model.num_outputs])
 
 
 @DrawKernelFeaturePaths.register(FalkonModel)
 def _draw_kernel_feature_paths_falkon(model: FalkonModel, **kwargs: Any) -> GeneralizedLinearPath:
     """Random-feature draws of the prior ``c + g``, ``g ~ GP(0, kernel)`` (BoTorch's fallback for a kernel and a
-    mean), on the model's transformed inputs."""
-    _one_output(model)
+    mean), on the model's transformed inputs; with ``m`` outputs, ``m`` independent draws each (``sample_shape x m``
+    weights)."""
     model.eval()  # the input transform in eval mode, as in posterior()
     kernel, _, tf = _wide(model)
     out = get_output_transform(model)
@@ -103,25 +110,31 @@ def _draw_kernel_feature_paths_falkon(model: FalkonModel, **kwargs: Any) -> Gene
         covar_module=kernel,
         input_transform=tf,
         output_transform=out if dtype == torch.float64 else ThenCast(out, dtype),
-        **kwargs,
+        **{**kwargs, "sample_shape": Size(kwargs.get("sample_shape", Size())) + _output_shape(model)},
     )
 
 
 @GaussianUpdate.register(FalkonModel, Likelihood)
 def _gaussian_update_falkon(model: FalkonModel, likelihood: Likelihood, *, sample_values: Tensor,
                             **ignore: Any) -> GeneralizedLinearPath:
-    """The update path ``k(x, Z) w`` for prior values ``sample_values`` at the centers (``sample_shape x M``):
-    ``w = alpha + L^{-T} (L_B^{-T} e - L^{-1} (sample_values - c))`` (module docstring), in float64."""
-    _one_output(model)
+    """The update path ``k(x, Z) w`` for prior values ``sample_values`` at the centers (``sample_shape x M``, or
+    ``sample_shape x m x M`` with ``m`` outputs): ``w = alpha + L^{-T} (L_B^{-T} e - L^{-1} (sample_values - c))``
+    per output (module docstring), in float64."""
     factors = model.posterior_factors()
     L, LB = factors.L, factors.LB
-    alpha = model.alpha.reshape(-1).to(L)
-    g = (sample_values.to(L) - model.mean_constant.to(L).reshape(())).reshape(-1, L.shape[-1]).mT  # M x S
+    M, shape = L.shape[-1], _output_shape(model)
+    if sample_values.shape[-1 - len(shape):] != (*shape, M):
+        raise ValueError(f"sample_values must have shape sample_shape x {(*shape, M)} (the prior at the {M} centers"
+                         f"{'' if not shape else f' for each of the {shape[0]} outputs'}), got "
+                         f"{tuple(sample_values.shape)}")
+    alpha = model.alpha.to(L).reshape(M, -1).mT.reshape(*shape, M)  # (m, M), or (M,) for one output
+    c = model.mean_constant.to(L).reshape(*shape, 1)
+    g = (sample_values.to(L) - c).reshape(-1, M).mT  # M x (S m)
     e = torch.randn(g.shape, dtype=L.dtype, device=L.device)
     inner = torch.linalg.solve_triangular(LB.mT, e, upper=True) - torch.linalg.solve_triangular(L, g, upper=False)
-    w = alpha.unsqueeze(-1) + torch.linalg.solve_triangular(L.mT, inner, upper=True)  # M x S
+    w = torch.linalg.solve_triangular(L.mT, inner, upper=True).mT.reshape(sample_values.shape) + alpha
     kernel, centers, tf = _wide(model)
-    weight = w.mT.reshape(*sample_values.shape[:-1], L.shape[-1]).to(centers.dtype)
+    weight = w.to(centers.dtype)
     feature_map = KernelEvaluationMap(kernel=kernel, points=centers, input_transform=tf)
     return GeneralizedLinearPath(feature_map=feature_map, weight=weight)
 
@@ -129,10 +142,10 @@ def _gaussian_update_falkon(model: FalkonModel, likelihood: Likelihood, *, sampl
 @DrawMatheronPaths.register(FalkonModel)
 def _draw_matheron_paths_falkon(model: FalkonModel, *, sample_shape: Size, prior_sampler: Any,
                                 update_strategy: Any) -> MatheronPath:
-    """BoTorch's ``draw_matheron_paths`` for a fitted FalkonModel (one output): prior draws by ``prior_sampler``,
-    evaluated at the centers, updated by ``update_strategy`` (``gaussian_update``: the inducing-point update of the
-    module docstring); the outcome transform undone on the sum, as for ``ExactGP``."""
-    _one_output(model)
+    """BoTorch's ``draw_matheron_paths`` for a fitted FalkonModel: prior draws by ``prior_sampler``, evaluated at the
+    centers, updated by ``update_strategy`` (``gaussian_update``: the inducing-point update of the module docstring);
+    the outcome transform undone on the sum, as for ``ExactGP``. With ``m`` outputs the paths' values are
+    ``sample_shape x batch x m x q`` (the module docstring)."""
     model.eval()  # as posterior(): a transform in train mode (Normalize) would re-learn its bounds from the paths' X
     model._check_fitted()
     centers = model.centers.detach().to(torch.float64)  # the paths' dtype (_wide)
