@@ -4,10 +4,14 @@ present or ``GPFALKON_TEST_DEVICE`` names one), against float64 dense references
 Covers: the backend (products, stored and on the fly, fast and generic kernels), the
 preconditioner (built in place, and its retry), the operator (matmul, FALKON solve and its
 gradients), FalkonGP (fit, posterior mean and variance), the objectives (exact and stochastic,
-with gradients), center selection (uniform and leverage), and the BoTorch posterior.
+with gradients), center selection (uniform and leverage), the BoTorch posterior, its fantasies and pathwise
+samples, and a float32 model's variance factors (float64 kernel values from float32 rows).
 """
 from __future__ import annotations
 
+import warnings
+
+import gpytorch
 import pytest
 import torch
 
@@ -458,3 +462,64 @@ def test_botorch_output_indices_noise_and_model_list_conditioning(device):
                     cond.posterior(Xs[0].to(dev)).mean.detach().cpu()))
     for a, b in zip(*res, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-8, atol=1e-10)
+
+
+def test_float32_variances_where_k_mm_is_numerically_singular_on_the_device(device):
+    """The variance factors' float64 kernel values from float32 rows (``NystromKRROperator.float64_engine``) on the
+    device: a float32 model with a long lengthscale (``K_MM`` singular in float32) has the float64 CPU model's
+    variances to ~1e-7."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(1500, 3, generator=g, dtype=torch.float64) * 4 - 2).float().double()
+    y = (torch.sin(x).sum(1) + 0.1 * torch.randn(1500, generator=g, dtype=torch.float64)).float().double()
+    xt = (torch.rand(50, 3, generator=g, dtype=torch.float64) * 4.4 - 2.2).float().double()
+    centers = x[torch.randperm(1500, generator=g)[:150]]
+    out = []
+    for dev, dtype in ((torch.device("cpu"), torch.float64), (device, torch.float32)):
+        k = gpytorch.kernels.RBFKernel().to(device=dev, dtype=dtype)
+        k.lengthscale = torch.tensor(10.0, dtype=dtype, device=dev)
+        m = FalkonGP(x.to(dev, dtype), y.to(dev, dtype), kernel=k, centers=centers.to(dev, dtype), penalty=1e-6)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # CG's float32 advice at this penalty
+            m.fit()
+        m.eval()
+        with torch.no_grad():
+            v = m(xt.to(dev, dtype)).variance
+        assert v.device.type == dev.type
+        out.append(v.double().cpu())
+    rel = float(((out[1] - out[0]).abs() / out[0]).max())
+    assert rel < 1e-5, rel
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_matheron_paths_and_fantasies_on_the_device(device, m):
+    """BoTorch's pathwise samples (``gpfalkon.integrations.pathwise``) of a FalkonModel on the device have its
+    posterior mean and variance (4,000 paths), and its fantasy model's posterior equals the same fantasies on the
+    CPU."""
+    from botorch.sampling.pathwise import draw_matheron_paths
+
+    from gpfalkon.botorch import FalkonModel
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(150, 2, generator=g, dtype=torch.float64)
+    Y = torch.stack([torch.sin(4 * X).sum(-1), 3 * X[:, 0] + 2], -1)[:, :m]
+    Xt = torch.rand(4, 2, generator=g, dtype=torch.float64)
+    Xf = torch.rand(3, 2, generator=g, dtype=torch.float64)
+    Yf = torch.randn(5, 3, m, generator=g, dtype=torch.float64)
+    fant = []
+    for dev in (torch.device("cpu"), device):
+        model = FalkonModel(X.to(dev), Y.to(dev), num_centers=40, tol=1e-12, max_iter=500, seed=0)
+        fant.append(model.condition_on_observations(Xf.to(dev), Yf.to(dev)).posterior(Xt.to(dev)).mean.cpu())
+    torch.manual_seed(0)
+    paths = draw_matheron_paths(model, sample_shape=torch.Size([4000]))
+    with torch.no_grad():
+        v = paths(Xt.to(device))
+        post = model.posterior(Xt.to(device))
+        mean, var = post.mean.cpu(), post.variance.cpu()
+    assert v.device.type == device.type and v.shape == ((4000, 4) if m == 1 else (4000, m, 4))
+    v = v.cpu().reshape(4000, m, 4)
+    for j in range(m):
+        sd = var[:, j].sqrt()
+        torch.testing.assert_close(v[:, j].mean(0), mean[:, j], rtol=0, atol=float(0.1 * sd.max()))
+        ratio = v[:, j].var(0) / var[:, j]
+        assert bool(((ratio > 0.8) & (ratio < 1.2)).all()), ratio
+    torch.testing.assert_close(fant[1], fant[0], rtol=1e-8, atol=1e-10)
