@@ -667,3 +667,41 @@ def test_reload_with_an_eval_only_input_transform_old_pickles_tuple_inputs_and_b
     noise = torch.tensor([[0.1, 0.3], [0.2, 0.4]], dtype=torch.float64)
     got = mm.posterior(Xb, observation_noise=noise).variance - mm.posterior(Xb).variance
     torch.testing.assert_close(got, (noise * mm.outcome_transform.stdvs**2).expand(4, 2, 2))
+
+
+def test_a_multi_output_model_pickles_with_its_noise_prior():
+    """The default two-output likelihood (SingleTaskGP's LogNormal noise prior, one shared noise) pickles and
+    torch.saves, as its subset_output does; its prior's log density equals GPyTorch's ``noise_prior=`` one (which
+    registers a lambda, so a likelihood built with it cannot be pickled)."""
+    import io
+    import pickle
+
+    from gpytorch.likelihoods import MultitaskGaussianLikelihood
+    from gpytorch.priors import LogNormalPrior
+
+    X, Y = _data(m=2)
+    model = FalkonModel(X, Y, num_centers=20)
+    Xt = X[:4] + 0.01
+    for copy_ in (pickle.loads(pickle.dumps(model)), pickle.loads(pickle.dumps(model.subset_output([1])))):
+        want = model.posterior(Xt).mean[..., -1:] if copy_.num_outputs == 1 else model.posterior(Xt).mean
+        torch.testing.assert_close(copy_.posterior(Xt).mean, want)
+    torch.save(model, io.BytesIO())
+    ref = MultitaskGaussianLikelihood(num_tasks=2, rank=0, has_task_noise=False,
+                                      noise_prior=LogNormalPrior(-4.0, 1.0)).double()
+    ref._set_noise(model.likelihood.noise.detach())
+    (_, _, p_ref, c_ref, _), = ref.named_priors()
+    (name, mod, p, c, _), = model.likelihood.named_priors()
+    assert name == "raw_noise_prior"
+    torch.testing.assert_close(p.log_prob(c(mod)), p_ref.log_prob(c_ref(ref)))
+
+
+def test_condition_on_observations_of_an_unfitted_model_fits_from_zero():
+    """``fit=False`` then ``condition_on_observations``: the conditioned model is the fit on all rows (CG from zero:
+    there is no solution to start from), as a model built on all rows is."""
+    X, Y = _data(n=200)
+    Xn, Yn = X[:5] + 0.01, Y[:5]
+    kw = dict(tol=1e-12, max_iter=500, outcome_transform=None)
+    model = FalkonModel(X, Y, fit=False, num_centers=30, seed=0, **kw)
+    cond = model.condition_on_observations(Xn, Yn)
+    ref = FalkonModel(torch.cat([X, Xn]), torch.cat([Y, Yn]), centers=cond.centers.clone(), **kw)
+    torch.testing.assert_close(cond.posterior(X[:4]).mean, ref.posterior(X[:4]).mean, rtol=1e-8, atol=1e-8)

@@ -456,3 +456,43 @@ def test_release_frees_inline_when_no_thread_can_start(monkeypatch):
     eng.release()
     assert stored() is None and eng_mod._pending_frees == []
     torch.testing.assert_close(KernelEngine(kernel, x, x[:10].clone(), store=True).kmn_k(u), first)
+
+
+def _matern12_spread_case():
+    """float32 rows, some duplicated as centers (zero distances) and some near them, with ARD lengthscales four
+    decades apart (large scaled norms: the norm expansion's rounding is large against near pairs' distances), and
+    the float64 Matern-1/2 values by direct differences."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3000, 3, generator=g)
+    c = torch.cat([x[:100], x[100:150] + 1e-3 * torch.randn(50, 3, generator=g)])
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=0.5, ard_num_dims=3))
+    k.base_kernel.lengthscale = torch.tensor([[0.01, 1.0, 100.0]])
+    k.outputscale = 3.0
+    ls = k.base_kernel.lengthscale.detach().double()
+    diff = (x.double()[:, None, :] - c.double()[None, :, :]) / ls
+    exact = float(k.outputscale) * torch.exp(-diff.square().sum(-1).sqrt())
+    return k, x, c, exact
+
+
+@pytest.mark.parametrize("fused_on", [True, False])
+@pytest.mark.parametrize("store", [True, False])
+def test_float32_matern12_near_pairs_are_exact(monkeypatch, fused_on, store):
+    """Matern-1/2 is not differentiable at distance 0, so the norm expansion's rounding near it becomes an error of
+    sqrt(eps) or more: near pairs get their distance from the coordinates (engine.refine_near_). The float32 kernel
+    values are within 1e-3 of the exact ones (a rounding floor over the whole block zeroed distances up to 0.2 here:
+    18 % errors), duplicates give k(x, x) exactly, and the C++ tile kernel and the torch path agree."""
+    from gpfalkon.backend import fused as fused_mod
+
+    monkeypatch.setitem(fused_mod._state, "enabled", fused_on)
+    k, x, c, exact = _matern12_spread_case()
+    eng = KernelEngine(k, x, c, store=store)
+    u = torch.randn(150, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = eng.kmn_k(u.float()).double()
+    eng.kmn_k(u.float())  # a second pass reads the store where there is one
+    kmat = eng.materialize().double()
+    assert float((kmat - exact).abs().max()) < 3e-3 * 3.0
+    assert float((kmat - exact).norm() / exact.norm()) < 1e-3
+    dup = kmat[torch.arange(100), torch.arange(100)]
+    torch.testing.assert_close(dup, torch.full((100,), 3.0, dtype=torch.float64), rtol=1e-6, atol=0)
+    ref = exact.T @ (exact @ u)
+    assert float((got - ref).norm() / ref.norm()) < 1e-4

@@ -250,3 +250,29 @@ class TestFalkonFantasies(BotorchTestCase):
                                             noise=torch.zeros(2, 3, 1, **F64))
         with self.assertRaisesRegex(ValueError, "X and Y must be tensors"):
             model.condition_on_observations(torch.rand(3, **F64), torch.rand(3, 1, **F64))
+
+    def test_fantasies_of_a_changed_or_refitted_base_are_stale(self) -> None:
+        """The fantasy model holds the base fit's factors: a hyperparameter change of the base, or a new fit of it,
+        makes its posterior (and further conditioning) raise NotFittedError instead of mixing two fits."""
+        from gpfalkon import NotFittedError
+
+        model = self._model()
+        g = torch.Generator().manual_seed(3)
+        Xf, Yf = torch.rand(2, 3, 2, generator=g, **F64), torch.randn(2, 3, 1, generator=g, **F64)
+        xt = torch.rand(4, 2, generator=g, **F64)
+        fm = model.condition_on_observations(Xf, Yf)
+        fm.posterior(xt)
+        with torch.no_grad():
+            model.kernel.raw_lengthscale.add_(0.5)
+        with self.assertRaises(NotFittedError):
+            fm.posterior(xt)
+        model.fit()
+        with self.assertRaisesRegex(NotFittedError, "fitted again"):
+            fm.posterior(xt)
+        with self.assertRaisesRegex(NotFittedError, "fitted again"):
+            fm.condition_on_observations(Xf, Yf)
+        fresh = model.condition_on_observations(Xf, Yf)  # conditioning the new fit works
+        fresh.posterior(xt)
+        unfitted = self._model(fit=False)
+        with self.assertRaises(NotFittedError):
+            unfitted.condition_on_observations(Xf, Yf)

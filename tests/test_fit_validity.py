@@ -3,6 +3,7 @@ hyperparameter groups, in-place edits, and state loads that say what differs."""
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -16,7 +17,13 @@ from conftest import make_data, make_kernel
 
 def _model(x, y, **kw):
     kw.setdefault("kernel", make_kernel("rbf", x.shape[1], dtype=x.dtype))
-    return FalkonGP(x, y, num_centers=20, penalty=1e-3, tol=1e-10, max_iter=200, **kw)
+    if "centers" not in kw:
+        kw.setdefault("num_centers", 20)
+    if "likelihood" not in kw:
+        kw.setdefault("penalty", 1e-3)
+    kw.setdefault("tol", 1e-10)
+    kw.setdefault("max_iter", 200)
+    return FalkonGP(x, y, **kw)
 
 
 @pytest.fixture
@@ -316,3 +323,120 @@ def test_a_kernel_replaced_or_reconfigured_after_fit_makes_the_fit_stale(change)
     reference = FalkonGP(x, y, kernel=model.kernel, centers=model.centers.clone(), penalty=1e-3, tol=1e-10,
                          max_iter=200).fit().eval()
     torch.testing.assert_close(model(xt).mean, reference(xt).mean, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("change", ["constraint", "likelihood"])
+def test_a_noise_constraint_or_likelihood_replaced_after_fit_makes_the_fit_stale(change):
+    """The noise is the likelihood's constraint applied to its raw parameter: another constraint (or another
+    likelihood with the same raw value) is another sigma^2, so alpha no longer solves the system. The fit becomes
+    stale; fitting again gives the dense solve at the new noise."""
+    from gpytorch.constraints import GreaterThan
+    from gpytorch.likelihoods import GaussianLikelihood
+
+    x, y = make_data(150, 3)
+    xt = x[:4] + 0.01
+    model = _model(x, y).fit().eval()
+    raw = model.likelihood.raw_noise.detach().clone()
+    if change == "constraint":
+        model.likelihood.noise_covar.register_constraint("raw_noise", GreaterThan(1e-6))
+    else:
+        lik = GaussianLikelihood(noise_constraint=GreaterThan(1e-6)).double()
+        lik.raw_noise.data.copy_(raw)
+        model.likelihood = lik
+    assert torch.equal(model.likelihood.raw_noise.detach(), raw)  # the raw value is the same
+    with pytest.raises(NotFittedError, match="changed since"):
+        model(xt)
+    model.fit()
+    reference = _model(x, y, centers=model.centers.clone(), penalty=float(model.penalty)).fit().eval()
+    torch.testing.assert_close(model(xt).mean, reference(xt).mean, rtol=1e-8, atol=1e-8)
+
+
+def test_a_state_loaded_into_a_model_with_another_noise_constraint_loads_unfitted(fitted):
+    """The same raw noise read through another constraint transform is another noise: the load says so, and the
+    model is unfitted. A model pickled before the noise value was recorded unpickles fitted (the value its
+    likelihood computes now is taken as the fit's)."""
+    import pickle
+
+    from gpytorch.constraints import GreaterThan
+    from gpytorch.likelihoods import GaussianLikelihood
+
+    m, xt = fitted
+    x, y = m.train_inputs[0], m.train_targets
+    lik = GaussianLikelihood(noise_constraint=GreaterThan(1e-6)).double()
+    other = _model(x.clone(), y.clone(), likelihood=lik)
+    msgs = _load(other, m.state_dict())
+    assert len(msgs) == 1 and "the noise sigma^2" in msgs[0], msgs
+    assert not bool(other.fitted)
+    same = _model(x.clone(), y.clone())
+    assert _load(same, m.state_dict()) == [] and bool(same.fitted)
+    state = dict(copy.deepcopy(m).__dict__)
+    del state["_buffers"]["fit_noise"]
+    state["_fit_tracker"].snapshot.pop(m._noise_dependency_index())
+    old = FalkonGP.__new__(FalkonGP)
+    old.__setstate__(state)
+    old.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(old(xt).mean, m.eval()(xt).mean)
+    old2 = pickle.loads(pickle.dumps(old))
+    assert bool(old2.fitted) and math.isfinite(float(old2.state_dict()["fit_noise"]))
+
+
+def test_flags_are_not_shared_by_state_dicts_or_assigned_loads(fitted):
+    """``fitted`` is replaced, never written in place: a state dict taken before ``set_train_data`` still says
+    fitted, and a model that loaded a state with ``assign=True`` and was found unfitted leaves the source fitted."""
+    m, xt = fitted
+    x, y = m.train_inputs[0], m.train_targets
+    sd = m.state_dict()
+    other = _model(x.clone() + 1.0, y.clone())
+    msgs = _load(other, m.state_dict(), assign=True)
+    assert msgs and not bool(other.fitted)
+    assert bool(m.fitted)
+    m.eval()(xt)  # still fitted
+    m.set_train_data(x + 0.5, y, strict=False)
+    assert not bool(m.fitted) and bool(sd["fitted"])
+    fresh = _model(x.clone(), y.clone())
+    assert _load(fresh, sd) == [] and bool(fresh.fitted)
+
+
+def test_fit_info_follows_the_loaded_alpha(fitted):
+    m, _ = fitted
+    x, y = m.train_inputs[0], m.train_targets
+    other = _model(x.clone(), y.clone(), centers=m.centers.clone(), max_iter=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        other.fit()
+    assert other.fit_info is not None and other.fit_info.iterations == 3
+    other.load_state_dict(m.state_dict())
+    assert other.fit_info is None  # m's alpha: its CG record is not in the state
+    info = m.fit_info
+    m.load_state_dict(m.state_dict())
+    assert m.fit_info is info  # the same alpha: the record stays
+
+
+def test_warm_start_after_set_train_data_starts_from_the_previous_alpha():
+    """``set_train_data`` makes the model unfitted but keeps alpha: ``fit(warm_start=True)`` starts from it (far
+    fewer CG iterations after a small change of the targets) and reaches the cold fit's solution."""
+    x, y = make_data(400, 3)
+    xt = x[:5] + 0.01
+    opts = FalkonOptions(solve_method="cg")
+    m = _model(x, y, options=opts).fit()
+    y2 = y + 1e-3 * torch.randn(y.shape, generator=torch.Generator().manual_seed(3), dtype=y.dtype)
+    m.set_train_data(x, y2)
+    assert not bool(m.fitted)
+    m.fit(warm_start=True)
+    cold = _model(x, y2, centers=m.centers.clone(), options=opts).fit()
+    assert m.fit_info.iterations < cold.fit_info.iterations, (m.fit_info.iterations, cold.fit_info.iterations)
+    torch.testing.assert_close(m.eval()(xt).mean, cold.eval()(xt).mean, rtol=1e-7, atol=1e-7)
+
+
+def test_a_move_through_half_precision_unfits_the_model(fitted):
+    """float16 / bfloat16 round the data and hyperparameters (and the model does not predict in them): a
+    ``.half()`` or ``.bfloat16()`` and back leaves it unfitted; ``.float()`` keeps a valid fit (to float32)."""
+    m, xt = fitted
+    for there in (lambda t: t.half(), lambda t: t.bfloat16()):
+        moved = there(copy.deepcopy(m)).double()
+        assert not bool(moved.fitted)
+        with pytest.raises(NotFittedError):
+            moved.eval()(xt)
+    kept = copy.deepcopy(m).float()
+    assert bool(kept.fitted)

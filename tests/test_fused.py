@@ -240,17 +240,17 @@ def test_engine_on_the_fly_products_with_and_without_the_kernel(dtype, kind, sto
 
 def test_fused_fly_declines_what_it_does_not_handle():
     acc = torch.zeros(1, 4, dtype=torch.float64)
-    xa, ca, sq = torch.randn(5, 3), torch.randn(3, 4), torch.zeros(5)
+    xa, ca = torch.randn(5, 3), torch.randn(3, 4)
     u = torch.randn(1, 4)
-    assert not fused.fused_fly_kmn_k(acc, xa, ca.double(), sq, u, None, "rbf", 0.0, 0.0, 4)  # mixed dtypes
-    assert not fused.fused_fly_kmn_k(acc, xa, ca, sq, u, None, "periodic", 0.0, 0.0, 4)  # no profile
-    assert not fused.fused_fly_kmn_k(torch.zeros(fused.MAX_K + 1, 4, dtype=torch.float64), xa, ca, sq,
-                                     torch.randn(fused.MAX_K + 1, 4), None, "rbf", 0.0, 0.0, 4)
-    assert not fused.fused_fly_kmn_k(acc, xa.to(torch.float16), ca.to(torch.float16), sq, u.half(), None, "rbf",
-                                     0.0, 0.0, 4)
+    assert not fused.fused_fly_kmn_k(acc, xa, ca.double(), u, None, "rbf", 0.0, 4)  # mixed dtypes
+    assert not fused.fused_fly_kmn_k(acc, xa, ca, u, None, "periodic", 0.0, 4)  # no profile
+    assert not fused.fused_fly_kmn_k(torch.zeros(fused.MAX_K + 1, 4, dtype=torch.float64), xa, ca,
+                                     torch.randn(fused.MAX_K + 1, 4), None, "rbf", 0.0, 4)
+    assert not fused.fused_fly_kmn_k(acc, xa.to(torch.float16), ca.to(torch.float16), u.half(), None, "rbf",
+                                     0.0, 4)
     with pytest.raises(ValueError, match="u_t or v_t"):
         _need_kernel()
-        fused.fused_fly_kmn_k(acc, xa, ca, sq, None, None, "rbf", 0.0, 0.0, 4)
+        fused.fused_fly_kmn_k(acc, xa, ca, None, None, "rbf", 0.0, 4)
     assert torch.equal(acc, torch.zeros(1, 4, dtype=torch.float64))
     assert fused.fly_tile_rows(2000, 4) == 2 * 2**20 // 8000 // 4 * 4
     assert fused.fly_tile_rows(10**9, 8) == 4 and fused.fly_tile_rows(2000, 4, cap=3) == 3

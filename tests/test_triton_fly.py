@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import gpytorch
 import pytest
 import torch
 
@@ -102,6 +103,28 @@ def test_fused_pass_matches_the_dense_product(where, spy, kname, k):
     torch.testing.assert_close(got_v, _reference(kname, x, c, None, v), rtol=0, atol=2e-5 * scale)
 
 
+def test_matern12_near_pairs_are_exact(where, spy):
+    """Matern-1/2 with duplicate and near centers and ARD lengthscales four decades apart: the tiles holding a near
+    pair recompute its distance from the coordinates (as the CPU paths do: test_engine), so ``K^T v`` is within
+    float32 rounding of the exact product (a rounding floor per row zeroed distances up to ~0.2 here)."""
+    device, mode = where
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(700, 3, generator=g)
+    c = torch.cat([x[:40], x[40:70] + 1e-3 * torch.randn(30, 3, generator=g)])
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=0.5, ard_num_dims=3))
+    k.base_kernel.lengthscale = torch.tensor([[0.01, 1.0, 100.0]])
+    k.outputscale = 3.0
+    diff = (x.double()[:, None, :] - c.double()[None, :, :]) / k.base_kernel.lengthscale.detach().double()
+    exact = 3.0 * torch.exp(-diff.square().sum(-1).sqrt())
+    v = torch.randn(700, 2, generator=g, dtype=torch.float64)
+    eng = KernelEngine(k.to(device), x.to(device), c.to(device), store=False)
+    with gpfalkon.settings.triton_fly(mode):
+        got = eng.kmn_k(None, v.float().to(device)).cpu()
+    assert spy == [True]
+    ref = exact.T @ v
+    assert float((got.double() - ref).norm() / ref.norm()) < 2e-4
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_wide_inputs_take_several_width_chunks(where, spy, k):
     """d = 40 (augmented width 42: two ``tl.dot`` chunks of 32 over the width; ``"auto"`` would decline it in
@@ -142,9 +165,9 @@ def test_a_kernel_that_cannot_run_falls_back_once_with_a_warning(monkeypatch):
     with gpfalkon.settings.triton_fly("on"):
         monkeypatch.setattr(triton_fly, "triton_fly_available", lambda device: (not triton_fly._failed, ""))
         with pytest.warns(RuntimeWarning, match="no such instruction"):
-            assert not triton_fly_kmn_k(acc, xa, ca_t, torch.ones(10), torch.ones(1, 8), None, "rbf", 0.0, 0.0)
+            assert not triton_fly_kmn_k(acc, xa, ca_t, torch.ones(1, 8), None, "rbf", 0.0)
         assert acc.abs().sum() == 0
-        assert not triton_fly_kmn_k(acc, xa, ca_t, torch.ones(10), torch.ones(1, 8), None, "rbf", 0.0, 0.0)
+        assert not triton_fly_kmn_k(acc, xa, ca_t, torch.ones(1, 8), None, "rbf", 0.0)
     assert len(triton_fly._failed) == 1
 
 
@@ -210,14 +233,14 @@ def test_fused_pass_declines_what_it_does_not_handle(where):
     eng = KernelEngine(make_kernel("rbf", 3, torch.float32).to(device), x.float().to(device),
                        x[:20].float().to(device), store=False)
     acc = torch.zeros(MAX_K + 1, 20, dtype=torch.float64, device=device)
-    args = (eng._xa, eng._ca_t, eng._x_sq)
+    args = (eng._xa, eng._ca_t)
     with gpfalkon.settings.triton_fly(mode):
-        assert not triton_fly_kmn_k(acc, *args, torch.ones(MAX_K + 1, 20, device=device), None, "rbf", 0.0, 0.0)
+        assert not triton_fly_kmn_k(acc, *args, torch.ones(MAX_K + 1, 20, device=device), None, "rbf", 0.0)
         acc1 = torch.zeros(1, 20, dtype=torch.float64, device=device)
-        assert not triton_fly_kmn_k(acc1, eng._xa.double(), eng._ca_t.double(), eng._x_sq, None,
-                                    torch.ones(1, 100, dtype=torch.float64, device=device), "rbf", 0.0, 0.0)
-        assert not triton_fly_kmn_k(acc1, *args, None, torch.ones(1, 100, device=device), "periodic", 0.0, 0.0)
-        assert triton_fly_kmn_k(acc1, *args, None, torch.ones(1, 100, device=device), "rbf", 0.0, 0.0)
+        assert not triton_fly_kmn_k(acc1, eng._xa.double(), eng._ca_t.double(), None,
+                                    torch.ones(1, 100, dtype=torch.float64, device=device), "rbf", 0.0)
+        assert not triton_fly_kmn_k(acc1, *args, None, torch.ones(1, 100, device=device), "periodic", 0.0)
+        assert triton_fly_kmn_k(acc1, *args, None, torch.ones(1, 100, device=device), "rbf", 0.0)
     assert acc.abs().sum() == 0
     with gpfalkon.settings.triton_fly("off"):
         ok, why = triton_fly_available(device)

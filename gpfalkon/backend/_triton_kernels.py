@@ -38,6 +38,28 @@ def _profile(t, floor, KIND: tl.constexpr):
 
 
 @triton.jit
+def _refine_near(t, xa_ptr, ca_ptr, rn, rm, n, m, a, near, KIND: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    """Matern-1/2 (``KIND == 1``): the tile's distances at or below ``near (f |z_i|^2 + f |c_j|^2)`` recomputed as
+    ``f sum_k (z_ik - c_jk)^2 = sum_k (xa_ik + 2 f c_jk)^2 / (4 f)`` from the coordinates (the engine's
+    ``refine_near_``; ``f = log2(e)^2``, ``xa``'s first ``a - 2`` columns ``-2 f z``); a tile without such a pair is
+    returned as it is."""
+    if KIND == 1:
+        xs = tl.load(xa_ptr + rn * a + (a - 2), mask=rn < n, other=0.0)
+        cs = tl.load(ca_ptr + (a - 1) * m + rm, mask=rm < m, other=0.0)
+        hit = (t <= near * (xs[:, None] + cs[None, :])) & (rn[:, None] < n) & (rm[None, :] < m)
+        if tl.sum(hit.to(tl.int32)) > 0:
+            ex = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for k in range(0, a - 2):
+                xk = tl.load(xa_ptr + rn * a + k, mask=rn < n, other=0.0)  # -2 f z
+                ck = tl.load(ca_ptr + k * m + rm, mask=rm < m, other=0.0) * (-2.0 * 2.0813689810056077)
+                diff = xk[:, None] - ck[None, :]
+                ex += diff * diff
+            t = tl.where(hit, ex * (0.25 / 2.0813689810056077), t)
+    return t
+
+
+@triton.jit
 def _distance_tile(xa_ptr, ca_ptr, rn, rm, n, m, a, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_A: tl.constexpr, PREC: tl.constexpr):
     """``X_a[rn] C_a[:, rm]`` (``BLOCK_N x BLOCK_M``) over the augmented width in chunks of ``BLOCK_A``."""
@@ -54,30 +76,31 @@ def _distance_tile(xa_ptr, ca_ptr, rn, rm, n, m, a, BLOCK_N: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _fly_rows(xa_ptr, ca_ptr, xsq_ptr, u_ptr, v_ptr, w_ptr, n, m, a, k, stride_v, m12_floor, c_sq_max,
+def _fly_rows(xa_ptr, ca_ptr, u_ptr, v_ptr, w_ptr, n, m, a, k, stride_v, near,
               KIND: tl.constexpr, HAS_U: tl.constexpr, HAS_V: tl.constexpr, PREC: tl.constexpr,
               BLOCK_A: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """``w[rn] = K[rn] u + v[rn]`` for one tile of rows (``u``: ``(k, M)``, ``v``: ``(k, n)`` with row
     stride ``stride_v``, ``w``: ``(n, k)``; ``BLOCK_K``: ``k`` padded for ``tl.dot``, or 1)."""
     rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    floor = m12_floor * (tl.load(xsq_ptr + rn, mask=rn < n, other=0.0) + c_sq_max)[:, None]
     w = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if HAS_U:
         if BLOCK_K == 1:  # one right-hand side: elementwise products, reduced across the tile once at the end
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for m0 in range(0, m, BLOCK_M):
                 rm = m0 + tl.arange(0, BLOCK_M)
-                kt = _profile(_distance_tile(xa_ptr, ca_ptr, rn, rm, n, m, a, BLOCK_N, BLOCK_M, BLOCK_A, PREC),
-                              floor, KIND)
+                kt = _profile(_refine_near(_distance_tile(xa_ptr, ca_ptr, rn, rm, n, m, a, BLOCK_N, BLOCK_M, BLOCK_A,
+                                                          PREC), xa_ptr, ca_ptr, rn, rm, n, m, a, near, KIND,
+                                           BLOCK_N, BLOCK_M), 0.0, KIND)
                 # columns past M read u = 0, so the profile's value there (phi(0) = 1) adds nothing
                 acc += kt * tl.load(u_ptr + rm, mask=rm < m, other=0.0)[None, :]
             w += tl.sum(acc, axis=1)[:, None]
         else:
             for m0 in range(0, m, BLOCK_M):
                 rm = m0 + tl.arange(0, BLOCK_M)
-                kt = _profile(_distance_tile(xa_ptr, ca_ptr, rn, rm, n, m, a, BLOCK_N, BLOCK_M, BLOCK_A, PREC),
-                              floor, KIND)
+                kt = _profile(_refine_near(_distance_tile(xa_ptr, ca_ptr, rn, rm, n, m, a, BLOCK_N, BLOCK_M, BLOCK_A,
+                                                          PREC), xa_ptr, ca_ptr, rn, rm, n, m, a, near, KIND,
+                                           BLOCK_N, BLOCK_M), 0.0, KIND)
                 ut = tl.load(u_ptr + rk[None, :] * m + rm[:, None], mask=(rm[:, None] < m) & (rk[None, :] < k),
                              other=0.0)
                 w += tl.dot(kt, ut, input_precision="ieee")
@@ -89,7 +112,7 @@ def _fly_rows(xa_ptr, ca_ptr, xsq_ptr, u_ptr, v_ptr, w_ptr, n, m, a, k, stride_v
 
 
 @triton.jit
-def _fly_cols(xa_ptr, ca_ptr, xsq_ptr, w_ptr, part_ptr, n, m, a, k, rows_per_split, m12_floor, c_sq_max,
+def _fly_cols(xa_ptr, ca_ptr, w_ptr, part_ptr, n, m, a, k, rows_per_split, near,
               KIND: tl.constexpr, PREC: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_K: tl.constexpr,
               CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """``part[split, rm] = sum over the split's rows of K[rows, rm]^T w[rows]`` (``w``: ``(n, k)``,
@@ -108,9 +131,9 @@ def _fly_cols(xa_ptr, ca_ptr, xsq_ptr, w_ptr, part_ptr, n, m, a, k, rows_per_spl
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # one right-hand side: reduced once per chunk
         for n0 in range(c0, stop, BLOCK_N):
             rn = n0 + tl.arange(0, BLOCK_N)
-            floor = m12_floor * (tl.load(xsq_ptr + rn, mask=rn < stop, other=0.0) + c_sq_max)[:, None]
-            kt = _profile(_distance_tile(xa_ptr, ca_ptr, rn, rm, stop, m, a, BLOCK_N, BLOCK_M, BLOCK_A, PREC),
-                          floor, KIND)
+            kt = _profile(_refine_near(_distance_tile(xa_ptr, ca_ptr, rn, rm, stop, m, a, BLOCK_N, BLOCK_M, BLOCK_A,
+                                                      PREC), xa_ptr, ca_ptr, rn, rm, stop, m, a, near, KIND,
+                                       BLOCK_N, BLOCK_M), 0.0, KIND)
             # rows past the chunk read w = 0: they add nothing
             wt = tl.load(w_ptr + rn[:, None] * k + rk[None, :], mask=(rn[:, None] < stop) & (rk[None, :] < k),
                          other=0.0)

@@ -121,15 +121,41 @@ _FACTOR = {"rbf": -0.5 * _LOG2E, "matern12": _LOG2E**2, "matern32": 3.0 * _LOG2E
 _CONST = {"rbf": 1.0, "matern12": 1.0, "matern32": 1.0, "matern52": 1.0 / 3.0}
 
 
+#: Matern-1/2 distances at or below ``_NEAR eps (f |z|^2 + f |c|^2)`` are recomputed from the coordinates
+#: (:func:`refine_near_`): above it the norm expansion's rounding moves the profile's ``z' = sqrt(t)`` by at most
+#: ``~ sqrt(d eps f (|z|^2 + |c|^2)) / 32`` (a few thousandths of a float32 kernel's near-pair values' spread).
+_NEAR = 256.0
+
+
+def refine_near_(buf: Tensor, xa: Tensor, ca_t: Tensor, near: float) -> Tensor:
+    """In place on the Matern-1/2 distances ``buf = xa @ ca_t`` (``f ||z_i - c_j||^2`` by the norm expansion, from
+    the augmented rows ``[-2 f z, f |z|^2, 1]`` and columns ``[c, 1, f |c|^2]``, ``f = log2(e)^2``): the entries at
+    or below ``near (f |z_i|^2 + f |c_j|^2)`` recomputed as ``f sum_k (z_ik - c_jk)^2``. There the expansion's
+    rounding (a few ``eps f (|z_i|^2 + |c_j|^2)``) is not small against the distance, and the profile's square
+    root (not differentiable at 0) turns it into an error of ``sqrt(eps)`` or more in the kernel's value (duplicate
+    points: ``k(x, x)`` off by ``~3e-4`` in float32). The C++ tile kernel does the same per tile
+    (:func:`~gpfalkon.backend.fused.fused_fly_kmn_k`). Cost: ``O(rows M)`` (one temporary of ``buf``'s size) and
+    ``O(d)`` per recomputed pair."""
+    a = xa.shape[-1]
+    d, f = a - 2, _FACTOR["matern12"]
+    thr = torch.add(xa[:, d : d + 1], ca_t[a - 1 : a, :]).mul_(near)
+    i, j = torch.nonzero(buf <= thr, as_tuple=True)
+    if i.numel():
+        # -2 f (z - c), with -2 f c rounded as the augmented rows' -2 f z were: a duplicate point gives exactly 0
+        diff = xa[i, :d] - (-2.0 * f) * ca_t[:d, j].t()
+        buf[i, j] = diff.square_().sum(-1).mul_(0.25 / f)
+    return buf
+
+
 def _apply_profile_(kind: str, buf: Tensor, tmp: Tensor | None, zero_below: float = 0.0) -> Tensor:
     """In place: ``buf`` holds ``FACTOR[kind] * ||x - c||^2 / ell^2``; returns ``phi(buf)``.
 
     rbf: ``2^t = exp(t ln 2)`` (t <= 0); Matern with ``z' = sqrt(t) = z log2 e``: 1/2 ``2^-z'
     = exp(-z)``, 3/2 ``(1 + z) exp(-z)``, 5/2 ``((z + 1.5)^2 + 0.75) exp(-z)``
     (``= 3 (1 + z + z^2/3) exp(-z)``, the 1/3 being in ``_CONST``). Values at or below
-    ``zero_below`` (the rounding floor of the norm expansion) become exactly 0 before the
-    square root, which would otherwise turn that floor into an error of ``sqrt(eps)`` in
-    ``k(x, x)`` for the non-smooth Matern-1/2 kernel. On the CPU, a Matern profile of a contiguous ``buf``
+    ``zero_below`` (default 0: the negative ones the norm expansion's rounding can leave) become exactly 0
+    before the square root (the engine gives Matern-1/2 near pairs exact distances first: :func:`refine_near_`).
+    On the CPU, a Matern profile of a contiguous ``buf``
     goes through :func:`~gpfalkon.backend.fused.fused_profile_` (one vectorised pass instead of these
     ATen operations, where the fused kernels are on and built).
     """
@@ -447,10 +473,9 @@ class KernelEngine:
                 f = _FACTOR[self.spec.kind]
                 c_sq = cs.square().sum(-1, keepdim=True)
                 self._ca_t = torch.cat([cs, torch.ones_like(c_sq), f * c_sq], -1).t().contiguous()
-                self._eps = float(torch.finfo(self.dtype).eps)
-                self._c_sq_max = float(c_sq.max()) if c_sq.numel() else 0.0
+                self._near = _NEAR * float(torch.finfo(self.dtype).eps)
                 if not self.streamed:  # in memory: once for all rows (n (d + 2) values)
-                    self._xa, self._x_sq = self._augment(self.x)
+                    self._xa = self._augment(self.x)
                 s = self.spec.outputscale
                 self.scale = (1.0 if s is None else float(s)) * _CONST[self.spec.kind]
             else:
@@ -461,12 +486,12 @@ class KernelEngine:
         self._scale: Tensor | None = None  # the row scales of a fixed-point store (stored_rows,)
         self._wide: Tensor | None = None  # stored rows of a fixed-point store converted to the data's dtype
 
-    def _augment(self, xb: Tensor) -> tuple[Tensor, Tensor]:
-        """``([-2 f z, f |z|^2, 1], |z|^2)`` for ``z = (x_b - mu) / ell`` (see ``__init__``)."""
+    def _augment(self, xb: Tensor) -> Tensor:
+        """``[-2 f z, f |z|^2, 1]`` for ``z = (x_b - mu) / ell`` (see ``__init__``)."""
         z = (xb - self._mu).div_(self._ls)
         f = _FACTOR[self.spec.kind]  # type: ignore[union-attr]
         z_sq = z.square().sum(-1, keepdim=True)
-        return torch.cat([(-2.0 * f) * z, f * z_sq, torch.ones_like(z_sq)], -1), z_sq.squeeze(-1)
+        return torch.cat([(-2.0 * f) * z, f * z_sq, torch.ones_like(z_sq)], -1)
 
     # ------------------------------------------------------------------ blocks
     def _blocks(self, rows: int | None = None) -> Iterator[tuple[int, int]]:
@@ -489,20 +514,19 @@ class KernelEngine:
             out = torch.empty(rows, self.m, dtype=self.dtype, device=self.device)
         if self.streamed:  # the block's rows from the source, augmented here
             assert xb is not None
-            xa, x_sq = self._augment(xb)
+            xa = self._augment(xb)
         else:
-            xa, x_sq = self._xa[start:stop], self._x_sq[start:stop]
+            xa = self._xa[start:stop]
         with matmul_precision(self.device):
             torch.matmul(xa, self._ca_t, out=out)
-        zero_below = 0.0
         if self.spec.kind == "matern12":
-            zero_below = 8.0 * self._eps * (float(x_sq.max()) + self._c_sq_max) * _FACTOR["matern12"]
+            refine_near_(out, xa, self._ca_t, self._near)
         tmp = None
         if self.spec.kind in ("matern32", "matern52"):
             if self._tmp is None or self._tmp.shape[0] < rows:
                 self._tmp = torch.empty(self.block_rows, self.m, dtype=self.dtype, device=self.device)
             tmp = self._tmp[:rows]
-        return _apply_profile_(self.spec.kind, out, tmp, zero_below)
+        return _apply_profile_(self.spec.kind, out, tmp)
 
     def _new_store(self, rows: int) -> tuple[Tensor, Tensor | None]:
         """An empty ``(rows, M)`` tensor (:attr:`store_dtype`) for stored rows of ``K_nM`` and, for a fixed-point
@@ -703,16 +727,14 @@ class KernelEngine:
             return False
         head = self.stored_rows
         rows = slice(0, head) if fill else slice(head, self.n)
-        floor = 8.0 * self._eps * _FACTOR["matern12"] if self.spec.kind == "matern12" else 0.0
-        if not fill and triton_fly_kmn_k(acc, self._xa[rows], self._ca_t, self._x_sq[rows], u_t, v_t,
-                                         self.spec.kind, floor, self._c_sq_max):
+        if not fill and triton_fly_kmn_k(acc, self._xa[rows], self._ca_t, u_t, v_t, self.spec.kind, self._near):
             return True  # CUDA float32 (or Triton's interpreter): gpfalkon.backend.triton_fly
         if self.device.type != "cpu" or not fly_applies(acc, self._xa[rows], self._ca_t, self.spec.kind):
             return False  # checked first: a store taken here (a kept one, reuse_stores) must be filled
         store, scale = self._new_store(head) if fill else (None, None)
         tile = fly_tile_rows(self.m, torch.finfo(self.dtype).bits // 8, cap=self.block_rows)
-        done = fused_fly_kmn_k(acc, self._xa[rows], self._ca_t, self._x_sq[rows], u_t, v_t, self.spec.kind,
-                               floor, self._c_sq_max, tile, store=store, store_scale=scale)
+        done = fused_fly_kmn_k(acc, self._xa[rows], self._ca_t, u_t, v_t, self.spec.kind, self._near, tile,
+                               store=store, store_scale=scale)
         if done and fill:
             self._k, self._scale = store, scale
         return done

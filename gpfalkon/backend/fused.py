@@ -666,22 +666,64 @@ void profile_(torch::Tensor b, int64_t kind, double zero_below) {
   });
 }
 
+// Matern-1/2 near pairs, in place on the r x M distances b = xa ca (a = d + 2 augmented columns: xa's rows
+// [-2 f z, f |z|^2, 1], ca's columns [c, 1, f |c|^2], f = log2(e)^2): where b[i, j] <= near (f |z_i|^2 + f |c_j|^2),
+// the norm expansion's rounding (a few eps f (|z_i|^2 + |c_j|^2)) is not small against the distance, and the
+// profile's square root would turn it into an error of sqrt(eps) and more; there b[i, j] is recomputed as
+// f sum_k (z_ik - c_jk)^2 = sum_k (xa_ik - (-2 f) c_jk)^2 / (4 f) from the coordinates, exact to rounding.
+// O(r M) compares and O(d) per recomputed pair (the near ones: duplicates and close neighbours).
+// (no fused multiply-add here: the product m2f c must round as torch's -2 f z did, for duplicates to give 0)
+#if defined(__clang__)
+#define GPFALKON_NO_CONTRACT
+#elif defined(__GNUC__)
+#define GPFALKON_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define GPFALKON_NO_CONTRACT
+#endif
+template <typename T>
+GPFALKON_NO_CONTRACT static void refine_near(T* __restrict b, const T* __restrict xa, const T* __restrict ca,
+                                             int64_t r, int64_t M, int64_t a, T near) {
+  const int64_t d = a - 2;
+  const T m2f = T(-2.0 * 2.0813689810056077);  // xa's first d columns are m2f z, rounded as m2f c is: a duplicate
+  const T quarter = T(0.25 / 2.0813689810056077);  // point gives exactly 0
+  const T* csq = ca + (a - 1) * M;     // f |c_j|^2
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+  for (int64_t i = 0; i < r; ++i) {
+    T* row = b + i * M;
+    const T* x = xa + i * a;
+    const T xs = x[d];  // f |z_i|^2
+    for (int64_t j = 0; j < M; ++j) {
+      if (row[j] <= near * (xs + csq[j])) {
+        T t = T(0);
+        for (int64_t k = 0; k < d; ++k) {
+          const T diff = x[k] - m2f * ca[k * M + j];  // -2 f (z_ik - c_jk)
+          t += diff * diff;
+        }
+        row[j] = quarter * t;
+      }
+    }
+  }
+}
+
 // The on-the-fly pass in row tiles: each thread takes whole tiles of `tile` rows; per tile it computes
 // the distances into its own buffer (one single-threaded GEMM: the tile's rows of the augmented x times
 // the augmented centers), applies the kernel profile in place (RBF: clamp and exp2 by ATen; Matern:
 // profile_values), and adds the tile's
 // (U^T K^T + V^T) K with the single-read products above while the tile is still in its core's cache.
-// m12_floor: zero_below = m12_floor * (max of the tile's x_sq + c_sq_max) for Matern-1/2.
-void fly_kmn_k(torch::Tensor acc, torch::Tensor xa, torch::Tensor ca, torch::Tensor x_sq, torch::Tensor u,
-               torch::Tensor v, torch::Tensor store, torch::Tensor store_scale, int64_t kind, double m12_floor,
-               double c_sq_max, int64_t tile, int64_t flush) {
+// near: for Matern-1/2, the distances at or below near * (f |z_i|^2 + f |c_j|^2) are recomputed from the coordinates
+// (refine_near).
+void fly_kmn_k(torch::Tensor acc, torch::Tensor xa, torch::Tensor ca, torch::Tensor u,
+               torch::Tensor v, torch::Tensor store, torch::Tensor store_scale, int64_t kind, double near,
+               int64_t tile, int64_t flush) {
   TORCH_CHECK(xa.dim() == 2 && ca.dim() == 2 && xa.size(1) == ca.size(0), "xa (rows, a) and ca (a, M) needed");
   TORCH_CHECK(acc.scalar_type() == torch::kFloat64 && acc.is_contiguous(), "acc must be contiguous float64");
   TORCH_CHECK(kind >= 0 && kind <= 3 && tile >= 1 && flush >= 1, "bad kind / tile / flush");
   const int64_t rows = xa.size(0), M = ca.size(1), k = acc.size(0);
   const bool has_u = u.numel() > 0, has_v = v.numel() > 0;
   check_operands(acc, u, v, rows, M);
-  if (kind == 1) TORCH_CHECK(x_sq.numel() == rows, "x_sq must hold one value per row for Matern-1/2");
+  TORCH_CHECK(ca.is_contiguous() && xa.is_contiguous() && ca.size(0) >= 2, "xa and ca must be contiguous, a >= 2");
   // store: the tiles are computed into its rows (kept) instead of a thread's buffer
   // (an int16 store: each tile computed in the thread's buffer, then quantized row by row into the store and
   // store_scale, and its products taken with the quantized values, which later passes read back)
@@ -711,12 +753,13 @@ void fly_kmn_k(torch::Tensor acc, torch::Tensor xa, torch::Tensor ca, torch::Ten
         const int64_t s = t * tile, r = std::min(rows, s + tile) - s;
         at::Tensor b = has_store && !fixed_store ? store.narrow(0, s, r) : buf.narrow(0, 0, r);
         at::mm_out(b, xa.narrow(0, s, r), ca);
-        double zero_below = 0.0;
-        if (kind == 1) zero_below = m12_floor * (x_sq.narrow(0, s, r).max().item<double>() + c_sq_max);
+        if (kind == 1)
+          refine_near<scalar_t>(b.data_ptr<scalar_t>(), xa.data_ptr<scalar_t>() + s * xa.size(1),
+                                ca.data_ptr<scalar_t>(), r, M, xa.size(1), static_cast<scalar_t>(near));
         if (kind == 0) {
           b.clamp_max_(0.0).exp2_();
         } else {
-          profile_values<scalar_t>(kind, b.data_ptr<scalar_t>(), r * M, static_cast<scalar_t>(zero_below));
+          profile_values<scalar_t>(kind, b.data_ptr<scalar_t>(), r * M, scalar_t(0));
         }
         if (fixed_store) {
           scalar_t* bp = b.data_ptr<scalar_t>();
@@ -1122,8 +1165,8 @@ def fly_applies(acc: Tensor, xa: Tensor, ca_t: Tensor, kind: str) -> bool:
                 or kind not in _KINDS or xa.requires_grad or xa.shape[0] == 0) and fused_available()[0]
 
 
-def fused_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: Tensor | None, v_t: Tensor | None,
-                    kind: str, m12_floor: float, c_sq_max: float, tile: int, store: Tensor | None = None,
+def fused_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, u_t: Tensor | None, v_t: Tensor | None,
+                    kind: str, near: float, tile: int, store: Tensor | None = None,
                     store_scale: Tensor | None = None) -> bool:
     """``acc += (u_t K + v_t) K`` for ``K = phi(xa @ ca_t)`` computed tile by tile and never stored.
 
@@ -1141,10 +1184,10 @@ def fused_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: Te
     Args:
         acc: ``(k, M)`` float64, contiguous, on the CPU.
         xa: ``(rows, a)`` augmented rows; ``ca_t``: ``(a, M)`` augmented centers (same dtype).
-        x_sq: ``(rows,)`` squared norms of the scaled rows (for the Matern-1/2 rounding floor).
         u_t: ``(k, M)`` or ``None``; v_t: ``(k, rows)`` with unit column stride, or ``None``.
         kind: ``"rbf"``, ``"matern12"``, ``"matern32"`` or ``"matern52"``.
-        m12_floor, c_sq_max: the Matern-1/2 floor is ``m12_floor * (max_tile x_sq + c_sq_max)``.
+        near: Matern-1/2 distances at or below ``near (f |z_i|^2 + f |c_j|^2)`` (the augmented columns' norms)
+            are recomputed from the coordinates (:func:`~gpfalkon.backend.engine.refine_near_`).
         tile: rows per tile.
         store: ``(rows, M)`` contiguous in ``xa``'s dtype or int16, or ``None``: where given, the tiles are
             computed into its rows, which then hold ``K`` (the engine's first pass fills its stored ``K_nM``
@@ -1169,9 +1212,9 @@ def fused_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: Te
     args = _operands("fused_fly_kmn_k", xa, u_t, v_t)
     if args is None:
         return False
-    _state["module"].fly_kmn_k(acc, xa, ca_t, x_sq, *args, xa.new_empty(0) if store is None else store,
-                               store_scale if fixed else xa.new_empty(0), _KINDS[kind], float(m12_floor),
-                               float(c_sq_max), int(tile), FLUSH_ROWS)
+    _state["module"].fly_kmn_k(acc, xa.contiguous(), ca_t.contiguous(), *args,
+                               xa.new_empty(0) if store is None else store, store_scale if fixed else xa.new_empty(0),
+                               _KINDS[kind], float(near), int(tile), FLUSH_ROWS)
     return True
 
 

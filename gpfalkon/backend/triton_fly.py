@@ -119,17 +119,17 @@ def _splits(device: torch.device, n: int, m: int) -> int:
     return max(1, min(want, n // _MIN_SPLIT_ROWS))
 
 
-def triton_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: Tensor | None,
-                     v_t: Tensor | None, kind: str, m12_floor: float, c_sq_max: float) -> bool:
+def triton_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, u_t: Tensor | None, v_t: Tensor | None, kind: str,
+                     near: float) -> bool:
     """``acc += (u_t K^T + v_t) K`` for ``K = phi(xa @ ca_t)``, no kernel value stored (module docstring).
 
     Args:
         acc: ``(k, M)`` float64 on ``xa``'s device.
         xa: ``(rows, a)`` float32 augmented rows; ``ca_t``: ``(a, M)`` float32 augmented centers.
-        x_sq: ``(rows,)`` squared norms of the scaled rows (the Matern-1/2 rounding floor).
         u_t: ``(k, M)`` or ``None``; ``v_t``: ``(k, rows)`` or ``None``.
         kind: ``"rbf"``, ``"matern12"``, ``"matern32"`` or ``"matern52"``.
-        m12_floor, c_sq_max: the Matern-1/2 floor of row ``i`` is ``m12_floor (x_sq[i] + c_sq_max)``.
+        near: Matern-1/2 distances at or below ``near (f |z_i|^2 + f |c_j|^2)`` are recomputed from the
+            coordinates (the engine's :func:`~gpfalkon.backend.engine.refine_near_`).
 
     Returns:
         ``True`` if the kernels ran; ``False`` (``acc`` untouched) where they do not apply: Triton absent
@@ -145,7 +145,6 @@ def triton_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: T
     kernels = _kernels()
     assert kernels is not None  # triton_fly_available found it
     xa, ca_t = xa.contiguous(), ca_t.contiguous()
-    x_sq = x_sq.to(torch.float32).contiguous()
     u = None if u_t is None else u_t.to(torch.float32).contiguous()
     v = None if v_t is None else v_t.to(torch.float32)
     if v is not None and v.stride(1) != 1:
@@ -157,9 +156,8 @@ def triton_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: T
         if key not in _tuned and not kernels.interpreting() and xa.shape[0] > _TUNE_ROWS:
             # the autotuner times each tile shape several times on the call it sees first: on the first
             # _TUNE_ROWS rows rather than all (its choice is keyed on width, profile, precision, k, not n)
-            _launch(kernels, opts, xa[:_TUNE_ROWS], ca_t, x_sq[:_TUNE_ROWS], u,
-                    None if v is None else v[:, :_TUNE_ROWS], k, m12_floor, c_sq_max)
-        part = _launch(kernels, opts, xa, ca_t, x_sq, u, v, k, m12_floor, c_sq_max)
+            _launch(kernels, opts, xa[:_TUNE_ROWS], ca_t, u, None if v is None else v[:, :_TUNE_ROWS], k, near)
+        part = _launch(kernels, opts, xa, ca_t, u, v, k, near)
         _tuned.add(key)
     except torch.cuda.OutOfMemoryError:  # w and the partial sums did not fit beside the data: torch's path
         return False
@@ -174,8 +172,8 @@ def triton_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u_t: T
     return True
 
 
-def _launch(kernels: ModuleType, opts: dict, xa: Tensor, ca_t: Tensor, x_sq: Tensor, u: Tensor | None,
-            v: Tensor | None, k: int, m12_floor: float, c_sq_max: float) -> Tensor:
+def _launch(kernels: ModuleType, opts: dict, xa: Tensor, ca_t: Tensor, u: Tensor | None, v: Tensor | None, k: int,
+            near: float) -> Tensor:
     """Both kernels over the rows of ``xa``; returns the float64 partial sums ``(splits, M, BLOCK_K)``."""
     n, a = xa.shape
     m = ca_t.shape[1]
@@ -185,11 +183,11 @@ def _launch(kernels: ModuleType, opts: dict, xa: Tensor, ca_t: Tensor, x_sq: Ten
     splits = _cdiv(n, rows_per_split)
     part = torch.empty(splits, m, opts["BLOCK_K"], dtype=torch.float64, device=xa.device)
     kernels.fly_rows[lambda meta: (_cdiv(n, meta["BLOCK_N"]),)](
-        xa, ca_t, x_sq, dummy if u is None else u, dummy if v is None else v, w, n, m, a, k,
-        0 if v is None else v.stride(0), float(m12_floor), float(c_sq_max), HAS_U=u is not None,
+        xa, ca_t, dummy if u is None else u, dummy if v is None else v, w, n, m, a, k,
+        0 if v is None else v.stride(0), float(near), HAS_U=u is not None,
         HAS_V=v is not None, **opts)
     kernels.fly_cols[lambda meta: (_cdiv(m, meta["BLOCK_M"]), splits)](
-        xa, ca_t, x_sq, w, part, n, m, a, k, rows_per_split, float(m12_floor), float(c_sq_max),
+        xa, ca_t, w, part, n, m, a, k, rows_per_split, float(near),
         CHUNK=_chunk_tiles(), **opts)
     return part
 

@@ -53,10 +53,23 @@ def default_botorch_likelihood(
     else:
         prior = LogNormalPrior(loc=-4.0, scale=1.0)
         lik = MultitaskGaussianLikelihood(
-            num_tasks=num_outputs, rank=0, has_task_noise=False, noise_prior=prior,
+            num_tasks=num_outputs, rank=0, has_task_noise=False,
             noise_constraint=GreaterThan(MIN_INFERRED_NOISE_LEVEL, transform=None, initial_value=prior.mode),
         )
+        # the prior registered here with module-level closures: GPyTorch's noise_prior= registers a lambda, which
+        # makes the likelihood (and the model) impossible to pickle or torch.save
+        lik.register_prior("raw_noise_prior", prior, _likelihood_noise, _set_likelihood_noise)
     return lik.to(dtype=dtype, device=device)
+
+
+def _likelihood_noise(likelihood: Any) -> Tensor:
+    """The prior's closure: the likelihood's noise ``sigma^2``."""
+    return likelihood.noise
+
+
+def _set_likelihood_noise(likelihood: Any, value: Tensor) -> None:
+    """The prior's setting closure (prior sampling): ``sigma^2 = value``."""
+    likelihood._set_noise(value)
 
 
 #: buffers of BoTorch input transforms that cache what the last transformed points needed
@@ -182,7 +195,6 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
         if out_tf is not None:
             self.outcome_transform = out_tf
             out_tf.eval()
-        self._fit_kwargs = kwargs
         if fit:
             self.fit()
 
@@ -423,7 +435,7 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
         if hasattr(new, "outcome_transform"):
             new.outcome_transform = new.outcome_transform.subset_output(idcs)
         new._forget_factors()
-        new.fitted.fill_(False)
+        new._set_fitted(False)
         new._fit_tracker.forget()
         if was_fitted:
             new._mark_fitted()
@@ -487,7 +499,5 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
         if raw is not None and raw_inputs is not None:
             new._original_train_X = torch.cat([raw, raw_inputs.detach().to(raw)])
         new.likelihood.noise = noise_now  # the GP view: sigma^2 stays, lambda = sigma^2 / n
-        new.alpha.copy_(self.alpha)
-        new.fitted.fill_(True)  # allow the warm start from the current solution
-        new.fit(warm_start=True)
+        new.fit(warm_start=True)  # from this model's alpha where it has one (CG from zero where not)
         return new

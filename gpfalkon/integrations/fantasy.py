@@ -20,6 +20,7 @@ from botorch.posteriors.gpytorch import GPyTorchPosterior
 from linear_operator.operators import DenseLinearOperator
 from torch import Tensor
 
+from ..errors import NotFittedError
 from ..models.posterior import (
     NystromMultitaskMultivariateNormal,
     NystromMultivariateNormal,
@@ -57,7 +58,8 @@ class FalkonFantasyModel(Model, FantasizeMixin):
 
     The model's ``batch_shape`` is the broadcast of the batch shapes of ``X_f`` and ``y_f``.
     It shares the fitted model's kernel, transforms and factors: changing the base model's
-    hyperparameters afterwards makes it stale (it is a short-lived object, as in BoTorch).
+    hyperparameters afterwards, or fitting it again, makes it stale (it is a short-lived object, as in BoTorch):
+    its ``posterior`` and ``condition_on_observations`` then raise ``NotFittedError``.
     Conditioning it again appends the new observations to the fantasy sets (the same
     closed form with ``q + q'`` rows).
     """
@@ -88,7 +90,9 @@ class FalkonFantasyModel(Model, FantasizeMixin):
             noise = noise.expand(*noise.shape[:-2], *Y.shape[-2:])
             if not bool((noise > 0).all()):
                 raise ValueError("noise (the fantasy observations' variances) must be positive")
+        base._check_fitted()
         self._base = [base]  # not a submodule: the fantasy model holds no parameters of its own
+        self._base_alpha = base.alpha  # the fit the factors below belong to (a refit makes a new tensor)
         self._X, self._Y, self._noise = X, Y, noise
         self._num_outputs = m
         self._batch_shape = torch.broadcast_shapes(X.shape[:-2], Y.shape[:-2])
@@ -139,8 +143,9 @@ class FalkonFantasyModel(Model, FantasizeMixin):
         """The fantasy model of outputs ``idcs``: the base model's :meth:`~FalkonModel.subset_output` conditioned on
         the same fantasy sets' columns ``idcs`` (the outputs share the kernel, centers and noise, so this is the
         same posterior restricted to them)."""
-        base = self.base_model.subset_output(idcs)
-        cols = self.base_model._output_indices(idcs, "idcs")
+        full = self._checked_base()
+        base = full.subset_output(idcs)
+        cols = full._output_indices(idcs, "idcs")
         noise = None if self._noise is None else self._noise[..., cols]
         return FalkonFantasyModel(base, self._X, self._Y[..., cols], noise)
 
@@ -155,7 +160,7 @@ class FalkonFantasyModel(Model, FantasizeMixin):
     ) -> Any:
         """The conditioned posterior at ``X`` (``(batch..., p, d)``, broadcast with the model's
         ``batch_shape``), untransformed by the base model's outcome transform."""
-        base = self.base_model
+        base = self._checked_base()
         if X.dim() < 2 or X.shape[-1] != self._X.shape[-1]:
             raise ValueError(f"X must have shape (..., p, {self._X.shape[-1]}), got {tuple(X.shape)}")
         Xt = base.transform_inputs(X)
@@ -199,7 +204,7 @@ class FalkonFantasyModel(Model, FantasizeMixin):
     ) -> FalkonFantasyModel:
         """The base model conditioned on these fantasies and ``(X, Y)`` (raw inputs and targets,
         as BoTorch passes them): the fantasy sets grow by ``X.shape[-2]`` rows."""
-        base = self.base_model
+        base = self._checked_base()
         base.eval()  # an input transform in train mode would re-learn its bounds from X
         Xt = base.transform_inputs(X)
         Yt = Y
@@ -225,6 +230,16 @@ class FalkonFantasyModel(Model, FantasizeMixin):
         )
 
     # ------------------------------------------------------------------ pieces
+    def _checked_base(self) -> FalkonModel:
+        """The base model, if these fantasies still belong to its fit; ``NotFittedError`` where its hyperparameters
+        or data changed, or it was fitted again, since they were built."""
+        base = self.base_model
+        base._check_fitted()
+        if base.alpha is not self._base_alpha:
+            raise NotFittedError("FalkonFantasyModel: the base model was fitted again after these fantasies were "
+                                 "built; condition it again (fantasize / condition_on_observations)")
+        return base
+
     def _mean_covar(self, Xt: Tensor) -> tuple:
         """Mean ``(..., t, p)`` and covariance ``(..., T, p, p)`` in the transformed space (float64)."""
         base = self.base_model

@@ -523,6 +523,9 @@ class FalkonGP(gpytorch.models.GP):
                                                         device=train_x.device))
         # the kernel's values at a few points when alpha was fitted (see _kernel_probe; empty: not recorded)
         self.register_buffer("kernel_probe", torch.zeros(0, dtype=torch.float64, device=train_x.device))
+        # the noise sigma^2 when alpha was fitted (NaN: not recorded); the raw parameter alone does not settle it (the
+        # likelihood's constraint transform maps it)
+        self.register_buffer("fit_noise", torch.tensor(float("nan"), dtype=torch.float64, device=train_x.device))
         self._legacy_state = False  # set while loading a state saved before fit_digest existed
         self.fit_info: CGInfo | None = None
         self._fit_tracker = FitTracker()
@@ -558,7 +561,18 @@ class FalkonGP(gpytorch.models.GP):
             anchor = buffers.get("alpha")
             buffers["kernel_probe"] = torch.zeros(0, dtype=torch.float64,
                                                   device=anchor.device if isinstance(anchor, Tensor) else None)
+        noise_untracked = isinstance(buffers, dict) and "fit_noise" not in buffers
+        if isinstance(buffers, dict) and noise_untracked:  # pickled before the noise value was tracked: not recorded
+            anchor = buffers.get("alpha")
+            buffers["fit_noise"] = torch.tensor(float("nan"), dtype=torch.float64,
+                                                device=anchor.device if isinstance(anchor, Tensor) else None)
         super().__setstate__(state)
+        tracker = self._fit_tracker
+        if noise_untracked and tracker.snapshot is not None:
+            # its snapshot lacks the noise value (_fit_dependencies): the one its likelihood computes now, from the
+            # raw noise the snapshot holds
+            tracker.snapshot.insert(self._noise_dependency_index(), self.noise.detach().clone())
+            self.fit_noise = self._noise_record()  # recorded with it: a state saved from now on carries it
 
     def _register_centers(self, c: Tensor, learn_centers: bool) -> None:
         if learn_centers:
@@ -764,7 +778,8 @@ class FalkonGP(gpytorch.models.GP):
         """Solve ``H alpha = K_Mn y`` by FALKON and store ``alpha``; returns ``self``.
 
         ``warm_start`` starts CG from the previous ``alpha`` (one more data pass,
-        usually far fewer iterations after a small hyperparameter change).
+        usually far fewer iterations after a small hyperparameter or data change: ``set_train_data`` keeps it;
+        from zero where no fit has produced one).
         ``initial_alpha`` (the shape of :attr:`alpha`: one coefficient per center and output) starts CG from
         those coefficients instead, e.g. a fit of the same centers and hyperparameters on a subsample
         (``f(x) = c + k(x, Z) alpha`` is the same function on any rows, so its ``alpha`` is close to the full
@@ -838,7 +853,7 @@ class FalkonGP(gpytorch.models.GP):
                     + (", or use float64" if x_tr.dtype.itemsize < 8 else "")
                 )
             x0 = None
-            if warm_start and bool(self.fitted):
+            if warm_start and bool(torch.isfinite(self.alpha).all()):  # a previous solution, valid or not
                 x0 = self.alpha.reshape(op.m, -1).to(torch.float64)
             elif initial_alpha is not None:
                 x0 = initial_alpha.detach().reshape(op.m, -1).to(device=rhs.device, dtype=torch.float64)
@@ -900,18 +915,25 @@ class FalkonGP(gpytorch.models.GP):
             return torch.zeros(0, dtype=torch.float64, device=c.device), torch.float64
 
     def _fit_dependencies(self) -> list[Tensor]:
-        """Everything alpha depends on except the data: kernel, centers, noise, constant mean. Compared at every
-        prediction, so the kernel's values (:meth:`_kernel_probe`, +25 % on a one-point posterior) are not: they
-        are recorded by ``fit()`` and compared when a state is loaded. The kernel's classes and settings are compared
-        too (:meth:`_kernel_structure`); what neither sees (a transform's own code changed in place, a setting that
-        is not a plain public attribute) needs ``fit()`` again."""
+        """Everything alpha depends on except the data: kernel, centers, noise (its raw parameter and the value
+        ``sigma^2`` the likelihood's constraint makes of it: a likelihood or constraint replaced changes the value,
+        not the parameter), constant mean. Compared at every prediction, so the kernel's values
+        (:meth:`_kernel_probe`, +25 % on a one-point posterior) are not: they are recorded by ``fit()`` and compared
+        when a state is loaded. The kernel's classes and settings are compared too (:meth:`_kernel_structure`); what
+        neither sees (a transform's own code changed in place, a setting that is not a plain public attribute) needs
+        ``fit()`` again."""
         return [
             *self.kernel.parameters(),
             *self.kernel.buffers(),
             self.centers,
             self.likelihood.raw_noise,
+            self.noise.detach(),
             self.mean_constant,
         ]
+
+    def _noise_dependency_index(self) -> int:
+        """Where the noise value stands in :meth:`_fit_dependencies`."""
+        return len(list(self.kernel.parameters())) + len(list(self.kernel.buffers())) + 2
 
     def _kernel_structure(self) -> tuple:
         """The kernel's classes and settings (:func:`~gpfalkon.models.fit_state.module_structure`), compared at
@@ -939,25 +961,36 @@ class FalkonGP(gpytorch.models.GP):
 
     def _mark_fitted(self) -> None:
         if not bool(torch.isfinite(self.alpha).all()):
-            self.fitted.fill_(False)
+            self._set_fitted(False)
             self._fit_tracker.forget()
             raise FalkonConvergenceError(
                 "fit: the solution alpha contains NaN or Inf (the kernel, penalty or data overflow in this "
                 f"dtype, {self.train_inputs[0].dtype}); check the data's scale and the penalty, or use float64"
             )
-        self.fitted.fill_(True)
+        self._set_fitted(True)
         self._legacy_state = False
         summary, digest = self._fit_tracker.mark(self._fit_dependencies(), self._fit_data(), reduce=self._row_sum,
                                                  row_offset=self._row_offset, structure=self._kernel_structure())
         self.data_fingerprint = summary.to(self.data_fingerprint.device)
         self.fit_digest = self._digest_now(digest)
         self.kernel_probe = self._kernel_probe().to(self.kernel_probe.device)
+        self.fit_noise = self._noise_record()
+
+    def _noise_record(self) -> Tensor:
+        """The current noise as the ``fit_noise`` buffer (float64, on the buffer's device)."""
+        return self.noise.detach().to(device=self.fit_noise.device, dtype=torch.float64).reshape(())
+
+    def _set_fitted(self, flag: bool) -> None:
+        """Set the ``fitted`` flag by a new tensor, never in place: a state dict taken earlier (which holds the
+        flag tensor itself) or another model that loaded it with ``assign=True`` keeps its own flag."""
+        self.fitted = torch.tensor(flag, device=self.fitted.device)
 
     def _mark_hyper_fitted(self) -> None:
         """Record the current hyperparameters as fitted, keeping the data's digests (no data pass): for a
         change that keeps ``alpha`` valid on the same data (:meth:`scale_prior`)."""
         self._fit_tracker.adopt(self._fit_dependencies(), self._fit_data(), structure=self._kernel_structure())
         self.fit_digest = self._digest_now(self.fit_digest[:4])
+        self.fit_noise = self._noise_record()
         self.kernel_probe = self._kernel_probe().to(self.kernel_probe.device)
 
     def _row_sum(self, t: Tensor) -> Tensor:
@@ -996,12 +1029,15 @@ class FalkonGP(gpytorch.models.GP):
         self.data_fingerprint = self.data_fingerprint.to(torch.float64)
         self.fit_digest = self.fit_digest.to(torch.int64)
         self.kernel_probe = self.kernel_probe.to(torch.float64)
+        self.fit_noise = self.fit_noise.to(torch.float64)
         if weights is not None:
             self.center_weights = weights.to(device=self.centers.device, dtype=torch.float64)
         self._forget_factors()
-        if was_valid:
+        if was_valid and self.train_inputs[0].dtype in (torch.float32, torch.float64):
             self._mark_fitted()
-        else:
+        else:  # a move through float16 / bfloat16 rounded the data and hyperparameters: fit again
+            if was_valid:
+                self._set_fitted(False)
             self._fit_tracker.forget()
         return self
 
@@ -1054,6 +1090,8 @@ class FalkonGP(gpytorch.models.GP):
             self.kernel_probe = torch.empty(state_dict[p_key].shape, dtype=torch.float64,
                                             device=self.kernel_probe.device)
         had_probe = p_key in state_dict
+        n_key = prefix + "fit_noise"
+        had_noise = n_key in state_dict
         m_key = prefix + "mean_constant"
         # a full model state dict (it has alpha) without the constant predates it: zero mean; a partial
         # dict (strict=False, e.g. only kernel hyperparameters) leaves the current constant alone
@@ -1062,9 +1100,12 @@ class FalkonGP(gpytorch.models.GP):
         # a full state saved before fit_digest existed: its data are checked by sums and norms, its
         # hyperparameters are taken as those of the fit (as they were then)
         legacy = a_key in state_dict and d_key not in state_dict
+        alpha_before = self.alpha.detach().clone()
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+        if self.alpha.shape != alpha_before.shape or not torch.equal(self.alpha, alpha_before.to(self.alpha.device)):
+            self.fit_info = None  # another fit's alpha: its CG record is not in the state
         if not had_mean:  # state dicts saved before the constant mean existed: zero mean
             self.mean_constant.zero_()
             if m_key in missing_keys:
@@ -1075,6 +1116,10 @@ class FalkonGP(gpytorch.models.GP):
             self.kernel_probe = torch.zeros(0, dtype=torch.float64, device=self.kernel_probe.device)
             if p_key in missing_keys:
                 missing_keys.remove(p_key)
+        if not had_noise:  # saved before the noise value was recorded (or a partial dict): nothing to compare
+            self.fit_noise = torch.tensor(float("nan"), dtype=torch.float64, device=self.fit_noise.device)
+            if n_key in missing_keys:
+                missing_keys.remove(n_key)
         self._legacy_state = legacy
 
     @staticmethod
@@ -1109,6 +1154,15 @@ class FalkonGP(gpytorch.models.GP):
                 now = hyper_digest(module._fit_groups())
                 differs += [name for i, name in enumerate(FIT_GROUPS[2:])
                             if now[2 * i : 2 * i + 2] != saved[4 + 2 * i : 6 + 2 * i].tolist()]
+                fit_noise = float(module.fit_noise)
+                if not differs and math.isfinite(fit_noise):
+                    # the same raw noise through another constraint transform (likelihood) is another noise;
+                    # across devices the transform agrees to a few ulps of the model's dtype
+                    rtol = 1e-5 if module.train_inputs[0].dtype == torch.float32 else 1e-12
+                    if not math.isclose(float(module.noise), fit_noise, rel_tol=rtol):
+                        differs.append(f"the noise sigma^2 (the fit's {fit_noise:.6g}, this model's likelihood "
+                                       f"makes {float(module.noise):.6g} of the same raw value: another noise "
+                                       "constraint)")
                 if not differs and module.kernel_probe.numel() > 0:
                     probe, probe_dtype = module._kernel_probe_in()
                     saved_probe = module.kernel_probe
@@ -1129,8 +1183,10 @@ class FalkonGP(gpytorch.models.GP):
             if not differs:
                 module._fit_tracker.adopt(module._fit_dependencies(), module._fit_data(),
                                           structure=module._kernel_structure())
+                if not math.isfinite(float(module.fit_noise)):  # a state saved before the noise was recorded
+                    module.fit_noise = module._noise_record()
         if differs:
-            module.fitted.fill_(False)
+            module._set_fitted(False)
             module._fit_tracker.forget()
             warnings.warn(
                 "FalkonGP.load_state_dict: the loaded alpha does not fit this model (it differs in: "
@@ -1204,7 +1260,7 @@ class FalkonGP(gpytorch.models.GP):
             # does): alpha solves the system to rounding; the new data's digests are recorded
             self._mark_fitted()
             return
-        self.fitted.fill_(False)
+        self._set_fitted(False)
         self._fit_tracker.forget()
 
     # ------------------------------------------------------------- prediction
