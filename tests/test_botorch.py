@@ -705,3 +705,37 @@ def test_condition_on_observations_of_an_unfitted_model_fits_from_zero():
     cond = model.condition_on_observations(Xn, Yn)
     ref = FalkonModel(torch.cat([X, Xn]), torch.cat([Y, Yn]), centers=cond.centers.clone(), **kw)
     torch.testing.assert_close(cond.posterior(X[:4]).mean, ref.posterior(X[:4]).mean, rtol=1e-8, atol=1e-8)
+
+
+def test_load_state_dict_of_a_conditioned_or_subset_model_into_a_fresh_one_on_the_same_rows():
+    """BoTorch's ``load_state_dict`` re-applies the loaded outcome transform to the targets; FalkonModel re-derives
+    them from the untransformed targets exactly as the saved model made them, and checks the saved fit once the
+    data are in place: a conditioned model's state (its transform from the first rows) and a ``subset_output``
+    model's state load fitted into fresh models on the same raw rows and predict identically; a fresh model on
+    other rows loads unfitted, naming ``train_y``."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(300, 3, generator=g, dtype=torch.float64) * 5
+    Y = torch.stack([torch.sin(X).sum(-1) * 3 + 10, torch.cos(X).sum(-1) - 4], -1)
+    Xn = torch.rand(5, 3, generator=g, dtype=torch.float64) * 5
+    Yn = torch.stack([torch.sin(Xn).sum(-1) * 3 + 10, torch.cos(Xn).sum(-1) - 4], -1)
+    Xs = torch.rand(10, 3, generator=g, dtype=torch.float64) * 5
+    kw = dict(num_centers=40, tol=1e-12, max_iter=500)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # input scaling
+        m = FalkonModel(X, Y[:, :1], input_transform=Normalize(d=3), **kw)
+        c = m.condition_on_observations(Xn, Yn[:, :1])
+        fresh = FalkonModel(torch.cat([X, Xn]), torch.cat([Y, Yn])[:, :1], input_transform=Normalize(d=3), fit=False,
+                            **kw)
+        m2 = FalkonModel(X, Y, **kw)
+        sub = m2.subset_output([1])
+        fresh_sub = FalkonModel(X, Y[:, 1:], fit=False, **kw)
+        other = FalkonModel(X, Y[:, 1:] + 1.0, fit=False, **kw)
+    for src, dst in ((c, fresh), (sub, fresh_sub)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            dst.load_state_dict(src.state_dict())
+        assert bool(dst.fitted)
+        torch.testing.assert_close(dst.posterior(Xs).mean, src.posterior(Xs).mean, rtol=0, atol=0)
+    with pytest.warns(RuntimeWarning, match="train_y"):
+        other.load_state_dict(sub.state_dict())
+    assert not bool(other.fitted)

@@ -158,3 +158,22 @@ def test_time_limit_stops_at_the_clock_and_returns_the_current_iterate(monkeypat
 def test_time_limit_must_be_positive(bad):
     with pytest.raises(ValueError, match="time_limit"):
         conjugate_gradient(lambda u: u, torch.ones(3, 1, dtype=torch.float64), time_limit=bad)
+
+
+@pytest.mark.parametrize("scale", [1e-170, 1e-100, 1e120, 1e170])
+def test_right_hand_sides_of_any_scale(scale):
+    """CG's squared norms would underflow (overflow) for right-hand sides far from 1 (float64: below ~1e-150 the
+    columns were taken for zero): the solution is the scaled solution, to the tolerance; a power-of-two scale
+    gives it bit for bit, with the same iterations; the callback sees the iterates in the caller's scale."""
+    W = spd(20)
+    b = torch.randn(20, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    x_ref, info_ref = conjugate_gradient(lambda v: W @ v, b, tol=1e-12, max_iter=200)
+    seen = []
+    x, info = conjugate_gradient(lambda v: W @ v, b * scale, tol=1e-12, max_iter=200,
+                                 callback=lambda it, xi, rel: seen.append(float(xi.abs().max())))
+    assert info.converged
+    torch.testing.assert_close(x / scale, x_ref, rtol=1e-9, atol=0)
+    assert seen[-1] == pytest.approx(float(x.abs().max()), rel=1e-12)
+    two = 2.0 ** -600
+    x2, info2 = conjugate_gradient(lambda v: W @ v, b * two, tol=1e-12, max_iter=200)
+    assert torch.equal(x2 / two, x_ref) and info2.iterations == info_ref.iterations

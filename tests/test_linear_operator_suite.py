@@ -213,6 +213,18 @@ class TestNystromKRROperator(_Float64Mixin, LinearOperatorTestCase, unittest.Tes
                 make()
         self.assertIs(linear_op.expand(M, M), linear_op)
 
+    def test_slices_empty_stepped_and_tensor_indices(self):
+        """Slices (stepped, empty: the generic interpolation route divided by zero there) and tensor
+        indices give the dense operator's entries."""
+        linear_op = self.create_linear_op()
+        dense = self.evaluate_linear_op(linear_op)
+        idx = torch.tensor([4, 0, 4])
+        for rows, cols in ((slice(M, M + 4), slice(0, 2)), (slice(1, None, 3), slice(None, None, 2)),
+                           (slice(2, 5), idx), (idx, slice(0, 0)), (slice(0, 3), slice(None))):
+            with torch.no_grad():
+                got = linear_op[rows, cols].to_dense()
+            self.assertAllClose(got, dense[rows, cols], rtol=1e-10, atol=1e-10)
+
 
 class TestNystromKRROperatorGenericKernel(TestNystromKRROperator):
     """The same suite with a kernel off the engine's stationary fast path (a sum of an RBF

@@ -40,6 +40,12 @@ from .fantasy import FalkonFantasyModel
 __all__ = ["FalkonModel", "default_botorch_likelihood"]
 
 
+def _same(new: Tensor, old: Tensor) -> bool:
+    """``new`` is ``old``, or equal to it in shape, dtype, device and values."""
+    return new is old or (new.shape == old.shape and new.dtype == old.dtype and new.device == old.device
+                          and bool(torch.equal(new, old)))
+
+
 def default_botorch_likelihood(
     num_outputs: int = 1, *, dtype: torch.dtype | None = None, device: torch.device | None = None
 ) -> Likelihood:
@@ -186,9 +192,12 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
         if kwargs.get("likelihood") is None and kwargs.get("penalty") is None:
             kwargs["likelihood"] = default_botorch_likelihood(train_Y.shape[-1], dtype=x.dtype, device=x.device)
         super().__init__(x, y_model, kernel, num_centers=num_centers, **kwargs)
-        # the untransformed training inputs, to re-apply a loaded input transform (load_state_dict); not saved
+        # the untransformed training inputs and targets, to re-apply a loaded input or outcome transform exactly as
+        # at construction (load_state_dict); not saved
         self.register_buffer("_original_train_X", train_X.detach() if input_transform is not None else None,
                              persistent=False)
+        self.register_buffer("_original_train_Y", train_Y.detach() if out_tf is not None else None, persistent=False)
+        self._load_deferred = False
         if input_transform is not None:
             self.input_transform = input_transform
         self._mark_inputs_transformed()
@@ -210,9 +219,11 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
     def __setstate__(self, state: dict[str, Any]) -> None:
         # pickled before the untransformed inputs were kept: they are not known (load_state_dict then warns)
         buffers = state.get("_buffers")
-        if isinstance(buffers, dict) and "_original_train_X" not in buffers:
-            buffers["_original_train_X"] = None
-            state.setdefault("_non_persistent_buffers_set", set()).add("_original_train_X")
+        for key in ("_original_train_X", "_original_train_Y"):
+            if isinstance(buffers, dict) and key not in buffers:
+                buffers[key] = None
+                state.setdefault("_non_persistent_buffers_set", set()).add(key)
+        state.setdefault("_load_deferred", False)
         super().__setstate__(state)
 
     def _output_indices(self, idcs: Sequence[int], name: str) -> list[int]:
@@ -307,16 +318,38 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
         """BoTorch's ``load_state_dict`` (the outcome transform re-applied to the targets with ``keep_transforms``),
         and, with an input transform, the training inputs rebuilt from the untransformed ones by the loaded
         transform, as ``SingleTaskGP``'s are (its bounds, e.g. ``Normalize``'s, come from the model that was saved).
+        The targets are the loaded outcome transform applied to the untransformed ones the model keeps, as at
+        construction (BoTorch's untransform-then-transform of the current targets leaves them a few ulps off those
+        of the saved fit); the saved fit is checked against the data once both are in place (``FalkonGP``'s load
+        check: by value, what differs named).
         Where they change, the model must be re-fitted (``fit()``), as ``FalkonGP.set_train_data`` decides."""
-        GPyTorchModel.load_state_dict(self, state_dict, strict=strict, keep_transforms=keep_transforms, assign=assign)
+        self._load_deferred = True  # FalkonGP's load check and set_train_data's refit logic wait for the final data
+        try:
+            GPyTorchModel.load_state_dict(self, state_dict, strict=strict, keep_transforms=keep_transforms,
+                                          assign=assign)
+            if keep_transforms:
+                self._retransform_after_load()
+        finally:
+            self._load_deferred = False
+        FalkonGP._after_load(self, None)
+
+    def _retransform_after_load(self) -> None:
+        """The training targets and inputs from the untransformed ones by the loaded transforms (in their eval
+        semantics for the targets, the training semantics with kept bounds for the inputs, as at construction)."""
+        out_tf = getattr(self, "outcome_transform", None)
+        raw_y = self._original_train_Y
+        if out_tf is not None and raw_y is not None and raw_y.shape[0] == self.train_inputs[0].shape[0]:
+            with torch.no_grad():
+                y, _ = out_tf(raw_y.to(self.train_targets), X=self.train_inputs[0])
+            self.set_train_data(targets=y.squeeze(-1) if self.num_outputs == 1 else y)
         tf = getattr(self, "input_transform", None)
-        if tf is None or not keep_transforms:
+        if tf is None:
             return
         raw = self._original_train_X
         if raw is None or raw.shape[0] != self.train_inputs[0].shape[0]:
             warnings.warn("FalkonModel.load_state_dict: the untransformed training inputs are not known (the "
                           "training data were replaced by set_train_data), so the loaded input transform is not "
-                          "re-applied to them", RuntimeWarning, stacklevel=2)
+                          "re-applied to them", RuntimeWarning, stacklevel=3)
             return
         with torch.no_grad():  # the training inputs' transform, as at construction (train semantics, bounds kept)
             x = tf.preprocess_transform(raw.to(self.train_inputs[0]))
@@ -374,14 +407,15 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
 
     def set_train_data(self, inputs: Tensor | None = None, targets: Tensor | None = None,
                        strict: bool = False) -> None:
-        """``FalkonGP.set_train_data`` (``inputs`` in the transformed space, as the model holds them); new inputs
-        from a caller make the untransformed ones unknown (see :meth:`load_state_dict`)."""
-        old = self.train_inputs[0]
+        """``FalkonGP.set_train_data`` (``inputs`` and ``targets`` in the transformed spaces, as the model holds
+        them); new inputs or targets from a caller make the untransformed ones unknown (see :meth:`load_state_dict`;
+        while it loads, the targets it re-transforms keep them)."""
+        old, old_y = self.train_inputs[0], self.train_targets
         super().set_train_data(inputs=inputs, targets=targets, strict=strict)
-        new = self.train_inputs[0]
-        if new is not old and not (new.shape == old.shape and new.dtype == old.dtype and new.device == old.device
-                                   and bool(torch.equal(new, old))):
+        if not _same(self.train_inputs[0], old):
             self._original_train_X = None
+        if not self._load_deferred and not _same(self.train_targets, old_y):
+            self._original_train_Y = None
 
     def get_fantasy_model(self, inputs: Tensor, targets: Tensor, noise: Tensor | None = None,
                           **kwargs: Any) -> FalkonModel | FalkonFantasyModel:
@@ -426,6 +460,8 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
         new._num_outputs = k
         new.train_targets = y2[:, idcs].squeeze(-1) if k == 1 else y2[:, idcs]
         new.alpha = a2[:, idcs].squeeze(-1) if k == 1 else a2[:, idcs].clone()
+        if new._original_train_Y is not None:
+            new._original_train_Y = new._original_train_Y[:, idcs].clone()
         new.mean_constant = mc[idcs].reshape(()) if k == 1 else mc[idcs].clone()
         dev, dt = new.train_inputs[0].device, new.train_inputs[0].dtype
         had_priors = any(True for _ in self.likelihood.named_priors())  # SingleTaskGP's noise model
@@ -483,12 +519,14 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
             Yt = Y
             if hasattr(self, "outcome_transform"):
                 Yt, _ = self.outcome_transform(Y, X=Xt)  # eval mode: uses the fitted statistics
-            return self._refit_with(Xt, Yt, raw_inputs=X)
+            return self._refit_with(Xt, Yt, raw_inputs=X, raw_targets=Y)
 
-    def _refit_with(self, Xt: Tensor, Yt: Tensor, raw_inputs: Tensor | None) -> FalkonModel:
+    def _refit_with(self, Xt: Tensor, Yt: Tensor, raw_inputs: Tensor | None,
+                    raw_targets: Tensor | None = None) -> FalkonModel:
         """A copy with the rows ``(Xt, Yt)`` (transformed spaces, ``Yt`` of shape ``(n', m)``) appended, refitted by
-        FALKON warm-started from this model's solution, keeping ``sigma^2``; ``raw_inputs``: the untransformed
-        ``Xt``, appended to the untransformed training inputs where those are known."""
+        FALKON warm-started from this model's solution, keeping ``sigma^2``; ``raw_inputs`` / ``raw_targets``: the
+        untransformed ``Xt`` / ``Yt``, appended to the untransformed training inputs / targets where those are
+        known."""
         new = copy.deepcopy(self)
         Yt = Yt.squeeze(-1) if Yt.shape[-1] == 1 else Yt
         noise_now = new.noise.detach().clone()
@@ -498,6 +536,9 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
         raw = self._original_train_X
         if raw is not None and raw_inputs is not None:
             new._original_train_X = torch.cat([raw, raw_inputs.detach().to(raw)])
+        raw_y = self._original_train_Y
+        if raw_y is not None and raw_targets is not None:
+            new._original_train_Y = torch.cat([raw_y, raw_targets.detach().to(raw_y)])
         new.likelihood.noise = noise_now  # the GP view: sigma^2 stays, lambda = sigma^2 / n
         new.fit(warm_start=True)  # from this model's alpha where it has one (CG from zero where not)
         return new

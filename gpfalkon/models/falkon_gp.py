@@ -1124,6 +1124,8 @@ class FalkonGP(gpytorch.models.GP):
 
     @staticmethod
     def _after_load(module: FalkonGP, incompatible_keys) -> None:
+        if getattr(module, "_load_deferred", False):
+            return  # a subclass re-derives the training data first, then calls this (FalkonModel.load_state_dict)
         module._forget_factors()
         module._fit_tracker.forget()
         legacy, module._legacy_state = module._legacy_state, False
@@ -1226,7 +1228,8 @@ class FalkonGP(gpytorch.models.GP):
                         f"set_train_data(strict=True): {name} has shape {tuple(new.shape)}, the model's has "
                         f"{tuple(old.shape)} (pass strict=False to change the shape)"
                     )
-        was_valid = bool(self.fitted) and not self._hyper_changed()
+        deferred = getattr(self, "_load_deferred", False)  # a load in progress checks the fit at its end
+        was_valid = not deferred and bool(self.fitted) and not self._hyper_changed()
         check_inputs("inputs", inputs, d=self.train_inputs[0].shape[1], allow_empty=is_sharded(self.options.backend))
         check_targets("targets", targets, inputs.shape[0])
         if inputs.dtype != self.train_inputs[0].dtype or targets.dtype != inputs.dtype:
@@ -1252,6 +1255,8 @@ class FalkonGP(gpytorch.models.GP):
         if n_new != n_old:
             self.penalty = pen  # keep lambda: the noise n * lambda follows n
         self._forget_factors()
+        if deferred:
+            return
         if was_valid and not self._fit_tracker.data_changed(self._fit_data(), self._stored_fingerprint(),
                                                             reduce=self._row_sum, row_offset=self._row_offset):
             return  # the same data by value: alpha still solves the system

@@ -5,12 +5,12 @@ import numbers
 import time
 import warnings
 from collections.abc import Callable
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from gpytorch.kernels import Kernel
 from linear_operator import settings as lo_settings
-from linear_operator.operators import LinearOperator
+from linear_operator.operators import DenseLinearOperator, LinearOperator
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
@@ -594,6 +594,25 @@ class NystromKRROperator(LinearOperator):
         unit[cols, torch.arange(cols.numel(), device=self.device)] = 1.0
         h_cols = self._matmul(unit)  # (M, distinct columns)
         return h_cols[row_index.expand(shape), inverse.reshape(col_index.shape).expand(shape)]
+
+    def _getitem(self, row_index: Any, col_index: Any, *batch_indices: Any) -> LinearOperator:
+        """``H[row_index, col_index]`` for slices or tensor indices (linear_operator's contract: the two dimensions
+        stay) as a dense operator, by :meth:`_get_indices` on the index grid: one data pass with ``k`` = number of
+        distinct columns (the generic interpolation route breaks on an empty selection)."""
+        if batch_indices:
+            raise NotImplementedError(f"{type(self).__name__} has no batch dimensions to index")
+        if isinstance(row_index, slice) and isinstance(col_index, slice) and row_index == col_index == slice(None):
+            return self
+
+        def positions(index: Any) -> Tensor:
+            if isinstance(index, slice):
+                return torch.arange(self.m, device=self.device)[index]
+            return torch.as_tensor(index, device=self.device).reshape(-1)
+
+        rows, cols = positions(row_index), positions(col_index)
+        if rows.numel() == 0 or cols.numel() == 0:
+            return DenseLinearOperator(torch.zeros(rows.numel(), cols.numel(), dtype=self.dtype, device=self.device))
+        return DenseLinearOperator(self._get_indices(rows.unsqueeze(-1), cols.unsqueeze(0)))
 
     def _unsqueeze_batch(self, dim: int) -> LinearOperator:
         raise NotImplementedError(

@@ -106,6 +106,20 @@ def conjugate_gradient(
     t_start = time.perf_counter()
     if not bool(torch.isfinite(b).all()):
         raise FalkonConvergenceError("the right-hand side of the CG system contains NaN or Inf")
+    # each column scaled by a power of two near its largest entry (exact: no other bit of the iteration changes),
+    # so that the squared norms neither underflow nor overflow (float64: right-hand sides below ~1e-150 were taken
+    # for zero, or lost their digits); the solution and the callback's iterates are scaled back
+    amax = b.abs().amax(0) if b.numel() else b.new_ones(b.shape[1])
+    scale = torch.where(amax > 0, torch.exp2(torch.round(torch.log2(torch.where(amax > 0, amax, 1.0)))), 1.0)
+    b = b / scale
+    if x0 is not None and x0.shape == b.shape:
+        x0 = x0.to(b.dtype) / scale
+    if callback is not None:
+        user_callback = callback
+
+        def callback(it: int, x: Tensor, rel: Tensor) -> None:
+            user_callback(it, x * scale, rel)
+
     kind = data_dtype or b.dtype
     low_precision = kind.is_floating_point and kind.itemsize < 8
     advice = (f"the {kind} kernel products cannot resolve this penalty: use float64 data or a larger penalty"
@@ -271,4 +285,4 @@ def conjugate_gradient(
         extra={"frozen_at_breakdown": breakdowns, "returned_best": int(diverged.sum()), "stagnated": stagnated,
                "time_limit": timed_out},
     )
-    return x, info
+    return x * scale, info
