@@ -496,3 +496,12 @@ def test_float32_matern12_near_pairs_are_exact(monkeypatch, fused_on, store):
     torch.testing.assert_close(dup, torch.full((100,), 3.0, dtype=torch.float64), rtol=1e-6, atol=0)
     ref = exact.T @ (exact @ u)
     assert float((got - ref).norm() / ref.norm()) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_rows_are_refused(dtype):
+    """float16 / bfloat16 squared norms lose the distances (K_nM 4e-3 to 3e-2 off): refused by name, as FalkonGP
+    refuses them."""
+    x = torch.randn(20, 2).to(dtype)
+    with pytest.raises(TypeError, match=r"x has dtype torch\.(float16|bfloat16)"):
+        KernelEngine(gpytorch.kernels.RBFKernel(), x, x[:5])

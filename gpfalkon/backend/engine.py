@@ -406,6 +406,8 @@ class KernelEngine:
         block_rows: int | None = None,
         store: bool | None = None,
     ) -> None:
+        if x.dtype not in (torch.float32, torch.float64):  # float16 / bfloat16 norms lose the distances
+            raise TypeError(f"x has dtype {x.dtype}; the kernel engine supports torch.float32 and torch.float64")
         self.kernel = kernel
         self.x = x.detach()  # a tensor, or a RowSource read block by block (never held whole)
         self.streamed = isinstance(x, RowSource)

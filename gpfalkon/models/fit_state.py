@@ -9,7 +9,9 @@ constant mean and the training data. :class:`FitTracker` records, at fit time,
   ``O(1)`` to check;
 * a **content digest** of the training data (:func:`content_digest` of the bytes of ``x``
   and ``y``, with their shapes and dtypes), recomputed only when the identity changed (a
-  copy, a pickle, ``.to()``, an in-place edit), and digests of the hyperparameter groups. Both
+  copy, a pickle, ``.to()``, an in-place torch operation), and digests of the hyperparameter groups. An edit
+  that bypasses the version counter (through ``.data``, or a numpy array sharing the tensor's memory) keeps the
+  identity and is not seen: that is the price of an ``O(1)`` check per prediction. Both
   persist in the model's ``state_dict`` (``fit_digest``), so a load that does not match says
   which of ``train_x``, ``train_y``, kernel, centers, noise or mean differs.
 
