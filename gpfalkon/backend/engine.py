@@ -134,13 +134,19 @@ def refine_near_(buf: Tensor, xa: Tensor, ca_t: Tensor, near: float) -> Tensor:
     rounding (a few ``eps f (|z_i|^2 + |c_j|^2)``) is not small against the distance, and the profile's square
     root (not differentiable at 0) turns it into an error of ``sqrt(eps)`` or more in the kernel's value (duplicate
     points: ``k(x, x)`` off by ``~3e-4`` in float32). The C++ tile kernel does the same per tile
-    (:func:`~gpfalkon.backend.fused.fused_fly_kmn_k`). Cost: ``O(rows M)`` (one temporary of ``buf``'s size) and
-    ``O(d)`` per recomputed pair."""
+    (:func:`~gpfalkon.backend.fused.fused_fly_kmn_k`). Cost: one read of ``buf`` (its rows' minima against the
+    loosest threshold), ``O(M)`` per row that can hold a near pair and ``O(d)`` per recomputed pair."""
     a = xa.shape[-1]
     d, f = a - 2, _FACTOR["matern12"]
-    thr = torch.add(xa[:, d : d + 1], ca_t[a - 1 : a, :]).mul_(near)
-    i, j = torch.nonzero(buf <= thr, as_tuple=True)
+    c_sq = ca_t[a - 1]  # f |c_j|^2
+    # the rows that can hold a near pair (their smallest distance below the loosest threshold): one read of buf
+    rows = torch.nonzero(buf.amin(1) <= (xa[:, d] + c_sq.max()) * near).squeeze(1)
+    if rows.numel() == 0:
+        return buf
+    thr = torch.add(xa[rows, d : d + 1], c_sq.unsqueeze(0)).mul_(near)
+    i, j = torch.nonzero(buf[rows] <= thr, as_tuple=True)
     if i.numel():
+        i = rows[i]
         # -2 f (z - c), with -2 f c rounded as the augmented rows' -2 f z were: a duplicate point gives exactly 0
         diff = xa[i, :d] - (-2.0 * f) * ca_t[:d, j].t()
         buf[i, j] = diff.square_().sum(-1).mul_(0.25 / f)

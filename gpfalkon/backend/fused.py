@@ -694,6 +694,10 @@ GPFALKON_NO_CONTRACT static void refine_near(T* __restrict b, const T* __restric
     T* row = b + i * M;
     const T* x = xa + i * a;
     const T xs = x[d];  // f |z_i|^2
+    int hit = 0;  // a vectorised scan first: most rows hold no near pair
+#pragma omp simd reduction(| : hit)
+    for (int64_t j = 0; j < M; ++j) hit |= static_cast<int>(row[j] <= near * (xs + csq[j]));
+    if (!hit) continue;
     for (int64_t j = 0; j < M; ++j) {
       if (row[j] <= near * (xs + csq[j])) {
         T t = T(0);
