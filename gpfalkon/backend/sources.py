@@ -173,14 +173,21 @@ class RowSource(abc.ABC):
         return True
 
     def astype(self, dtype: torch.dtype) -> RowSource:
-        """This source read in ``dtype`` (float32 or float64): a shallow copy sharing the files or tensor, each
-        block converted as it is read (no copy of the rows)."""
+        """This source read in ``dtype`` (float32 or float64): :meth:`to` with that dtype."""
+        return self.to(dtype=dtype)
+
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> RowSource:
+        """This source read in ``dtype`` (float32 or float64) onto ``device`` (``None``: as now): a shallow copy
+        sharing the files or tensor, each block converted and moved as it is read (no copy of the rows), or this
+        source itself where nothing changes."""
+        dtype = self.dtype if dtype is None else dtype
+        device = self.device if device is None else _concrete(device)
         if dtype not in (torch.float32, torch.float64):
             raise TypeError(f"a row source holds float32 or float64 rows, got {dtype}")
-        if dtype == self.dtype:
+        if dtype == self.dtype and device == self.device:
             return self
         out = copy.copy(self)
-        out.dtype = dtype
+        out.dtype, out.device = dtype, device
         return out
 
     def materialize(self) -> Tensor:

@@ -1,7 +1,6 @@
 """FalkonGP: a GPyTorch model whose posterior is Nyström KRR solved by FALKON."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import numbers
@@ -178,13 +177,9 @@ def _moved_source(source: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     """``source`` whose blocks are read as ``fn`` (``.to(...)``, ``.double()``...) would move a tensor of its dtype on
     its device: a shallow copy with the new dtype and device (the files are shared), or ``source`` itself."""
     probe = fn(torch.empty(0, dtype=source.dtype, device=source.device))
-    if probe.dtype == source.dtype and probe.device == source.device:
-        return source
     if probe.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"a row source of train_x reads float32 or float64 rows, not {probe.dtype}")
-    moved = copy.copy(source)
-    moved.dtype, moved.device = probe.dtype, probe.device
-    return moved
+    return source.to(dtype=probe.dtype, device=probe.device)
 
 
 class FalkonSourcePrior:
