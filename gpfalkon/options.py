@@ -200,7 +200,7 @@ def _check_int(name: str, value: Any, *, minimum: int) -> int | None:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be an integer or None, got {type(value).__name__}")
-    if not math.isfinite(float(value)) or float(value) != int(value):
+    if not isinstance(value, numbers.Integral) and (not math.isfinite(float(value)) or float(value) != int(value)):
         raise TypeError(f"{name} must be an integer or None, got {value!r}")
     if int(value) < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")

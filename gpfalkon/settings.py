@@ -71,7 +71,10 @@ class _setting:
 def _positive_int(name: str, value: Any, allow_none: bool) -> int | None:
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
+    # integers, and integer-valued floats (2.0**30, 1e9) as FalkonOptions takes them
+    integral = isinstance(value, numbers.Integral) or (
+        isinstance(value, numbers.Real) and math.isfinite(float(value)) and float(value) == math.floor(float(value)))
+    if isinstance(value, bool) or not integral or int(value) < 1:
         kind = "an integer >= 1" + (" or None" if allow_none else "")
         raise ValueError(f"gpfalkon.settings.{name}: must be {kind}, got {value!r}")
     return int(value)

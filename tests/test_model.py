@@ -582,3 +582,36 @@ def test_a_float32_kernel_that_refuses_float64_points_fits_and_predicts():
     for got, want in zip(preds[torch.float32], preds[torch.float64], strict=True):
         scale = float(want.abs().max())
         torch.testing.assert_close(got, want, rtol=0.0, atol=1e-4 * max(scale, 1.0))
+
+
+def test_prediction_with_a_graph_keeps_no_q_by_m_tensors_beyond_the_budget():
+    """Predicting at many points with autograd on (the kernel's parameters require grad: the default) kept every
+    chunk's kernel values and roots in the graph, several ``q x M`` tensors. Under a budget the graph cannot hold
+    them, the chunks are capped by the budget and checkpointed: the tensors the graph keeps between the forward and
+    the backward pass total less than one ``q x M`` float64 matrix, and the gradients of the mean and variance with
+    respect to the kernel's parameters equal those of the unchunked computation."""
+    from gpfalkon import settings
+
+    x, y = make_data(600, 3)
+    xt = make_data(3000, 3, seed=5)[0]
+    model = FalkonGP(x, y, kernel=make_kernel("scale_rbf", 3), num_centers=100, penalty=1e-3).fit().eval()
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    grads = {}
+    for budget in (2**20, 2**34):  # 1 MiB: checkpointed chunks of 218 points; 16 GiB: one chunk, the whole graph
+        model.zero_grad()
+        saved.clear()
+        with settings.memory_budget(budget), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            pred = model(xt)
+            loss = pred.mean.sum() + pred.variance.sum()
+        held = sum(saved)
+        loss.backward()
+        grads[budget] = [p.grad.clone() for p in model.kernel.parameters()]
+        if budget == 2**20:
+            assert held < 3000 * 100 * 8, held
+    for a, b in zip(grads[2**20], grads[2**34], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

@@ -299,7 +299,8 @@ def test_gram_route_is_the_cpu_float32_default_and_validated():
 def test_gram_route_backward_does_not_recompute_the_center_products(monkeypatch):
     """The selective-checkpoint policy keeps each block's ``M x M`` product: the backward pass
     recomputes the kernel blocks but no block's GEMM with an ``M x M`` output, so the count of such
-    GEMMs in the backward pass does not grow with the number of blocks (without the policy it does)."""
+    GEMMs in the backward pass does not grow with the number of blocks (without the policy it does) — where the
+    kept products fit the graph's share of the memory budget; beyond it they are recomputed."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import gpfalkon.backend.passes as passes
@@ -337,6 +338,13 @@ def test_gram_route_backward_does_not_recompute_the_center_products(monkeypatch)
         assert four == one
         monkeypatch.setattr(passes, "selective_contexts", None)  # recompute everything
         assert backward_square_gemms(100) == one + 4
+    monkeypatch.undo()
+    # 40 blocks whose M x M products (40 M (M + 1) float64 values, 192 KB) exceed the graph's share of a 1 MiB budget:
+    # none is kept (each block's is recomputed in the backward pass), so the memory held between the passes does not
+    # grow with the number of blocks
+    with settings.memory_budget(2**20):
+        one = backward_square_gemms(400)
+        assert backward_square_gemms(10) == one + 40
 
 
 def test_float32_objectives_with_duplicate_centers_are_finite():

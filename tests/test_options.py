@@ -318,3 +318,19 @@ def test_every_pass_goes_through_an_injected_backend():
     for name in ("whitened_aggregates", "map_whitened_blocks", "kernel_matmul", "kernel_diagonal", "whitened_sq_norms",
                  "blockwise_kernel_grad"):
         assert _PassCountingEngine.calls.get(name, 0) >= 1, name
+
+
+def test_the_setting_and_the_options_take_the_same_byte_counts():
+    """An integer-valued float (2.0**30) and an integer beyond float precision (10**30) are budgets to both the
+    setting and FalkonOptions; fractions, negatives, strings and booleans are refused by both."""
+    from gpfalkon import settings
+
+    for good in (2.0**30, 10**30, 12345):
+        with settings.memory_budget(good):
+            assert settings.memory_budget.value() == int(good)
+        assert FalkonOptions(memory_budget=good).memory_budget == int(good)
+    for bad in (1.5, -1, 0, "1000", True, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="memory_budget"):
+            settings.memory_budget(bad)
+        with pytest.raises((TypeError, ValueError), match="memory_budget"):
+            FalkonOptions(memory_budget=bad)

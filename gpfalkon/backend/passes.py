@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from .. import settings
-from .blocks import AGGREGATE, keeps_graph, row_blocks
+from .blocks import AGGREGATE, GRAPH_SHARE, keeps_graph, memory_budget_for, row_blocks
 from .engine import KernelEngine, kernel_block, stationary_spec
 from .prefetch import row_slices
 
@@ -212,8 +212,13 @@ def _gram_aggregates(
     acc: list[Tensor] | None = None
     ranges = list(row_blocks(x.shape[0], rows))
     keep = _keep_graph(x, centers, ranges)
+    # the selective policy keeps every block's M x M Gram until the backward pass (its GEMM is not recomputed):
+    # len(ranges) M (M + t) float64 values, taken only where they fit the graph's share of the memory budget
+    # (as _keep_graph's whole graph); else the backward pass recomputes them and one block is held at a time
+    saved = len(ranges) * m * (m + (y.shape[-1] if y.dim() > 1 else 1)) * 8
+    contexts = selective_contexts if saved <= memory_budget_for(None, device=x.device) // GRAPH_SHARE else None
     for s, e, xb in row_slices(x, ranges):
-        policy = None if selective_contexts is None else partial(selective_contexts, _keep_center_products(m, e - s))
+        policy = None if contexts is None else partial(contexts, _keep_center_products(m, e - s))
         out = _checkpointed(block, keep, xb, y[s:e], centers, context_fn=policy)
         acc = list(out) if acc is None else [a + o for a, o in zip(acc, out, strict=True)]
     assert acc is not None  # x has at least one row (validated by the callers)
@@ -273,8 +278,8 @@ def _needs_graph(kernel: Kernel, *tensors: Tensor) -> bool:
 
 def kernel_matmul(kernel: Kernel, x: Tensor, centers: Tensor, alpha: Tensor, rows: int) -> Tensor:
     """``k(x, centers) @ alpha`` (``(..., q, t)``) in blocks of ``rows`` points of ``x`` (batch
-    dimensions allowed): never a ``q x M`` block beyond ``rows x M``. Differentiable w.r.t.
-    everything; cost ``O(q M (d + t))``.
+    dimensions allowed): never a ``q x M`` block beyond ``rows x M``, with a graph too: beyond the graph's share of
+    the memory budget each block is checkpointed. Differentiable w.r.t. everything; cost ``O(q M (d + t))``.
 
     Where no gradient is recorded (``torch.no_grad()``, or nothing requires grad), ``x`` is 2-D and
     ``kernel`` is one the kernel engine's fast path knows (RBF / Matern, ARD, optionally scaled:
@@ -287,8 +292,15 @@ def kernel_matmul(kernel: Kernel, x: Tensor, centers: Tensor, alpha: Tensor, row
         eng = KernelEngine(kernel, x, centers.to(x.dtype), store=False, block_rows=rows)
         return eng.k_matmul(alpha).to(torch.promote_types(x.dtype, alpha.dtype))
     c = centers.expand(*x.shape[:-2], *centers.shape)  # the same number of dims as x (GPyTorch's kernels need it)
-    parts = [kernel_block(kernel, x[..., s:e, :], c) @ alpha for s, e in row_blocks(x.shape[-2], rows)]
-    return torch.cat(parts, -2)
+    ranges = list(row_blocks(x.shape[-2], rows))
+    # the graph of every block's kernel values (several q x M tensors in all) is kept only where it fits the graph's
+    # share of the memory budget; else each block is checkpointed (the backward pass recomputes it)
+    keep = len(ranges) == 1 or keeps_graph(x.shape[:-1].numel(), centers.shape[-2], AGGREGATE, device=x.device)
+
+    def block(xb: Tensor, c_: Tensor, a_: Tensor) -> Tensor:
+        return kernel_block(kernel, xb, c_) @ a_
+
+    return torch.cat([_checkpointed(block, keep, x[..., s:e, :], c, alpha) for s, e in ranges], -2)
 
 
 def kernel_diagonal(kernel: Kernel, x: Tensor, rows: int, *, dtype: torch.dtype | None = None) -> Tensor:

@@ -36,6 +36,7 @@ from .._validation import (
     check_targets,
     is_row_source,
 )
+from ..backend.blocks import memory_budget_for
 from ..backend.engine import KernelEngine, kernel_block_in
 from ..backend.passes import is_sharded, reduce_rows, total_rows
 from ..backend.precision import matmul_precision
@@ -62,6 +63,10 @@ from .posterior import (
 )
 
 __all__ = ["FalkonGP", "NystromPosteriorFactors"]
+
+#: float64 ``chunk x M`` blocks a prediction chunk holds at once (the kernel block, the roots ``a`` and ``c``, and
+#: temporaries): the chunk is capped so that they fit the memory budget
+PREDICT_LIVE_BLOCKS = 6
 
 # keyword options FalkonGP(center_selection="leverage") passes to leverage_centers
 _LEVERAGE_OPTIONS = frozenset(
@@ -337,7 +342,8 @@ class FalkonGP(gpytorch.models.GP):
         options: a :class:`~gpfalkon.FalkonOptions` instead of (or with, if they do not
             conflict) the keyword options above; stored as ``model.options``.
         predict_chunk_size: test points per chunk when predicting (bounds the
-            ``chunk x M`` kernel blocks held at once).
+            ``chunk x M`` kernel blocks held at once); fewer where the memory budget cannot hold
+            ``PREDICT_LIVE_BLOCKS`` such float64 blocks (a variance chunk holds about that many).
         mean_constant: constant prior mean ``c`` (a float, or one value per output
             column; default 0), GPyTorch's ``ConstantMean`` held fixed: the fit solves
             ``H alpha = K_Mn (y - c)``, the posterior mean is ``c + K_*M alpha`` and the
@@ -1369,12 +1375,19 @@ class FalkonGP(gpytorch.models.GP):
             mean = self._mean_at(x)
         return mean.squeeze(-1) if self._num_outputs == 1 else mean
 
+    def _predict_chunk(self, device: torch.device) -> int:
+        """Test points per prediction chunk: ``predict_chunk_size``, or fewer where ``PREDICT_LIVE_BLOCKS`` float64
+        ``chunk x M`` blocks would not fit the memory budget (the model's, else the setting's)."""
+        budget = memory_budget_for(self.options.memory_budget, device=device)
+        fits = budget // (PREDICT_LIVE_BLOCKS * 8 * max(self.centers.shape[0], 1))
+        return max(1, min(self.predict_chunk_size, fits))
+
     def _mean_at(self, x: Tensor) -> Tensor:
         """``c + K_xM alpha`` in ``x``'s dtype, ``(..., q, t)``."""
         if x.shape[-2] == 0:
             return torch.zeros(*x.shape[:-1], self._num_outputs, dtype=x.dtype, device=x.device)
         kxa = nystrom_posterior_mean(
-            self.kernel, x, self.centers, self.alpha, self.predict_chunk_size, backend=self.options.backend
+            self.kernel, x, self.centers, self.alpha, self._predict_chunk(x.device), backend=self.options.backend
         )
         return (kxa + self.mean_constant.to(torch.float64).reshape(-1)).to(x.dtype)
 
@@ -1396,6 +1409,6 @@ class FalkonGP(gpytorch.models.GP):
         else:
             f = self.posterior_factors()
             covar = NystromPosteriorCovariance(
-                x, self.centers.detach(), f.L, f.LB, kernel=self.kernel, chunk_size=self.predict_chunk_size
+                x, self.centers.detach(), f.L, f.LB, kernel=self.kernel, chunk_size=self._predict_chunk(x.device)
             )
         return shared_covariance_distribution(mean, covar)

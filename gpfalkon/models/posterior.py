@@ -12,8 +12,9 @@ from gpytorch.kernels import Kernel
 from linear_operator.operators import DiagLinearOperator, KroneckerProductLinearOperator, LinearOperator
 from linear_operator.utils.memoize import cached
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
-from ..backend.blocks import row_blocks
+from ..backend.blocks import AGGREGATE, keeps_graph, row_blocks
 from ..backend.engine import kernel_block
 from ..backend.passes import backend_pass
 from ..linalg import jittered_cholesky, upper_gram
@@ -121,7 +122,8 @@ class NystromPosteriorCovariance(LinearOperator):
     ``K_** - K_*M K_MM^{-1} K_M* + n lambda K_*M H^{-1} K_M*`` (docs/math.md §4).
 
     Nothing of size ``q x M`` or ``q x q`` is held, only ``chunk x M`` and
-    ``chunk x chunk`` tiles: the diagonal (the predictive variances) costs
+    ``chunk x chunk`` tiles (with an autograd graph too, beyond the graph's share of the memory budget: the chunks
+    are checkpointed): the diagonal (the predictive variances) costs
     ``O(q M (M + d))`` time in chunks of ``chunk_size`` test points; a product with
     a ``(q, k)`` right-hand side costs two chunked passes,
     ``O(q M (M + d + k) + q^2 (d + k))``. Batch dimensions are those of ``x``. Internals run in float64; results are in
@@ -155,13 +157,21 @@ class NystromPosteriorCovariance(LinearOperator):
         return self
 
     def _diagonal(self) -> Tensor:
-        out = []
-        for s, e in self._chunks():
-            xs = self.x[..., s:e, :]
+        chunks = list(self._chunks())
+        # with a graph (the kernel's parameters require grad, or x does) each chunk's roots would stay in it until
+        # the backward pass: several q x M tensors in all; beyond the graph's share of the memory budget each chunk
+        # is checkpointed (recomputed by the backward pass, if one comes)
+        keep = (len(chunks) == 1 or not torch.is_grad_enabled()
+                or keeps_graph(self.x.shape[:-1].numel(), self.centers.shape[-2], AGGREGATE, device=self.x.device))
+
+        def chunk(xs: Tensor) -> Tensor:
             x64 = xs.to(torch.float64)
             kdiag = kernel_block(self.kernel, x64, x64, diag=True)
             a, c = self._roots(xs)
-            out.append(kdiag - a.square().sum(-2) + c.square().sum(-2))
+            return kdiag - a.square().sum(-2) + c.square().sum(-2)
+
+        out = [chunk(self.x[..., s:e, :]) if keep else checkpoint(chunk, self.x[..., s:e, :], use_reentrant=False)
+               for s, e in chunks]
         return torch.cat(out, -1).to(self.x.dtype)
 
     @cached
