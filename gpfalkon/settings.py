@@ -14,12 +14,27 @@ from __future__ import annotations
 import contextvars
 import math
 import numbers
+import os
 from typing import Any, ClassVar
 
 __all__ = ["aggregate_route", "block_rows", "cg_tolerance", "kmm_through_factor", "max_cg_iterations", "memory_budget",
            "store_format", "tf32", "triton_fly", "variance_factors"]
 
 _UNSET = object()
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """The boolean environment variable ``name`` (``default`` where unset): ``1 / true / yes / on`` or
+    ``0 / false / no / off`` (any case, spaces ignored); anything else raises ``ValueError`` naming it."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r}: use 1 / true / yes / on or 0 / false / no / off")
 
 
 class _setting:

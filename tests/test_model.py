@@ -615,3 +615,91 @@ def test_prediction_with_a_graph_keeps_no_q_by_m_tensors_beyond_the_budget():
             assert held < 3000 * 100 * 8, held
     for a, b in zip(grads[2**20], grads[2**34], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_threaded_variances_leave_gpytorch_settings_alone():
+    """The unfloored variance is computed without GPyTorch's process-wide ``min_variance`` setting (entering and
+    leaving it from several threads left it at 0 for every later distribution): four threads' variances equal the
+    single-threaded ones, and the setting is never entered."""
+    import threading
+
+    x, y = make_data(300, 3)
+    xt = make_data(50, 3, seed=5)[0]
+    model = FalkonGP(x, y, kernel=make_kernel("scale_rbf", 3), num_centers=40, penalty=1e-3).fit().eval()
+    with torch.no_grad():
+        want = model(xt).variance
+    entered = []
+    real_enter = gpytorch.settings.min_variance.__enter__
+
+    def spy(self):
+        entered.append(1)
+        return real_enter(self)
+
+    out = [None] * 4
+
+    def work(i):
+        with torch.no_grad():
+            for _ in range(5):
+                out[i] = model(xt).variance
+
+    try:
+        gpytorch.settings.min_variance.__enter__ = spy
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        gpytorch.settings.min_variance.__enter__ = real_enter
+    assert entered == []
+    for v in out:
+        torch.testing.assert_close(v, want, rtol=0, atol=0)
+    assert gpytorch.settings.min_variance.value(torch.float64) == 1e-10
+
+
+def test_factors_formed_across_a_refit_are_not_kept(monkeypatch):
+    """A variance request forms the factors in a data pass; if the model is fitted again meanwhile (another
+    thread), the factors of the old fit are used for that request only, never stored for the new fit."""
+    from gpfalkon.models import posterior
+
+    x, y = make_data(300, 3)
+    model = FalkonGP(x, y, kernel=make_kernel("scale_rbf", 3), num_centers=40, penalty=1e-3).fit().eval()
+    real = posterior.NystromPosteriorFactors.compute
+
+    def slow_compute(op):
+        out = real(op)
+        model._forget_factors()  # what a fit() in another thread does while this pass runs
+        return out
+
+    monkeypatch.setattr(posterior.NystromPosteriorFactors, "compute", staticmethod(slow_compute))
+    model.posterior_factors()
+    assert model._factors is None
+    monkeypatch.setattr(posterior.NystromPosteriorFactors, "compute", staticmethod(real))
+    assert model.posterior_factors() is model._factors is not None
+
+
+def test_a_failed_digest_pass_at_the_end_of_fit_leaves_the_model_cleanly_unfitted(monkeypatch):
+    """The data's digests are the last pass of ``fit()`` (a row source's read can fail there): the model is then
+    unfitted, with nothing of the failed fit recorded, and a later fit works."""
+    from gpfalkon.models import fit_state
+
+    x, y = make_data(300, 3)
+    xt = make_data(5, 3, seed=5)[0]
+    model = FalkonGP(x, y, kernel=make_kernel("scale_rbf", 3), num_centers=40, penalty=1e-3).fit()
+    real = fit_state.data_fingerprint
+
+    def failing(*args, **kwargs):
+        raise OSError("disk error")
+
+    with torch.no_grad():
+        model.kernel.base_kernel.lengthscale = 0.7
+    monkeypatch.setattr(fit_state, "data_fingerprint", failing)
+    with pytest.raises(OSError, match="disk error"):
+        model.fit()
+    assert not bool(model.fitted) and model._fit_tracker.snapshot is None
+    with pytest.raises(NotFittedError):
+        model.eval()(xt)
+    monkeypatch.setattr(fit_state, "data_fingerprint", real)
+    model.fit()
+    reference = FalkonGP(x, y, kernel=model.kernel, centers=model.centers.clone(), penalty=1e-3).fit().eval()
+    torch.testing.assert_close(model.eval()(xt).mean, reference(xt).mean)

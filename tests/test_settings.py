@@ -172,3 +172,21 @@ def test_no_code_path_toggles_gpytorch_skip_posterior_variances(monkeypatch):
     assert not [n for n in fitted.auto_report.notes if "fail" in n or "Error" in n], fitted.auto_report.notes
     assert entered == []
     assert gpfalkon.settings.max_cg_iterations.value() == 100
+
+
+def test_boolean_environment_variables_are_parsed_strictly(monkeypatch):
+    """``GPFALKON_FUSED_CPU`` (and ``GPFALKON_TRITON_AUTOTUNE``) take 1/true/yes/on or 0/false/no/off; anything else
+    is an error naming the variable, not a silent "on"."""
+    from gpfalkon.backend import fused
+    from gpfalkon.settings import env_flag
+
+    for raw, want in (("1", True), (" On ", True), ("yes", True), ("0", False), ("FALSE", False), ("off", False)):
+        monkeypatch.setenv("GPFALKON_X", raw)
+        assert env_flag("GPFALKON_X", not want) is want
+    monkeypatch.delenv("GPFALKON_X")
+    assert env_flag("GPFALKON_X", True) is True
+    monkeypatch.setitem(fused._state, "enabled", None)
+    for raw in ("maybe", "-1", "", "00"):
+        monkeypatch.setenv("GPFALKON_FUSED_CPU", raw)
+        with pytest.raises(ValueError, match="GPFALKON_FUSED_CPU"):
+            fused.fused_available()

@@ -2,10 +2,10 @@
 that ``import gpfalkon`` does not import Triton). See that module for what they compute and cost."""
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
+
+from ..settings import env_flag
 
 __all__ = ["fly_cols", "fly_rows", "interpreting", "launch_options"]
 
@@ -16,7 +16,7 @@ _CONFIGS = [
     triton.Config({"BLOCK_N": bn, "BLOCK_M": bm}, num_warps=w, num_stages=st)
     for bn, bm, w, st in ((64, 64, 4, 2), (128, 64, 4, 2), (64, 128, 4, 2), (128, 128, 8, 2), (32, 64, 2, 2))
 ]
-if os.environ.get("GPFALKON_TRITON_AUTOTUNE", "1") == "0":
+if not env_flag("GPFALKON_TRITON_AUTOTUNE", True):
     _CONFIGS = _CONFIGS[:1]
 _KEY = ["a", "KIND", "PREC", "BLOCK_K"]
 

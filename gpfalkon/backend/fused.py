@@ -51,6 +51,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..settings import env_flag
+
 __all__ = ["FLUSH_ROWS", "FLY_TILE_BYTES", "MAX_K", "MAX_SOLVE_K", "SOLVE_BLOCK", "SOLVE_MIN_M", "fly_applies",
            "fly_tile_rows", "fused_available", "fused_fly_kmn_k", "fused_kmn_k", "fused_profile_", "set_enabled",
            "upper_solve", "word_digest"]
@@ -990,7 +992,7 @@ def set_enabled(enabled: bool | None) -> None:
 def _enabled() -> bool:
     if _state["enabled"] is not None:
         return bool(_state["enabled"])
-    return os.environ.get("GPFALKON_FUSED_CPU", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_flag("GPFALKON_FUSED_CPU", True)
 
 
 def _build_directory(name: str) -> str:
@@ -1059,6 +1061,9 @@ def _load() -> Any:
                 )
         except Exception as exc:  # no compiler, no ninja, a failed build: keep the torch path
             _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        except BaseException:  # interrupted (KeyboardInterrupt): not a verdict on the build; a later call retries
+            _state["tried"] = False
+            raise
         return _state["module"]
 
 

@@ -532,6 +532,7 @@ class FalkonGP(gpytorch.models.GP):
         self._fit_tracker = FitTracker()
         self._factors: NystromPosteriorFactors | None = None  # exact
         self._fast_factors: NystromPosteriorFactors | None = None  # FALKON's approximation (settings.variance_factors)
+        self._factors_generation = 0  # counts _forget_factors: factors formed across one are not kept
         self.register_load_state_dict_post_hook(FalkonGP._after_load)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -558,6 +559,7 @@ class FalkonGP(gpytorch.models.GP):
                 buffers["fitted"] = torch.zeros((), dtype=torch.bool, device=dev)  # nothing to check it by
             state["_legacy_state"] = True
         state.setdefault("_legacy_state", False)
+        state.setdefault("_factors_generation", 0)
         if isinstance(buffers, dict) and "kernel_probe" not in buffers:  # pickled before the probe: none recorded
             anchor = buffers.get("alpha")
             buffers["kernel_probe"] = torch.zeros(0, dtype=torch.float64,
@@ -968,10 +970,16 @@ class FalkonGP(gpytorch.models.GP):
                 "fit: the solution alpha contains NaN or Inf (the kernel, penalty or data overflow in this "
                 f"dtype, {self.train_inputs[0].dtype}); check the data's scale and the penalty, or use float64"
             )
+        try:  # the data's digests first (a pass over the rows, which can fail: a row source's read)
+            summary, digest = self._fit_tracker.mark(self._fit_dependencies(), self._fit_data(),
+                                                     reduce=self._row_sum, row_offset=self._row_offset,
+                                                     structure=self._kernel_structure())
+        except BaseException:
+            self._set_fitted(False)  # alpha is the new one already: cleanly unfitted, not the old fit's records
+            self._fit_tracker.forget()
+            raise
         self._set_fitted(True)
         self._legacy_state = False
-        summary, digest = self._fit_tracker.mark(self._fit_dependencies(), self._fit_data(), reduce=self._row_sum,
-                                                 row_offset=self._row_offset, structure=self._kernel_structure())
         self.data_fingerprint = summary.to(self.data_fingerprint.device)
         self.fit_digest = self._digest_now(digest)
         self.kernel_probe = self._kernel_probe().to(self.kernel_probe.device)
@@ -1162,9 +1170,9 @@ class FalkonGP(gpytorch.models.GP):
                     # the same raw noise through another constraint transform (likelihood) is another noise;
                     # across devices the transform agrees to a few ulps of the model's dtype
                     rtol = 1e-5 if module.train_inputs[0].dtype == torch.float32 else 1e-12
-                    if not math.isclose(float(module.noise), fit_noise, rel_tol=rtol):
+                    if not math.isclose(float(module.noise.detach()), fit_noise, rel_tol=rtol):
                         differs.append(f"the noise sigma^2 (the fit's {fit_noise:.6g}, this model's likelihood "
-                                       f"makes {float(module.noise):.6g} of the same raw value: another noise "
+                                       f"makes {float(module.noise.detach()):.6g} of the same raw value: another noise "
                                        "constraint)")
                 if not differs and module.kernel_probe.numel() > 0:
                     probe, probe_dtype = module._kernel_probe_in()
@@ -1289,23 +1297,33 @@ class FalkonGP(gpytorch.models.GP):
         self._check_fitted()
         if approximate is None:
             approximate = settings.variance_factors.value() == "approximate"
+        # the factors are kept only if no fit (or data change) happened while they were formed: another thread's
+        # fit() forgets the factors, and a pass started before it must not store the old fit's afterwards
+        generation = self._factors_generation
         if approximate:
-            if self._fast_factors is None:  # K_MM alone: no operator over the rows (no collective when sharded)
+            fast = self._fast_factors
+            if fast is None:  # K_MM alone: no operator over the rows (no collective when sharded)
                 c = self.centers.detach()
                 kmm = KernelEngine(self.kernel, c, c, store=False).kmm(torch.float64)
-                self._fast_factors = NystromPosteriorFactors.approximate_from(
-                    kmm, self.n, float(self.penalty.detach()), self.center_weights)
-            return self._fast_factors
-        if self._factors is None:
+                fast = NystromPosteriorFactors.approximate_from(kmm, self.n, float(self.penalty.detach()),
+                                                                self.center_weights)
+                if generation == self._factors_generation:
+                    self._fast_factors = fast
+            return fast
+        factors = self._factors
+        if factors is None:
             op = self.nystrom_operator(store_kernel=False)  # one pass: storing K_nM would not pay
-            self._factors = NystromPosteriorFactors.compute(op)
+            factors = NystromPosteriorFactors.compute(op)
             op.engine.release()
-        return self._factors
+            if generation == self._factors_generation:
+                self._factors = factors
+        return factors
 
     def _forget_factors(self) -> None:
         """Drop both kinds of variance factors (the fit they belong to changed)."""
         self._factors = None
         self._fast_factors = None
+        self._factors_generation = getattr(self, "_factors_generation", 0) + 1
 
     def _check_test_inputs(self, x: Tensor) -> None:
         check_dtype("x", x)

@@ -282,10 +282,11 @@ class FitTracker:
              structure: tuple | None = None) -> tuple[Tensor, Tensor]:
         """Record the current state as fitted; returns the data's ``(summary, digest)`` to store
         (``reduce``, ``row_offset``, ``legacy_sums``: see :func:`data_fingerprint`)."""
-        self.snapshot = [t.detach().clone() for t in hyper]
+        out = data_fingerprint(*data, reduce=reduce, row_offset=row_offset, legacy_sums=legacy_sums)
+        self.snapshot = [t.detach().clone() for t in hyper]  # recorded once the data pass has succeeded
         self.data_key = _identity(data)
         self.structure = structure
-        return data_fingerprint(*data, reduce=reduce, row_offset=row_offset, legacy_sums=legacy_sums)
+        return out
 
     def forget(self) -> None:
         """Nothing is known to be fitted."""

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import gpytorch
 import torch
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from gpytorch.kernels import Kernel
+from gpytorch.utils.warnings import NumericalWarning
 from linear_operator.operators import DiagLinearOperator, KroneckerProductLinearOperator, LinearOperator
 from linear_operator.utils.memoize import cached
 from torch import Tensor
@@ -30,12 +31,29 @@ class _UnflooredVariance:
     """``variance`` without GPyTorch's floor (``gpytorch.settings.min_variance``: 1e-6 in float32, 1e-10 in
     float64), which is absolute: a posterior in the data's units (``auto_fit`` maps back to them) whose variances
     are below it, e.g. targets with a standard deviation of 1e-2 in float32, would get variances 100x too large.
-    The Nystrom posterior's diagonal is formed stably (docs/math.md §4), so only a negative rounding is cut, at 0."""
+    The Nystrom posterior's diagonal is formed stably (docs/math.md §4), so only a negative rounding is cut, at 0.
+    GPyTorch's ``variance`` (the diagonal, then the multitask layout) without its floor, rather than GPyTorch's under
+    ``min_variance(0)``: that setting is one class attribute for the whole process, so entering and leaving it from
+    several predicting threads left it at 0 for every later distribution."""
 
     @property
     def variance(self) -> Tensor:
-        with gpytorch.settings.min_variance(float_value=0.0, double_value=0.0, half_value=0.0):
-            return super().variance  # type: ignore[misc]
+        mvn: Any = self
+        if mvn.islazy:
+            diag = mvn.lazy_covariance_matrix.diagonal(dim1=-1, dim2=-2)
+            diag = diag.view(diag.shape[:-1] + mvn._event_shape)
+            var = diag.expand(mvn._batch_shape + mvn._event_shape)
+        else:
+            var = torch.distributions.MultivariateNormal.variance.fget(mvn)  # type: ignore[attr-defined]
+        if bool(var.lt(0).any()):
+            warnings.warn("Negative variance values detected (rounding); cut at 0", NumericalWarning, stacklevel=2)
+            var = var.clamp_min(0.0)
+        if isinstance(mvn, MultitaskMultivariateNormal):  # GPyTorch's multitask layout of the diagonal
+            if not mvn._interleaved:
+                shape = mvn._output_shape[:-2] + mvn._output_shape[:-3:-1]
+                return var.view(shape).transpose(-1, -2).contiguous()
+            return var.view(mvn._output_shape)
+        return var
 
 
 class NystromMultivariateNormal(_UnflooredVariance, MultivariateNormal):
