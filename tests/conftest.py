@@ -99,6 +99,21 @@ def dense_kernel(kernel, a, b):
     return kernel(a, b).to_dense()
 
 
+def matern12_near_pairs_case(n: int = 3000, dup: int = 100, near: int = 50):
+    """float32 rows, ``dup`` of them duplicated as centers (zero distances) and ``near`` centers 1e-3 from rows, with
+    ARD lengthscales four decades apart (large scaled norms: the norm expansion's rounding is large against near
+    pairs' distances): ``(kernel, x, centers, exact)``, ``exact`` the float64 Matern-1/2 values by direct
+    differences."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, generator=g)
+    c = torch.cat([x[:dup], x[dup : dup + near] + 1e-3 * torch.randn(near, 3, generator=g)])
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=0.5, ard_num_dims=3))
+    k.base_kernel.lengthscale = torch.tensor([[0.01, 1.0, 100.0]])
+    k.outputscale = 3.0
+    diff = (x.double()[:, None, :] - c.double()[None, :, :]) / k.base_kernel.lengthscale.detach().double()
+    return k, x, c, 3.0 * torch.exp(-diff.square().sum(-1).sqrt())
+
+
 def dense_nystrom(kernel, x, centers, penalty):
     """H, K_nM, K_MM formed densely (test reference only)."""
     knm = dense_kernel(kernel, x, centers)

@@ -8,7 +8,7 @@ import torch
 from gpfalkon import KernelEngine, settings
 from gpfalkon.kernels import kernel_product, stationary_spec
 
-from conftest import dense_kernel, make_data, make_kernel
+from conftest import dense_kernel, make_data, make_kernel, matern12_near_pairs_case
 
 KERNELS = ["rbf", "matern12", "matern32", "matern52", "scale_rbf", "scale_matern52", "periodic", "rbf+linear"]
 
@@ -458,22 +458,6 @@ def test_release_frees_inline_when_no_thread_can_start(monkeypatch):
     torch.testing.assert_close(KernelEngine(kernel, x, x[:10].clone(), store=True).kmn_k(u), first)
 
 
-def _matern12_spread_case():
-    """float32 rows, some duplicated as centers (zero distances) and some near them, with ARD lengthscales four
-    decades apart (large scaled norms: the norm expansion's rounding is large against near pairs' distances), and
-    the float64 Matern-1/2 values by direct differences."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(3000, 3, generator=g)
-    c = torch.cat([x[:100], x[100:150] + 1e-3 * torch.randn(50, 3, generator=g)])
-    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=0.5, ard_num_dims=3))
-    k.base_kernel.lengthscale = torch.tensor([[0.01, 1.0, 100.0]])
-    k.outputscale = 3.0
-    ls = k.base_kernel.lengthscale.detach().double()
-    diff = (x.double()[:, None, :] - c.double()[None, :, :]) / ls
-    exact = float(k.outputscale) * torch.exp(-diff.square().sum(-1).sqrt())
-    return k, x, c, exact
-
-
 @pytest.mark.parametrize("fused_on", [True, False])
 @pytest.mark.parametrize("store", [True, False])
 def test_float32_matern12_near_pairs_are_exact(monkeypatch, fused_on, store):
@@ -484,7 +468,7 @@ def test_float32_matern12_near_pairs_are_exact(monkeypatch, fused_on, store):
     from gpfalkon.backend import fused as fused_mod
 
     monkeypatch.setitem(fused_mod._state, "enabled", fused_on)
-    k, x, c, exact = _matern12_spread_case()
+    k, x, c, exact = matern12_near_pairs_case()
     eng = KernelEngine(k, x, c, store=store)
     u = torch.randn(150, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     got = eng.kmn_k(u.float()).double()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 
-import gpytorch
 import pytest
 import torch
 
@@ -16,7 +15,7 @@ from gpfalkon.backend import KernelEngine
 from gpfalkon.backend import engine as engine_mod
 from gpfalkon.backend.triton_fly import MAX_K, _worth_it, triton_fly_available, triton_fly_kmn_k
 
-from conftest import dense_kernel, make_data, make_kernel
+from conftest import dense_kernel, make_data, make_kernel, matern12_near_pairs_case
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
@@ -108,15 +107,8 @@ def test_matern12_near_pairs_are_exact(where, spy):
     pair recompute its distance from the coordinates (as the CPU paths do: test_engine), so ``K^T v`` is within
     float32 rounding of the exact product (a rounding floor per row zeroed distances up to ~0.2 here)."""
     device, mode = where
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(700, 3, generator=g)
-    c = torch.cat([x[:40], x[40:70] + 1e-3 * torch.randn(30, 3, generator=g)])
-    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=0.5, ard_num_dims=3))
-    k.base_kernel.lengthscale = torch.tensor([[0.01, 1.0, 100.0]])
-    k.outputscale = 3.0
-    diff = (x.double()[:, None, :] - c.double()[None, :, :]) / k.base_kernel.lengthscale.detach().double()
-    exact = 3.0 * torch.exp(-diff.square().sum(-1).sqrt())
-    v = torch.randn(700, 2, generator=g, dtype=torch.float64)
+    k, x, c, exact = matern12_near_pairs_case(700, 40, 30)
+    v = torch.randn(700, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     eng = KernelEngine(k.to(device), x.to(device), c.to(device), store=False)
     with gpfalkon.settings.triton_fly(mode):
         got = eng.kmn_k(None, v.float().to(device)).cpu()
