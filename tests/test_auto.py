@@ -537,11 +537,16 @@ def test_auto_fit_bad_data():
 
 def test_auto_fit_caps_the_scoring_fits_not_the_final_one():
     """``score_max_iter`` caps CG in the selection fits (recorded in ``report.search``); the final fit runs to
-    ``max_iter``. By default the cap is ``max(10, max_iter // 2)``; tol 1e-12 makes every CG fit reach it."""
+    ``max_iter``. By default the cap is ``max(10, max_iter // 2)``; tol 1e-12 makes every CG fit reach it. (A fixed
+    memory budget: with little memory available the automatic one stores no ``K_nM``, and the solve-method choice
+    then takes the direct solve, which has no iterations to cap.)"""
+    from gpfalkon import settings
+
     x, y, _ = _data(1500)
     for cap, expect in ((4, 4), (None, 15)):
-        m = auto_fit(x, y, budget=8.0, hyper_rows=300, hyper_centers=40, min_centers=100, max_centers=200,
-                     max_iter=30, tol=1e-12, score_max_iter=cap, dtype=torch.float64, refit_on_all=False)
+        with settings.memory_budget(2**30):
+            m = auto_fit(x, y, budget=8.0, hyper_rows=300, hyper_centers=40, min_centers=100, max_centers=200,
+                         max_iter=30, tol=1e-12, score_max_iter=cap, dtype=torch.float64, refit_on_all=False)
         rep = m.auto_report
         iters = [r["iterations"] for r in rep.search if r["iterations"] is not None]
         assert iters and max(iters) == expect, iters
