@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+import warnings
 
 import gpytorch
 import pytest
@@ -1572,3 +1573,21 @@ def test_auto_fit_calibrates_with_the_residuals_of_the_centers_it_returns(monkey
     assert len(scored["leverage"]) == 1
     assert all_among(r, scored["leverage"][0])
     assert not any(all_among(r, res) for res in scored["uniform"])
+
+
+def test_a_float32_fit_on_nearly_noiseless_data_suggests_float64():
+    """On a nearly noiseless function float32 kernel values limit the fit: the chosen validation error below
+    FLOAT32_LIMITED_ERROR of the targets' variance gives a warning (and a note) naming dtype=torch.float64; noisy
+    data, or float64, give none."""
+    from gpfalkon.auto import FLOAT32_LIMITED_ERROR
+
+    kw = dict(SMALL, dtype=torch.float32)
+    x, y, _ = _data(600, noise=1e-5)
+    with pytest.warns(RuntimeWarning, match="dtype=torch.float64"):
+        m = auto_fit(x, y, **kw)
+    assert m.auto_report.chosen["val_error"] < FLOAT32_LIMITED_ERROR
+    assert any("float32 kernel values limit the fit" in n for n in m.auto_report.notes)
+    for data, dtype in ((_data(600, noise=0.05), torch.float32), (_data(600, noise=1e-5), torch.float64)):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*float32 kernel values limit", category=RuntimeWarning)
+            auto_fit(data[0], data[1], **dict(SMALL, dtype=dtype))
