@@ -160,13 +160,14 @@ def test_time_limit_must_be_positive(bad):
         conjugate_gradient(lambda u: u, torch.ones(3, 1, dtype=torch.float64), time_limit=bad)
 
 
-@pytest.mark.parametrize("scale", [1e-170, 1e-100, 1e120, 1e170])
+@pytest.mark.parametrize("scale", [1e-170, 1e-100, 1e120, 1e170, 1.7e308])
 def test_right_hand_sides_of_any_scale(scale):
     """CG's squared norms would underflow (overflow) for right-hand sides far from 1 (float64: below ~1e-150 the
     columns were taken for zero): the solution is the scaled solution, to the tolerance; a power-of-two scale
     gives it bit for bit, with the same iterations; the callback sees the iterates in the caller's scale."""
     W = spd(20)
     b = torch.randn(20, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    b = b / b.abs().max()  # entries up to 1: b * 1.7e308 stays finite
     x_ref, info_ref = conjugate_gradient(lambda v: W @ v, b, tol=1e-12, max_iter=200)
     seen = []
     x, info = conjugate_gradient(lambda v: W @ v, b * scale, tol=1e-12, max_iter=200,

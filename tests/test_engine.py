@@ -489,3 +489,17 @@ def test_half_precision_rows_are_refused(dtype):
     x = torch.randn(20, 2).to(dtype)
     with pytest.raises(TypeError, match=r"x has dtype torch\.(float16|bfloat16)"):
         KernelEngine(gpytorch.kernels.RBFKernel(), x, x[:5])
+
+
+def test_refine_near_on_empty_blocks_and_many_near_pairs():
+    """No centers (or no rows): nothing to refine. A block whose pairs are nearly all near (one repeated point)
+    is refined in groups, every value exact."""
+    from gpfalkon.backend.engine import refine_near_
+
+    x = torch.randn(10, 3)
+    eng = KernelEngine(gpytorch.kernels.MaternKernel(nu=0.5), x, x[:4].clone(), store=False)
+    assert refine_near_(torch.empty(10, 0), eng._xa, eng._ca_t[:, :0], 1e-3).shape == (10, 0)
+    assert refine_near_(torch.empty(0, 4), eng._xa[:0], eng._ca_t, 1e-3).shape == (0, 4)
+    same = torch.randn(1, 3).expand(600, 3).contiguous()
+    eng = KernelEngine(gpytorch.kernels.MaternKernel(nu=0.5), same, same[:300].clone(), store=False)
+    assert bool((eng.materialize() == 1.0).all())

@@ -6,6 +6,8 @@ Uses BoTorch's own test utilities (``BotorchTestCase``: device, warning filters,
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from botorch.acquisition import PosteriorMean, qKnowledgeGradient
 from botorch.models.transforms.input import Normalize
@@ -273,6 +275,21 @@ class TestFalkonFantasies(BotorchTestCase):
             fm.condition_on_observations(Xf, Yf)
         fresh = model.condition_on_observations(Xf, Yf)  # conditioning the new fit works
         fresh.posterior(xt)
+        # a state loaded into the base (alpha copied in place: the same tensor) or a rescaled prior: stale too
+        other = copy.deepcopy(model)
+        with torch.no_grad():
+            other.kernel.raw_lengthscale.add_(0.3)
+        other.fit()
+        model.load_state_dict(other.state_dict())
+        with self.assertRaisesRegex(NotFittedError, "fitted again"):
+            fresh.posterior(xt)
+        from gpytorch.kernels import RBFKernel, ScaleKernel
+
+        scaled = self._model(kernel=ScaleKernel(RBFKernel()).double())
+        fresh = scaled.condition_on_observations(Xf, Yf)
+        scaled.scale_prior(2.0)
+        with self.assertRaisesRegex(NotFittedError, "fitted again"):
+            fresh.posterior(xt)
         unfitted = self._model(fit=False)
         with self.assertRaises(NotFittedError):
             unfitted.condition_on_observations(Xf, Yf)

@@ -125,6 +125,8 @@ _CONST = {"rbf": 1.0, "matern12": 1.0, "matern32": 1.0, "matern52": 1.0 / 3.0}
 #: (:func:`refine_near_`): above it the norm expansion's rounding moves the profile's ``z' = sqrt(t)`` by at most
 #: ``~ sqrt(d eps f (|z|^2 + |c|^2)) / 32`` (a few thousandths of a float32 kernel's near-pair values' spread).
 _NEAR = 256.0
+#: the near pairs :func:`refine_near_` takes at a time (their indices and coordinates: ~(16 + 12 d) bytes each)
+_NEAR_PAIRS = 16384
 
 
 def refine_near_(buf: Tensor, xa: Tensor, ca_t: Tensor, near: float) -> Tensor:
@@ -135,21 +137,26 @@ def refine_near_(buf: Tensor, xa: Tensor, ca_t: Tensor, near: float) -> Tensor:
     root (not differentiable at 0) turns it into an error of ``sqrt(eps)`` or more in the kernel's value (duplicate
     points: ``k(x, x)`` off by ``~3e-4`` in float32). The C++ tile kernel does the same per tile
     (:func:`~gpfalkon.backend.fused.fused_fly_kmn_k`). Cost: one read of ``buf`` (its rows' minima against the
-    loosest threshold), ``O(M)`` per row that can hold a near pair and ``O(d)`` per recomputed pair."""
+    loosest threshold), ``O(M)`` per row that can hold a near pair and ``O(d)`` per recomputed pair; memory
+    ``O(_NEAR_PAIRS d)`` beyond ``buf``, whatever the number of near pairs."""
+    if buf.numel() == 0:
+        return buf
     a = xa.shape[-1]
     d, f = a - 2, _FACTOR["matern12"]
     c_sq = ca_t[a - 1]  # f |c_j|^2
     # the rows that can hold a near pair (their smallest distance below the loosest threshold): one read of buf
     rows = torch.nonzero(buf.amin(1) <= (xa[:, d] + c_sq.max()) * near).squeeze(1)
-    if rows.numel() == 0:
-        return buf
-    thr = torch.add(xa[rows, d : d + 1], c_sq.unsqueeze(0)).mul_(near)
-    i, j = torch.nonzero(buf[rows] <= thr, as_tuple=True)
-    if i.numel():
-        i = rows[i]
-        # -2 f (z - c), with -2 f c rounded as the augmented rows' -2 f z were: a duplicate point gives exactly 0
-        diff = xa[i, :d] - (-2.0 * f) * ca_t[:d, j].t()
-        buf[i, j] = diff.square_().sum(-1).mul_(0.25 / f)
+    # those rows in groups of at most _NEAR_PAIRS pairs (repeated or discrete inputs can make most pairs near)
+    step = max(1, _NEAR_PAIRS // buf.shape[1])
+    for g in range(0, rows.numel(), step):
+        rg = rows[g : g + step]
+        thr = torch.add(xa[rg, d : d + 1], c_sq.unsqueeze(0)).mul_(near)
+        i, j = torch.nonzero(buf[rg] <= thr, as_tuple=True)
+        if i.numel():
+            i = rg[i]
+            # -2 f (z - c), with -2 f c rounded as the augmented rows' -2 f z were: a duplicate point gives exactly 0
+            diff = xa[i, :d] - (-2.0 * f) * ca_t[:d, j].t()
+            buf[i, j] = diff.square_().sum(-1).mul_(0.25 / f)
     return buf
 
 

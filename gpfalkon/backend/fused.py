@@ -674,7 +674,8 @@ void profile_(torch::Tensor b, int64_t kind, double zero_below) {
 // profile's square root would turn it into an error of sqrt(eps) and more; there b[i, j] is recomputed as
 // f sum_k (z_ik - c_jk)^2 = sum_k (xa_ik - (-2 f) c_jk)^2 / (4 f) from the coordinates, exact to rounding.
 // O(r M) compares and O(d) per recomputed pair (the near ones: duplicates and close neighbours).
-// (no fused multiply-add here: the product m2f c must round as torch's -2 f z did, for duplicates to give 0)
+// (no fused multiply-add here: the product m2f c must round as torch's -2 f z did, for duplicates to give 0; clang
+// takes its pragma only as the first statement of the body)
 #if defined(__clang__)
 #define GPFALKON_NO_CONTRACT
 #elif defined(__GNUC__)
@@ -685,13 +686,13 @@ void profile_(torch::Tensor b, int64_t kind, double zero_below) {
 template <typename T>
 GPFALKON_NO_CONTRACT static void refine_near(T* __restrict b, const T* __restrict xa, const T* __restrict ca,
                                              int64_t r, int64_t M, int64_t a, T near) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
   const int64_t d = a - 2;
   const T m2f = T(-2.0 * 2.0813689810056077);  // xa's first d columns are m2f z, rounded as m2f c is: a duplicate
   const T quarter = T(0.25 / 2.0813689810056077);  // point gives exactly 0
   const T* csq = ca + (a - 1) * M;     // f |c_j|^2
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#endif
   for (int64_t i = 0; i < r; ++i) {
     T* row = b + i * M;
     const T* x = xa + i * a;

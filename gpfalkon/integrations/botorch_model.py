@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ..models import FalkonGP
 from ..models.defaults import default_likelihood
+from ..models.falkon_gp import _same_to_rounding
 from ..models.posterior import (
     NystromMultitaskMultivariateNormal,
     NystromMultivariateNormal,
@@ -323,14 +324,24 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
         of the saved fit); the saved fit is checked against the data once both are in place (``FalkonGP``'s load
         check: by value, what differs named).
         Where they change, the model must be re-fitted (``fit()``), as ``FalkonGP.set_train_data`` decides."""
+        y_before = self.train_targets
         self._load_deferred = True  # FalkonGP's load check and set_train_data's refit logic wait for the final data
         try:
             GPyTorchModel.load_state_dict(self, state_dict, strict=strict, keep_transforms=keep_transforms,
                                           assign=assign)
             if keep_transforms:
                 self._retransform_after_load()
-        finally:
+                if self._original_train_Y is None and _same_to_rounding(self.train_targets, y_before):
+                    # untransformed targets unknown: BoTorch's untransform-then-transform by an equal transform
+                    # left the same targets to a few ulps; they are kept exactly (as set_train_data would judge)
+                    self.set_train_data(targets=y_before)
+        except BaseException:
             self._load_deferred = False
+            self._set_fitted(False)  # a load that failed midway (strict keys...): some tensors are copied already
+            self._fit_tracker.forget()
+            self._forget_factors()
+            raise
+        self._load_deferred = False
         FalkonGP._after_load(self, None)
 
     def _retransform_after_load(self) -> None:

@@ -92,7 +92,8 @@ class FalkonFantasyModel(Model, FantasizeMixin):
                 raise ValueError("noise (the fantasy observations' variances) must be positive")
         base._check_fitted()
         self._base = [base]  # not a submodule: the fantasy model holds no parameters of its own
-        self._base_alpha = base.alpha  # the fit the factors below belong to (a refit makes a new tensor)
+        self._generation = base._factors_generation  # the fit the factors below belong to (a refit, a load, new
+        # data, a move or a rescaled prior changes it)
         self._X, self._Y, self._noise = X, Y, noise
         self._num_outputs = m
         self._batch_shape = torch.broadcast_shapes(X.shape[:-2], Y.shape[:-2])
@@ -235,9 +236,10 @@ class FalkonFantasyModel(Model, FantasizeMixin):
         or data changed, or it was fitted again, since they were built."""
         base = self.base_model
         base._check_fitted()
-        if base.alpha is not self._base_alpha:
-            raise NotFittedError("FalkonFantasyModel: the base model was fitted again after these fantasies were "
-                                 "built; condition it again (fantasize / condition_on_observations)")
+        if base._factors_generation != self._generation:
+            raise NotFittedError("FalkonFantasyModel: the base model was fitted again (or loaded a state, or changed "
+                                 "its data or prior scale) after these fantasies were built; condition it again "
+                                 "(fantasize / condition_on_observations)")
         return base
 
     def _mean_covar(self, Xt: Tensor) -> tuple:

@@ -36,7 +36,7 @@ from .._validation import (
     check_targets,
     is_row_source,
 )
-from ..backend.blocks import memory_budget_for
+from ..backend.blocks import AUTO_BUDGET_FLOOR, memory_budget_for
 from ..backend.engine import KernelEngine, kernel_block_in
 from ..backend.passes import is_sharded, reduce_rows, total_rows
 from ..backend.precision import matmul_precision
@@ -532,7 +532,9 @@ class FalkonGP(gpytorch.models.GP):
         self._fit_tracker = FitTracker()
         self._factors: NystromPosteriorFactors | None = None  # exact
         self._fast_factors: NystromPosteriorFactors | None = None  # FALKON's approximation (settings.variance_factors)
-        self._factors_generation = 0  # counts _forget_factors: factors formed across one are not kept
+        # counts the changes that invalidate the variance factors (_forget_factors, scale_prior): factors formed
+        # across one are not kept, and what was built from them (a FalkonFantasyModel) knows it is stale
+        self._factors_generation = 0
         self.register_load_state_dict_post_hook(FalkonGP._after_load)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -681,6 +683,8 @@ class FalkonGP(gpytorch.models.GP):
             raise ValueError(f"scale_prior(factor={float(factor):g}): {exc}") from exc
         if was_valid:
             self.alpha = self.alpha / ratio
+            # factors being formed elsewhere (another thread) belong to the old scale, as do fantasies built on these
+            self._factors_generation += 1
             if self._factors is not None:
                 self._factors = self._factors.scaled(ratio)
             if self._fast_factors is not None:
@@ -1393,19 +1397,23 @@ class FalkonGP(gpytorch.models.GP):
             mean = self._mean_at(x)
         return mean.squeeze(-1) if self._num_outputs == 1 else mean
 
-    def _predict_chunk(self, device: torch.device) -> int:
-        """Test points per prediction chunk: ``predict_chunk_size``, or fewer where ``PREDICT_LIVE_BLOCKS`` float64
-        ``chunk x M`` blocks would not fit the memory budget (the model's, else the setting's)."""
-        budget = memory_budget_for(self.options.memory_budget, device=device)
-        fits = budget // (PREDICT_LIVE_BLOCKS * 8 * max(self.centers.shape[0], 1))
-        return max(1, min(self.predict_chunk_size, fits))
+    def _predict_chunk(self, x: Tensor) -> int:
+        """Test points per prediction chunk for ``x``: ``predict_chunk_size``, or fewer where ``PREDICT_LIVE_BLOCKS``
+        float64 ``chunk x M`` blocks would not fit the memory budget (the model's, else the setting's, else the
+        automatic one, read only where ``x``'s points could exceed its floor)."""
+        per_point = PREDICT_LIVE_BLOCKS * 8 * max(self.centers.shape[0], 1)
+        given = self.options.memory_budget if self.options.memory_budget is not None else settings.memory_budget.value()
+        if given is None and x.shape[:-1].numel() * per_point <= AUTO_BUDGET_FLOOR:
+            return self.predict_chunk_size  # the automatic budget is at least its floor
+        budget = memory_budget_for(self.options.memory_budget, device=x.device)
+        return max(1, min(self.predict_chunk_size, budget // per_point))
 
     def _mean_at(self, x: Tensor) -> Tensor:
         """``c + K_xM alpha`` in ``x``'s dtype, ``(..., q, t)``."""
         if x.shape[-2] == 0:
             return torch.zeros(*x.shape[:-1], self._num_outputs, dtype=x.dtype, device=x.device)
         kxa = nystrom_posterior_mean(
-            self.kernel, x, self.centers, self.alpha, self._predict_chunk(x.device), backend=self.options.backend
+            self.kernel, x, self.centers, self.alpha, self._predict_chunk(x), backend=self.options.backend
         )
         return (kxa + self.mean_constant.to(torch.float64).reshape(-1)).to(x.dtype)
 
@@ -1427,6 +1435,6 @@ class FalkonGP(gpytorch.models.GP):
         else:
             f = self.posterior_factors()
             covar = NystromPosteriorCovariance(
-                x, self.centers.detach(), f.L, f.LB, kernel=self.kernel, chunk_size=self._predict_chunk(x.device)
+                x, self.centers.detach(), f.L, f.LB, kernel=self.kernel, chunk_size=self._predict_chunk(x)
             )
         return shared_covariance_distribution(mean, covar)

@@ -110,7 +110,8 @@ def conjugate_gradient(
     # so that the squared norms neither underflow nor overflow (float64: right-hand sides below ~1e-150 were taken
     # for zero, or lost their digits); the solution and the callback's iterates are scaled back
     amax = b.abs().amax(0) if b.numel() else b.new_ones(b.shape[1])
-    scale = torch.where(amax > 0, torch.exp2(torch.round(torch.log2(torch.where(amax > 0, amax, 1.0)))), 1.0)
+    # (floor: the scale stays at or below amax, so it is finite whatever b's range)
+    scale = torch.where(amax > 0, torch.exp2(torch.floor(torch.log2(torch.where(amax > 0, amax, 1.0)))), 1.0)
     b = b / scale
     if x0 is not None and x0.shape == b.shape:
         x0 = x0.to(b.dtype) / scale
