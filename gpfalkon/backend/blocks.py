@@ -238,6 +238,12 @@ def default_memory_budget(device: torch.device | str | None = None, reserve: int
     return int(min(AUTO_BUDGET_CAP, max(AUTO_BUDGET_FLOOR, (free - max(int(reserve), 0)) // 2)))
 
 
+def given_memory_budget(memory_budget: int | None = None) -> int | None:
+    """``memory_budget``, else :class:`gpfalkon.settings.memory_budget` where set, else ``None`` (the automatic
+    budget, which :func:`memory_budget_for` resolves by reading the available memory)."""
+    return settings.memory_budget.value() if memory_budget is None else memory_budget
+
+
 def memory_budget_for(memory_budget: int | None = None, device: torch.device | str | None = None,
                       reserve: int = 0, available: int | None = None) -> int:
     """``memory_budget`` in bytes, else :class:`gpfalkon.settings.memory_budget` when set, else

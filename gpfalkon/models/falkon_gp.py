@@ -36,7 +36,7 @@ from .._validation import (
     check_targets,
     is_row_source,
 )
-from ..backend.blocks import AUTO_BUDGET_FLOOR, memory_budget_for
+from ..backend.blocks import AUTO_BUDGET_FLOOR, given_memory_budget, memory_budget_for
 from ..backend.engine import KernelEngine, kernel_block_in
 from ..backend.passes import is_sharded, reduce_rows, total_rows
 from ..backend.precision import matmul_precision
@@ -1402,8 +1402,8 @@ class FalkonGP(gpytorch.models.GP):
         float64 ``chunk x M`` blocks would not fit the memory budget (the model's, else the setting's, else the
         automatic one, read only where ``x``'s points could exceed its floor)."""
         per_point = PREDICT_LIVE_BLOCKS * 8 * max(self.centers.shape[0], 1)
-        given = self.options.memory_budget if self.options.memory_budget is not None else settings.memory_budget.value()
-        if given is None and x.shape[:-1].numel() * per_point <= AUTO_BUDGET_FLOOR:
+        automatic = given_memory_budget(self.options.memory_budget) is None
+        if automatic and x.shape[:-1].numel() * per_point <= AUTO_BUDGET_FLOOR:
             return self.predict_chunk_size  # the automatic budget is at least its floor
         budget = memory_budget_for(self.options.memory_budget, device=x.device)
         return max(1, min(self.predict_chunk_size, budget // per_point))
