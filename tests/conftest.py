@@ -99,6 +99,16 @@ def dense_kernel(kernel, a, b):
     return kernel(a, b).to_dense()
 
 
+def float32_exact_data(n: int, q: int, m: int):
+    """``(x, y, xt, centers)`` in float64 with float32-representable values (3 columns in [-2, 2], test points a
+    little beyond): a float32 and a float64 model of them see the same data. ``m`` centers drawn from the rows."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(n, 3, generator=g, dtype=torch.float64) * 4 - 2).float().double()
+    y = (torch.sin(x).sum(1) + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)).float().double()
+    xt = (torch.rand(q, 3, generator=g, dtype=torch.float64) * 4.4 - 2.2).float().double()
+    return x, y, xt, x[torch.randperm(n, generator=g)[:m]]
+
+
 def matern12_near_pairs_case(n: int = 3000, dup: int = 100, near: int = 50):
     """float32 rows, ``dup`` of them duplicated as centers (zero distances) and ``near`` centers 1e-3 from rows, with
     ARD lengthscales four decades apart (large scaled norms: the norm expansion's rounding is large against near

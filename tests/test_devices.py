@@ -19,7 +19,7 @@ import gpfalkon
 from gpfalkon import FalkonGP, NystromKRROperator
 from gpfalkon.backend import KernelEngine
 
-from conftest import DEVICES, dense_kernel, make_data, make_kernel
+from conftest import DEVICES, dense_kernel, float32_exact_data, make_data, make_kernel
 
 
 def _on(device, *tensors):
@@ -468,11 +468,7 @@ def test_float32_variances_where_k_mm_is_numerically_singular_on_the_device(devi
     """The variance factors' float64 kernel values from float32 rows (``NystromKRROperator.float64_engine``) on the
     device: a float32 model with a long lengthscale (``K_MM`` singular in float32) has the float64 CPU model's
     variances to ~1e-7."""
-    g = torch.Generator().manual_seed(0)
-    x = (torch.rand(1500, 3, generator=g, dtype=torch.float64) * 4 - 2).float().double()
-    y = (torch.sin(x).sum(1) + 0.1 * torch.randn(1500, generator=g, dtype=torch.float64)).float().double()
-    xt = (torch.rand(50, 3, generator=g, dtype=torch.float64) * 4.4 - 2.2).float().double()
-    centers = x[torch.randperm(1500, generator=g)[:150]]
+    x, y, xt, centers = float32_exact_data(1500, 50, 150)
     out = []
     for dev, dtype in ((torch.device("cpu"), torch.float64), (device, torch.float32)):
         k = gpytorch.kernels.RBFKernel().to(device=dev, dtype=dtype)

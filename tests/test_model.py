@@ -11,7 +11,7 @@ from linear_operator.operators import ZeroLinearOperator
 
 from gpfalkon import FalkonGP, FalkonOptions, NotFittedError
 
-from conftest import dense_kernel, make_data, make_kernel
+from conftest import dense_kernel, float32_exact_data, make_data, make_kernel
 
 
 class SGPR(gpytorch.models.ExactGP):
@@ -122,11 +122,7 @@ def test_float32_variances_match_float64_where_k_mm_is_numerically_singular(leng
     pass computes float64 kernel values from the float32 rows, so the float32 model's variances are the float64
     model's to ~1e-7 (with float32 kernel values they were 7-83 % off; the factors of fit(compute_variance=True)
     likewise). The float32 store (store=True) is not what the factors read."""
-    g = torch.Generator().manual_seed(0)
-    x = (torch.rand(3000, 3, generator=g, dtype=torch.float64) * 4 - 2).float().double()
-    y = (torch.sin(x).sum(1) + 0.1 * torch.randn(3000, generator=g, dtype=torch.float64)).float().double()
-    xt = (torch.rand(100, 3, generator=g, dtype=torch.float64) * 4.4 - 2.2).float().double()
-    centers = x[torch.randperm(3000, generator=g)[:200]]
+    x, y, xt, centers = float32_exact_data(3000, 100, 200)
     out = []
     for dtype in (torch.float64, torch.float32):
         k = gpytorch.kernels.RBFKernel().to(dtype)

@@ -21,6 +21,25 @@ def _data(n=200, seed=0, m=1):
     return X, (Y if m == 1 else torch.cat([Y, -2 * Y + 1], -1))
 
 
+XT = torch.rand(5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 4 - 1
+
+
+def _paths_and_posterior(model, n=20_000):
+    """``n`` paths at XT (seed 0) and the model's posterior there."""
+    torch.manual_seed(0)
+    paths = draw_matheron_paths(model, sample_shape=torch.Size([n]))
+    with torch.no_grad():
+        return paths(XT), model.posterior(XT)
+
+
+def _assert_moments(v, mean, var):
+    """Paths ``v`` (``S x q``) have mean ``mean`` to 0.05 of the largest posterior sd (Monte-Carlo error
+    ``sd / sqrt(S)`` ~ 0.007 sd; the random features add a few percent of the prior) and variances ``var`` to 15 %."""
+    torch.testing.assert_close(v.mean(0), mean, rtol=0, atol=float(0.05 * var.sqrt().max()))
+    ratio = v.var(0) / var
+    assert bool(((ratio > 0.85) & (ratio < 1.15)).all()), ratio
+
+
 @pytest.mark.parametrize("transforms", [False, True])
 def test_matheron_paths_have_the_models_posterior_moments(transforms):
     """The Monte-Carlo mean and covariance of 20,000 paths at 5 points equal the model's posterior mean and
@@ -31,29 +50,21 @@ def test_matheron_paths_have_the_models_posterior_moments(transforms):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # BoTorch's input-scaling notice without Normalize
         model = FalkonModel(X, Y, num_centers=60, tol=1e-12, max_iter=500, **kw)
-    Xt = torch.rand(5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 4 - 1
-    torch.manual_seed(0)
-    paths = draw_matheron_paths(model, sample_shape=torch.Size([20_000]))
-    with torch.no_grad():
-        v = paths(Xt)
-        post = model.posterior(Xt)
+    v, post = _paths_and_posterior(model)
     assert v.shape == (20_000, 5)
-    mean, cov = post.mean.squeeze(-1), post.distribution.covariance_matrix
+    mean, cov = post.mean.squeeze(-1).detach(), post.distribution.covariance_matrix.detach()
     sd = cov.diagonal().sqrt()
-    # Monte-Carlo error of the mean: sd / sqrt(S) ~ 0.007 sd; the random features add a few percent of the prior
-    torch.testing.assert_close(v.mean(0), mean, rtol=0, atol=float(0.05 * sd.max()))
+    _assert_moments(v, mean, cov.diagonal())
     mc_cov = torch.cov(v.T)
-    ratio = mc_cov.diagonal() / cov.diagonal()
-    assert bool(((ratio > 0.85) & (ratio < 1.15)).all()), ratio
     corr = cov / sd.outer(sd)
     mc_corr = mc_cov / mc_cov.diagonal().sqrt().outer(mc_cov.diagonal().sqrt())
     # the random features' prior is off by a few hundredths of its variance in the cross-covariances; BoTorch's own
     # paths of a SingleTaskGP on these data and points are off by up to 0.13 in correlation (0.79-1.05 in variance)
     torch.testing.assert_close(mc_corr, corr, rtol=0, atol=0.15)
     torch.manual_seed(1)
-    a = draw_matheron_paths(model, sample_shape=torch.Size([3]))(Xt)
+    a = draw_matheron_paths(model, sample_shape=torch.Size([3]))(XT)
     torch.manual_seed(1)
-    b = draw_matheron_paths(model, sample_shape=torch.Size([3]))(Xt)
+    b = draw_matheron_paths(model, sample_shape=torch.Size([3]))(XT)
     torch.testing.assert_close(a, b)
 
 
@@ -63,14 +74,13 @@ def test_a_float32_models_paths_are_its_float64_twins_paths():
     the float64 model's to 1 % of the paths' spread, come back in float32, and have gradients with respect to X."""
     X, Y = _data(n=300)
     Y = Y + 5.0
-    Xt = torch.rand(5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 4 - 1
     out = {}
     for dtype in (torch.float64, torch.float32):
         model = FalkonModel(X.to(dtype), Y.to(dtype), num_centers=60, tol=1e-10, max_iter=500,
                             input_transform=Normalize(d=2))
         torch.manual_seed(0)
         paths = draw_matheron_paths(model, sample_shape=torch.Size([64]))
-        x = Xt.to(dtype).detach().clone().requires_grad_(True)
+        x = XT.to(dtype).detach().clone().requires_grad_(True)
         values = paths(x)
         values.sum().backward()
         assert values.dtype == dtype and x.grad is not None and bool(torch.isfinite(x.grad).all())
@@ -114,23 +124,16 @@ def test_multi_output_paths_have_each_outputs_posterior_moments():
     X, Y = _data(m=2)
     Y = Y * torch.tensor([1.0, 30.0], dtype=torch.float64) + torch.tensor([0.0, 100.0], dtype=torch.float64)
     model = FalkonModel(X, Y, num_centers=60, tol=1e-12, max_iter=500, input_transform=Normalize(d=2))
-    Xt = torch.rand(5, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 4 - 1
-    torch.manual_seed(0)
-    paths = draw_matheron_paths(model, sample_shape=torch.Size([20_000]))
+    v, post = _paths_and_posterior(model)
     with torch.no_grad():
-        v = paths(Xt)
-        post = model.posterior(Xt)
         mean, var = post.mean, post.variance  # q x m
     assert v.shape == (20_000, 2, 5)
     for j in range(2):
-        sd = var[:, j].sqrt()
-        torch.testing.assert_close(v[:, j].mean(0), mean[:, j], rtol=0, atol=float(0.05 * sd.max()))
-        ratio = v[:, j].var(0) / var[:, j]
-        assert bool(((ratio > 0.85) & (ratio < 1.15)).all()), (j, ratio)
+        _assert_moments(v[:, j], mean[:, j], var[:, j])
     cross = torch.stack([torch.corrcoef(torch.stack([v[:, 0, i], v[:, 1, i]]))[0, 1] for i in range(5)])
     assert float(cross.abs().max()) < 0.05, cross  # 4 / sqrt(20,000) = 0.028 is the Monte-Carlo scale
     with torch.no_grad():
-        draws = MatheronPathModel(model, sample_shape=torch.Size([2_000]), seed=1)(Xt)
+        draws = MatheronPathModel(model, sample_shape=torch.Size([2_000]), seed=1)(XT)
     assert draws.shape == (2_000, 5, 2)
     torch.testing.assert_close(draws.mean(0), mean, rtol=0, atol=float(0.1 * var.sqrt().max()))  # 4.5 std. errors
 

@@ -1408,12 +1408,13 @@ class FalkonGP(gpytorch.models.GP):
         budget = memory_budget_for(self.options.memory_budget, device=x.device)
         return max(1, min(self.predict_chunk_size, budget // per_point))
 
-    def _mean_at(self, x: Tensor) -> Tensor:
-        """``c + K_xM alpha`` in ``x``'s dtype, ``(..., q, t)``."""
+    def _mean_at(self, x: Tensor, chunk: int | None = None) -> Tensor:
+        """``c + K_xM alpha`` in ``x``'s dtype, ``(..., q, t)``, in chunks of ``chunk`` points (default
+        :meth:`_predict_chunk`)."""
         if x.shape[-2] == 0:
             return torch.zeros(*x.shape[:-1], self._num_outputs, dtype=x.dtype, device=x.device)
         kxa = nystrom_posterior_mean(
-            self.kernel, x, self.centers, self.alpha, self._predict_chunk(x), backend=self.options.backend
+            self.kernel, x, self.centers, self.alpha, chunk or self._predict_chunk(x), backend=self.options.backend
         )
         return (kxa + self.mean_constant.to(torch.float64).reshape(-1)).to(x.dtype)
 
@@ -1429,12 +1430,13 @@ class FalkonGP(gpytorch.models.GP):
             empty = DenseLinearOperator(torch.zeros(*x.shape[:-2], 0, 0, dtype=out_dtype, device=x.device))
             mean0 = torch.zeros(*x.shape[:-2], 0, self._num_outputs, dtype=out_dtype, device=x.device)
             return shared_covariance_distribution(mean0, empty)
-        mean = self._mean_at(x)  # (..., q, t)
+        chunk = self._predict_chunk(x)
+        mean = self._mean_at(x, chunk)  # (..., q, t)
         if gpytorch.settings.skip_posterior_variances.on():
             covar = ZeroLinearOperator(*x.shape[:-1], q, dtype=out_dtype, device=x.device)
         else:
             f = self.posterior_factors()
             covar = NystromPosteriorCovariance(
-                x, self.centers.detach(), f.L, f.LB, kernel=self.kernel, chunk_size=self._predict_chunk(x)
+                x, self.centers.detach(), f.L, f.LB, kernel=self.kernel, chunk_size=chunk
             )
         return shared_covariance_distribution(mean, covar)
