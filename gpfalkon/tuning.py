@@ -755,7 +755,16 @@ class BoTorchSearch(_Search):
         self._gp_states: dict[str, dict[str, Tensor]] = {}
         self.timings: dict[str, float] = {"fit_gp": 0.0, "optimize_acqf": 0.0}
 
-    def _fit_gp(self, X: Tensor, Y: Tensor, role: str = "value"):
+    def _free(self) -> tuple[SearchSpace, dict[str, Any]]:
+        """The dimensions with more than one value (the space BoTorch models and searches) and the values of the
+        others (an ``Integer(3, 3)``, a one-choice ``Categorical``: constant columns, which ``Normalize`` would
+        divide by a zero range and the mixed optimiser cannot draw from)."""
+        free = {k: d for k, d in self.space.dims.items() if d.size() > 1}
+        fixed = {k: d.choices[0] if isinstance(d, Categorical) else d.low
+                 for k, d in self.space.dims.items() if k not in free}
+        return SearchSpace(free), fixed
+
+    def _fit_gp(self, X: Tensor, Y: Tensor, role: str = "value", space: SearchSpace | None = None):
         """A (mixed) GP on ``(X, Y)``, its hyperparameters fitted by ``fit_gpytorch_mll`` from the last fit's
         for the same ``role`` when ``warm_start`` (one new point moves the optimum a little: far fewer
         L-BFGS iterations than from the defaults). The outcome / input transforms are the new data's."""
@@ -764,9 +773,10 @@ class BoTorchSearch(_Search):
         from botorch.models.transforms.input import Normalize
         from gpytorch.mlls import ExactMarginalLogLikelihood
 
-        cat = sorted(self.space.cat_dims())
+        space = self.space if space is None else space
+        cat = sorted(space.cat_dims())
         num = [i for i in range(X.shape[-1]) if i not in cat]
-        bounds = self.space.bounds()
+        bounds = space.bounds()
         tf = Normalize(d=X.shape[-1], indices=num, bounds=bounds[:, num]) if num else None
         if cat:
             model = MixedSingleTaskGP(X, Y, cat_dims=cat, input_transform=tf)
@@ -806,8 +816,11 @@ class BoTorchSearch(_Search):
         from botorch.acquisition.acquisition import AcquisitionFunction
         from botorch.optim.optimize_mixed import optimize_acqf_mixed_alternating
 
+        if all(d.size() <= 1 for d in self.space.dims.values()):
+            return []  # one configuration in all: nothing to model (the random draws cover it)
+        space, fixed = self._free()
         t0 = time.perf_counter()
-        X = torch.stack([self.space.encode(t.config) for t in ok])
+        X = torch.stack([space.encode(t.config) for t in ok])
         vals = torch.tensor([t.value for t in ok], dtype=torch.float64)
         if self.log_objective and bool((vals > 0).all()):
             vals = vals.log()
@@ -817,8 +830,8 @@ class BoTorchSearch(_Search):
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            model = self._fit_gp(X, Y)
-            X_pending = torch.stack([self.space.encode(c) for c in pending]) if pending else None
+            model = self._fit_gp(X, Y, space=space)
+            X_pending = torch.stack([space.encode(c) for c in pending]) if pending else None
             acqf: AcquisitionFunction
             if X_pending is None and q == 1:
                 acqf = LogExpectedImprovement(model, best_f=Y.max())
@@ -828,9 +841,9 @@ class BoTorchSearch(_Search):
                 costed = [t for t in ok if math.isfinite(t.seconds)]
                 if len(costed) >= 2:
                     cost_model = self._fit_gp(
-                        torch.stack([self.space.encode(t.config) for t in costed]),
+                        torch.stack([space.encode(t.config) for t in costed]),
                         torch.tensor([[math.log(max(t.seconds, 1e-6))] for t in costed], dtype=torch.float64),
-                        role="cost",
+                        role="cost", space=space,
                     )
                     # duck-typed: the optimiser only calls it on X and reads .model / .X_pending
                     acqf = cast(AcquisitionFunction, _LogEIPerCost(acqf, cost_model))
@@ -838,16 +851,17 @@ class BoTorchSearch(_Search):
             t1 = time.perf_counter()
             cand, _ = optimize_acqf_mixed_alternating(
                 acqf,
-                bounds=self.space.bounds(),
-                discrete_dims=self.space.discrete_dims() or None,
-                cat_dims=self.space.cat_dims() or None,
+                bounds=space.bounds(),
+                discrete_dims=space.discrete_dims() or None,
+                cat_dims=space.cat_dims() or None,
                 q=q,
                 num_restarts=self.num_restarts,
                 raw_samples=self.raw_samples,
                 options=dict(self.acqf_options) or None,  # BoTorch fills in defaults in place
             )
             self.timings["optimize_acqf"] += time.perf_counter() - t1
-        return [self.space.decode(row) for row in cand.reshape(-1, len(self.space))]
+        names = self.space.names
+        return [{k: {**fixed, **space.decode(row)}[k] for k in names} for row in cand.reshape(-1, len(space))]
 
 
 class _LogEIPerCost(torch.nn.Module):

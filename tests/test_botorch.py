@@ -764,3 +764,23 @@ def test_a_model_with_replaced_targets_loads_its_own_state_fitted():
     assert not bool(m.fitted)
     with pytest.raises(NotFittedError):
         m.posterior(Xt)
+
+
+def test_batched_multi_output_posterior_leaves_the_cached_factors_constant():
+    """A (b, q, d) posterior of a 2-output model with X requiring grad (linear_operator's Kronecker product flags
+    its factors' tensors): the model's cached factors stay constants, accumulate no .grad, and later posteriors
+    under no_grad carry no graph; the gradient w.r.t. X is the same on every call."""
+    g = torch.Generator().manual_seed(3)
+    X = torch.rand(40, 3, dtype=torch.float64, generator=g)
+    Y = torch.stack([torch.sin(3 * X.sum(-1)), X[:, 0] ** 2], -1)
+    model = FalkonModel(X, Y, num_centers=25)
+    f = model.posterior_factors()
+    grads = []
+    for _ in range(2):
+        xq = torch.rand(4, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
+        model.posterior(xq).variance.sum().backward()
+        grads.append(xq.grad)
+    assert not f.L.requires_grad and not f.LB.requires_grad and f.L.grad is None and f.LB.grad is None
+    torch.testing.assert_close(grads[0], grads[1])
+    with torch.no_grad():
+        assert not model.posterior(X[:3]).rsample(torch.Size([2])).requires_grad

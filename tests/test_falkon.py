@@ -168,6 +168,38 @@ def test_solve_gradients_match_dense_autograd(name):
         torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("name", ["rbf", "scale_matern52"])
+def test_readme_solve_of_kmn_y_differentiates_both_sides(name):
+    """``torch.linalg.solve(H, H.kmn_y(y))`` (the README's operator snippet): gradients w.r.t. y, x, centers, the
+    penalty and the kernel's parameters through both H and K_Mn y, against dense autograd of the same formula."""
+    x0, y0 = make_data(90, 2)
+    c0 = x0[:12].clone() + 0.03
+    k = make_kernel(name, 2)
+    xs = x0[:7] + 0.1
+    grads = []
+    for dense in (False, True):
+        x = x0.clone().requires_grad_(True)
+        c = c0.clone().requires_grad_(True)
+        y = y0.clone().requires_grad_(True)
+        lam = torch.tensor(1e-2, dtype=torch.float64, requires_grad=True)
+        ps = list(k.parameters())
+        for p in ps:
+            p.grad = None
+        if dense:
+            h, knm, _ = dense_nystrom(k, x, c, lam)
+            alpha = torch.linalg.solve(h, knm.T @ y.unsqueeze(-1))
+        else:
+            op = NystromKRROperator(x, c, lam, kernel=k, block_rows=31, tol=1e-13, max_iter=500)
+            alpha = torch.linalg.solve(op, op.kmn_y(y))
+        (k(xs, c).to_dense() @ alpha).sum().backward()
+        grads.append([x.grad, c.grad, y.grad, lam.grad] + [p.grad.clone() for p in ps])
+    for a, r in zip(*grads, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-9)
+    with torch.no_grad():  # no graph: the engine's float64 pass, the same value
+        op = NystromKRROperator(x0, c0, torch.tensor(1e-2, dtype=torch.float64), kernel=k)
+        torch.testing.assert_close(op.kmn_y(y0), dense_nystrom(k, x0, c0, 1e-2)[1].T @ y0.unsqueeze(-1))
+
+
 def test_operator_rejects_bad_input():
     x, _ = make_data(30, 2)
     k = make_kernel("rbf", 2)

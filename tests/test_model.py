@@ -11,7 +11,7 @@ from linear_operator.operators import ZeroLinearOperator
 
 from gpfalkon import FalkonGP, FalkonOptions, NotFittedError
 
-from conftest import dense_kernel, float32_exact_data, make_data, make_kernel
+from conftest import dense_kernel, dense_nystrom, float32_exact_data, make_data, make_kernel
 
 
 class SGPR(gpytorch.models.ExactGP):
@@ -310,15 +310,87 @@ def test_fit_initial_alpha_starts_cg_from_given_coefficients():
         model.fit(initial_alpha=ref.tolist())
 
 
-def test_set_train_data_keeps_penalty_and_requires_refit():
+def _dense_mean(model, x, y, xt):
+    """The posterior mean from the dense normal equations at the likelihood's noise (test reference)."""
+    c = model.centers.detach()
+    h, knm, _ = dense_nystrom(model.kernel, x, c, float(model.likelihood.noise.detach()) / x.shape[0])
+    alpha = torch.linalg.solve(h, knm.T @ y)
+    return dense_kernel(model.kernel, xt, c) @ alpha
+
+
+def test_set_train_data_keeps_the_noise_and_requires_refit():
+    """As ExactGP: the likelihood's noise sigma^2 stays, lambda = sigma^2 / n follows n; the refit matches the dense
+    solve at that noise."""
     model, x, y, _k = _fitted("rbf")
-    lam = model.penalty.detach().clone()
+    noise = model.likelihood.noise.detach().clone()
     model.set_train_data(x[:200], y[:200])
-    torch.testing.assert_close(model.penalty.detach(), lam)
+    torch.testing.assert_close(model.likelihood.noise.detach(), noise)
+    torch.testing.assert_close(model.penalty.detach(), noise.reshape(()) / 200)
     with pytest.raises(NotFittedError):
         model(x[:2])
     model.fit()
+    xt = x[:5] + 0.01
+    torch.testing.assert_close(model(xt).mean, _dense_mean(model, x[:200], y[:200], xt), rtol=1e-7, atol=1e-8)
+
+
+def test_set_train_data_refused_changes_nothing():
+    """A refused call (here: a noise constraint that a lambda-keeping update would have violated, then a wrong dtype)
+    leaves the data, n, the noise and the fit as they were."""
+    x, y = make_data(200, 3)
+    lik = gpytorch.likelihoods.GaussianLikelihood(noise_constraint=gpytorch.constraints.GreaterThan(1e-4)).double()
+    lik.noise = 1.5e-4
+    model = FalkonGP(x, y, kernel=make_kernel("rbf", 3), num_centers=20, likelihood=lik, tol=1e-10).fit()
+    model.set_train_data(x[:100], y[:100])  # the noise stays 1.5e-4 (>= 1e-4): nothing to violate
+    torch.testing.assert_close(model.likelihood.noise.detach().reshape(()), torch.tensor(1.5e-4, dtype=torch.float64))
+    model.fit()
+    with pytest.raises(TypeError, match="must have the model's dtype"):
+        model.set_train_data(x.float(), y.float())
+    assert model.n == 100 and model.train_inputs[0].shape[0] == 100 and bool(model.fitted)
+    model.eval()
     model(x[:2])
+
+
+def test_assigned_train_data_set_n_as_exactgp():
+    """``train_inputs`` / ``train_targets`` assigned directly (as GPyTorch code does with ExactGP): n follows the rows,
+    the fit is stale, and the refit matches the dense solve at the likelihood's noise."""
+    model, _x, _y, _k = _fitted("rbf", n=100)
+    x3, y3 = make_data(300, 3, seed=5)
+    model.train_inputs = (x3,)
+    model.train_targets = y3
+    assert model.n == 300
+    with pytest.raises(NotFittedError):
+        model(x3[:2])
+    model.fit()
+    xt = x3[:5] + 0.01
+    torch.testing.assert_close(model(xt).mean, _dense_mean(model, x3, y3, xt), rtol=1e-7, atol=1e-8)
+
+
+def test_assigned_likelihood_is_checked():
+    """A likelihood assigned after construction gets the constructor's checks: per-task noise and fixed per-row
+    noise are refused, never read as their first element."""
+    x, y = make_data(150, 3, t=2)
+    model = FalkonGP(x, y, kernel=make_kernel("rbf", 3), num_centers=20, penalty=1e-3).fit()
+    model.likelihood = gpytorch.likelihoods.MultitaskGaussianLikelihood(num_tasks=2).double()
+    with pytest.raises(ValueError, match="one shared noise"):
+        model.fit()
+    x1, y1 = make_data(150, 3)
+    single = FalkonGP(x1, y1, kernel=make_kernel("rbf", 3), num_centers=20, penalty=1e-3).fit()
+    single.likelihood = gpytorch.likelihoods.FixedNoiseGaussianLikelihood(noise=torch.full((150,), 0.1)).double()
+    with pytest.raises(TypeError, match="GaussianLikelihood"):
+        single.fit()
+
+
+def test_prior_mode_gives_the_prior_in_eval_mode():
+    """``gpytorch.settings.prior_mode``: the prior N(c, K(x, x)) in eval mode, as ExactGP (fitted or not)."""
+    model, x, _y, k = _fitted("rbf")
+    xt = x[:6] + 0.05
+    with gpytorch.settings.prior_mode(True):
+        p = model(xt)
+    torch.testing.assert_close(p.mean, torch.zeros(6, dtype=torch.float64))
+    torch.testing.assert_close(p.covariance_matrix, dense_kernel(k, xt, xt))
+    model.kernel.lengthscale = 0.7  # stale: the posterior would raise, the prior does not need a fit
+    with gpytorch.settings.prior_mode(True):
+        torch.testing.assert_close(model(xt).covariance_matrix, dense_kernel(k, xt, xt))
 
 
 def test_chunked_prediction_equals_unchunked():

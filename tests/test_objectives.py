@@ -431,6 +431,13 @@ def test_mll_adapter_validates_its_arguments():
     mll = NystromMarginalLogLikelihood(model.likelihood, model, objective=GCV)
     with pytest.raises(ValueError, match="training targets"):
         mll(None, model.train_targets[:3])
+    # targets of the right size but other values (re-standardised, permuted) are not silently replaced by the
+    # model's own; an equal copy is accepted
+    y = model.train_targets
+    for other in (10 * y + 3, y.flip(0), y.float()):
+        with pytest.raises(ValueError, match="differ from them"):
+            mll(None, other)
+    torch.testing.assert_close(mll(None, y.clone()), mll(None, y))
 
 
 def test_fit_gpytorch_mll_reaches_the_optimum_of_an_ordinary_loop():

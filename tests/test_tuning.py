@@ -368,3 +368,17 @@ def test_validation_error_of_column_targets_is_the_rmse():
         falkon_validation_error(max_iter=15)(cfg, x, y, xv, torch.stack([yv, yv], -1))
     tuned = gradient_tuned_error(steps=2)
     assert tuned(cfg, x, y.unsqueeze(-1), xv, yv.unsqueeze(-1)) == pytest.approx(tuned(cfg, x, y, xv, yv), rel=1e-6)
+
+
+@pytest.mark.parametrize("fixed", [Integer(3, 3), Categorical(["rbf"])])
+def test_botorch_search_keeps_one_valued_dimensions_fixed(fixed):
+    """A dimension with one value (accepted by its constructor) is held fixed, not modelled: BoTorch's proposals
+    carry that value, and the search moves the free dimension toward the known optimum (a zero-range column would
+    make Normalize divide by zero, a one-choice categorical break the mixed optimiser)."""
+    space = {"fixed": fixed, "x": Float(0.0, 1.0)}
+    value = fixed.low if isinstance(fixed, Integer) else "rbf"
+    res = BoTorchSearch(space, lambda c: (c["x"] - 0.3) ** 2 + 0.01, budget=9, seed=0, n_initial=3, **FAST).run()
+    bo = [t for t in res.history if t.source == "botorch"]
+    assert len(res.history) == 9 and bo
+    assert all(t.config["fixed"] == value and list(t.config) == ["fixed", "x"] for t in res.history)
+    assert abs(res.best_config["x"] - 0.3) < abs(min(res.history[:3], key=lambda t: t.value).config["x"] - 0.3) + 1e-9

@@ -419,6 +419,7 @@ class FalkonGP(gpytorch.models.GP):
 
         # the global n of n lambda (a sharded backend sums the ranks' rows: a collective)
         self._n_total = total_rows(self.options.backend, train_x)
+        self._n_local = int(train_x.shape[0])
         if self._n_total == 0:
             raise ValueError("train_x is empty (0 rows) on every rank")
         # --- centers: one selector, called once the penalty is known
@@ -611,13 +612,28 @@ class FalkonGP(gpytorch.models.GP):
 
     @property
     def n(self) -> int:
-        """The number of training rows (all ranks' rows when the backend is sharded)."""
+        """The number of training rows (all ranks' rows when the backend is sharded).
+
+        In one process it is read off ``train_inputs`` (assigned directly, as GPyTorch code does with
+        ``ExactGP``, or through :meth:`set_train_data`); a sharded model keeps the global count, which only a
+        collective can form, so ``train_inputs`` assigned there with another number of rows raises."""
+        x = self.train_inputs[0]
         n_total = self.__dict__.get("_n_total")  # absent from models pickled before sharding existed
-        return int(self.train_inputs[0].shape[0]) if n_total is None else int(n_total)
+        if n_total is None or not is_sharded(self.options.backend):
+            return int(x.shape[0])
+        n_local = self.__dict__.get("_n_local")
+        if n_local is not None and int(x.shape[0]) != n_local:
+            raise RuntimeError(
+                f"FalkonGP: train_inputs has {int(x.shape[0])} rows on this rank, {n_local} when the global row "
+                "count was formed: a sharded model's data must be replaced with set_train_data (a collective on "
+                "every rank), not assigned")
+        return int(n_total)
 
     @property
     def noise(self) -> Tensor:
-        """The likelihood's noise ``sigma^2 = n lambda`` (a scalar tensor)."""
+        """The likelihood's noise ``sigma^2 = n lambda`` (a scalar tensor). The likelihood is checked on every
+        read (it can be replaced by assignment): one shared Gaussian noise, as at construction."""
+        check_likelihood(self.likelihood, self._num_outputs)
         return self.likelihood.noise.reshape(-1)[0]
 
     @property
@@ -1216,7 +1232,9 @@ class FalkonGP(gpytorch.models.GP):
         ``None`` keeps the current inputs / targets; ``strict=True`` requires the new ones to have
         the current shapes (BoTorch's ``load_state_dict`` calls ``set_train_data(targets=...,
         strict=...)``; the default stays ``False``, as before, since a FALKON model is often given
-        more rows). The fit stays valid if the data are the same by value (the stored
+        more rows). The likelihood's noise ``sigma^2`` stays, as in ``ExactGP``, so ``lambda = sigma^2 / n``
+        follows the number of rows; every check runs before anything is replaced (a refused call changes
+        nothing). The fit stays valid if the data are the same by value (the stored
         digest) or equal to rounding (within 8 ulps: a re-applied outcome or input transform,
         as BoTorch's ``load_state_dict`` does), else the model must be re-fitted.
 
@@ -1256,17 +1274,16 @@ class FalkonGP(gpytorch.models.GP):
             raise ValueError(
                 f"targets must keep the shape convention of train_y ({tuple(self.train_targets.shape[1:])})"
             )
-        pen = self.penalty.detach().clone()
         n_new = total_rows(self.options.backend, inputs)
         if n_new == 0:
             raise ValueError("inputs is empty (0 rows) on every rank")
-        n_old = self.n
         old_x, old_y = self.train_inputs[0], self.train_targets
+        # the GP view, as ExactGP: the likelihood's noise sigma^2 stays, so lambda = sigma^2 / n follows n (nothing
+        # is assigned that could fail: every check above ran before the data are replaced)
         self._n_total = n_new
+        self._n_local = int(inputs.shape[0])
         self.train_inputs = (inputs,)
         self.train_targets = targets
-        if n_new != n_old:
-            self.penalty = pen  # keep lambda: the noise n * lambda follows n
         self._forget_factors()
         if deferred:
             return
@@ -1364,6 +1381,8 @@ class FalkonGP(gpytorch.models.GP):
                     GPInputWarning,
                     stacklevel=2,
                 )
+            return self._prior(x)
+        if gpytorch.settings.prior_mode.on():  # as ExactGP: the prior in eval mode too, no fit needed
             return self._prior(x)
         return self._posterior(x)
 

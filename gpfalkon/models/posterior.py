@@ -145,7 +145,8 @@ class NystromPosteriorCovariance(LinearOperator):
     ``O(q M (M + d))`` time in chunks of ``chunk_size`` test points; a product with
     a ``(q, k)`` right-hand side costs two chunked passes,
     ``O(q M (M + d + k) + q^2 (d + k))``. Batch dimensions are those of ``x``. Internals run in float64; results are in
-    the dtype of ``x``. Differentiable w.r.t. ``x`` (and the kernel's parameters).
+    the dtype of ``x``. Differentiable w.r.t. ``x``, and w.r.t. the kernel's parameters through ``K_*M`` and ``K_**``
+    only: ``L`` and ``L_B`` are constants here (:func:`nystrom_posterior_mean`).
     """
 
     def __init__(
@@ -228,6 +229,14 @@ class NystromPosteriorCovariance(LinearOperator):
         out = torch.cat(rows, -2).to(rhs.dtype if rhs.is_floating_point() else self.x.dtype)
         return out.squeeze(-1) if vec else out
 
+    def _set_requires_grad(self, val: bool) -> None:
+        # linear_operator flags every tensor argument (KroneckerProductLinearOperator does so for a batched
+        # multi-output posterior); L and L_B are the model's cached factors and the centers a detached view of its
+        # own: flagging them would make every later posterior carry a graph into the cache and accumulate .grad on
+        # it. Only the test inputs can ask for a gradient, and only a leaf's flag can change.
+        if self.x.is_leaf and self.x.is_floating_point():
+            self.x.requires_grad_(val)
+
     def _expand_batch(self, batch_shape: torch.Size) -> NystromPosteriorCovariance:
         x = self.x.expand(*batch_shape, *self.x.shape[-2:])
         return self.__class__(x, self.centers, self.L, self.LB, kernel=self.kernel, chunk_size=self.chunk_size)
@@ -252,7 +261,7 @@ class NystromPosteriorCovariance(LinearOperator):
 def posterior_roots(kernel: Kernel, xs: Tensor, centers: Tensor, L: Tensor, LB: Tensor) -> tuple[Tensor, Tensor]:
     r"""``a = L^{-1} K_M*`` and ``c = L_B^{-1} a`` (float64, ``(..., M, q)``) for test inputs ``xs``
     (``(..., q, d)``), with the factors of :class:`NystromPosteriorFactors`: ``O(q M (M + d))``.
-    Differentiable w.r.t. ``xs`` and the kernel's parameters."""
+    Differentiable w.r.t. ``xs``, and w.r.t. the kernel's parameters through ``K_*M`` (``L``, ``L_B`` constant)."""
     cen = centers.to(torch.float64)
     cen = cen.expand(*xs.shape[:-2], *cen.shape)  # GPyTorch kernels want both inputs with the same dims
     kxm = kernel_block(kernel, xs.to(torch.float64), cen)  # (..., q, M)
@@ -289,7 +298,12 @@ def nystrom_posterior_mean(
 
     Computed in chunks of ``chunk_size`` test points, so no ``q x M`` block beyond a chunk
     is held: ``O(q M (d + t))`` time, ``O(chunk M)`` memory. ``alpha`` is ``(M,)`` or ``(M, t)``.
-    Differentiable w.r.t. ``x`` and the kernel's parameters. ``backend``: an injected backend
+    Differentiable w.r.t. ``x``, and w.r.t. the kernel's parameters through ``K_*M`` only: ``alpha`` is a
+    constant (it is not differentiated through the solve that produced it, whatever
+    ``gpytorch.settings.detach_test_caches`` says; BoTorch turns that off for d/dX in e.g. knowledge
+    gradient), so a prediction's gradient w.r.t. the hyperparameters is partial. To learn
+    hyperparameters from a validation error, use :class:`gpfalkon.objectives.HoldOut`, which differentiates its
+    own solve. ``backend``: an injected backend
     (:func:`~gpfalkon.backend.passes.backend_pass`), ``None`` for the in-memory pass.
     """
     a2 = alpha.to(torch.float64)

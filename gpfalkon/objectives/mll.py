@@ -105,6 +105,14 @@ class NystromMarginalLogLikelihood(MarginalLogLikelihood):
                 f"target: the objective is computed on the model's training targets ({tuple(want.shape)}); "
                 f"got {tuple(getattr(target, 'shape', ()))} (use model.set_train_data to change the data)"
             )
+        if target is not want and (target.dtype != want.dtype or target.device != want.device
+                                   or not torch.equal(target.detach().reshape(want.shape), want.detach())):
+            # O(n), against the objective's O(n M^2): other targets of the same size (re-standardised, permuted,
+            # a minibatch) would otherwise be ignored without a word
+            raise ValueError(
+                "target: the objective is computed on the model's training targets, and these differ from them "
+                "(in value, dtype or device); use model.set_train_data to train on other targets"
+            )
         res = -self.objective.observation_total(self.objective())
         # as GPyTorch's exact MLL: added loss terms and the log-priors of the model's (and its
         # likelihood's) parameters, e.g. BoTorch's LogNormal noise prior, then per observation

@@ -345,11 +345,20 @@ class NystromKRROperator(LinearOperator):
         return out.add_(self.kmm @ u.to(torch.float64), alpha=self.n * lam)
 
     def kmn_y(self, y: Tensor) -> Tensor:
-        """``K_Mn y`` (float64, ``(M, t)``) for targets ``y`` ``(n, t)`` or ``(n,)`` (then ``t = 1``): one pass."""
+        """``K_Mn y`` (float64, ``(M, t)``) for targets ``y`` ``(n, t)`` or ``(n,)`` (then ``t = 1``): one pass.
+
+        Differentiable w.r.t. ``y``, the inputs, the centers and the kernel's parameters where grad mode is on and
+        one of them requires a gradient (:func:`~gpfalkon.backend.autograd.kernel_product`, whose backward is one
+        more pass), so ``torch.linalg.solve(H, H.kmn_y(y))`` differentiates both sides of ``H alpha = K_Mn y``."""
         if not isinstance(y, Tensor) or y.dim() not in (1, 2) or y.shape[0] != self.x.shape[0]:
             raise ValueError(f"y must have shape ({self.x.shape[0]},) or ({self.x.shape[0]}, t), got "
                              f"{tuple(getattr(y, 'shape', ()))}")
-        return self.engine.kmn_k(None, y.unsqueeze(-1) if y.dim() == 1 else y)
+        cols = y.unsqueeze(-1) if y.dim() == 1 else y
+        live = [cols, self.centers, *kernel_params(self.kernel)]
+        if torch.is_grad_enabled() and (getattr(self.x, "requires_grad", False) or any(t.requires_grad for t in live)):
+            # (a sharded engine sums the ranks' products by a differentiable collective)
+            return kernel_product(self.engine, None, cols.to(self.x.dtype), self.x, self.centers).to(torch.float64)
+        return self.engine.kmn_k(None, cols)
 
     def falkon_solve(
         self,
