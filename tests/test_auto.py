@@ -546,7 +546,9 @@ def test_auto_fit_caps_the_scoring_fits_not_the_final_one():
     x, y, _ = _data(1500)
     for cap, expect in ((4, 4), (None, 15)):
         with settings.memory_budget(2**30):
-            m = auto_fit(x, y, budget=8.0, hyper_rows=300, hyper_centers=40, min_centers=100, max_centers=200,
+            # (M >= 200 on these 1,200 rows: the cost model takes CG for every selection fit, not only for those
+            # at a size the time budget may not reach on a loaded machine)
+            m = auto_fit(x, y, budget=8.0, hyper_rows=300, hyper_centers=40, min_centers=200, max_centers=400,
                          max_iter=30, tol=1e-12, score_max_iter=cap, dtype=torch.float64, refit_on_all=False)
         rep = m.auto_report
         iters = [r["iterations"] for r in rep.search if r["iterations"] is not None]

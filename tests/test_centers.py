@@ -445,8 +445,8 @@ def test_falkon_gp_user_center_weights_and_errors():
     model.set_train_data(x[:200], y[:200])  # D is tied to the draws' probabilities, not to n: kept
     assert model.n == 200 and n0 == 300 and torch.equal(model.center_weights, sel.weights)
     model.fit()  # and the fit with the kept D is the dense Nystrom solution on the new rows
-    with torch.no_grad():
-        H, knm, _ = dense_nystrom(k, x[:200], sel.centers, 1e-3)
+    with torch.no_grad():  # (the noise sigma^2 = 300 * 1e-3 stays: lambda = sigma^2 / 200)
+        H, knm, _ = dense_nystrom(k, x[:200], sel.centers, 1e-3 * 300 / 200)
         ref = torch.linalg.solve(H, knm.T @ y[:200].unsqueeze(-1)).squeeze(-1)
     assert float((model.alpha.reshape(-1) - ref).norm() / ref.norm()) < 1e-6
     assert FalkonGP(x, y, kernel=k, num_centers=20).center_weights is None

@@ -178,3 +178,33 @@ def test_right_hand_sides_of_any_scale(scale):
     two = 2.0 ** -600
     x2, info2 = conjugate_gradient(lambda v: W @ v, b * two, tol=1e-12, max_iter=200)
     assert torch.equal(x2 / two, x_ref) and info2.iterations == info_ref.iterations
+
+
+def test_claimed_convergence_is_checked_against_the_true_residual():
+    """An operator whose products carry rounding-like noise (float32 kernel products at a small penalty): CG's
+    recursive residual keeps falling while ``b - W x`` stalls. The claim is checked with one more product, CG
+    restarts from the true residual (at most MAX_REPLACEMENTS times), and what is reported is the true residual:
+    not converged, with a warning; an exact operator's claim passes its one check."""
+    from gpfalkon.solvers.cg import MAX_REPLACEMENTS
+
+    A = spd(40, cond=1e4, seed=3)
+    b = torch.randn(40, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    g = torch.Generator().manual_seed(5)
+
+    def noisy(u):
+        w = A @ u
+        return w + 1e-7 * w.norm(dim=0) * torch.randn(w.shape, dtype=w.dtype, generator=g)
+
+    with pytest.warns(CGNotConvergedWarning, match="true relative residual"):
+        x, info = conjugate_gradient(noisy, b, tol=1e-12, max_iter=2000, stagnation_window=None)
+    true = ((b - A @ x).norm(dim=0) / b.norm(dim=0))
+    assert not info.converged and float(true.max()) > 1e-12
+    assert info.extra["residual_replacements"] == MAX_REPLACEMENTS
+    assert info.extra["residual_checks"] == MAX_REPLACEMENTS + 1
+    # the reported residual is the true one of the last check (the noise of that one product aside)
+    torch.testing.assert_close(info.final_residual, true, rtol=0.5, atol=0)
+    assert info.residuals.shape == (info.iterations + 1, 2)
+
+    x, info = conjugate_gradient(lambda u: A @ u, b, tol=1e-8, max_iter=2000)
+    assert info.converged and info.extra["residual_checks"] == 1 and info.extra["residual_replacements"] == 0
+    assert float(((b - A @ x).norm(dim=0) / b.norm(dim=0)).max()) <= 1e-8

@@ -10,6 +10,7 @@ from gpytorch.utils.warnings import GPInputWarning
 from linear_operator.operators import ZeroLinearOperator
 
 from gpfalkon import FalkonGP, FalkonOptions, NotFittedError
+from gpfalkon.models.posterior import NystromPosteriorCovariance
 
 from conftest import dense_kernel, dense_nystrom, float32_exact_data, make_data, make_kernel
 
@@ -771,3 +772,39 @@ def test_a_failed_digest_pass_at_the_end_of_fit_leaves_the_model_cleanly_unfitte
     model.fit()
     reference = FalkonGP(x, y, kernel=model.kernel, centers=model.centers.clone(), penalty=1e-3).fit().eval()
     torch.testing.assert_close(model.eval()(xt).mean, reference(xt).mean)
+
+
+def test_the_mean_alone_never_forms_the_variance_factors():
+    """``model(x).mean`` (GPyTorch's idiom) forms no O(n M^2) variance factors; the covariance forms them on first
+    use, of the kind the settings asked for when the posterior was formed, equal to the eager ones; a refit in
+    between makes that use raise rather than mix two fits."""
+    from gpfalkon import settings
+
+    model, x, _y, _k = _fitted("rbf")
+    xt = x[:7] + 0.02
+    with torch.no_grad():
+        p = model(xt)
+        mean = p.mean
+    assert model._factors is None and model._fast_factors is None
+    torch.testing.assert_close(mean, model.posterior_mean(xt))
+    var = p.variance
+    assert model._factors is not None and model._fast_factors is None
+    c = model.centers.detach()
+    with torch.no_grad():
+        noise = float(model.likelihood.noise)
+        h, _knm, kmm = dense_nystrom(model.kernel, x, c, noise / x.shape[0])
+        ksm = dense_kernel(model.kernel, xt, c)
+        dtc = (dense_kernel(model.kernel, xt, xt) - ksm @ torch.linalg.solve(kmm, ksm.T)
+               + noise * ksm @ torch.linalg.solve(h, ksm.T)).diagonal()
+        torch.testing.assert_close(var, dtc, rtol=1e-6, atol=1e-10)
+        with settings.variance_factors("approximate"):
+            pa = model(xt)
+        va = pa.variance  # read outside the setting: the kind asked for at model(x)
+        fast = model._fast_factors
+        assert fast is not None
+        torch.testing.assert_close(va, NystromPosteriorCovariance(xt, c, fast.L, fast.LB, kernel=model.kernel)
+                                   .diagonal())
+    p2 = model(xt)
+    model.fit()
+    with pytest.raises(NotFittedError, match="form it again"):
+        _ = p2.variance

@@ -307,3 +307,111 @@ def test_a_file_rewritten_after_fit_is_refused_not_read(tmp_path, kind):
         # a source built now reads the new rows
         fresh = NpyRows(paths, dtype=dtype) if kind == "npy" else ParquetRows(paths, exclude=["target"], dtype=dtype)
         assert fresh[0:len(x)].shape == x.shape
+
+
+class _FreshRows(TensorRows):
+    """Rows read as fresh tensors (as a file's are), each read recorded with a weak reference."""
+
+    def __init__(self, x):
+        super().__init__(x)
+        self.reads = []
+
+    def _read(self, start, stop):
+        import weakref
+
+        blk = self.x[start:stop].clone()
+        self.reads.append((start, stop, weakref.ref(blk)))
+        return blk
+
+
+def test_objectives_on_a_source_keep_no_block_until_the_backward_pass(data):
+    """A checkpointed aggregate pass over a row source reads each block again in the backward pass instead of
+    keeping every block's rows alive until it (all n x d of data larger than memory); the value and the gradients
+    equal the in-memory model's."""
+    from gpfalkon import settings
+
+    x, y = data
+    vals, grads = [], []
+    for fresh in (False, True):
+        src = _FreshRows(x) if fresh else x
+        m = FalkonGP(src, y, make_kernel("rbf", 3), num_centers=30, penalty=1e-3, seed=2)
+        with settings.memory_budget(2**18), settings.block_rows(40):
+            if fresh:
+                src.reads.clear()
+            for obj in (SGPRBound(m), GCV(m)):
+                val = obj()
+                if fresh:
+                    alive = [r for r in src.reads if r[2]() is not None]
+                    assert len(src.reads) >= 8 and len(alive) <= 1, (len(src.reads), len(alive))
+                val.backward()
+                vals.append(val.detach())
+                grads.append(torch.cat([p.grad.reshape(-1).clone() for p in m.kernel.parameters()]))
+                m.zero_grad()
+    for a, b in zip(vals[:2], vals[2:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads[:2], grads[2:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_scans_of_a_wide_source_stay_within_the_memory_budget():
+    """The finiteness check and the fingerprint read blocks of ``scan_rows`` rows (three float64 copies of a block
+    within the budget), and a streamed product's blocks count the data's ``d`` columns beside ``M``."""
+    from gpfalkon import settings
+    from gpfalkon.backend import KernelEngine
+    from gpfalkon.backend.blocks import PRODUCT, scan_rows
+    from gpfalkon.models.fit_state import data_fingerprint
+
+    x = torch.randn(3000, 400, dtype=torch.float64)
+    budget = 2**22
+    with settings.memory_budget(budget):
+        rows = scan_rows(3000, 400)
+        assert 3 * rows * 401 * 8 <= budget and rows >= 1
+        src = _FreshRows(x)
+        src.check_finite("x")
+        data_fingerprint(src, torch.zeros(3000, dtype=torch.float64))
+        assert max(e - s for s, e, _ in src.reads) <= rows
+        eng = KernelEngine(make_kernel("rbf", 400), _FreshRows(x), x[:20], store=False)
+        assert PRODUCT.live_blocks * eng.block_rows * (20 + 400) * 8 <= budget
+
+
+def test_parquet_rows_keep_a_bounded_number_of_files_open(tmp_path, monkeypatch):
+    """A data set of many Parquet files: at most MAX_OPEN_FILES stay open (the least recently read is closed),
+    and every row still reads back."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from gpfalkon.backend import sources
+
+    monkeypatch.setattr(sources, "MAX_OPEN_FILES", 3)
+    x = np.arange(40 * 2, dtype=np.float64).reshape(40, 2)
+    paths = []
+    for i in range(10):
+        p = tmp_path / f"p{i:02d}.parquet"
+        pq.write_table(pa.table({"a": x[4 * i:4 * i + 4, 0], "b": x[4 * i:4 * i + 4, 1]}), p)
+        paths.append(p)
+    src = ParquetRows(paths, columns=["a", "b"])
+    for _ in range(2):
+        np.testing.assert_array_equal(src.read(0, 40).numpy(), x)
+        assert len(src._handles) <= 3
+    np.testing.assert_array_equal(src.read(5, 9).numpy(), x[5:9])
+
+
+def test_float32_streamed_products_round_as_the_in_memory_ones():
+    """A float32 row source's products (no fused kernel) flush their row sums to float64 every FLUSH_ROWS rows as
+    the fused kernel does: their error against float64 stays within a few times the in-memory engine's (it was
+    25-40x, growing with the block height)."""
+    from gpfalkon import settings
+    from gpfalkon.backend import KernelEngine
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(5003, 4, generator=g, dtype=torch.float64)
+    c = x[:300]
+    u = torch.randn(300, 1, generator=g, dtype=torch.float64)
+    k64 = make_kernel("matern52", 4)
+    exact = KernelEngine(k64, x, c, store=False).kmn_k(u)
+    k32 = make_kernel("matern52", 4, dtype=torch.float32)
+    errs = []
+    with settings.block_rows(5003):
+        for src in (x.float(), TensorRows(x.float())):
+            out = KernelEngine(k32, src, c.float(), store=False).kmn_k(u)
+            errs.append(float((out - exact).abs().max() / exact.abs().max()))
+    assert errs[1] <= 4 * errs[0] + 1e-7, errs

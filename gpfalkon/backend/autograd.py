@@ -97,6 +97,7 @@ def blockwise_kernel_grad(
         memory_budget=memory_budget,
         block_rows=block_rows,
         device=x.device,
+        d=x.shape[1],
     )
     grad_x = torch.zeros_like(x) if need_x else None
     grad_c = torch.zeros_like(centers) if need_centers else None

@@ -14,6 +14,9 @@ The rule (``itemsize`` bytes per kernel value, ``M`` columns)::
          = default_rows                                  otherwise
     rows = min(rows, memory_budget / (live_blocks * M * itemsize), n),  at least 1.
 
+A pass that reads ``d`` data columns with each row (``d=``: the rows of a row source are read, not viewed, and
+the fast path keeps a rescaled copy of them) counts ``M + d`` values a row in both the byte target and the cap.
+
 A differentiable pass checkpoints its blocks (the graph holds one block at a time) unless its whole
 graph fits a share of the budget (:func:`keeps_graph`).
 
@@ -39,6 +42,8 @@ Profiles (their defaults are the measured ones of ``benchmarks/engine.py``):
 * :data:`STORED` - reading a stored ``K_nM`` for thin products: sub-blocks of about
   512 KiB (each read twice, the second time from the core's own cache), at least 8 rows;
   a chunk is :func:`stored_batch` sub-blocks handled by one batched product.
+* :data:`SCAN` - a pass over the data alone (finiteness checks, fingerprints: ``M = 0``, ``d`` columns):
+  about 16 MiB of float64 a block, three live (the rows read, a float64 copy, a temporary).
 """
 from __future__ import annotations
 
@@ -57,6 +62,7 @@ __all__ = [
     "FACTOR",
     "GRADIENT",
     "PRODUCT",
+    "SCAN",
     "STORED",
     "BlockProfile",
     "block_rows_for",
@@ -67,6 +73,7 @@ __all__ = [
     "resolve_store_dtype",
     "reuse_depth",
     "row_blocks",
+    "scan_rows",
     "store_row_bytes",
     "stored_batch",
 ]
@@ -94,6 +101,7 @@ AGGREGATE = BlockProfile(live_blocks=4, default_rows=2048, graph_bytes=48)
 #: a differentiable pass keeps its whole graph within 1 / GRAPH_SHARE of the memory budget
 GRAPH_SHARE = 8
 STORED = BlockProfile(live_blocks=1, target_bytes=512 * 2**10, min_rows=8)
+SCAN = BlockProfile(live_blocks=3, target_bytes=16 * 2**20, min_rows=1, itemsize=8)
 
 
 def resolve_store_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -137,15 +145,18 @@ def block_rows_for(
     memory_budget: int | None = None,
     block_rows: int | None = None,
     device: torch.device | str | None = None,
+    d: int = 0,
 ) -> int:
     """Rows per block for a pass of ``profile`` over ``n`` rows against ``m`` columns (on ``device``,
-    whose available memory sets the automatic budget; the host when ``None``).
+    whose available memory sets the automatic budget; the host when ``None``), reading ``d`` data columns with
+    each row (``M + d`` values a row; the module docstring).
 
     ``block_rows`` (else :class:`gpfalkon.settings.block_rows`) overrides the profile's
     default height; the result never exceeds ``memory_budget`` (else
     :class:`gpfalkon.settings.memory_budget`) for the profile's live blocks, nor ``n``.
     """
     block_rows = resolve_block_rows(block_rows)
+    width = max(int(m), 1) + max(int(d), 0)
     if block_rows is not None:
         rows = block_rows
     elif profile.target_bytes is not None:
@@ -153,14 +164,20 @@ def block_rows_for(
         target = profile.target_bytes
         if profile.cuda_target_bytes is not None and device is not None and torch.device(device).type == "cuda":
             target = profile.cuda_target_bytes
-        rows = target // (max(m, 1) * size)
+        rows = target // (width * size)
         rows = max(profile.min_rows, rows - rows % profile.row_multiple)
     else:
         rows = profile.default_rows
     budget = memory_budget_for(memory_budget, device=device)
     size = profile.itemsize or itemsize
-    rows = min(rows, max(1, budget // (profile.live_blocks * max(m, 1) * size)))
+    rows = min(rows, max(1, budget // (profile.live_blocks * width * size)))
     return max(1, min(rows, max(int(n), 1)))
+
+
+def scan_rows(n: int, d: int, *, device: torch.device | str | None = None) -> int:
+    """Rows per block of a pass over ``n`` rows of ``d`` data columns alone (:data:`SCAN`): finiteness checks and
+    fingerprints of a row source, within the memory budget whatever ``d`` is."""
+    return block_rows_for(n, 0, 8, SCAN, d=d, device=device)
 
 
 def keeps_graph(n: int, m: int, profile: BlockProfile, *, memory_budget: int | None = None,

@@ -65,7 +65,7 @@ from .blocks import (
     store_row_bytes,
     stored_batch,
 )
-from .fused import fly_applies, fly_tile_rows, fused_fly_kmn_k, fused_kmn_k, fused_profile_
+from .fused import FLUSH_ROWS, fly_applies, fly_tile_rows, fused_fly_kmn_k, fused_kmn_k, fused_profile_
 from .precision import matmul_precision
 from .prefetch import source_blocks
 from .sources import RowSource
@@ -378,6 +378,20 @@ def _dense(out: Any) -> Tensor:
     return out if isinstance(out, Tensor) else out.to_dense()
 
 
+def _flushed_product(w: Tensor, blk: Tensor, acc_dtype: torch.dtype) -> Tensor:
+    """``w @ blk`` (``(k, rows) @ (rows, M)``) in ``acc_dtype``, its sum over rows taken in the data dtype over at
+    most :data:`~gpfalkon.backend.fused.FLUSH_ROWS` rows at a time (one batched product over the chunks) and in
+    ``acc_dtype`` across them: the rounding of the fused kernel's sums, not that of a whole block's."""
+    rows, m = blk.shape
+    c = FLUSH_ROWS
+    full = rows - rows % c
+    out = torch.bmm(w[:, :full].reshape(w.shape[0], full // c, c).transpose(0, 1),
+                    blk[:full].reshape(full // c, c, m)).to(acc_dtype).sum(0)
+    if full < rows:
+        out += (w[:, full:] @ blk[full:]).to(acc_dtype)
+    return out
+
+
 class KernelEngine:
     """Blockwise products with ``K_nM = k(x, centers)`` under a memory budget.
 
@@ -449,7 +463,7 @@ class KernelEngine:
         self.block_rows_setting = resolve_block_rows(block_rows)
         self.block_rows = block_rows_for(
             self.n, self.m, itemsize, PRODUCT, memory_budget=budget, block_rows=self.block_rows_setting,
-            device=self.device,
+            device=self.device, d=self.d,
         )
         self.stored_rows = self.n if self.stored else 0
         if partial and not self.stored:  # the rows that fit beside the on-the-fly buffers
@@ -780,7 +794,11 @@ class KernelEngine:
                 if cand > 1 and rows % cand == 0:
                     t = cand
                     break
-        if t == 1:
+        # a float32 (or narrower) block on the CPU: its row sums flushed to float64 every FLUSH_ROWS rows, as the
+        # fused kernel does; summed over a whole block (thousands of rows: row sources, kernels the fused kernel
+        # does not know) in float32 they drifted 25-40x beyond the in-memory fit's rounding
+        flush = blk.device.type == "cpu" and blk.dtype != self.acc_dtype and rows > FLUSH_ROWS
+        if t == 1 or flush:
             if u_t is not None:
                 w = u_t @ blk.t()  # (k, rows)
                 if v_t is not None:
@@ -788,7 +806,7 @@ class KernelEngine:
             else:
                 assert v_t is not None  # kmn_k checks that u or v is given
                 w = v_t
-            acc += (w @ blk).to(self.acc_dtype)
+            acc += _flushed_product(w, blk, self.acc_dtype) if flush else (w @ blk).to(self.acc_dtype)
             return
         k = acc.shape[0]
         b3 = blk.view(t, rows // t, self.m)

@@ -975,8 +975,8 @@ def _cpu_tag() -> str:
                 if line.startswith(("flags", "Features")):
                     flags = line
                     break
-    except OSError:
-        pass
+    except OSError:  # no /proc (macOS, Windows): the processor's name stands in for its instruction sets
+        flags = platform.processor()
     text = "|".join([_SOURCE, torch.__version__, os.path.dirname(os.path.realpath(torch.__file__)),
                      platform.python_version(), platform.machine(), flags, *_FLAGS])
     return hashlib.sha1(text.encode()).hexdigest()[:12]

@@ -25,6 +25,7 @@ from .. import settings
 from .blocks import AGGREGATE, GRAPH_SHARE, keeps_graph, memory_budget_for, row_blocks
 from .engine import KernelEngine, kernel_block, stationary_spec
 from .prefetch import row_slices
+from .sources import RowSource
 
 #: torch's selective activation checkpointing (torch >= 2.4); ``None``: every product is recomputed
 selective_contexts: Callable[..., Any] | None = getattr(_checkpoint, "create_selective_checkpoint_contexts", None)
@@ -174,7 +175,31 @@ def _keep_center_products(m: int, rows: int) -> Callable[..., Any]:
     return policy
 
 
-def _checkpointed(block: Callable[..., Any], keep: bool, *args: Tensor,
+class _Reread:
+    """A row source's block as an argument of a checkpointed block function: the rows read for the forward pass
+    the first time, read again from the source when the backward pass recomputes the block.
+    ``torch.utils.checkpoint`` keeps a block's tensor inputs until the backward pass; for an in-memory ``x`` they
+    are views, for a source freshly read rows, which would keep all ``n x d`` of data larger than memory alive."""
+
+    def __init__(self, source: Any, start: int, stop: int, rows: Tensor) -> None:
+        self.source, self.start, self.stop = source, start, stop
+        self.rows: Tensor | None = rows
+
+    def get(self) -> Tensor:
+        rows, self.rows = self.rows, None
+        return rows if rows is not None else self.source.read(self.start, self.stop)
+
+
+def _rows_arg(x: Any, start: int, stop: int, xb: Tensor) -> Tensor | _Reread:
+    """``xb`` for an in-memory ``x``, a :class:`_Reread` for a row source."""
+    return _Reread(x, start, stop, xb) if isinstance(x, RowSource) else xb
+
+
+def _rows_of(xb: Tensor | _Reread) -> Tensor:
+    return xb.get() if isinstance(xb, _Reread) else xb
+
+
+def _checkpointed(block: Callable[..., Any], keep: bool, *args: Any,
                   context_fn: Callable[..., Any] | None = None) -> Any:
     """``block(*args)``: called directly where ``keep`` (the pass keeps its graph), else checkpointed (the
     graph keeps the block's inputs, the backward pass recomputes the block; ``context_fn``: a
@@ -203,7 +228,8 @@ def _gram_aggregates(
 ) -> WhitenedAggregates:
     """The Gram route of :func:`whitened_aggregates`."""
 
-    def block(xb: Tensor, yb: Tensor, c_: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def block(xb_: Tensor | _Reread, yb: Tensor, c_: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        xb = _rows_of(xb_)
         kb = kernel_block(kernel, xb, c_).to(torch.float64)  # (rows, M)
         gram, proj = _GramProjection.apply(kb, yb.to(torch.float64))
         return gram, proj, kernel(xb, diag=True).sum()
@@ -219,7 +245,7 @@ def _gram_aggregates(
     contexts = selective_contexts if saved <= memory_budget_for(None, device=x.device) // GRAPH_SHARE else None
     for s, e, xb in row_slices(x, ranges):
         policy = None if contexts is None else partial(contexts, _keep_center_products(m, e - s))
-        out = _checkpointed(block, keep, xb, y[s:e], centers, context_fn=policy)
+        out = _checkpointed(block, keep, _rows_arg(x, s, e, xb), y[s:e], centers, context_fn=policy)
         acc = list(out) if acc is None else [a + o for a, o in zip(acc, out, strict=True)]
     assert acc is not None  # x has at least one row (validated by the callers)
     gram, ky, tr_knn = acc
@@ -237,7 +263,8 @@ def _solve_aggregates(
 ) -> WhitenedAggregates:
     """The solve route of :func:`whitened_aggregates`."""
 
-    def block(xb: Tensor, yb: Tensor, L_: Tensor, c_: Tensor):
+    def block(xb_: Tensor | _Reread, yb: Tensor, L_: Tensor, c_: Tensor):
+        xb = _rows_of(xb_)
         kb = kernel_block(kernel, xb, c_)
         ab = torch.linalg.solve_triangular(L_, kb.mT, upper=False)  # (M, rows)
         return ab @ ab.mT, ab @ yb, ab.square().sum(), kernel(xb, diag=True).sum()
@@ -246,7 +273,7 @@ def _solve_aggregates(
     ranges = list(row_blocks(x.shape[0], rows))
     keep = _keep_graph(x, centers, ranges)
     for s, e, xb in row_slices(x, ranges):
-        out = _checkpointed(block, keep, xb, y[s:e], L, centers)
+        out = _checkpointed(block, keep, _rows_arg(x, s, e, xb), y[s:e], L, centers)
         acc = list(out) if acc is None else [a + o for a, o in zip(acc, out, strict=False)]
     assert acc is not None  # x has at least one row (validated by the callers)
     return WhitenedAggregates(*acc)
@@ -261,11 +288,11 @@ def map_whitened_blocks(
     keep = _keep_graph(x, centers, ranges)
     for s, e, x_b in row_slices(x, ranges):
 
-        def block(xb: Tensor, L_: Tensor, c_: Tensor, s: int = s, e: int = e) -> Tensor:
-            ab = torch.linalg.solve_triangular(L_, kernel_block(kernel, xb, c_).mT, upper=False)
+        def block(xb: Tensor | _Reread, L_: Tensor, c_: Tensor, s: int = s, e: int = e) -> Tensor:
+            ab = torch.linalg.solve_triangular(L_, kernel_block(kernel, _rows_of(xb), c_).mT, upper=False)
             return fn(ab, s, e)
 
-        outs.append(_checkpointed(block, keep, x_b, L, centers))
+        outs.append(_checkpointed(block, keep, _rows_arg(x, s, e, x_b), L, centers))
     return outs
 
 

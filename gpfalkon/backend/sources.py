@@ -40,13 +40,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .blocks import row_blocks
+from .blocks import row_blocks, scan_rows
 
-__all__ = ["NpyRows", "ParquetRows", "RowSource", "SliceRows", "TensorRows", "rows_as", "shard_files", "shard_rows"]
+__all__ = ["MAX_OPEN_FILES", "NpyRows", "ParquetRows", "RowSource", "SliceRows", "TensorRows", "rows_as", "shard_files",
+           "shard_rows"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 _DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
+
+#: the most Parquet files a :class:`ParquetRows` keeps open at once (the least recently read is closed)
+MAX_OPEN_FILES = 8
 
 
 def _concrete(device: torch.device | str | None) -> torch.device:
@@ -126,8 +130,11 @@ class RowSource(abc.ABC):
         for s, e in row_blocks(self._n, max(1, int(rows))):
             yield s, e, self.read(s, e)
 
-    def check_finite(self, name: str, rows: int = 65536) -> None:
-        """Raise ``ValueError`` naming ``name`` and the first row with a NaN or Inf (one pass)."""
+    def check_finite(self, name: str, rows: int | None = None) -> None:
+        """Raise ``ValueError`` naming ``name`` and the first row with a NaN or Inf (one pass, in blocks of ``rows``;
+        default: :func:`~gpfalkon.backend.blocks.scan_rows`, within the memory budget)."""
+        if rows is None:
+            rows = scan_rows(self._n, self._d, device=self.device)
         for s, _, blk in self.blocks(rows):
             bad = ~torch.isfinite(blk).all(-1)
             if bool(bad.any()):
@@ -459,9 +466,15 @@ class ParquetRows(RowSource):
         if self._cache[0] != k:
             fi, g, _ = self._groups[k]
             _check_stamp("ParquetRows", self.paths[fi], getattr(self, "_stamps", {}).get(self.paths[fi]))
-            pf = self._handles.get(fi)
+            pf = self._handles.pop(fi, None)
             if pf is None:
-                pf = self._handles[fi] = self._pq.ParquetFile(self.paths[fi])
+                pf = self._pq.ParquetFile(self.paths[fi])
+            self._handles[fi] = pf  # the most recently used last
+            while len(self._handles) > MAX_OPEN_FILES:  # a data set of thousands of files stays within the fd limit
+                old = self._handles.pop(next(iter(self._handles)))
+                close = getattr(old, "close", None)
+                if callable(close):
+                    close()
             table = pf.read_row_group(g, columns=self.columns)
             for c in self.columns:  # nulls would become NaN (or fail for integers) and be reported as such
                 nulls = table.column(c).null_count

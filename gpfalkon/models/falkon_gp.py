@@ -271,7 +271,8 @@ class FalkonGP(gpytorch.models.GP):
     Base class: :class:`gpytorch.models.GP`, not ``ExactGP`` (whose eval path is
     hard-wired to the ``n x n`` solve) nor ``ApproximateGP`` (variational
     parameters we do not have). ``fit()`` solves for ``alpha``; calling the model
-    in eval mode returns the posterior, in train mode the prior ``N(0, K(x, x))``.
+    in eval mode returns the posterior, in train mode (or under ``gpytorch.settings.prior_mode``) the prior
+    ``N(c, K(x, x))`` (``c`` the constant mean, ``mean_constant``).
     With BoTorch's ``GPyTorchModel`` mix-in it gets ``posterior()``.
 
     Costs. ``fit()``: ``(iterations + 1)`` passes over the data, each ``O(n M (d + t))``,
@@ -536,6 +537,9 @@ class FalkonGP(gpytorch.models.GP):
         # counts the changes that invalidate the variance factors (_forget_factors, scale_prior): factors formed
         # across one are not kept, and what was built from them (a FalkonFantasyModel) knows it is stale
         self._factors_generation = 0
+        # counts the changes of the fit itself (all of the above but a move to another dtype or device, which keeps
+        # the fit): a posterior forms its covariance's factors lazily only within one fit
+        self._fit_generation = 0
         self.register_load_state_dict_post_hook(FalkonGP._after_load)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -563,6 +567,7 @@ class FalkonGP(gpytorch.models.GP):
             state["_legacy_state"] = True
         state.setdefault("_legacy_state", False)
         state.setdefault("_factors_generation", 0)
+        state.setdefault("_fit_generation", 0)
         if isinstance(buffers, dict) and "kernel_probe" not in buffers:  # pickled before the probe: none recorded
             anchor = buffers.get("alpha")
             buffers["kernel_probe"] = torch.zeros(0, dtype=torch.float64,
@@ -701,6 +706,7 @@ class FalkonGP(gpytorch.models.GP):
             self.alpha = self.alpha / ratio
             # factors being formed elsewhere (another thread) belong to the old scale, as do fantasies built on these
             self._factors_generation += 1
+            self._fit_generation += 1
             if self._factors is not None:
                 self._factors = self._factors.scaled(ratio)
             if self._fast_factors is not None:
@@ -1061,7 +1067,7 @@ class FalkonGP(gpytorch.models.GP):
         self.fit_noise = self.fit_noise.to(torch.float64)
         if weights is not None:
             self.center_weights = weights.to(device=self.centers.device, dtype=torch.float64)
-        self._forget_factors()
+        self._forget_factors(refit=False)
         if was_valid and self.train_inputs[0].dtype in (torch.float32, torch.float64):
             self._mark_fitted()
         else:  # a move through float16 / bfloat16 rounded the data and hyperparameters: fit again
@@ -1340,11 +1346,14 @@ class FalkonGP(gpytorch.models.GP):
                 self._factors = factors
         return factors
 
-    def _forget_factors(self) -> None:
-        """Drop both kinds of variance factors (the fit they belong to changed)."""
+    def _forget_factors(self, refit: bool = True) -> None:
+        """Drop both kinds of variance factors (the fit they belong to changed; ``refit=False``: only moved to
+        another dtype or device)."""
         self._factors = None
         self._fast_factors = None
         self._factors_generation = getattr(self, "_factors_generation", 0) + 1
+        if refit:
+            self._fit_generation = getattr(self, "_fit_generation", 0) + 1
 
     def _check_test_inputs(self, x: Tensor) -> None:
         check_dtype("x", x)
@@ -1454,8 +1463,24 @@ class FalkonGP(gpytorch.models.GP):
         if gpytorch.settings.skip_posterior_variances.on():
             covar = ZeroLinearOperator(*x.shape[:-1], q, dtype=out_dtype, device=x.device)
         else:
-            f = self.posterior_factors()
             covar = NystromPosteriorCovariance(
-                x, self.centers.detach(), f.L, f.LB, kernel=self.kernel, chunk_size=chunk
+                x, self.centers.detach(), kernel=self.kernel, chunk_size=chunk, factors=self._factors_for_posterior()
             )
         return shared_covariance_distribution(mean, covar)
+
+    def _factors_for_posterior(self) -> Callable[[], tuple[Tensor, Tensor]]:
+        """The variance factors of this fit, formed when a posterior's covariance is first used (``model(x).mean``
+        alone never forms them), of the kind the settings ask for now; a refit or a data change in between makes
+        that use raise rather than mix this fit's mean with another fit's covariance."""
+        generation = self._fit_generation
+        approximate = settings.variance_factors.value() == "approximate"
+
+        def factors() -> tuple[Tensor, Tensor]:
+            if self._fit_generation != generation:
+                raise NotFittedError("FalkonGP: the model was refitted (or its data changed) after this posterior "
+                                     "was formed; form it again (model(x)) to read its covariance")
+            with torch.no_grad():  # constants of the fit, whatever grad mode the covariance is read in
+                f = self.posterior_factors(approximate=approximate)
+            return f.L, f.LB
+
+        return factors

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from .._validation import is_row_source
+from ..backend.blocks import scan_rows
 from ..backend.fused import word_digest
 
 __all__ = ["FIT_GROUPS", "FitTracker", "content_digest", "data_fingerprint", "hyper_digest", "module_structure"]
@@ -137,7 +138,7 @@ def _digest_rows(t: Tensor, word_offset: int) -> tuple[int, int]:
     if not is_row_source(t):
         return _digest_tensor(t, word_offset)
     h, pos = (0, 0), word_offset
-    for _, _, blk in t.blocks(65536):
+    for _, _, blk in t.blocks(scan_rows(t.shape[0], t.shape[1], device=t.device)):
         h = _add(h, _digest_tensor(blk, pos))
         pos += blk.numel() * _words_per_element(blk.dtype)
     return h
@@ -218,7 +219,7 @@ def data_fingerprint(
     if is_row_source(x):  # one streamed pass
         sx = torch.zeros((), dtype=torch.float64, device=x.device)
         sxx = torch.zeros((), dtype=torch.float64, device=x.device)
-        for _, _, blk in x.blocks(65536):
+        for _, _, blk in x.blocks(scan_rows(x.shape[0], x.shape[1], device=x.device)):
             bx, bxx = _sums(blk, legacy_sums)
             sx += bx
             sxx += bxx

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -150,15 +150,47 @@ class NystromPosteriorCovariance(LinearOperator):
     """
 
     def __init__(
-        self, x: Tensor, centers: Tensor, L: Tensor, LB: Tensor, *, kernel: Kernel, chunk_size: int = 4096
+        self, x: Tensor, centers: Tensor, L: Tensor | None = None, LB: Tensor | None = None, *, kernel: Kernel,
+        chunk_size: int = 4096, factors: Callable[[], tuple[Tensor, Tensor]] | None = None,
     ) -> None:
-        super().__init__(x, centers, L, LB, kernel=kernel, chunk_size=chunk_size)
+        if (L is None) != (LB is None) or (L is None) == (factors is None):
+            raise ValueError("NystromPosteriorCovariance needs L and LB, or factors= (a callable returning them)")
+        if L is not None and LB is not None:
+            super().__init__(x, centers, L, LB, kernel=kernel, chunk_size=chunk_size)
+        else:
+            super().__init__(x, centers, kernel=kernel, chunk_size=chunk_size, factors=factors)
         self.x = x
         self.centers = centers
-        self.L = L
-        self.LB = LB
+        self._L, self._LB = L, LB
+        # ``factors``: called on the first use of L / L_B (the O(n M^2) variance factors), so that a posterior whose
+        # mean alone is read (``model(x).mean``) never forms them
+        self._factors = factors
         self.kernel = kernel
         self.chunk_size = int(chunk_size)
+
+    def _resolved(self) -> tuple[Tensor, Tensor]:
+        if self._L is None or self._LB is None:
+            assert self._factors is not None
+            L, LB = self._factors()  # (on the model's device now: moved there since, if it moved)
+            self._L, self._LB = L.to(self.x.device), LB.to(self.x.device)
+        return self._L, self._LB
+
+    @property
+    def L(self) -> Tensor:
+        """``L L^T = K_MM`` (float64), formed through ``factors=`` on first use."""
+        return self._resolved()[0]
+
+    @property
+    def LB(self) -> Tensor:
+        """``L_B L_B^T = I + A A^T / (n lambda)`` (float64), formed through ``factors=`` on first use."""
+        return self._resolved()[1]
+
+    def _like(self, x: Tensor) -> NystromPosteriorCovariance:
+        """The same covariance at other (reshaped) test inputs, its factors shared (or still to be formed)."""
+        if self._L is None:
+            return self.__class__(x, self.centers, kernel=self.kernel, chunk_size=self.chunk_size,
+                                  factors=self._factors)
+        return self.__class__(x, self.centers, self._L, self._LB, kernel=self.kernel, chunk_size=self.chunk_size)
 
     # ------------------------------------------------------------------ pieces
     def _chunks(self) -> Iterator[tuple[int, int]]:
@@ -239,22 +271,22 @@ class NystromPosteriorCovariance(LinearOperator):
 
     def _expand_batch(self, batch_shape: torch.Size) -> NystromPosteriorCovariance:
         x = self.x.expand(*batch_shape, *self.x.shape[-2:])
-        return self.__class__(x, self.centers, self.L, self.LB, kernel=self.kernel, chunk_size=self.chunk_size)
+        return self._like(x)
 
     def _unsqueeze_batch(self, dim: int) -> NystromPosteriorCovariance:
         x = self.x.unsqueeze(dim)
-        return self.__class__(x, self.centers, self.L, self.LB, kernel=self.kernel, chunk_size=self.chunk_size)
+        return self._like(x)
 
     # The batch dimensions are those of x alone (centers and factors are shared): linear_operator's
     # generic batch operations would apply to every tensor argument.
     def _permute_batch(self, *dims: int) -> NystromPosteriorCovariance:
         x = self.x.permute(*dims, self.x.dim() - 2, self.x.dim() - 1)
-        return self.__class__(x, self.centers, self.L, self.LB, kernel=self.kernel, chunk_size=self.chunk_size)
+        return self._like(x)
 
     def _getitem(self, row_index: Any, col_index: Any, *batch_indices: Any) -> LinearOperator:
         if batch_indices and all(isinstance(i, slice) and i == slice(None) for i in (row_index, col_index)):
             x = self.x[(*batch_indices, slice(None), slice(None))]
-            return self.__class__(x, self.centers, self.L, self.LB, kernel=self.kernel, chunk_size=self.chunk_size)
+            return self._like(x)
         return super()._getitem(row_index, col_index, *batch_indices)
 
 

@@ -27,7 +27,7 @@ from ..solvers import CGInfo, Preconditioner, PreconditionerBuilder, Solver, cho
 from ..solvers.direct import direct_solve_whitened, whitened_factor
 from .preconditioner import FalkonPreconditioner, engine_memory_budget
 
-__all__ = ["FLOAT32_QUIET", "FLOAT32_TOL", "HGrads", "NystromKRROperator"]
+__all__ = ["FIXED_POINT_EPS", "FLOAT32_QUIET", "FLOAT32_TOL", "HGrads", "NystromKRROperator"]
 
 #: the default CG tolerance for data in a dtype narrower than float64, when no tolerance is given
 #: (per call, in the options, or by a setting): what float32 kernel products reach on common data
@@ -36,9 +36,13 @@ __all__ = ["FLOAT32_QUIET", "FLOAT32_TOL", "HGrads", "NystromKRROperator"]
 FLOAT32_TOL = 1e-4
 #: a float32 default-tolerance solve that stalls, or reaches max_iter, at a relative residual up to
 #: this ends without a warning (``fit_info.extra["stagnated"]``): on protein the test RMSE matched
-#: float64's to 4 digits at floors up to 2.9e-3 and to 0.04 % at 3.3e-2, and was 2.8 % worse at 3.7e-2
-#: (``benchmarks/results/float32-tol.md``)
-FLOAT32_QUIET = 3e-2
+#: float64's to 4 digits at floors up to 2.9e-3, within 1 % at 1.2e-2 and to 0.04 % at 3.3e-2, and was 2.8 % worse
+#: at 3.7e-2 (``benchmarks/results/float32-tol.md``); on other sets less was enough to lose 2 % (cadata 2.1 % at
+#: 1.8e-2, keggdirected 6.3 % at 2.2e-2, both at lambda 1e-8), so the floor sits below those
+FLOAT32_QUIET = 1.5e-2
+#: the resolution of a ``K_nM`` stored in 16-bit fixed point, relative to its row's largest value (the ``eps`` of
+#: the preconditioner's jitter where such a store is in use)
+FIXED_POINT_EPS = 2.0**-15
 
 
 class HGrads(NamedTuple):
@@ -308,7 +312,7 @@ class NystromKRROperator(LinearOperator):
                                  and check(self.kmm))
         return self._split_w
 
-    def _precond_jitter(self) -> float | None:
+    def _precond_jitter(self, direct: bool = False) -> float | None:
         """FALKON's ``eps M`` jitter with ``eps`` the machine epsilon of the *data* dtype.
 
         When ``K_nM`` products are computed in float32, ``H`` is only known to about
@@ -317,16 +321,24 @@ class NystromKRROperator(LinearOperator):
         (seen on abalone: ``p^T W p < 0``). Jittering ``T`` at ``eps_32 M mean(diag K_MM)``
         (the paper's choice, ``eps`` of the working precision) keeps ``B^T H B`` well
         conditioned; the solution is that of ``H`` itself (``K_MM`` enters ``H`` exactly).
-        float64 data keeps the float64 jitter of :func:`~gpfalkon.linalg.jittered_cholesky`.
+        float64 data keeps the float64 jitter of :func:`~gpfalkon.linalg.jittered_cholesky`. A ``K_nM`` stored in
+        16-bit fixed point (:class:`gpfalkon.settings.store_format` ``"int16"``) resolves ``2^-15`` of a row's
+        largest value, whatever the data dtype: that is its ``eps`` for CG's preconditioner (with float64's,
+        float64 data with an int16 store made CG return a model no better than predicting zero). ``direct``: the
+        jitter of the direct solve, where it is part of the system solved (docs/math.md §3.2a), so the data
+        dtype's (an int16 store's ``eps`` there regularised a float64 fit's mean to 2.4x its error).
         """
         dtype = self.x.dtype
-        if dtype == torch.float64 and self._jitter_boost == 1.0:
+        eng = self.engine
+        fixed = not direct and bool(getattr(eng, "fixed", False)) and int(getattr(eng, "stored_rows", 0)) > 0
+        if dtype == torch.float64 and self._jitter_boost == 1.0 and not fixed:
             return None
         kmm = self.kmm
         scale = float(kmm.diagonal().abs().mean())
         if not scale > 0:
             scale = 1.0
-        return float(torch.finfo(dtype).eps) * kmm.shape[-1] * scale * self._jitter_boost
+        eps = max(float(torch.finfo(dtype).eps), FIXED_POINT_EPS if fixed else 0.0)
+        return eps * kmm.shape[-1] * scale * self._jitter_boost
 
     def _stopping_rule(self, tol: float | None, max_iter: int | None) -> tuple[float, int]:
         """Per-call ``tol`` / ``max_iter`` win over the options, resolved against the settings now."""
@@ -453,10 +465,11 @@ class NystromKRROperator(LinearOperator):
             raise ValueError("time_limit is not available with rows sharded over processes: the ranks' "
                              "clocks could stop CG at different iterations")
 
-    def chosen_method(self, *, tol: float | None = None, max_iter: int | None = None, iterative: bool = False) -> str:
+    def chosen_method(self, *, tol: float | None = None, max_iter: int | None = None, iterative: bool = False,
+                      outputs: int = 1) -> str:
         """``"cg"`` or ``"direct"``: :attr:`FalkonOptions.solve_method`, with ``"auto"`` resolved by
-        :func:`~gpfalkon.solvers.choose_method` (CPU, built-in solver, ``iterative=False`` only:
-        a per-iteration callback or a warm start asks for CG)."""
+        :func:`~gpfalkon.solvers.choose_method` for ``outputs`` right-hand sides (CPU, built-in solver,
+        ``iterative=False`` only: a per-iteration callback or a warm start asks for CG)."""
         method = self.options.solve_method
         if method != "auto":
             return method
@@ -472,7 +485,8 @@ class NystromKRROperator(LinearOperator):
             flag = torch.tensor([0.0 if stored else 1.0], dtype=torch.float64, device=self.centers.device)
             stored = float(reduce(flag)[0]) == 0.0
         return choose_method(
-            self.n, self.m, self.x.shape[1], itemsize=self.x.dtype.itemsize, stored=stored, tol=tol_, max_iter=max_iter_
+            self.n, self.m, self.x.shape[1], itemsize=self.x.dtype.itemsize, stored=stored, tol=tol_,
+            max_iter=max_iter_, outputs=outputs,
         )
 
     def direct_solve(self, rhs: Tensor) -> tuple[Tensor, CGInfo]:
@@ -485,7 +499,7 @@ class NystromKRROperator(LinearOperator):
             raise ValueError(f"rhs must have shape ({self.m}, k), got {tuple(rhs.shape)}")
         with torch.no_grad():
             # the data dtype's eps M jitter, as the preconditioner's: float32 kernel values cannot resolve K_MM below it
-            factor, _ = whitened_factor(self.kmm, jitter=self._precond_jitter())
+            factor, _ = whitened_factor(self.kmm, jitter=self._precond_jitter(direct=True))
             gram = self.engine.whitened_gram(factor)
             alpha, info = direct_solve_whitened(gram, factor, rhs.detach(), self.n * float(self.penalty.detach()))
         self.last_info = info
@@ -510,7 +524,8 @@ class NystromKRROperator(LinearOperator):
         interrupted. A warm start ``x0`` asks for CG unless ``x0_forces_cg`` is ``False`` (then it is a
         starting point CG uses where the cost model picks CG anyway; the direct solve ignores it)."""
         iterative = (x0 is not None and x0_forces_cg) or callback is not None or self.callback is not None
-        if self.chosen_method(tol=tol, max_iter=max_iter, iterative=iterative) == "direct":
+        outputs = int(rhs.shape[-1]) if rhs.dim() == 2 else 1
+        if self.chosen_method(tol=tol, max_iter=max_iter, iterative=iterative, outputs=outputs) == "direct":
             return self.direct_solve(rhs)
         return self.falkon_solve(rhs, x0, tol=tol, max_iter=max_iter, callback=callback, verbose=verbose, warn=warn,
                                  time_limit=time_limit)

@@ -97,24 +97,30 @@ class SolveCosts:
     iteration_guess: int = 30
     margin: float = 1.25
 
-    def kernel_pass(self, n: int, m: int, d: int, itemsize: int, stored: bool) -> float:
-        """Seconds of one CG data pass: a stored read, or recomputing the kernel values."""
+    def kernel_pass(self, n: int, m: int, d: int, itemsize: int, stored: bool, outputs: int = 1) -> float:
+        """Seconds of one CG data pass with ``outputs`` right-hand sides (``K_b^T (K_b U)``, ``4 n M t``
+        flops): a stored read (or those flops, where they take longer), or recomputing the kernel values
+        and those flops."""
         values = float(n) * m
-        if stored:
-            return values * itemsize / self.bandwidth
         slow = itemsize / 4.0  # float64 runs at half the float32 rates
+        products = slow * 4.0 * values * outputs / self.matmul_flops
+        if stored:
+            return max(values * itemsize / self.bandwidth, products)
+        # (the kernel's own ``2 n M (d + 2)`` term already holds one output's products)
         return slow * (2.0 * values * (d + 2) / self.matmul_flops + values / self.profile_values) \
-            + 2.0 * values * itemsize / self.bandwidth
+            + 2.0 * values * itemsize / self.bandwidth + products * (outputs - 1) / outputs
 
-    def cg(self, n: int, m: int, d: int, itemsize: int, stored: bool, iterations: int) -> float:
+    def cg(self, n: int, m: int, d: int, itemsize: int, stored: bool, iterations: int, outputs: int = 1) -> float:
         """FALKON: ``iterations + 1`` passes (the right-hand side is one) + the preconditioner."""
-        return (iterations + 1) * self.kernel_pass(n, m, d, itemsize, stored) + 2.0 * m**3 / (self.matmul_flops / 2)
+        return ((iterations + 1) * self.kernel_pass(n, m, d, itemsize, stored, outputs)
+                + 2.0 * m**3 / (self.matmul_flops / 2))
 
-    def direct(self, n: int, m: int, d: int, itemsize: int, stored: bool) -> float:
-        """Direct: the right-hand side pass, one pass forming ``B`` (``2 n M^2`` float64 flops
-        on top of the kernel values) and ``O(M^3)`` factorisations."""
+    def direct(self, n: int, m: int, d: int, itemsize: int, stored: bool, outputs: int = 1) -> float:
+        """Direct: the right-hand side pass (``outputs`` columns), one pass forming ``B`` (``2 n M^2`` float64
+        flops on top of the kernel values, whatever the number of outputs) and ``O(M^3)`` factorisations."""
         f64 = self.matmul_flops / 2
-        return 2 * self.kernel_pass(n, m, d, itemsize, stored) + 2.0 * n * m * m / f64 + 2.0 * m**3 / f64
+        return (self.kernel_pass(n, m, d, itemsize, stored, outputs) + self.kernel_pass(n, m, d, itemsize, stored)
+                + 2.0 * n * m * m / f64 + 2.0 * m**3 / f64)
 
 
 def choose_method(
@@ -127,6 +133,7 @@ def choose_method(
     tol: float,
     max_iter: int,
     costs: SolveCosts | None = None,
+    outputs: int = 1,
 ) -> str:
     """``"direct"`` when the modelled direct solve is ``costs.margin`` times cheaper than CG, else ``"cg"``.
 
@@ -134,10 +141,11 @@ def choose_method(
     for), else ``min(max_iter, costs.iteration_guess)``. A stored ``K_nM`` makes a CG
     iteration a memory read, so the direct solve wins only at small ``M``; recomputed
     kernel values make every iteration cost a kernel evaluation, and the direct solve wins
-    up to a few hundred centers (``benchmarks/fit.py`` measures both).
+    up to a few hundred centers (``benchmarks/fit.py`` measures both). ``outputs``: the right-hand sides ``t``
+    (targets ``(n, t)``), whose products every CG pass makes and the direct solve only once.
     """
     c = SolveCosts() if costs is None else costs
     iters = max_iter if tol == 0 else min(max_iter, c.iteration_guess)
-    cg = c.cg(n, m, d, itemsize, stored, iters)
-    direct = c.direct(n, m, d, itemsize, stored)
+    cg = c.cg(n, m, d, itemsize, stored, iters, outputs)
+    direct = c.direct(n, m, d, itemsize, stored, outputs)
     return "direct" if direct * c.margin < cg else "cg"
