@@ -1106,7 +1106,7 @@ def auto_fit(
         itemsize = torch.finfo(dtype).bits // 8
         store_dtype = resolve_store_dtype(dtype)  # gpfalkon.settings.store_format
         head_first = stored_rows_for(n_final, m_first, itemsize, budget_at(m_first), device=dev,
-                                     store_dtype=store_dtype)
+                                     store_dtype=store_dtype, d=d)
         if head_first < n_final:
             rows0 = min(n_tr, select_rows)
             # its own generator: whether this probe runs depends on the free memory, which must not shift the
@@ -1405,7 +1405,7 @@ def auto_fit(
             and every CG iteration recomputes the others: ``iterations + 2`` measured on-the-fly passes over
             those rows on top."""
             cost = predicted_fit_seconds(base, m, max(1.0, rows / rows_at(base)))
-            head = stored_rows_for(rows, m, itemsize, budget_at(m), device=dev, store_dtype=store_dtype)
+            head = stored_rows_for(rows, m, itemsize, budget_at(m), device=dev, store_dtype=store_dtype, d=d)
             if head < rows:
                 recompute = (iterations + 2) * onthefly_pass_seconds(m) * (rows - head) / n_s
                 # plus a fit on the first size's n_s rows: the parts that do not grow with the rows
@@ -1551,7 +1551,7 @@ def auto_fit(
             m_g = growth_cap(m, min(2.0, final_growth_factor))
             while m_g >= 1.25 * m:
                 if (stored_rows_for(n_final, m_g, itemsize, budget_at(m_g), device=dev,
-                                    store_dtype=store_dtype) >= n_final
+                                    store_dtype=store_dtype, d=d) >= n_final
                         and 1.2 * final_cost(m_g, base=m) <= 0.5 * left):
                     return m_g
                 m_g = int(m_g / 1.15)

@@ -289,6 +289,21 @@ def _mixed_storage(rank: int, world: int, sizes: Sequence[int], m: int, budget: 
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+def _fixed_store_empty_shard(rank: int, world: int, out_dir: str) -> None:
+    """An int16 K_nM store with rank 1's shard empty (it stores nothing): every rank must still take the
+    preconditioner of the store's resolution, or the ranks' CG would run on different systems."""
+    from gpfalkon import settings
+
+    x, y, _ = data(n=400)
+    xs, ys = (x, y) if rank == 0 else (x[:0], y[:0])
+    with settings.store_format("int16"):
+        model = FalkonGP(xs, ys, make_kernel(), centers=x[:40].clone(), penalty=1e-6, tol=1e-9, max_iter=300,
+                         options=FalkonOptions(backend=DistributedBackend(), solve_method="cg", store_kernel=True))
+        jitter = model.nystrom_operator()._precond_jitter()
+        model.fit()
+    torch.save({"alpha": model.alpha, "jitter": jitter}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
 def _killed(rank: int, world: int, out_dir: str) -> None:
     import time
 

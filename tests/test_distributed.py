@@ -346,6 +346,22 @@ def test_auto_solve_method_is_one_choice_across_ranks(tmp_path):
         torch.testing.assert_close(res["alpha"], ref.alpha, rtol=1e-6, atol=1e-8, msg=lambda s, r=r: f"rank {r}: {s}")
 
 
+def test_fixed_store_jitter_is_the_same_on_a_rank_storing_nothing(tmp_path):
+    """int16 store, rank 1's shard empty: both ranks precondition at the store's resolution and solve one system,
+    the single-process fit's."""
+    from gpfalkon import settings
+
+    W.run(2, W._fixed_store_empty_shard, (str(tmp_path),), str(tmp_path))
+    ranks = _load(tmp_path, 2)
+    assert ranks[0]["jitter"] is not None and ranks[0]["jitter"] == ranks[1]["jitter"]
+    x, y, _ = W.data(n=400)
+    with settings.store_format("int16"):
+        ref = FalkonGP(x, y, W.make_kernel(), centers=x[:40].clone(), penalty=1e-6, tol=1e-9, max_iter=300,
+                       options=FalkonOptions(solve_method="cg", store_kernel=True)).fit()
+    for r, res in enumerate(ranks):
+        torch.testing.assert_close(res["alpha"], ref.alpha, rtol=1e-6, atol=1e-8, msg=lambda s, r=r: f"rank {r}: {s}")
+
+
 def test_sharded_file_source_equals_single_process(tmp_path):
     """Two ranks each read their shard of one .npy file (NpyRows + shard_rows)."""
     import numpy as np

@@ -120,12 +120,13 @@ def test_partial_store_matches_dense(name, dtype, fused_on, monkeypatch):
     v = torch.randn(n, 3, dtype=torch.float64)
     item = torch.finfo(dtype).bits // 8
     tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
-    budget = (n // 3) * m * item  # a third of K_nM
+    budget = (n // 2) * m * item  # half of K_nM
     for rows in (16, 37, 64):  # explicit heights: default ~2 MiB buffers would take all of this small budget
         e = KernelEngine(k, x.to(dtype), c.to(dtype), memory_budget=budget, block_rows=rows)
         assert not e.stored and 0 < e.stored_rows < n
-        assert e.stored_rows == stored_rows_for(n, m, item, budget, e.block_rows)
-        assert (e.stored_rows + 2 * e.block_rows) * m * item <= budget
+        assert e.stored_rows == stored_rows_for(n, m, item, budget, e.block_rows, d=d)
+        # (the buffers' rows hold the data's d columns beside M)
+        assert e.stored_rows * m * item + 2 * e.block_rows * (m + d) * item <= budget
         for _ in range(2):  # the first call fills the store, the second reads it
             torch.testing.assert_close(e.kmn_k(u, v), knm.T @ (knm @ u + v), **tol)
             torch.testing.assert_close(e.kmn_k(u[:, :1]), knm.T @ (knm @ u[:, :1]), **tol)
@@ -139,9 +140,9 @@ def test_partial_store_matches_dense(name, dtype, fused_on, monkeypatch):
         torch.testing.assert_close(e.whitened_gram(L), a @ a.T, **tol)
     # store=False keeps nothing; a budget below one block beside the buffers stores nothing either
     assert KernelEngine(k, x, c, memory_budget=budget, store=False).stored_rows == 0
-    tiny = KernelEngine(k, x, c, memory_budget=3 * 8 * m * 8, block_rows=8)
+    tiny = KernelEngine(k, x, c, memory_budget=2 * 8 * (m + d) * 8 + 8 * m * 8, block_rows=8)
     assert tiny.stored_rows == 8 and not tiny.stored
-    assert KernelEngine(k, x, c, memory_budget=2 * 8 * m * 8 + 8, block_rows=8).stored_rows == 0
+    assert KernelEngine(k, x, c, memory_budget=2 * 8 * (m + d) * 8 + 8, block_rows=8).stored_rows == 0
     assert stored_rows_for(n, m, 8, n * m * 8) == n
 
 

@@ -804,6 +804,12 @@ def test_the_mean_alone_never_forms_the_variance_factors():
         assert fast is not None
         torch.testing.assert_close(va, NystromPosteriorCovariance(xt, c, fast.L, fast.LB, kernel=model.kernel)
                                    .diagonal())
+    import io
+
+    buf = io.BytesIO()
+    torch.save(model(xt), buf)  # pickled with its factors formed (the closure over the model is not pickled)
+    buf.seek(0)
+    torch.testing.assert_close(torch.load(buf, weights_only=False).variance, var)
     p2 = model(xt)
     model.fit()
     with pytest.raises(NotFittedError, match="form it again"):

@@ -125,7 +125,7 @@ def test_operator_store_leaves_the_preconditioners_matrices_free(monkeypatch):
     op = NystromKRROperator(x, x[:m].clone(), torch.tensor(1e-3), kernel=kernel)
     budget = (free - preconditioner_bytes(m)) // 2
     assert op.engine.memory_budget == budget and not op.engine.stored
-    assert op.engine.stored_rows == stored_rows_for(n, m, 8, budget, op.engine.block_rows) < n
+    assert op.engine.stored_rows == stored_rows_for(n, m, 8, budget, op.engine.block_rows, d=2) < n
     op2 = NystromKRROperator(x, x[:m].clone(), torch.tensor(1e-3), kernel=kernel, memory_budget=full)
     assert op2.engine.stored and op2.engine.stored_rows == n
     # store_kernel=True asks for all of K_nM: the automatic budget then keeps no reserve (half the available

@@ -415,3 +415,28 @@ def test_float32_streamed_products_round_as_the_in_memory_ones():
             out = KernelEngine(k32, src, c.float(), store=False).kmn_k(u)
             errs.append(float((out - exact).abs().max() / exact.abs().max()))
     assert errs[1] <= 4 * errs[0] + 1e-7, errs
+
+
+def test_a_models_own_memory_budget_bounds_its_scans_and_its_partial_store():
+    """``FalkonGP(..., memory_budget=b)``: the scans of its row source (construction, fit) read blocks within b
+    (they took the setting's or the automatic budget), and a partly stored K_nM leaves room for the on-the-fly
+    buffers' rows, which hold the data's d columns beside M (stored_rows_for counts them, as the engine does)."""
+    from gpfalkon.backend import stored_rows_for
+
+    x = torch.randn(20000, 64, dtype=torch.float64)
+    y = torch.randn(20000, dtype=torch.float64)
+    budget = 2**20
+    src = _FreshRows(x)
+    m = FalkonGP(src, y, make_kernel("rbf", 64), num_centers=20, penalty=1e-3, memory_budget=budget)
+    assert max(e - s for s, e, _ in src.reads) * 3 * 65 * 8 <= budget
+    src.reads.clear()
+    m.fit()
+    assert max(e - s for s, e, _ in src.reads) * 2 * (20 + 64) * 8 <= budget
+    from gpfalkon.backend import KernelEngine
+
+    xw = torch.randn(40000, 64, dtype=torch.float64)
+    budget = 48 * 2**20  # K_nM (64 MB) does not fit: the rows beside two 16 MiB buffers are stored
+    eng = KernelEngine(make_kernel("rbf", 64), xw, xw[:200], memory_budget=budget)
+    assert 0 < eng.stored_rows < 40000
+    assert eng.stored_rows == stored_rows_for(40000, 200, 8, budget, d=64)
+    assert eng.stored_rows * 200 * 8 + 2 * eng.block_rows * (200 + 64) * 8 <= budget

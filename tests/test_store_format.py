@@ -80,7 +80,8 @@ def test_fixed_store_products_are_the_rounded_matrix_products(dtype, kname, use_
         u = torch.randn(m, 3, dtype=torch.float64)
         v = torch.randn(n, 3, dtype=torch.float64)
         itemsize = torch.empty(0, dtype=dtype).element_size()  # the buffers, then 100 rows of values + scale
-        kw = {"memory_budget": 2 * 64 * m * itemsize + 100 * (m * 2 + itemsize), "block_rows": 64} if partial else {}
+        kw = ({"memory_budget": 2 * 64 * (m + d) * itemsize + 100 * (m * 2 + itemsize), "block_rows": 64}
+              if partial else {})
         e = _fixed_engine(k, x, c, **kw)
         head = e.stored_rows
         assert (0 < head < n) if partial else head == n

@@ -189,19 +189,21 @@ def _apply_profile_(kind: str, buf: Tensor, tmp: Tensor | None, zero_below: floa
 
 
 def stored_rows_for(n: int, m: int, itemsize: int, memory_budget: int, block_rows: int | None = None,
-                    device: torch.device | str | None = None, store_dtype: torch.dtype | None = None) -> int:
+                    device: torch.device | str | None = None, store_dtype: torch.dtype | None = None,
+                    d: int = 0) -> int:
     """Rows of ``K_nM`` a :class:`KernelEngine` built with ``store=None`` holds in memory: ``n`` when
     the whole ``K_nM`` (in ``store_dtype``, default the data's dtype of ``itemsize`` bytes:
     :func:`~gpfalkon.backend.blocks.store_row_bytes`) fits ``memory_budget`` bytes, else the rows that fit
     beside the on-the-fly pass's two ``block_rows x M`` buffers of data values (``block_rows`` by
     :func:`block_rows_for` when ``None``), or ``0`` where not one block does. Cost models (``auto_fit``'s)
-    use it to predict a pass: ``(n - rows) / n`` of it recomputes kernel values."""
-    row_bytes = max(int(m), 1) * itemsize
+    use it to predict a pass: ``(n - rows) / n`` of it recomputes kernel values. ``d``: the data's columns, which
+    those buffers' rows hold too (:func:`block_rows_for`'s ``M + d``)."""
+    row_bytes = (max(int(m), 1) + max(int(d), 0)) * itemsize
     kept_row_bytes = store_row_bytes(m, itemsize, store_dtype)
     if n * kept_row_bytes <= memory_budget:
         return int(n)
     if block_rows is None:
-        block_rows = block_rows_for(n, m, itemsize, PRODUCT, memory_budget=memory_budget, device=device)
+        block_rows = block_rows_for(n, m, itemsize, PRODUCT, memory_budget=memory_budget, device=device, d=d)
     head = (memory_budget - PRODUCT.live_blocks * block_rows * row_bytes) // kept_row_bytes
     return int(min(head, n)) if head >= block_rows else 0
 
@@ -468,7 +470,7 @@ class KernelEngine:
         self.stored_rows = self.n if self.stored else 0
         if partial and not self.stored:  # the rows that fit beside the on-the-fly buffers
             self.stored_rows = stored_rows_for(self.n, self.m, itemsize, budget, self.block_rows,
-                                               store_dtype=self.store_dtype)
+                                               store_dtype=self.store_dtype, d=self.d)
         # Thin products read a stored K_nM in chunks of `stored_batch` sub-blocks of about
         # 512 KiB, one batched product per chunk: each thread reads its sub-block twice,
         # the second time from its own cache (benchmarks/engine.py measures it). On a GPU

@@ -1,6 +1,7 @@
 """FalkonGP: a GPyTorch model whose posterior is Nyström KRR solved by FALKON."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import numbers
@@ -230,6 +231,12 @@ def _raise_on_every_rank(backend: Any, problem: BaseException | None, anchor: ob
                      "see that rank's error")
 
 
+def _own_budget(budget: int | None) -> contextlib.AbstractContextManager[Any]:
+    """A model's own ``memory_budget`` as :class:`gpfalkon.settings.memory_budget` (nothing where it has none): the
+    passes that take their block heights from the setting (a row source's scans, center selection) follow it."""
+    return settings.memory_budget(budget) if budget is not None else contextlib.nullcontext()
+
+
 def _check_kernel(kernel: object, d: int, device: torch.device) -> None:
     """Reject a kernel FalkonGP cannot use, naming the cause: not a GPyTorch kernel, parameters on another
     device than the data, ``ard_num_dims`` other than the data's width, or a ``batch_shape`` (one set of
@@ -275,7 +282,8 @@ class FalkonGP(gpytorch.models.GP):
     ``N(c, K(x, x))`` (``c`` the constant mean, ``mean_constant``).
     With BoTorch's ``GPyTorchModel`` mix-in it gets ``posterior()``.
 
-    Costs. ``fit()``: ``(iterations + 1)`` passes over the data, each ``O(n M (d + t))``,
+    Costs. ``fit()``: ``(iterations + 1)`` passes over the data (one more where a float32 solve's claimed
+    convergence is checked: ``fit_info.extra["residual_checks"]``), each ``O(n M (d + t))``,
     plus ``O(M^3)`` for the preconditioner; memory ``O(n d + M^2)`` plus ``K_nM``
     when it fits :class:`gpfalkon.settings.memory_budget`. Mean at ``q`` points:
     ``O(q M d)``. Variance: exact, from :class:`NystromPosteriorFactors` formed once
@@ -386,6 +394,22 @@ class FalkonGP(gpytorch.models.GP):
         options: FalkonOptions | None = None,
     ) -> None:
         super().__init__()
+        own = memory_budget if memory_budget is not None else getattr(options, "memory_budget", None)
+        with _own_budget(own):
+            self._init(train_x, train_y, kernel, num_centers=num_centers, centers=centers, penalty=penalty,
+                       likelihood=likelihood, learn_centers=learn_centers, center_selection=center_selection,
+                       center_weights=center_weights, leverage_options=leverage_options, generator=generator,
+                       seed=seed, max_iter=max_iter, tol=tol, memory_budget=memory_budget, block_rows=block_rows,
+                       store_kernel=store_kernel, verbose=verbose, predict_chunk_size=predict_chunk_size,
+                       mean_constant=mean_constant, options=options)
+
+    def _init(self, train_x: Any, train_y: Tensor, kernel: Kernel | None, *, num_centers: int | None,
+              centers: Tensor | None, penalty: float | Tensor | None, likelihood: Likelihood | None,
+              learn_centers: bool, center_selection: str | CenterSelector, center_weights: Tensor | None,
+              leverage_options: dict[str, Any] | None, generator: torch.Generator | None, seed: int,
+              max_iter: int | None, tol: float | None, memory_budget: int | None, block_rows: int | None,
+              store_kernel: bool | None, verbose: bool, predict_chunk_size: int, mean_constant: float | Tensor,
+              options: FalkonOptions | None) -> None:
         sharded = options is not None and is_sharded(getattr(options, "backend", None))
         try:
             check_inputs("train_x", train_x, allow_empty=sharded)
@@ -828,77 +852,79 @@ class FalkonGP(gpytorch.models.GP):
         ``"preconditioner_seconds"`` (the ``O(M^3)`` factorisations), ``"cg_seconds"`` and its part
         ``"precond_apply_seconds"`` (the ``O(M^2)`` triangular solves of every iteration).
         """
-        t_start = time.perf_counter()
-        _check_kernel(self.kernel, self.centers.shape[-1], self.centers.device)  # it may have been replaced
-        y2 = self.centered_targets()
-        with torch.no_grad():
-            # bad arguments are found before the O(n M) passes, and (like a bad shard) reported on every rank: a
-            # rank that raised alone would leave the others waiting in the next collective
-            problem = self._fit_argument_problem(callback, initial_alpha, warm_start)
-            # the data may have been edited in place since construction: O(n d), before any pass
-            x_tr = self.train_inputs[0]
-            bad = torch.tensor([float(not all_finite(self.train_targets)),
-                                float(not is_row_source(x_tr) and not all_finite(x_tr)), float(problem is not None)],
-                               dtype=torch.float64, device=self.centers.device)
-            bad = self._row_sum(bad)  # every rank learns of a bad shard (no rank waits in a collective alone)
-            if problem is not None:
-                raise problem[0](problem[1])
-            if float(bad[2]) > 0:
-                raise ValueError("fit(): another rank passed an invalid callback or initial_alpha (every rank must "
-                                 "pass the same, valid ones)")
-            if is_sharded(self.options.backend):
-                # every rank runs CG's collectives from one starting point: the same warm_start, the same
-                # initial_alpha (NaN marks none), else ranks would stop at different iterations
-                marker = torch.full((1,), float("nan"), dtype=torch.float64, device=self.centers.device)
-                given = marker if initial_alpha is None else initial_alpha.detach().reshape(-1).to(marker)
-                # and one stored K_nM format (gpfalkon.settings.store_format): else the ranks' rows would form
-                # a system of partly rounded rows
-                self.options.backend.check_consistent(
-                    cg_start=torch.cat([marker.new_tensor([float(bool(warm_start))]), given]),
-                    store_format=marker.new_tensor([float(settings.store_format.value() == "int16")]))
-            for flag, name in zip(bad.tolist()[:2], ("train_y", "train_x"), strict=True):
-                if flag:
-                    raise ValueError(f"{name} contains NaN or Inf (was it edited in place after the model was "
-                                     "built?)")
-            op = self.nystrom_operator()
-            op.check_time_limit(time_limit)  # before the O(n M) pass
-            if is_sharded(self.options.backend):
-                # the model and the solver's rules as they are now (hyperparameters, settings and options may have
-                # changed on one rank since construction): ranks that disagree would solve different systems, stop
-                # CG at different iterations (a collective left waiting) or take different methods (an abort)
-                tol_now, iters_now = op._stopping_rule(tol, max_iter)
-                rules = [tol_now, float(iters_now), float(zlib.crc32(str(self.options.solve_method).encode())),
-                         float(zlib.crc32(str(self.options.precond_dtype).encode()))]
-                self.options.backend.check_consistent(
-                    fit_rules=torch.tensor(rules, dtype=torch.float64, device=self.centers.device),
-                    centers=self.centers.detach(), penalty=self.penalty.detach(), mean_constant=self.mean_constant,
-                    **_kernel_identity(self.kernel, self.centers.device))
-            rhs = op.kmn_y(y2)
-            if not bool(torch.isfinite(rhs).all()):
-                raise FalkonConvergenceError(
-                    f"K_Mn y is not finite: the kernel overflows in {x_tr.dtype} for these inputs and "
-                    "hyperparameters (huge or tiny lengthscales, or inputs scaled far from 1, e.g. |x| ~ 1e30); "
-                    "standardise train_x, check the kernel's lengthscale and outputscale"
-                    + (", or use float64" if x_tr.dtype.itemsize < 8 else "")
-                )
-            x0 = None
-            if warm_start and bool(torch.isfinite(self.alpha).all()):  # a previous solution, valid or not
-                x0 = self.alpha.reshape(op.m, -1).to(torch.float64)
-            elif initial_alpha is not None:
-                x0 = initial_alpha.detach().reshape(op.m, -1).to(device=rhs.device, dtype=torch.float64)
-            # the CG's share of the limit: what the K_Mn y pass (and the preconditioner) left of it
-            cg_limit = None if time_limit is None else max(1e-9, time_limit - (time.perf_counter() - t_start))
-            alpha, info = op.solve_system(rhs, x0, tol=tol, max_iter=max_iter, callback=callback, verbose=verbose,
-                                          time_limit=cg_limit, x0_forces_cg=initial_alpha is None)
-            self.alpha = alpha.reshape(self.alpha.shape).to(torch.float64)
-            info.extra["fit_seconds"] = time.perf_counter() - t_start
-            self.fit_info = info
-            self._mark_fitted()
-            self._forget_factors()
-            if compute_variance:
-                self._factors = NystromPosteriorFactors.compute(op)
-            op.engine.release()
-        return self
+        with self._scan_budget():  # the model's own memory budget for the passes that read the setting
+            t_start = time.perf_counter()
+            _check_kernel(self.kernel, self.centers.shape[-1], self.centers.device)  # it may have been replaced
+            y2 = self.centered_targets()
+            with torch.no_grad():
+                # bad arguments are found before the O(n M) passes, and (like a bad shard) reported on every rank: a
+                # rank that raised alone would leave the others waiting in the next collective
+                problem = self._fit_argument_problem(callback, initial_alpha, warm_start)
+                # the data may have been edited in place since construction: O(n d), before any pass
+                x_tr = self.train_inputs[0]
+                bad = torch.tensor([float(not all_finite(self.train_targets)),
+                                    float(not is_row_source(x_tr) and not all_finite(x_tr)),
+                                    float(problem is not None)],
+                                   dtype=torch.float64, device=self.centers.device)
+                bad = self._row_sum(bad)  # every rank learns of a bad shard (no rank waits in a collective alone)
+                if problem is not None:
+                    raise problem[0](problem[1])
+                if float(bad[2]) > 0:
+                    raise ValueError("fit(): another rank passed an invalid callback or initial_alpha (every rank must "
+                                     "pass the same, valid ones)")
+                if is_sharded(self.options.backend):
+                    # every rank runs CG's collectives from one starting point: the same warm_start, the same
+                    # initial_alpha (NaN marks none), else ranks would stop at different iterations
+                    marker = torch.full((1,), float("nan"), dtype=torch.float64, device=self.centers.device)
+                    given = marker if initial_alpha is None else initial_alpha.detach().reshape(-1).to(marker)
+                    # and one stored K_nM format (gpfalkon.settings.store_format): else the ranks' rows would form
+                    # a system of partly rounded rows
+                    self.options.backend.check_consistent(
+                        cg_start=torch.cat([marker.new_tensor([float(bool(warm_start))]), given]),
+                        store_format=marker.new_tensor([float(settings.store_format.value() == "int16")]))
+                for flag, name in zip(bad.tolist()[:2], ("train_y", "train_x"), strict=True):
+                    if flag:
+                        raise ValueError(f"{name} contains NaN or Inf (was it edited in place after the model was "
+                                         "built?)")
+                op = self.nystrom_operator()
+                op.check_time_limit(time_limit)  # before the O(n M) pass
+                if is_sharded(self.options.backend):
+                    # the model and the solver's rules as they are now (hyperparameters, settings and options may have
+                    # changed on one rank since construction): ranks that disagree would solve different systems, stop
+                    # CG at different iterations (a collective left waiting) or take different methods (an abort)
+                    tol_now, iters_now = op._stopping_rule(tol, max_iter)
+                    rules = [tol_now, float(iters_now), float(zlib.crc32(str(self.options.solve_method).encode())),
+                             float(zlib.crc32(str(self.options.precond_dtype).encode()))]
+                    self.options.backend.check_consistent(
+                        fit_rules=torch.tensor(rules, dtype=torch.float64, device=self.centers.device),
+                        centers=self.centers.detach(), penalty=self.penalty.detach(), mean_constant=self.mean_constant,
+                        **_kernel_identity(self.kernel, self.centers.device))
+                rhs = op.kmn_y(y2)
+                if not bool(torch.isfinite(rhs).all()):
+                    raise FalkonConvergenceError(
+                        f"K_Mn y is not finite: the kernel overflows in {x_tr.dtype} for these inputs and "
+                        "hyperparameters (huge or tiny lengthscales, or inputs scaled far from 1, e.g. |x| ~ 1e30); "
+                        "standardise train_x, check the kernel's lengthscale and outputscale"
+                        + (", or use float64" if x_tr.dtype.itemsize < 8 else "")
+                    )
+                x0 = None
+                if warm_start and bool(torch.isfinite(self.alpha).all()):  # a previous solution, valid or not
+                    x0 = self.alpha.reshape(op.m, -1).to(torch.float64)
+                elif initial_alpha is not None:
+                    x0 = initial_alpha.detach().reshape(op.m, -1).to(device=rhs.device, dtype=torch.float64)
+                # the CG's share of the limit: what the K_Mn y pass (and the preconditioner) left of it
+                cg_limit = None if time_limit is None else max(1e-9, time_limit - (time.perf_counter() - t_start))
+                alpha, info = op.solve_system(rhs, x0, tol=tol, max_iter=max_iter, callback=callback, verbose=verbose,
+                                              time_limit=cg_limit, x0_forces_cg=initial_alpha is None)
+                self.alpha = alpha.reshape(self.alpha.shape).to(torch.float64)
+                info.extra["fit_seconds"] = time.perf_counter() - t_start
+                self.fit_info = info
+                self._mark_fitted()
+                self._forget_factors()
+                if compute_variance:
+                    self._factors = NystromPosteriorFactors.compute(op)
+                op.engine.release()
+            return self
 
     def _fit_argument_problem(self, callback: Any, initial_alpha: Any, warm_start: bool
                               ) -> tuple[type[Exception], str] | None:
@@ -997,9 +1023,10 @@ class FalkonGP(gpytorch.models.GP):
                 f"dtype, {self.train_inputs[0].dtype}); check the data's scale and the penalty, or use float64"
             )
         try:  # the data's digests first (a pass over the rows, which can fail: a row source's read)
-            summary, digest = self._fit_tracker.mark(self._fit_dependencies(), self._fit_data(),
-                                                     reduce=self._row_sum, row_offset=self._row_offset,
-                                                     structure=self._kernel_structure())
+            with self._scan_budget():
+                summary, digest = self._fit_tracker.mark(self._fit_dependencies(), self._fit_data(),
+                                                         reduce=self._row_sum, row_offset=self._row_offset,
+                                                         structure=self._kernel_structure())
         except BaseException:
             self._set_fitted(False)  # alpha is the new one already: cleanly unfitted, not the old fit's records
             self._fit_tracker.forget()
@@ -1041,10 +1068,17 @@ class FalkonGP(gpytorch.models.GP):
         return self.data_fingerprint, (None if self._legacy_state else self.fit_digest[:4])
 
     def _hyper_changed(self) -> bool:
-        return self._fit_tracker.stale(
-            self._fit_dependencies(), self._fit_data(), self._stored_fingerprint(), reduce=self._row_sum,
-            row_offset=self._row_offset, structure=self._kernel_structure(),
-        )
+        with self._scan_budget():
+            return self._fit_tracker.stale(
+                self._fit_dependencies(), self._fit_data(), self._stored_fingerprint(), reduce=self._row_sum,
+                row_offset=self._row_offset, structure=self._kernel_structure(),
+            )
+
+    def _scan_budget(self) -> contextlib.AbstractContextManager[Any]:
+        """The model's own ``memory_budget``, where it has one, as :class:`gpfalkon.settings.memory_budget` while a
+        pass over the data alone runs (a row source's finiteness check and digests take their block height from
+        the setting: :func:`~gpfalkon.backend.blocks.scan_rows`)."""
+        return _own_budget(self.options.memory_budget)
 
     def _apply(self, fn, *args, **kwargs):
         # .to(device / dtype), .double(), .cuda() ... move the training data too (as
@@ -1082,8 +1116,9 @@ class FalkonGP(gpytorch.models.GP):
         if self._legacy_state and bool(self.fitted) and not self._hyper_changed():
             # unpickled from before content digests and still valid by sums and norms: record them now
             self._legacy_state = False
-            _, digest = self._fit_tracker.mark(self._fit_dependencies(), self._fit_data(), reduce=self._row_sum,
-                                               row_offset=self._row_offset, structure=self._kernel_structure())
+            with self._scan_budget():
+                _, digest = self._fit_tracker.mark(self._fit_dependencies(), self._fit_data(), reduce=self._row_sum,
+                                                   row_offset=self._row_offset, structure=self._kernel_structure())
             self.fit_digest = self._digest_now(digest)
         super()._save_to_state_dict(destination, prefix, keep_vars)
         key = prefix + "fitted"
@@ -1171,9 +1206,10 @@ class FalkonGP(gpytorch.models.GP):
             differs.append("alpha contains NaN or Inf")
         elif legacy:
             # one data pass: the sums and norms are checked against the saved ones, and the digests recorded
-            summary, digest = module._fit_tracker.mark(module._fit_dependencies(), module._fit_data(),
-                                                       reduce=module._row_sum, row_offset=module._row_offset,
-                                                       legacy_sums=True, structure=module._kernel_structure())
+            with module._scan_budget():
+                summary, digest = module._fit_tracker.mark(module._fit_dependencies(), module._fit_data(),
+                                                           reduce=module._row_sum, row_offset=module._row_offset,
+                                                           legacy_sums=True, structure=module._kernel_structure())
             saved = module.data_fingerprint.to(torch.float64)
             if torch.allclose(summary.to(saved.device), saved, rtol=1e-12, atol=0.0):
                 module.fit_digest = module._digest_now(digest)
@@ -1186,8 +1222,10 @@ class FalkonGP(gpytorch.models.GP):
                 differs.append(f"the training data's dtype (this model holds {x_dtype}; the fit was on another: "
                                "load into a model of the fit's dtype, then .to() keeps the fit)")
             else:
-                differs += module._fit_tracker.data_changed(module._fit_data(), (module.data_fingerprint, saved[:4]),
-                                                            reduce=module._row_sum, row_offset=module._row_offset)
+                with module._scan_budget():
+                    differs += module._fit_tracker.data_changed(module._fit_data(),
+                                                                (module.data_fingerprint, saved[:4]),
+                                                                reduce=module._row_sum, row_offset=module._row_offset)
                 now = hyper_digest(module._fit_groups())
                 differs += [name for i, name in enumerate(FIT_GROUPS[2:])
                             if now[2 * i : 2 * i + 2] != saved[4 + 2 * i : 6 + 2 * i].tolist()]
@@ -1267,7 +1305,9 @@ class FalkonGP(gpytorch.models.GP):
                     )
         deferred = getattr(self, "_load_deferred", False)  # a load in progress checks the fit at its end
         was_valid = not deferred and bool(self.fitted) and not self._hyper_changed()
-        check_inputs("inputs", inputs, d=self.train_inputs[0].shape[1], allow_empty=is_sharded(self.options.backend))
+        with self._scan_budget():
+            check_inputs("inputs", inputs, d=self.train_inputs[0].shape[1],
+                         allow_empty=is_sharded(self.options.backend))
         check_targets("targets", targets, inputs.shape[0])
         if inputs.dtype != self.train_inputs[0].dtype or targets.dtype != inputs.dtype:
             raise TypeError(
@@ -1293,9 +1333,12 @@ class FalkonGP(gpytorch.models.GP):
         self._forget_factors()
         if deferred:
             return
-        if was_valid and not self._fit_tracker.data_changed(self._fit_data(), self._stored_fingerprint(),
-                                                            reduce=self._row_sum, row_offset=self._row_offset):
-            return  # the same data by value: alpha still solves the system
+        if was_valid:
+            with self._scan_budget():
+                same = not self._fit_tracker.data_changed(self._fit_data(), self._stored_fingerprint(),
+                                                          reduce=self._row_sum, row_offset=self._row_offset)
+            if same:
+                return  # the same data by value: alpha still solves the system
         if was_valid and _same_to_rounding(inputs, old_x) and _same_to_rounding(targets, old_y):
             # equal up to a few ulps (a re-applied outcome or input transform, as BoTorch's load_state_dict
             # does): alpha solves the system to rounding; the new data's digests are recorded

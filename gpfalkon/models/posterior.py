@@ -185,6 +185,19 @@ class NystromPosteriorCovariance(LinearOperator):
         """``L_B L_B^T = I + A A^T / (n lambda)`` (float64), formed through ``factors=`` on first use."""
         return self._resolved()[1]
 
+    def __getstate__(self) -> dict[str, Any]:
+        # pickled (torch.save of a posterior) with its factors formed: the callable that forms them is a closure over
+        # the model, which is not pickled along
+        L, LB = self._resolved()
+        state = self.__dict__.copy()
+        state["_factors"] = None
+        # linear_operator's own record of the arguments (what representation_tree rebuilds the operator from)
+        state["_args_memo"] = (self.x, self.centers, L, LB)
+        for key in ("_differentiable_kwargs", "_nondifferentiable_kwargs"):
+            if key in state:
+                state[key] = type(state[key])((k, v) for k, v in state[key].items() if k != "factors")
+        return state
+
     def _like(self, x: Tensor) -> NystromPosteriorCovariance:
         """The same covariance at other (reshaped) test inputs, its factors shared (or still to be formed)."""
         if self._L is None:

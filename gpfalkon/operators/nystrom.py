@@ -329,8 +329,7 @@ class NystromKRROperator(LinearOperator):
         dtype's (an int16 store's ``eps`` there regularised a float64 fit's mean to 2.4x its error).
         """
         dtype = self.x.dtype
-        eng = self.engine
-        fixed = not direct and bool(getattr(eng, "fixed", False)) and int(getattr(eng, "stored_rows", 0)) > 0
+        fixed = not direct and self._fixed_store()
         if dtype == torch.float64 and self._jitter_boost == 1.0 and not fixed:
             return None
         kmm = self.kmm
@@ -339,6 +338,18 @@ class NystromKRROperator(LinearOperator):
             scale = 1.0
         eps = max(float(torch.finfo(dtype).eps), FIXED_POINT_EPS if fixed else 0.0)
         return eps * kmm.shape[-1] * scale * self._jitter_boost
+
+    def _fixed_store(self) -> bool:
+        """Do the products read a ``K_nM`` stored in 16-bit fixed point (on any rank: with a sharded backend every
+        rank must take the same preconditioner, so a rank storing no rows, e.g. an empty shard, follows the
+        others; one all_reduce of one number)?"""
+        eng = self.engine
+        local = bool(getattr(eng, "fixed", False)) and int(getattr(eng, "stored_rows", 0)) > 0
+        reduce = getattr(eng, "reduce_nograd", None)
+        if is_sharded(self.options.backend) and callable(reduce):
+            flag = torch.tensor([1.0 if local else 0.0], dtype=torch.float64, device=self.centers.device)
+            return float(reduce(flag)[0]) > 0.0
+        return local
 
     def _stopping_rule(self, tol: float | None, max_iter: int | None) -> tuple[float, int]:
         """Per-call ``tol`` / ``max_iter`` win over the options, resolved against the settings now."""
@@ -402,6 +413,9 @@ class NystromKRROperator(LinearOperator):
             and float(lo_settings.cg_tolerance.value()) >= 1
         # the dtype reaches the built-in solver for its advice; a user's solver keeps the Solver signature
         extra: dict = {"data_dtype": self.x.dtype} if self.solver is falkon_solve else {}
+        if self.solver is falkon_solve and (self.precond_dtype == torch.float32 or self._fixed_store()):
+            # products or preconditioner in less than float64: a claimed convergence is checked (conjugate_gradient)
+            extra["verify"] = True
         self.check_time_limit(time_limit)
         # the limit counts from here: the preconditioner's factorisations and any restart after a jitter
         # boost share it

@@ -111,7 +111,8 @@ class SolveCosts:
             + 2.0 * values * itemsize / self.bandwidth + products * (outputs - 1) / outputs
 
     def cg(self, n: int, m: int, d: int, itemsize: int, stored: bool, iterations: int, outputs: int = 1) -> float:
-        """FALKON: ``iterations + 1`` passes (the right-hand side is one) + the preconditioner."""
+        """FALKON: ``iterations + 1`` passes (the right-hand side is one; a check of a claimed convergence, one
+        more, is left out: within the model's margin) + the preconditioner."""
         return ((iterations + 1) * self.kernel_pass(n, m, d, itemsize, stored, outputs)
                 + 2.0 * m**3 / (self.matmul_flops / 2))
 

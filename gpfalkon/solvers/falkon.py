@@ -36,6 +36,7 @@ def falkon_solve(
     time_limit: float | None = None,
     data_matmul: Callable[[Tensor], Tensor] | None = None,
     kmm_weight: float | None = None,
+    verify: bool | None = None,
 ) -> tuple[Tensor, CGInfo]:
     """Solve ``H alpha = rhs`` by CG on ``W beta = B^T rhs``, ``W = B^T H B``, ``alpha = B beta``.
 
@@ -48,8 +49,9 @@ def falkon_solve(
     ``W`` is applied by the preconditioner's own ``w_matmul(u, data_matmul, kmm_weight)``
     (:meth:`~gpfalkon.FalkonPreconditioner.w_matmul`: ``K_MM`` through its factor, no ``M x M``
     product) instead of through ``h_matmul``; the caller vouches that this gives the same ``W``.
-    Cost: one data pass per iteration (one more with a warm start) plus ``O(M^2 k)``
-    per iteration for the triangular solves; forming ``rhs = K_Mn y`` is one more pass.
+    Cost: one data pass per iteration (one more with a warm start, and one per check of a claimed convergence:
+    ``verify``, :func:`~gpfalkon.solvers.conjugate_gradient`) plus ``O(M^2 k)`` per iteration for the triangular
+    solves; forming ``rhs = K_Mn y`` is one more pass.
 
     Emits :class:`CGNotConvergedWarning` when ``tol > 0`` was not reached in
     ``max_iter`` iterations (``tol=0`` asks for exactly ``max_iter`` iterations) or before
@@ -107,6 +109,7 @@ def falkon_solve(
         data_dtype=data_dtype,
         quiet_below=quiet_below,
         time_limit=time_limit,
+        verify=verify,
     )
     if warn and tol > 0 and not info.converged and info.extra.get("time_limit"):
         warnings.warn(
@@ -117,7 +120,7 @@ def falkon_solve(
             stacklevel=3,
         )
     elif (warn and tol > 0 and not info.converged and info.iterations >= max_iter and not info.extra.get("stagnated")
-            and float(info.final_residual.max()) > quiet_below):
+            and not info.extra.get("drifted") and float(info.final_residual.max()) > quiet_below):
         # only when the cap stopped it (a stagnated solve has warned with its own cause)
         warnings.warn(
             f"FALKON CG reached max_iter={max_iter} with relative residual "
