@@ -1869,6 +1869,9 @@ def auto_fit(
         if final.fit_info is not None and final.fit_info.extra.get("time_limit"):
             report.notes.append(f"final CG stopped by the budget after {final.fit_info.iterations} iterations "
                                 f"(relative residual {float(final.fit_info.final_residual.max()):.3g})")
+        elif not converged and final.fit_info is not None and final.fit_info.extra.get("drifted"):
+            report.notes.append(f"final CG: its true residual {float(final.fit_info.final_residual.max()):.3g} is "
+                                f"above tol={tol:g} (the floor of the data dtype's kernel products)")
         elif not converged:
             report.notes.append(f"final CG stopped at max_iter={max_iter} before tol={tol:g}")
         m_fin = int(final.centers.shape[0])
