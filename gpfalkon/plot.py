@@ -17,6 +17,7 @@ Written here because neither GPyTorch nor BoTorch ships plotting helpers for the
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -37,6 +38,8 @@ def _axes(ax: Any) -> Any:
 
 
 def _numbers(name: str, values: Any) -> list[float]:
+    if isinstance(values, (str, bytes)):  # iterable, but character by character
+        raise TypeError(f"{name} must be a sequence of numbers, got {type(values).__name__}")
     if isinstance(values, Tensor):
         values = values.detach().reshape(-1).tolist()
     try:
@@ -168,6 +171,8 @@ def plot_predictions(observed: Any, mean: Any, variance: Any = None, ax: Any = N
     95 % under a Gaussian predictive), the line ``y = x``, and the RMSE and the bars' empirical
     coverage in the title. At most ``max_points`` points are drawn (a seeded random subset; the
     title's figures use all)."""
+    if not (isinstance(z, numbers.Real) and not isinstance(z, bool) and math.isfinite(z) and z > 0):
+        raise ValueError(f"z must be a finite number > 0 (the bars' half-width in standard deviations), got {z!r}")
     y = torch.as_tensor(_numbers("observed", observed), dtype=torch.float64)
     mu = torch.as_tensor(_numbers("mean", mean), dtype=torch.float64)
     if y.shape != mu.shape:
@@ -217,13 +222,21 @@ def plot_comparison(results: Sequence[Mapping[str, Any]], ax: Any = None, log_ti
         results: records with ``method``, ``fit_s`` and ``error`` and optionally ``curve`` (the rows
             of ``benchmarks/compare.py``'s ``.jsonl`` for one dataset).
     """
+    if isinstance(results, Mapping) or isinstance(results, (str, bytes)):
+        raise TypeError(f"results must be a sequence of records (dicts), got {type(results).__name__}")
     rows = list(results)
     if not rows:
         raise ValueError("results is empty")
     for i, r in enumerate(rows):
+        if not isinstance(r, Mapping):
+            raise TypeError(f"results[{i}] must be a record (a dict), got {type(r).__name__}")
         missing = [k for k in ("method", "fit_s", "error") if k not in r or r[k] is None]
         if missing:
             raise ValueError(f"results[{i}] lacks {missing} (or has None there: a run that gave no error figure)")
+        curve = r.get("curve") or []
+        if isinstance(curve, (str, bytes)) or not all(
+                isinstance(p, Sequence) and not isinstance(p, (str, bytes)) and len(p) == 2 for p in curve):
+            raise ValueError(f"results[{i}]['curve'] must be a list of (seconds, error) pairs")
     ax = _axes(ax)
     for r in rows:
         curve = r.get("curve") or []

@@ -125,3 +125,12 @@ def test_given_classes_are_never_rounded_into_the_labels_dtype():
     clf.double()
     assert clf.classes.dtype == torch.float64 and float(clf.classes[1]) == 16777217.0
     torch.testing.assert_close(clf.predict(x[:8].double()), before, rtol=0, atol=0)
+
+
+def test_integer_labels_that_float_classes_cannot_hold_are_refused():
+    """Integer labels compared with float classes: a label the classes' dtype rounds onto another value (2049 in
+    float16 is 2048) is refused, not coded as that neighbouring class."""
+    with pytest.raises(ValueError, match="held exactly in the classes' dtype"):
+        encode_labels(torch.tensor([2048, 2049, 2050]), classes=torch.tensor([2048.0, 2050.0], dtype=torch.float16))
+    t, c = encode_labels(torch.tensor([2048, 2050, 2048]), classes=torch.tensor([2048.0, 2050.0], dtype=torch.float16))
+    assert t.tolist() == [-1.0, 1.0, -1.0] and c.dtype == torch.float16

@@ -133,3 +133,24 @@ def test_the_plotting_example_writes_its_figures(tmp_path):
     res = module.make_figures(tmp_path, n=300, steps=3)
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["cg.png", "predictions.png", "trajectory.png"]
     assert 0 < res["rmse"] < 1.0 and 0.5 < res["coverage"] <= 1.0
+
+
+def test_plot_arguments_are_checked_by_name():
+    """A bad ``z`` (NaN, inf, negative), a string as a sequence of numbers, and comparison records that are not
+    records or whose curve is not (seconds, error) pairs raise errors naming them (they plotted wrong figures or
+    failed inside matplotlib)."""
+    from gpfalkon.plot import plot_comparison, plot_predictions, plot_trajectories
+
+    obs, mean, var = [0.0, 1.0, 2.0], [0.1, 0.9, 2.2], [0.01, 0.02, 0.03]
+    for z in (float("nan"), float("inf"), -2.0, 0.0):
+        with pytest.raises(ValueError, match="z must be"):
+            plot_predictions(obs, mean, var, z=z)
+    with pytest.raises(TypeError, match="sequence of numbers"):
+        plot_trajectories({"objective": "12"})
+    ok = {"method": "a", "fit_s": 1.0, "error": 0.5}
+    with pytest.raises(TypeError, match="sequence of records"):
+        plot_comparison(ok)
+    with pytest.raises(TypeError, match=r"results\[0\] must be a record"):
+        plot_comparison([1, 2])
+    with pytest.raises(ValueError, match="pairs"):
+        plot_comparison([dict(ok, curve=[0.1, 0.5])])

@@ -65,7 +65,11 @@ def encode_labels(
         if classes.numel() > 1 and not bool((classes[1:] > classes[:-1]).all()):
             raise ValueError("classes must be strictly increasing (sorted, no duplicates)")
         if classes.is_floating_point() and not labels.is_floating_point():  # compare as floats, keep float classes
-            labels = labels.to(classes.dtype)
+            as_float = labels.to(classes.dtype)
+            if not bool((as_float.to(labels.dtype) == labels).all()):  # (2049 in float16 is 2048: another class)
+                raise ValueError(f"labels cannot be held exactly in the classes' dtype {classes.dtype}: give labels "
+                                 "and classes one dtype")
+            labels = as_float
         cast = classes.to(device=labels.device, dtype=labels.dtype)
         back = cast.to(classes.dtype).to(classes.device)
         if not bool((back == classes).all()):
