@@ -228,6 +228,13 @@ def _inconsistent(rank: int, world: int, out_dir: str, what: str) -> None:
             if rank == 1:
                 model.kernel.base_kernel.nu = 1.5
             model.fit()
+        if what.startswith("objective_"):  # a hyperparameter changed on one rank after construction, then a step
+            from gpfalkon.objectives import GCV, SGPRBound
+
+            if rank == 1:
+                with torch.no_grad():
+                    model.kernel.base_kernel.lengthscale = model.kernel.base_kernel.lengthscale * 2
+            (SGPRBound if what == "objective_sgpr" else GCV)(model)().backward()
         msg = "no error"
     except ValueError as exc:
         msg = str(exc)

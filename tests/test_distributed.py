@@ -116,7 +116,9 @@ def _sorted_classifier(rank, world, sizes, out_dir):
                                         ("store_format", "store_format"), ("nu", "kernel_structure"),
                                         ("mean_constant", "mean_constant"), ("fit_tol", "fit_rules"),
                                         ("solve_method", "fit_rules"), ("settings_tol", "fit_rules"),
-                                        ("nu_after", "kernel_structure"), ("nan", None)])
+                                        ("nu_after", "kernel_structure"), ("nan", None),
+                                        ("objective_sgpr", "kernel_hyperparameters"),
+                                        ("objective_gcv", "kernel_hyperparameters")])
 def test_ranks_that_disagree_are_told_so(tmp_path, what, named):
     W.run(2, W._inconsistent, (str(tmp_path), what), str(tmp_path))
     results = _load(tmp_path, 2)

@@ -55,7 +55,7 @@ from ..options import FalkonOptions, option_property
 from ..solvers import CGInfo
 from .calibration import variance_scale
 from .defaults import check_likelihood, default_kernel, default_likelihood
-from .fit_state import FIT_GROUPS, FitTracker, dtype_code, hyper_digest, module_structure
+from .fit_state import FIT_GROUPS, FitTracker, dtype_code, hyper_digest, kernel_identity, module_structure
 from .posterior import (
     NystromPosteriorCovariance,
     NystromPosteriorFactors,
@@ -203,17 +203,6 @@ class FalkonSourcePrior:
         raise AttributeError(f"the train-mode prior at a row source has only its mean, not {name!r}: the n x n prior "
                              "covariance over rows on disk is never formed (pass it to "
                              "NystromMarginalLogLikelihood, or predict in eval mode)")
-
-
-def _kernel_identity(kernel: Kernel, device: torch.device) -> dict[str, Tensor]:
-    """What makes two ranks' kernels the same, for ``check_consistent``: its parameters and buffers (float64, one
-    vector) and its classes and settings (:func:`~gpfalkon.models.fit_state.module_structure`) as one number, the
-    CRC-32 of their text (a Matern ``nu`` or a kernel class is neither a parameter nor a buffer)."""
-    values = [t.detach().reshape(-1).to(torch.float64) for t in (*kernel.parameters(), *kernel.buffers())]
-    structure = float(zlib.crc32(repr(module_structure(kernel)).encode()))
-    return {"kernel_hyperparameters": torch.cat(values) if values else torch.zeros(0, dtype=torch.float64,
-                                                                                  device=device),
-            "kernel_structure": torch.tensor([structure], dtype=torch.float64, device=device)}
 
 
 def _raise_on_every_rank(backend: Any, problem: BaseException | None, anchor: object) -> None:
@@ -510,7 +499,7 @@ class FalkonGP(gpytorch.models.GP):
             self.options.backend.check_consistent(
                 centers=c.detach(),
                 penalty=self.penalty.detach(),
-                **_kernel_identity(kernel, c.device),
+                **kernel_identity(kernel, c.device),
             )
         self._register_centers(c.detach().clone(), learn_centers)
         self.register_buffer("center_weights", None if weights is None else weights.to(torch.float64))
@@ -898,7 +887,7 @@ class FalkonGP(gpytorch.models.GP):
                     self.options.backend.check_consistent(
                         fit_rules=torch.tensor(rules, dtype=torch.float64, device=self.centers.device),
                         centers=self.centers.detach(), penalty=self.penalty.detach(), mean_constant=self.mean_constant,
-                        **_kernel_identity(self.kernel, self.centers.device))
+                        **kernel_identity(self.kernel, self.centers.device))
                 rhs = op.kmn_y(y2)
                 if not bool(torch.isfinite(rhs).all()):
                     raise FalkonConvergenceError(

@@ -40,13 +40,15 @@ import zlib
 from collections.abc import Callable, Sequence
 
 import torch
+from gpytorch.kernels import Kernel
 from torch import Tensor
 
 from .._validation import is_row_source
 from ..backend.blocks import scan_rows
 from ..backend.fused import word_digest
 
-__all__ = ["FIT_GROUPS", "FitTracker", "content_digest", "data_fingerprint", "hyper_digest", "module_structure"]
+__all__ = ["FIT_GROUPS", "FitTracker", "content_digest", "data_fingerprint", "hyper_digest", "kernel_identity",
+           "module_structure"]
 
 Reduce = Callable[[Tensor], Tensor]
 
@@ -342,3 +344,14 @@ class FitTracker:
         ):
             return True
         return bool(self.data_changed(data, stored, reduce=reduce, row_offset=row_offset))
+
+
+def kernel_identity(kernel: Kernel, device: torch.device) -> dict[str, Tensor]:
+    """What makes two ranks' kernels the same, for ``check_consistent``: its parameters and buffers (float64, one
+    vector) and its classes and settings (:func:`~gpfalkon.models.fit_state.module_structure`) as one number, the
+    CRC-32 of their text (a Matern ``nu`` or a kernel class is neither a parameter nor a buffer)."""
+    values = [t.detach().reshape(-1).to(torch.float64) for t in (*kernel.parameters(), *kernel.buffers())]
+    structure = float(zlib.crc32(repr(module_structure(kernel)).encode()))
+    return {"kernel_hyperparameters": torch.cat(values) if values else torch.zeros(0, dtype=torch.float64,
+                                                                                  device=device),
+            "kernel_structure": torch.tensor([structure], dtype=torch.float64, device=device)}

@@ -31,6 +31,7 @@ from ..backend.blocks import AGGREGATE, block_rows_for
 from ..backend.engine import kernel_block
 from ..backend.passes import backend_pass, is_sharded, reduce_rows
 from ..linalg import jittered_cholesky
+from ..models.fit_state import kernel_identity
 
 __all__ = ["NystromAggregates", "NystromObjective"]
 
@@ -232,6 +233,14 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
         self.check_state()
         joint = getattr(self.backend, "joint_objective", None)
         if is_sharded(self.backend) and callable(joint):
+            check = getattr(self.backend, "check_consistent", None)
+            if callable(check):
+                # ranks whose hyperparameters differ (set after construction on one rank) would sum kernel blocks
+                # of different kernels into a value of neither model, and drift apart step by step: one all_gather
+                m = self.model
+                c = m.centers.detach()
+                check(centers=c, penalty=m.penalty.detach(), mean_constant=m.mean_constant,
+                      **kernel_identity(m.kernel, c.device))
             return joint(self, self.objective)
         return self.objective()
 
