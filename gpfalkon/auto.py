@@ -825,10 +825,10 @@ def auto_fit(
             (:func:`~gpfalkon.models.calibration.preconditioned_variances`, ``2 rows M^2`` flops);
             ``r``: the final model's residuals there where the held-out rows are not refit (``val_x``
             given or ``refit_on_all=False``), else those of the selection fit that scored the chosen level
-            with the returned model's centers (the leverage check's fit where its centers were taken), before
-            the held-out rows joined its training rows: its error, usually the larger, tends to make ``c`` err
-            high, the safe side. ``auto_report.chosen["variance_scale"]`` is ``c`` (1 when off
-            or skipped, with a note).
+            (the leverage check's fit where its centers were taken; where the final fit grew the centers,
+            ``final_growth``, the level's fewer ones), before the held-out rows joined its training rows: its
+            error, usually the larger, tends to make ``c`` err high, the safe side.
+            ``auto_report.chosen["variance_scale"]`` is ``c`` (1 when off or skipped, with a note).
         dtype: dtype of the data passes (float32 by default: half the time; CG, Cholesky factors
             and predictions stay float64 inside FALKON).
         seed: seeds subsampling, splits and centers.
