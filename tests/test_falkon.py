@@ -135,6 +135,15 @@ def test_warm_start_and_callback():
     assert info2.iterations < info.iterations / 2
 
 
+def _fresh_leaves(k, *tensors):
+    """Copies of ``tensors`` requiring grad, ``lambda = 1e-2`` as a leaf, and the kernel's parameters with their
+    gradients cleared: the inputs of one side of a gradient comparison."""
+    for p in k.parameters():
+        p.grad = None
+    leaves = [t.clone().requires_grad_(True) for t in tensors]
+    return (*leaves, torch.tensor(1e-2, dtype=torch.float64, requires_grad=True), list(k.parameters()))
+
+
 def _solve_loss(x, c, lam, k, b, g, dense: bool):
     if dense:
         H, _, _ = dense_nystrom(k, x, c, lam)
@@ -155,13 +164,7 @@ def test_solve_gradients_match_dense_autograd(name):
     g = torch.randn(10, 2, dtype=torch.float64)
     grads = []
     for dense in (False, True):
-        x = x0.clone().requires_grad_(True)
-        c = c0.clone().requires_grad_(True)
-        lam = torch.tensor(1e-2, dtype=torch.float64, requires_grad=True)
-        b = b0.clone().requires_grad_(True)
-        ps = list(k.parameters())
-        for p in ps:
-            p.grad = None
+        x, c, b, lam, ps = _fresh_leaves(k, x0, c0, b0)
         _solve_loss(x, c, lam, k, b, g, dense).backward()
         grads.append([x.grad, c.grad, lam.grad, b.grad] + [p.grad.clone() for p in ps])
     for a, r in zip(*grads, strict=False):
@@ -178,13 +181,7 @@ def test_readme_solve_of_kmn_y_differentiates_both_sides(name):
     xs = x0[:7] + 0.1
     grads = []
     for dense in (False, True):
-        x = x0.clone().requires_grad_(True)
-        c = c0.clone().requires_grad_(True)
-        y = y0.clone().requires_grad_(True)
-        lam = torch.tensor(1e-2, dtype=torch.float64, requires_grad=True)
-        ps = list(k.parameters())
-        for p in ps:
-            p.grad = None
+        x, c, y, lam, ps = _fresh_leaves(k, x0, c0, y0)
         if dense:
             h, knm, _ = dense_nystrom(k, x, c, lam)
             alpha = torch.linalg.solve(h, knm.T @ y.unsqueeze(-1))
@@ -222,12 +219,7 @@ def test_diagonal_gradients_match_dense_autograd():
     g = torch.randn(6, dtype=torch.float64)
     grads = []
     for dense in (False, True):
-        x = x0.clone().requires_grad_(True)
-        c = c0.clone().requires_grad_(True)
-        lam = torch.tensor(1e-2, dtype=torch.float64, requires_grad=True)
-        ps = list(k.parameters())
-        for p in ps:
-            p.grad = None
+        x, c, lam, ps = _fresh_leaves(k, x0, c0)
         if dense:
             diag = dense_nystrom(k, x, c, lam)[0].diagonal()
         else:

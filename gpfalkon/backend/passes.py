@@ -296,7 +296,7 @@ def map_whitened_blocks(
     return outs
 
 
-def _needs_graph(kernel: Kernel, *tensors: Tensor) -> bool:
+def needs_graph(kernel: Kernel, *tensors: Tensor) -> bool:
     """Would autograd record a product of these tensors and ``kernel``'s parameters now?"""
     if not torch.is_grad_enabled():
         return False
@@ -315,7 +315,7 @@ def kernel_matmul(kernel: Kernel, x: Tensor, centers: Tensor, alpha: Tensor, row
     matmul and an ``exp2`` pass per block, in ``x``'s dtype, blocks of at most ``rows`` points
     (``benchmarks/results/predict.md`` measures both)."""
     if (x.dim() == 2 and centers.dim() == 2 and alpha.dim() == 2 and stationary_spec(kernel) is not None
-            and not _needs_graph(kernel, x, centers, alpha)):
+            and not needs_graph(kernel, x, centers, alpha)):
         eng = KernelEngine(kernel, x, centers.to(x.dtype), store=False, block_rows=rows)
         return eng.k_matmul(alpha).to(torch.promote_types(x.dtype, alpha.dtype))
     c = centers.expand(*x.shape[:-2], *centers.shape)  # the same number of dims as x (GPyTorch's kernels need it)

@@ -384,176 +384,167 @@ class FalkonGP(gpytorch.models.GP):
     ) -> None:
         super().__init__()
         own = memory_budget if memory_budget is not None else getattr(options, "memory_budget", None)
-        with _own_budget(own):
-            self._init(train_x, train_y, kernel, num_centers=num_centers, centers=centers, penalty=penalty,
-                       likelihood=likelihood, learn_centers=learn_centers, center_selection=center_selection,
-                       center_weights=center_weights, leverage_options=leverage_options, generator=generator,
-                       seed=seed, max_iter=max_iter, tol=tol, memory_budget=memory_budget, block_rows=block_rows,
-                       store_kernel=store_kernel, verbose=verbose, predict_chunk_size=predict_chunk_size,
-                       mean_constant=mean_constant, options=options)
+        with _own_budget(own):  # the passes that read the setting (a row source's scans) follow the model's budget
+            sharded = options is not None and is_sharded(getattr(options, "backend", None))
+            try:
+                check_inputs("train_x", train_x, allow_empty=sharded)
+                n, d = train_x.shape
+                check_targets("train_y", train_y, n)
+                if train_y.dtype != train_x.dtype:
+                    raise TypeError(f"train_y has dtype {train_y.dtype} but train_x has {train_x.dtype}")
+            except (TypeError, ValueError) as exc:
+                if not sharded:
+                    raise
+                _raise_on_every_rank(cast(FalkonOptions, options).backend, exc, train_x)
+            if sharded:
+                _raise_on_every_rank(cast(FalkonOptions, options).backend, None, train_x)
+            if kernel is None:
+                kernel = default_kernel(d, dtype=train_x.dtype, device=train_x.device)
+            _check_kernel(kernel, d, train_x.device)
+            self.kernel = kernel
+            self.train_inputs: tuple[Tensor, ...] = (train_x,)
+            self.train_targets: Tensor = train_y
+            self._num_outputs = 1 if train_y.dim() == 1 else int(train_y.shape[1])
 
-    def _init(self, train_x: Any, train_y: Tensor, kernel: Kernel | None, *, num_centers: int | None,
-              centers: Tensor | None, penalty: float | Tensor | None, likelihood: Likelihood | None,
-              learn_centers: bool, center_selection: str | CenterSelector, center_weights: Tensor | None,
-              leverage_options: dict[str, Any] | None, generator: torch.Generator | None, seed: int,
-              max_iter: int | None, tol: float | None, memory_budget: int | None, block_rows: int | None,
-              store_kernel: bool | None, verbose: bool, predict_chunk_size: int, mean_constant: float | Tensor,
-              options: FalkonOptions | None) -> None:
-        sharded = options is not None and is_sharded(getattr(options, "backend", None))
-        try:
-            check_inputs("train_x", train_x, allow_empty=sharded)
-            n, d = train_x.shape
-            check_targets("train_y", train_y, n)
-            if train_y.dtype != train_x.dtype:
-                raise TypeError(f"train_y has dtype {train_y.dtype} but train_x has {train_x.dtype}")
-        except (TypeError, ValueError) as exc:
-            if not sharded:
-                raise
-            _raise_on_every_rank(cast(FalkonOptions, options).backend, exc, train_x)
-        if sharded:
-            _raise_on_every_rank(cast(FalkonOptions, options).backend, None, train_x)
-        if kernel is None:
-            kernel = default_kernel(d, dtype=train_x.dtype, device=train_x.device)
-        _check_kernel(kernel, d, train_x.device)
-        self.kernel = kernel
-        self.train_inputs: tuple[Tensor, ...] = (train_x,)
-        self.train_targets: Tensor = train_y
-        self._num_outputs = 1 if train_y.dim() == 1 else int(train_y.shape[1])
-
-        # options first: a bad one is reported before any expensive center selection
-        self.options = FalkonOptions.merged(
-            options,
-            max_iter=max_iter,
-            tol=tol,
-            memory_budget=memory_budget,
-            block_rows=block_rows,
-            store_kernel=store_kernel,
-            verbose=verbose,
-        )
-
-        # the global n of n lambda (a sharded backend sums the ranks' rows: a collective)
-        self._n_total = total_rows(self.options.backend, train_x)
-        self._n_local = int(train_x.shape[0])
-        if self._n_total == 0:
-            raise ValueError("train_x is empty (0 rows) on every rank")
-        # --- centers: one selector, called once the penalty is known
-        selector, m = _center_selector(
-            train_x, num_centers, centers, center_selection, center_weights, leverage_options, generator, seed,
-            self.options.backend, self._n_total,
-        )
-        if is_sharded(self.options.backend):
-            # before any collective whose size or number depends on them: d, outputs, dtype, the number of centers
-            # and the solver's iteration rules must agree (a mismatch would abort or stall a collective)
-            opts = self.options
-            rules = [-1.0 if opts.max_iter is None else float(opts.max_iter),
-                     -1.0 if opts.tol is None else float(opts.tol), float(bool(learn_centers))]
-            self.options.backend.check_consistent(
-                data_shape=torch.tensor([d, self._num_outputs, torch.finfo(train_x.dtype).bits], device=train_x.device),
-                num_centers=torch.tensor([-1 if m is None else int(m)], device=train_x.device),
-                solver_settings=torch.tensor(rules, dtype=torch.float64, device=train_x.device),
+            # options first: a bad one is reported before any expensive center selection
+            self.options = FalkonOptions.merged(
+                options,
+                max_iter=max_iter,
+                tol=tol,
+                memory_budget=memory_budget,
+                block_rows=block_rows,
+                store_kernel=store_kernel,
+                verbose=verbose,
             )
 
-        # --- likelihood and penalty (noise = n * penalty is the single source of truth)
-        if likelihood is None:
-            likelihood = default_likelihood(self._num_outputs, dtype=train_x.dtype, device=train_x.device)
-            if penalty is None:
-                penalty = 1e-6
-        else:
-            check_likelihood(likelihood, self._num_outputs)
+            # the global n of n lambda (a sharded backend sums the ranks' rows: a collective)
+            self._n_total = total_rows(self.options.backend, train_x)
+            self._n_local = int(train_x.shape[0])
+            if self._n_total == 0:
+                raise ValueError("train_x is empty (0 rows) on every rank")
+            # --- centers: one selector, called once the penalty is known
+            selector, m = _center_selector(
+                train_x, num_centers, centers, center_selection, center_weights, leverage_options, generator, seed,
+                self.options.backend, self._n_total,
+            )
+            if is_sharded(self.options.backend):
+                # before any collective whose size or number depends on them: d, outputs, dtype, the number of centers
+                # and the solver's iteration rules must agree (a mismatch would abort or stall a collective)
+                opts = self.options
+                rules = [-1.0 if opts.max_iter is None else float(opts.max_iter),
+                         -1.0 if opts.tol is None else float(opts.tol), float(bool(learn_centers))]
+                self.options.backend.check_consistent(
+                    data_shape=torch.tensor([d, self._num_outputs, torch.finfo(train_x.dtype).bits],
+                                            device=train_x.device),
+                    num_centers=torch.tensor([-1 if m is None else int(m)], device=train_x.device),
+                    solver_settings=torch.tensor(rules, dtype=torch.float64, device=train_x.device),
+                )
+
+            # --- likelihood and penalty (noise = n * penalty is the single source of truth)
+            if likelihood is None:
+                likelihood = default_likelihood(self._num_outputs, dtype=train_x.dtype, device=train_x.device)
+                if penalty is None:
+                    penalty = 1e-6
+            else:
+                check_likelihood(likelihood, self._num_outputs)
+                if penalty is not None:
+                    check_penalty(penalty)
+                    given = float(likelihood.noise.reshape(-1)[0].detach())
+                    implied = float(torch.as_tensor(penalty).detach()) * self._n_total
+                    if not math.isclose(given, implied, rel_tol=1e-6):
+                        raise ValueError(
+                            f"penalty={float(torch.as_tensor(penalty)):g} means a noise n * penalty = {implied:g}, "
+                            f"but the likelihood's noise is {given:g}: give one of them (noise = n * penalty is one "
+                            "quantity)"
+                        )
+            self.likelihood = likelihood
             if penalty is not None:
-                check_penalty(penalty)
-                given = float(likelihood.noise.reshape(-1)[0].detach())
-                implied = float(torch.as_tensor(penalty).detach()) * self._n_total
-                if not math.isclose(given, implied, rel_tol=1e-6):
-                    raise ValueError(
-                        f"penalty={float(torch.as_tensor(penalty)):g} means a noise n * penalty = {implied:g}, but the "
-                        f"likelihood's noise is {given:g}: give one of them (noise = n * penalty is one quantity)"
-                    )
-        self.likelihood = likelihood
-        if penalty is not None:
-            self.penalty = penalty
-        sel = selector(train_x, m, kernel=kernel, penalty=self.penalty.detach())
-        if not isinstance(sel, CenterSelection):
-            raise TypeError(f"center_selection must return a gpfalkon.CenterSelection (centers, indices, weights), got "
-                            f"{type(sel).__name__}")
-        c, weights = sel.centers, sel.weights
-        if (
-            not isinstance(c, Tensor)
-            or c.dim() != 2
-            or c.shape[0] < 1
-            or c.shape[1] != d
-            or c.dtype != train_x.dtype
-            or c.device != train_x.device
-        ):
-            got = f"{tuple(c.shape)} ({c.dtype}, {c.device})" if isinstance(c, Tensor) else type(c).__name__
-            raise ValueError(
-                f"center_selection returned centers {got}; expected (M, {d}) with M >= 1 in {train_x.dtype} "
-                f"on {train_x.device}"
-            )
-        if not bool(torch.isfinite(c).all()):
-            raise ValueError("center_selection returned centers with NaN or Inf values")
-        if weights is not None:
-            check_center_weights("center_weights", weights, c.shape[0], train_x.device)
-        if is_sharded(self.options.backend):
-            # every rank must hold the same model: the passes' sums assume it (one all_gather)
-            self.options.backend.check_consistent(
-                centers=c.detach(),
-                penalty=self.penalty.detach(),
-                **kernel_identity(kernel, c.device),
-            )
-        self._register_centers(c.detach().clone(), learn_centers)
-        self.register_buffer("center_weights", None if weights is None else weights.to(torch.float64))
+                self.penalty = penalty
+            sel = selector(train_x, m, kernel=kernel, penalty=self.penalty.detach())
+            if not isinstance(sel, CenterSelection):
+                raise TypeError("center_selection must return a gpfalkon.CenterSelection (centers, indices, "
+                                f"weights), got {type(sel).__name__}")
+            c, weights = sel.centers, sel.weights
+            if (
+                not isinstance(c, Tensor)
+                or c.dim() != 2
+                or c.shape[0] < 1
+                or c.shape[1] != d
+                or c.dtype != train_x.dtype
+                or c.device != train_x.device
+            ):
+                got = f"{tuple(c.shape)} ({c.dtype}, {c.device})" if isinstance(c, Tensor) else type(c).__name__
+                raise ValueError(
+                    f"center_selection returned centers {got}; expected (M, {d}) with M >= 1 in {train_x.dtype} "
+                    f"on {train_x.device}"
+                )
+            if not bool(torch.isfinite(c).all()):
+                raise ValueError("center_selection returned centers with NaN or Inf values")
+            if weights is not None:
+                check_center_weights("center_weights", weights, c.shape[0], train_x.device)
+            if is_sharded(self.options.backend):
+                # every rank must hold the same model: the passes' sums assume it (one all_gather)
+                self.options.backend.check_consistent(
+                    centers=c.detach(),
+                    penalty=self.penalty.detach(),
+                    **kernel_identity(kernel, c.device),
+                )
+            self._register_centers(c.detach().clone(), learn_centers)
+            self.register_buffer("center_weights", None if weights is None else weights.to(torch.float64))
 
-        chunk: object = predict_chunk_size  # checked as an object: numbers.Integral is not int to mypy
-        if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral):
-            raise TypeError(f"predict_chunk_size must be an integer, got {predict_chunk_size!r}")
-        self.predict_chunk_size = int(chunk)
-        if self.predict_chunk_size < 1:
-            raise ValueError(f"predict_chunk_size must be >= 1, got {predict_chunk_size}")
+            chunk: object = predict_chunk_size  # checked as an object: numbers.Integral is not int to mypy
+            if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral):
+                raise TypeError(f"predict_chunk_size must be an integer, got {predict_chunk_size!r}")
+            self.predict_chunk_size = int(chunk)
+            if self.predict_chunk_size < 1:
+                raise ValueError(f"predict_chunk_size must be >= 1, got {predict_chunk_size}")
 
-        try:
-            mc = torch.as_tensor(mean_constant, dtype=torch.float64).detach().clone().to(train_x.device)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise TypeError(f"mean_constant must be a number or a tensor, got {type(mean_constant).__name__}") from exc
-        mshape = () if self._num_outputs == 1 else (self._num_outputs,)
-        if mc.numel() == 1:
-            mc = mc.reshape(()).expand(mshape).clone()
-        if tuple(mc.shape) != mshape:
-            raise ValueError(
-                f"mean_constant must be a scalar or have shape {mshape} (one value per output), "
-                f"got shape {tuple(mc.shape)}"
-            )
-        if not bool(torch.isfinite(mc).all()):
-            raise ValueError(f"mean_constant must be finite, got {mc.tolist()}")
-        if is_sharded(self.options.backend):
-            self.options.backend.check_consistent(mean_constant=mc)
-        self.register_buffer("mean_constant", mc)
+            try:
+                mc = torch.as_tensor(mean_constant, dtype=torch.float64).detach().clone().to(train_x.device)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise TypeError(
+                    f"mean_constant must be a number or a tensor, got {type(mean_constant).__name__}") from exc
+            mshape = () if self._num_outputs == 1 else (self._num_outputs,)
+            if mc.numel() == 1:
+                mc = mc.reshape(()).expand(mshape).clone()
+            if tuple(mc.shape) != mshape:
+                raise ValueError(
+                    f"mean_constant must be a scalar or have shape {mshape} (one value per output), "
+                    f"got shape {tuple(mc.shape)}"
+                )
+            if not bool(torch.isfinite(mc).all()):
+                raise ValueError(f"mean_constant must be finite, got {mc.tolist()}")
+            if is_sharded(self.options.backend):
+                self.options.backend.check_consistent(mean_constant=mc)
+            self.register_buffer("mean_constant", mc)
 
-        shape = (c.shape[0],) if self._num_outputs == 1 else (c.shape[0], self._num_outputs)
-        self.register_buffer("alpha", torch.full(shape, float("nan"), dtype=torch.float64, device=train_x.device))
-        self.register_buffer("fitted", torch.tensor(False, device=train_x.device))
-        # what alpha was fitted on (persists in state_dict): sums / norms of the training data, and content
-        # digests of train_x, train_y and the hyperparameter groups (fit_state.FIT_GROUPS) + train_x's dtype code
-        self.register_buffer("data_fingerprint", torch.zeros(6, dtype=torch.float64, device=train_x.device))
-        self.register_buffer("fit_digest", torch.zeros(2 * len(FIT_GROUPS) + 1, dtype=torch.int64,
-                                                        device=train_x.device))
-        # the kernel's values at a few points when alpha was fitted (see _kernel_probe; empty: not recorded)
-        self.register_buffer("kernel_probe", torch.zeros(0, dtype=torch.float64, device=train_x.device))
-        # the noise sigma^2 when alpha was fitted (NaN: not recorded); the raw parameter alone does not settle it (the
-        # likelihood's constraint transform maps it)
-        self.register_buffer("fit_noise", torch.tensor(float("nan"), dtype=torch.float64, device=train_x.device))
-        self._legacy_state = False  # set while loading a state saved before fit_digest existed
-        self.fit_info: CGInfo | None = None
-        self._fit_tracker = FitTracker()
-        self._factors: NystromPosteriorFactors | None = None  # exact
-        self._fast_factors: NystromPosteriorFactors | None = None  # FALKON's approximation (settings.variance_factors)
-        # counts the changes that invalidate the variance factors (_forget_factors, scale_prior): factors formed
-        # across one are not kept, and what was built from them (a FalkonFantasyModel) knows it is stale
-        self._factors_generation = 0
-        # counts the changes of the fit itself (all of the above but a move to another dtype or device, which keeps
-        # the fit): a posterior forms its covariance's factors lazily only within one fit
-        self._fit_generation = 0
-        self.register_load_state_dict_post_hook(FalkonGP._after_load)
+            shape = (c.shape[0],) if self._num_outputs == 1 else (c.shape[0], self._num_outputs)
+            self.register_buffer("alpha", torch.full(shape, float("nan"), dtype=torch.float64, device=train_x.device))
+            self.register_buffer("fitted", torch.tensor(False, device=train_x.device))
+            # what alpha was fitted on (persists in state_dict): sums / norms of the training data, and content
+            # digests of train_x, train_y and the hyperparameter groups (fit_state.FIT_GROUPS) + train_x's dtype code
+            self.register_buffer("data_fingerprint", torch.zeros(6, dtype=torch.float64, device=train_x.device))
+            self.register_buffer("fit_digest", torch.zeros(2 * len(FIT_GROUPS) + 1, dtype=torch.int64,
+                                                            device=train_x.device))
+            # the kernel's values at a few points when alpha was fitted (see _kernel_probe; empty: not recorded)
+            self.register_buffer("kernel_probe", torch.zeros(0, dtype=torch.float64, device=train_x.device))
+            # the noise sigma^2 when alpha was fitted (NaN: not recorded); the raw parameter alone does not settle it
+            # (the likelihood's constraint transform maps it)
+            self.register_buffer("fit_noise", torch.tensor(float("nan"), dtype=torch.float64, device=train_x.device))
+            self._legacy_state = False  # set while loading a state saved before fit_digest existed
+            self.fit_info: CGInfo | None = None
+            self._fit_tracker = FitTracker()
+            self._factors: NystromPosteriorFactors | None = None  # exact
+            # FALKON's approximation (settings.variance_factors)
+            self._fast_factors: NystromPosteriorFactors | None = None
+            # counts the changes that invalidate the variance factors (_forget_factors, scale_prior): factors formed
+            # across one are not kept, and what was built from them (a FalkonFantasyModel) knows it is stale
+            self._factors_generation = 0
+            # counts the changes of the fit itself (all of the above but a move to another dtype or device, which keeps
+            # the fit): a posterior forms its covariance's factors lazily only within one fit
+            self._fit_generation = 0
+            self.register_load_state_dict_post_hook(FalkonGP._after_load)
+
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # models pickled before FalkonOptions / FitTracker existed kept the options as

@@ -19,7 +19,7 @@ from .._validation import check_dtype, check_inputs, check_penalty
 from ..backend.autograd import backward_params, blockwise_kernel_grad, kernel_params, kernel_product, scatter_grads
 from ..backend.blocks import resolve_store_dtype
 from ..backend.engine import KernelEngine, kernel_block
-from ..backend.passes import is_sharded, total_rows
+from ..backend.passes import is_sharded, needs_graph, total_rows
 from ..backend.sources import rows_as
 from ..errors import FalkonConvergenceError, JitterWarning
 from ..options import FalkonOptions, option_property
@@ -347,8 +347,12 @@ class NystromKRROperator(LinearOperator):
         rank must take the same preconditioner, so a rank storing no rows, e.g. an empty shard, follows the
         others; one all_reduce of one number)?"""
         eng = self.engine
-        local = bool(getattr(eng, "fixed", False)) and int(getattr(eng, "stored_rows", 0)) > 0
-        reduce = getattr(eng, "reduce_nograd", None)
+        return self._on_some_rank(bool(getattr(eng, "fixed", False)) and int(getattr(eng, "stored_rows", 0)) > 0)
+
+    def _on_some_rank(self, local: bool) -> bool:
+        """``local`` on this process, or on any rank for a sharded backend (one all_reduce of one number, so that
+        every rank takes the same decision)."""
+        reduce = getattr(self.engine, "reduce_nograd", None)
         if is_sharded(self.options.backend) and callable(reduce):
             flag = torch.tensor([1.0 if local else 0.0], dtype=torch.float64, device=self.centers.device)
             return float(reduce(flag)[0]) > 0.0
@@ -380,8 +384,7 @@ class NystromKRROperator(LinearOperator):
             raise ValueError(f"y must have shape ({self.x.shape[0]},) or ({self.x.shape[0]}, t), got "
                              f"{tuple(getattr(y, 'shape', ()))}")
         cols = y.unsqueeze(-1) if y.dim() == 1 else y
-        live = [cols, self.centers, *kernel_params(self.kernel)]
-        if torch.is_grad_enabled() and (getattr(self.x, "requires_grad", False) or any(t.requires_grad for t in live)):
+        if needs_graph(self.kernel, cols, self.centers, *([self.x] if isinstance(self.x, Tensor) else [])):
             # (a sharded engine sums the ranks' products by a differentiable collective)
             return kernel_product(self.engine, None, cols.to(self.x.dtype), self.x, self.centers).to(torch.float64)
         return self.engine.kmn_k(None, cols)
@@ -493,14 +496,9 @@ class NystromKRROperator(LinearOperator):
         if iterative or self.solver is not falkon_solve or self.x.device.type != "cpu":
             return "cg"
         tol_, max_iter_ = self._stopping_rule(tol, max_iter)
-        engine = self.engine  # knows whether K_nM is stored
-        stored = bool(getattr(engine, "stored", False))
-        reduce = getattr(engine, "reduce_nograd", None)
-        if is_sharded(self.options.backend) and callable(reduce):
-            # every rank must take the same method (each runs its passes' collectives): a pass counts
-            # as stored only where every shard stores its K_nM (one all_reduce of one number)
-            flag = torch.tensor([0.0 if stored else 1.0], dtype=torch.float64, device=self.centers.device)
-            stored = float(reduce(flag)[0]) == 0.0
+        # every rank must take the same method (each runs its passes' collectives): a pass counts as stored only
+        # where every shard stores its K_nM
+        stored = not self._on_some_rank(not bool(getattr(self.engine, "stored", False)))
         return choose_method(
             self.n, self.m, self.x.shape[1], itemsize=self.x.dtype.itemsize, stored=stored, tol=tol_,
             max_iter=max_iter_, outputs=outputs,
