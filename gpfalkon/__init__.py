@@ -23,6 +23,7 @@ from .errors import (
     DistributedError,
     FalkonConvergenceError,
     JitterWarning,
+    MemoryBudgetWarning,
     NotFittedError,
     NotPSDError,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "JitterWarning",
     "KernelEngine",
     "LeverageCenters",
+    "MemoryBudgetWarning",
     "NestedLeverageCenters",
     "NotFittedError",
     "NotPSDError",

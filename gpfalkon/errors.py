@@ -8,6 +8,7 @@ __all__ = [
     "DistributedError",
     "FalkonConvergenceError",
     "JitterWarning",
+    "MemoryBudgetWarning",
     "NotFittedError",
     "NotPSDError",
 ]
@@ -35,3 +36,9 @@ class CGNotConvergedWarning(RuntimeWarning):
 class JitterWarning(RuntimeWarning):
     """A Cholesky factorisation needed more diagonal jitter than the default
     (the kernel matrix is numerically singular, e.g. duplicate centers)."""
+
+
+class MemoryBudgetWarning(RuntimeWarning):
+    """The memory budget (:class:`gpfalkon.settings.memory_budget` or a ``memory_budget`` argument) is below what
+    one row of a pass needs: the pass runs one row a block, over the budget by that row and far slower than
+    with a budget of a few MiB."""

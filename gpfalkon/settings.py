@@ -105,7 +105,9 @@ class memory_budget(_setting):
     preconditioner's peak (three float64 ``M x M`` matrices) off the available memory. When the whole
     ``n x M`` matrix ``K_nM`` fits in the budget it is computed once and kept for the lifetime of the
     engine; otherwise the rows that fit (beside two ``block_rows x M`` buffers) are kept and the others
-    recomputed block by block on every product (``store_kernel=False``: all recomputed).
+    recomputed block by block on every product (``store_kernel=False``: all recomputed). A budget below one
+    row of a pass (its live blocks of ``M + d`` values) runs that pass one row a block, over the budget, with a
+    :class:`~gpfalkon.errors.MemoryBudgetWarning`.
     """
 
     _default: ClassVar[int | None] = None

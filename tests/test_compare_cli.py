@@ -120,26 +120,6 @@ def test_user_data_formats_read_the_same_arrays(monkeypatch, tmp_path, suffix):
             compare._read_table(path, "t", ["z"])
 
 
-def test_time_to_baseline_row(monkeypatch):
-    """Issue 17's table: the best baseline by final error, the time its curve first reached it, and the
-    fastest gpfalkon run no worse; with none as accurate, the error gap instead of a speed-up."""
-    compare = _compare_module(monkeypatch)
-    sgpr = dict(key="sgpr", method="GPyTorch SGPR", error=0.10, fit_s=100.0,
-                curve=[[5.0, 0.3], [50.0, 0.1], [100.0, 0.1]])
-    svgp = dict(key="svgp", method="GPyTorch SVGP", error=0.12, fit_s=100.0, curve=[[10.0, 0.12]])
-    slow = dict(key="falkon-auto", method="gpfalkon auto_fit", error=0.09, fit_s=30.0)
-    fast = dict(key="falkon-auto-8", method="gpfalkon auto_fit (budget / 8)", error=0.0999, fit_s=4.0)
-    worse = dict(key="falkon-auto-32", method="gpfalkon auto_fit (budget / 32)", error=0.11, fit_s=1.0)
-    row = compare.time_to_baseline("toy", [sgpr, svgp, slow, fast, worse])
-    assert row[:4] == ["toy", "SGPR", 0.10, 50.0]
-    assert row[4] == "auto_fit (budget / 8)" and row[6] == 4.0
-    assert row[7] == pytest.approx(12.5) and row[8] == "yes"
-    row = compare.time_to_baseline("toy", [sgpr, svgp, dict(slow, error=0.105), worse])
-    assert row[7] is None and row[8] == "no (error 5.00 % higher)" and row[5] == 0.105
-    assert compare.time_to_baseline("toy", [sgpr, svgp]) is None
-    assert compare.time_to_baseline("toy", [slow]) is None
-
-
 def test_nlpd_is_gpytorchs_in_the_targets_units(monkeypatch):
     """compare.py's NLPD (standardised scores and variances, reported in the target's units) equals GPyTorch's
     ``negative_log_predictive_density`` of the same Gaussian in raw units; on a subset of rows, of those rows."""
@@ -162,3 +142,43 @@ def test_nlpd_is_gpytorchs_in_the_targets_units(monkeypatch):
     want_sub = float(gpytorch.metrics.negative_log_predictive_density(sub, y_std[idx] * scale))
     assert compare.nlpd(data, mu, var[idx], idx) == pytest.approx(want_sub, rel=1e-12)
     assert math.isnan(compare.nlpd(data, mu, torch.zeros(50, dtype=torch.float64)))
+
+
+def _row(key: str, error: float, fit_s: float, curve=None) -> dict:
+    return dict(key=key, method=key, error=error, fit_s=fit_s, curve=curve or [])
+
+
+def test_the_10x_table_picks_no_run_by_its_test_error(monkeypatch):
+    """Issue 17's ratio: the primary fraction's run is reported whatever the other runs did (a faster run that
+    happens to reach the error is not picked); the monotone rule counts a run only when every larger-budget run
+    reached the error too; int16 runs are not in either."""
+    compare = _compare_module(monkeypatch)
+    base = _row("sgpr", 0.100, 120.0, curve=[[10.0, 0.2, 1], [60.0, 0.1, 2], [120.0, 0.1, 3]])
+    runs = [_row("falkon-auto-8", 0.09, 15.0), _row("falkon-auto-10", 0.11, 12.0),
+            _row("falkon-auto-12", 0.095, 10.0), _row("falkon-auto-24", 0.08, 5.0),
+            _row("falkon-auto16-32", 0.05, 1.0)]
+    row = compare.time_to_baseline("set", [base, *runs], primary=12)
+    assert row[3] == 60.0  # first reached its final curve error at 60 s
+    assert row[4:9] == ["/12", 0.095, 10.0, 6.0, "no (time)"]
+    assert row[9:12] == ["/8", 15.0, 4.0]  # /10 missed: /12 and /24 do not count
+    row = compare.time_to_baseline("set", [base, *runs], primary=10)
+    assert row[4] == "/10" and row[8].startswith("no (error 10.00 % higher")
+    assert "/24 Y" in row[12] and "auto16" not in row[12]
+
+
+def test_a_baseline_is_reached_on_its_own_curve_scale(monkeypatch):
+    """flights' curve is scored on a subset of the test rows, its final error on all of them: the time a
+    baseline reached its error is read against its own last curve point, not the whole-test error."""
+    compare = _compare_module(monkeypatch)
+    base = _row("svgp", 0.950, 400.0, curve=[[100.0, 0.99, 1], [330.0, 0.968, 2], [400.0, 0.968, 3]])
+    assert compare.baseline_reached(base) == 330.0
+    assert compare.baseline_reached(_row("svgp", 0.95, 77.0)) == 77.0
+
+
+def test_a_loss_that_jumps_about_is_not_converged(monkeypatch):
+    compare = _compare_module(monkeypatch)
+    flat = [1.0 - 1e-3 * i for i in range(10)] + [0.99] * 60
+    assert compare._converged(flat, 50, 1e-5)
+    jumpy = [1.0 - 1e-3 * i for i in range(10)] + [0.99 + 0.02 * (i % 2) for i in range(60)]
+    assert not compare._converged(jumpy, 50, 1e-5)
+    assert not compare._converged(flat[:50], 50, 1e-5)

@@ -1,6 +1,8 @@
 """The blockwise kernel-product engine against dense products."""
 from __future__ import annotations
 
+import warnings
+
 import gpytorch
 import pytest
 import torch
@@ -99,6 +101,26 @@ def test_memory_budget_decides_storage_and_block_size():
         KernelEngine(k, x, c, memory_budget=100, store=True)
     with pytest.raises(ValueError, match="block_rows"):
         KernelEngine(k, x, c, block_rows=0)
+
+
+def test_a_budget_below_one_row_warns_and_still_computes_the_products():
+    """A budget smaller than one row of a pass (two live blocks of M + d float64 values) cannot be kept: the
+    engine runs one-row blocks and says so (MemoryBudgetWarning), with the same products; a budget of a few
+    rows does not warn."""
+    from gpfalkon import MemoryBudgetWarning
+
+    x, _ = make_data(200, 3)
+    c = x[:50]
+    k = make_kernel("rbf", 3)
+    u = torch.randn(50, 1, dtype=torch.float64)
+    knm = dense_kernel(k, x, c)
+    with pytest.warns(MemoryBudgetWarning, match="below one row"):
+        e = KernelEngine(k, x, c, memory_budget=2 * (50 + 3) * 8 - 1)
+    assert e.block_rows == 1 and not e.stored
+    torch.testing.assert_close(e.kmn_k(u), knm.T @ (knm @ u), rtol=1e-10, atol=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemoryBudgetWarning)
+        assert KernelEngine(k, x, c, memory_budget=2 * (50 + 3) * 8 * 4).block_rows == 4
 
 
 @pytest.mark.parametrize("name", ["rbf", "scale_matern52", "periodic"])

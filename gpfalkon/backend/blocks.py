@@ -50,12 +50,14 @@ from __future__ import annotations
 import math
 import numbers
 import threading
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from .. import settings
+from ..errors import MemoryBudgetWarning
 
 __all__ = [
     "AGGREGATE",
@@ -170,7 +172,13 @@ def block_rows_for(
         rows = profile.default_rows
     budget = memory_budget_for(memory_budget, device=device)
     size = profile.itemsize or itemsize
-    rows = min(rows, max(1, budget // (profile.live_blocks * width * size)))
+    row_bytes = profile.live_blocks * width * size
+    if budget < row_bytes and n > 0:
+        warnings.warn(f"the memory budget ({budget} bytes) is below one row of this pass ({row_bytes} bytes: "
+                      f"{profile.live_blocks} live blocks of {width} values of {size} bytes); it runs one row a "
+                      "block, over the budget and slowly: raise gpfalkon.settings.memory_budget (or the "
+                      "memory_budget argument) to a few MiB at least", MemoryBudgetWarning, stacklevel=2)
+    rows = min(rows, max(1, budget // row_bytes))
     return max(1, min(rows, max(int(n), 1)))
 
 
