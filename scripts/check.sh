@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every check CI runs, in order: lint (ruff), types (mypy), the fused CPU kernels' build, the test suite, the
 # documentation site, the wheel smoke test.
-# Usage: bash scripts/check.sh   (after scripts/setup.sh test; about 5 minutes on 2 cores)
+# Usage: bash scripts/check.sh   (after scripts/setup.sh test; about 10 minutes on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "== ruff check"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv with the test extras if needed, then run every check (scripts/check.sh: ruff, mypy,
-# the test suite, the wheel smoke test; about 5 minutes on 2 cores).
+# the fused kernels' build, the test suite, the docs site, the wheel smoke test; about 10 minutes on 2 cores).
 # With arguments, only the test suite runs, with those pytest arguments: bash scripts/test.sh -k fantasy
 set -euo pipefail
 cd "$(dirname "$0")/.."

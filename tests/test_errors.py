@@ -53,6 +53,56 @@ def test_a_batched_kernel_is_refused_at_construction_and_at_fit(data):
     assert torch.equal(model.alpha, alpha)
 
 
+def test_a_multitask_kernel_is_refused_naming_its_outputs_per_input(data):
+    """A kernel giving several outputs per input (MultitaskKernel, LCMKernel, also inside a sum) makes a
+    (n t) x (M t) matrix, not FalkonGP's n x M one: refused at construction with the cause, not a shape error
+    deep in fit()."""
+    x, y = data
+    y2 = torch.stack([y, -y], 1)
+    multi = gpytorch.kernels.MultitaskKernel(gpytorch.kernels.RBFKernel(), num_tasks=2).double()
+    with pytest.raises(ValueError, match=r"MultitaskKernel\) gives 2 outputs per input"):
+        FalkonGP(x, y2, kernel=multi, num_centers=5)
+    lcm = gpytorch.kernels.LCMKernel([gpytorch.kernels.RBFKernel()] * 2, num_tasks=3).double()
+    with pytest.raises(ValueError, match="gives 3 outputs per input"):
+        FalkonGP(x, y2, kernel=lcm, num_centers=5)
+    with pytest.raises(ValueError, match=r"kernel.kernels.1 \(MultitaskKernel\)"):
+        FalkonGP(x, y2, kernel=_k() + multi, num_centers=5)
+
+
+def test_active_dims_beyond_the_datas_columns_are_refused_naming_them(data):
+    x, y = data
+    with pytest.raises(ValueError, match=r"has active_dims=\[0, 2\] but train_x has 2 features"):
+        FalkonGP(x, y, kernel=gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(active_dims=[0, 2])).double(),
+                 num_centers=5)
+    FalkonGP(x, y, kernel=gpytorch.kernels.RBFKernel(active_dims=[1]).double(), num_centers=5)
+
+
+def test_a_dynamic_grid_interpolation_kernel_is_refused_and_a_bounded_one_fits(data):
+    """GridInterpolationKernel without grid_bounds moves its grid whenever it is evaluated outside it (the fit's
+    row blocks and checks would each see another grid; predictions then always found the fit stale): refused,
+    naming grid_bounds. With bounds it fits, and predicts like a dense Nystrom solve of the same kernel."""
+    x, y = data
+    dynamic = gpytorch.kernels.GridInterpolationKernel(gpytorch.kernels.RBFKernel(), grid_size=30,
+                                                       num_dims=x.shape[1]).double()
+    with pytest.raises(ValueError, match="GridInterpolationKernel without grid_bounds"):
+        FalkonGP(x, y, kernel=dynamic, num_centers=5)
+    lo, hi = float(x.min()) - 1.0, float(x.max()) + 1.0
+    fixed = gpytorch.kernels.GridInterpolationKernel(gpytorch.kernels.RBFKernel(), grid_size=30,
+                                                     num_dims=x.shape[1], grid_bounds=[(lo, hi)] * x.shape[1])
+    fixed = fixed.double()
+    model = FalkonGP(x, y, kernel=fixed, num_centers=10, penalty=1e-2, tol=1e-12, max_iter=500).fit()
+    model.eval()
+    with torch.no_grad():
+        c = model.centers
+        knm, kmm = fixed(x, c).to_dense(), fixed(c, c).to_dense()
+        n = x.shape[0]
+        h = knm.T @ knm + n * 1e-2 * kmm
+        yc = y - model.mean_constant
+        alpha = torch.linalg.lstsq(h, knm.T @ yc).solution
+        ref = fixed(x[:7], c).to_dense() @ alpha + model.mean_constant
+        torch.testing.assert_close(model.posterior_mean(x[:7]), ref, rtol=1e-5, atol=1e-6)
+
+
 def test_empty_data(data):
     x, y = data
     with pytest.raises(ValueError, match="train_x is empty"):

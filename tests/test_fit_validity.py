@@ -325,6 +325,38 @@ def test_a_kernel_replaced_or_reconfigured_after_fit_makes_the_fit_stale(change)
     torch.testing.assert_close(model(xt).mean, reference(xt).mean, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("first_task", [0.0, 1.0])
+def test_a_state_loaded_across_kernel_classes_with_an_index_column_loads_unfitted(first_task):
+    """An IndexKernel's column holds task indices: the kernel probe's shifted point (first center + 1) is no task
+    where the first center has the last one. The probe then uses the centers alone; a state of an RBF x Index
+    kernel loaded into a Matern x Index model (same parameter names and values) is marked unfitted, whichever
+    task the first center has."""
+    from gpytorch.kernels import IndexKernel, MaternKernel, RBFKernel
+
+    g = torch.Generator().manual_seed(0)
+    n = 200
+    x = torch.cat([torch.randn(n, 2, generator=g, dtype=torch.float64), torch.zeros(n, 1, dtype=torch.float64)], -1)
+    x[1::2, 2] = 1.0
+    y = torch.sin(2 * x[:, 0]) + 0.5 * x[:, 2]
+    centers = x[:20].clone()
+    centers[0, 2] = first_task
+
+    def model(base):
+        k = (base(active_dims=[0, 1]) * IndexKernel(num_tasks=2, rank=1, active_dims=[2])).double()
+        return FalkonGP(x, y, kernel=k, centers=centers, penalty=1e-3, tol=1e-10, max_iter=200)
+
+    saved = model(RBFKernel).fit()
+    assert saved.kernel_probe.numel() > 0
+    other = model(MaternKernel)
+    with pytest.warns(RuntimeWarning, match="kernel's values"):
+        other.load_state_dict(saved.state_dict())
+    assert not other.fitted
+    same = model(RBFKernel)
+    same.load_state_dict(saved.state_dict())
+    assert same.fitted
+    torch.testing.assert_close(same.eval().posterior_mean(x[:5]), saved.eval().posterior_mean(x[:5]))
+
+
 @pytest.mark.parametrize("change", ["constraint", "likelihood"])
 def test_a_noise_constraint_or_likelihood_replaced_after_fit_makes_the_fit_stale(change):
     """The noise is the likelihood's constraint applied to its raw parameter: another constraint (or another

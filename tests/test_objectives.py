@@ -1,6 +1,7 @@
 """Exact objectives against naive dense formulas (n x n matrices, pseudo-inverses)."""
 from __future__ import annotations
 
+import copy
 import math
 
 import gpytorch
@@ -179,6 +180,58 @@ def test_objectives_train_in_a_gpytorch_loop():
     model.eval()
     with torch.no_grad():
         assert torch.isfinite(model(model.train_inputs[0][:5]).mean).all()
+
+
+def test_minimize_takes_a_closure_optimizer_and_matches_the_hand_written_loop():
+    """``minimize(optimizer=LBFGS)`` (an optimiser that evaluates the objective several times a step) takes
+    the same steps as torch's closure loop written by hand, from the same start."""
+    model = _model(n=200, m=15, learn_centers=False)
+    twin = copy.deepcopy(model)
+    obj = GCV(model)
+    values = obj.minimize(3, optimizer=torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=5))
+    assert len(values) == 3 and values[-1] < values[0]
+    ref = GCV(twin)
+    opt = torch.optim.LBFGS(twin.parameters(), lr=0.1, max_iter=5)
+
+    def closure():
+        opt.zero_grad()
+        loss = ref()
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        opt.step(closure)
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_minimize_restores_the_parameters_when_a_step_leaves_the_finite_region():
+    """A line-search evaluation that overflows (LBFGS with an absurd step) restores the parameters to their
+    values before that step, naming it."""
+    model = _model(n=150, m=12, learn_centers=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    obj = GCV(model)
+    with pytest.raises(ValueError, match="restored"):
+        obj.minimize(2, optimizer=torch.optim.LBFGS(model.parameters(), lr=1e12, max_iter=3))
+    after = list(model.parameters())
+    assert all(bool(torch.isfinite(p).all()) for p in after)
+    assert any(torch.equal(a.detach(), b) for a, b in zip(after, before, strict=True))
+
+
+@pytest.mark.parametrize("name", ["SGPRBound", "GCV", "HoldOut", "LOOCV"])
+def test_float32_data_with_a_float64_kernel_gives_the_objectives_in_the_datas_dtype(name):
+    """GPyTorch promotes float32 points against float64 parameters to float64 kernel blocks: the objectives
+    still evaluate (they multiplied a float64 block by the float32 targets), within float32 rounding of the
+    float64 model's values, with gradients for the kernel's parameters."""
+    model = _model(n=150, m=12, learn_centers=False)
+    x, y = model.train_inputs[0], model.train_targets
+    mixed = FalkonGP(x.float(), y.float(), kernel=copy.deepcopy(model.kernel), centers=model.centers.detach().float(),
+                     penalty=float(model.penalty.detach()))
+    value = OBJECTIVES[name](mixed)()
+    assert value.dtype == torch.float32 or value.dtype == torch.float64
+    torch.testing.assert_close(value.double(), OBJECTIVES[name](model)().detach(), rtol=2e-3, atol=2e-3)
+    (grad,) = torch.autograd.grad(value, mixed.kernel.base_kernel.raw_lengthscale)
+    assert bool(torch.isfinite(grad).all()) and bool(grad.abs().sum() > 0)
 
 
 from gpfalkon.objectives import StochasticNystromCompReg  # noqa: E402
@@ -533,20 +586,30 @@ def test_small_passes_keep_their_graph_and_match_the_checkpointed_blocks(name, r
         torch.testing.assert_close(results[0][0], naive(name, model, OBJECTIVES[name](model)), rtol=1e-8, atol=1e-10)
 
 
-def test_a_models_own_memory_budget_decides_whether_its_passes_keep_the_graph(checkpoint_calls):
+@pytest.mark.parametrize("name", ["GCV", "HoldOut"])
+def test_a_models_own_memory_budget_decides_whether_its_passes_keep_the_graph(checkpoint_calls, name):
     """The objectives run their passes under the model's ``memory_budget``: a budget the graph does not fit
-    checkpoints the blocks even where the library's budget would keep them."""
+    checkpoints the blocks even where the library's budget would keep them (HoldOut: its validation rows' pass
+    too, checkpointed in more blocks under the model's budget than under the library's)."""
     calls = checkpoint_calls
     model = _model()
-    model.memory_budget = _budget_just_below_the_graph(model)
+    # HoldOut's passes each take a part of the rows: a budget that neither part's graph fits
+    tight = _budget_just_below_the_graph(model) // (1 if name == "GCV" else 8)
+    model.memory_budget = tight
     with settings.memory_budget(2**40):
-        value = GCV(model, block_rows=37)()
-    assert len(calls) >= 4
+        value = OBJECTIVES[name](model, block_rows=37)()
+    own = len(calls)
+    assert own >= 4
     calls.clear()
     model.memory_budget = None
     with settings.memory_budget(2**40):
-        torch.testing.assert_close(GCV(model, block_rows=37)(), value, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(OBJECTIVES[name](model, block_rows=37)(), value, rtol=1e-10, atol=1e-12)
     assert calls == []
+    if name == "HoldOut":  # the whole pass (both parts) checkpointed under the budget set library-wide
+        calls.clear()
+        with settings.memory_budget(tight):
+            OBJECTIVES[name](model, block_rows=37)()
+        assert own == len(calls)
 
 
 @pytest.mark.parametrize("t", [1, 3])

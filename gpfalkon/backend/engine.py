@@ -366,9 +366,14 @@ def kernel_block(kernel: Kernel, x1: Tensor, x2: Tensor, *, diag: bool = False) 
 
 def kernel_block_in(kernel: Kernel, x1: Tensor, x2: Tensor, *, diag: bool = False) -> tuple[Tensor, torch.dtype]:
     """:func:`kernel_block` and the dtype of the points the kernel was evaluated on (``x1``'s, or its
-    parameters' where it refused ``x1``'s)."""
+    parameters' where it refused ``x1``'s). The block comes back in ``x1``'s floating dtype: GPyTorch promotes
+    float32 points against float64 parameters to a float64 block, which the callers' float32 operands (targets,
+    solves) would refuse to multiply."""
     try:
-        return _dense(kernel(x1, x2, diag=diag)), x1.dtype
+        out = _dense(kernel(x1, x2, diag=diag))
+        if x1.dtype.is_floating_point and out.dtype != x1.dtype:
+            out = out.to(x1.dtype)
+        return out, x1.dtype
     except RuntimeError:
         own = next((p.dtype for p in kernel.parameters() if p.is_floating_point()), None)
         if own is None or own == x1.dtype:

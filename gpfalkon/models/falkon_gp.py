@@ -14,7 +14,7 @@ from typing import Any, cast
 import gpytorch
 import torch
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
-from gpytorch.kernels import Kernel, ScaleKernel
+from gpytorch.kernels import GridInterpolationKernel, Kernel, ScaleKernel
 from gpytorch.likelihoods import Likelihood
 from gpytorch.utils.warnings import GPInputWarning
 from linear_operator.operators import (
@@ -230,7 +230,8 @@ def _check_kernel(kernel: object, d: int, device: torch.device) -> None:
     """Reject a kernel FalkonGP cannot use, naming the cause: not a GPyTorch kernel, parameters on another
     device than the data, ``ard_num_dims`` other than the data's width, or a ``batch_shape`` (one set of
     hyperparameters per output or batch: the model solves all outputs with one kernel, ``K_nM`` is one
-    ``n x M`` matrix; a ``ModelListGP`` of one model per output takes a kernel each)."""
+    ``n x M`` matrix; a ``ModelListGP`` of one model per output takes a kernel each), a multitask kernel (several
+    outputs per input), or a ``GridInterpolationKernel`` whose grid moves as it is evaluated."""
     if not isinstance(kernel, Kernel):
         raise TypeError(f"kernel must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}")
     for name, p in kernel.named_parameters():
@@ -242,12 +243,31 @@ def _check_kernel(kernel: object, d: int, device: torch.device) -> None:
         active = getattr(mod, "active_dims", None)
         if ard is not None and ard > 1 and active is None and ard != d:
             raise ValueError(f"{where} has ard_num_dims={ard} but train_x has {d} features")
+        if isinstance(active, Tensor) and active.numel() > 0 and (int(active.max()) >= d or int(active.min()) < 0):
+            raise ValueError(f"{where} has active_dims={active.tolist()} but train_x has {d} features (columns "
+                             f"0..{d - 1})")
         # each module's own batch shape (the ``batch_shape`` property broadcasts its sub-kernels' again)
         batch = getattr(mod, "_batch_shape", None) if isinstance(mod, Kernel) else None
         if batch is not None and len(batch) > 0:
             raise ValueError(f"{where} has batch_shape={tuple(batch)}: FalkonGP uses one kernel for every output "
                              "(one n x M kernel matrix); build it without batch_shape, or fit one model per output "
                              "(e.g. a ModelListGP of FalkonModels)")
+        if isinstance(mod, Kernel):
+            point = torch.zeros(1, d, device=device)
+            try:
+                outputs = int(mod.num_outputs_per_input(point, point))
+            except Exception:  # a kernel that cannot say: it is evaluated as it is
+                outputs = 1
+            if outputs != 1:
+                raise ValueError(f"{where} ({type(mod).__name__}) gives {outputs} outputs per input (a multitask "
+                                 "kernel: a (n t) x (M t) matrix): FalkonGP's kernel gives one value per pair of "
+                                 "points and solves several outputs as right-hand sides of one n x M system; pass "
+                                 "its data kernel (e.g. MultitaskKernel's data_covar_module) and (n, t) targets, or "
+                                 "put the task as an input column with an IndexKernel on it")
+        if isinstance(mod, GridInterpolationKernel) and mod.grid_is_dynamic:
+            raise ValueError(f"{where} is a GridInterpolationKernel without grid_bounds: its grid moves whenever it "
+                             "is evaluated outside it, so K_nM's row blocks (and the fit's own checks) would each "
+                             "see another grid; pass grid_bounds covering train_x and the test points")
 
 
 class FalkonGP(gpytorch.models.GP):
@@ -680,8 +700,10 @@ class FalkonGP(gpytorch.models.GP):
         calibrate its predictive variances (docs/math.md §8, "Variance calibration").
 
         The kernel must be a ``ScaleKernel``; ``ValueError`` (nothing changed) where ``factor`` is not a
-        finite number > 0 or a constraint (the outputscale's, the likelihood's noise) cannot hold the new
-        value. A model that is not fitted, or whose fit is stale, only has the two values changed.
+        finite number > 0 or an enforced constraint (the outputscale's, the likelihood's noise: one with a
+        transform) cannot hold the new value. A bound without a transform, as BoTorch's default noise
+        constraint, is GPyTorch's to keep through the optimiser's bounds, not checked on a value set directly
+        (as for ``SingleTaskGP``). A model that is not fitted, or whose fit is stale, only has the two values changed.
         Returns ``self``.
         """
         if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not (
@@ -941,13 +963,17 @@ class FalkonGP(gpytorch.models.GP):
     def _kernel_probe_in(self) -> tuple[Tensor, torch.dtype]:
         """:meth:`_kernel_probe` and the dtype of the points it was computed on."""
         c = self.centers.detach()
-        p = torch.cat([c[:3], c[:1] + 1.0]).to(torch.float64)
-        try:
-            with torch.no_grad(), settings.tf32(False), matmul_precision(p.device):
-                k, dtype = kernel_block_in(self.kernel, p, p)
-                return k.reshape(-1), dtype
-        except Exception:  # a kernel for other inputs (e.g. indices): no probe, its parameters still tracked
-            return torch.zeros(0, dtype=torch.float64, device=c.device), torch.float64
+        # the shifted point leaves the inputs' domain where some column is an index (an IndexKernel's task): the
+        # centers alone then
+        for p in (torch.cat([c[:3], c[:1] + 1.0]), c[:3]):
+            try:
+                with torch.no_grad(), settings.tf32(False), matmul_precision(p.device):
+                    k, dtype = kernel_block_in(self.kernel, p.to(torch.float64), p.to(torch.float64))
+                    return k.reshape(-1), dtype
+            except Exception:
+                continue
+        # a kernel for other inputs altogether: no probe, its parameters still tracked
+        return torch.zeros(0, dtype=torch.float64, device=c.device), torch.float64
 
     def _fit_dependencies(self) -> list[Tensor]:
         """Everything alpha depends on except the data: kernel, centers, noise (its raw parameter and the value

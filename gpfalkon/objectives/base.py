@@ -246,8 +246,11 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
 
     def minimize(self, steps: int, lr: float = 0.05, optimizer: torch.optim.Optimizer | None = None) -> list[float]:
         """Run ``steps`` optimiser steps on the model's parameters (Adam with ``lr`` unless
-        ``optimizer`` is given); returns the objective values seen. The usual GPyTorch loop
-        works just as well: this is the loop, written once."""
+        ``optimizer`` is given; each step through a closure, so optimisers that evaluate the objective
+        several times a step, such as ``torch.optim.LBFGS``, work too); returns the objective value at the
+        start of each step. A non-finite objective or parameter restores the parameters to their values
+        before the step that caused it and raises ``ValueError``. The usual GPyTorch loop works just as
+        well: this is the loop, written once."""
         if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
         if optimizer is None and (isinstance(lr, bool) or not isinstance(lr, (int, float))
@@ -258,31 +261,43 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
         values: list[float] = []
         before: list[Tensor] | None = None  # the parameters before the last step
 
-        def restore() -> None:
-            if before is not None:
-                with torch.no_grad():
-                    for p, b in zip(params, before, strict=True):
-                        p.copy_(b)
+        def restore(to: list[Tensor]) -> None:
+            with torch.no_grad():
+                for p, b in zip(params, to, strict=True):
+                    p.copy_(b)
+
+        evaluations = [0]  # of the current step
+
+        def closure() -> Tensor:
+            # every evaluation an optimiser asks for (Adam: one a step; LBFGS: its line search's too)
+            opt.zero_grad()
+            loss = self()
+            if not bool(torch.isfinite(loss.detach())):
+                raise ValueError(f"the objective is {float(loss.detach())}")
+            loss.backward()
+            evaluations[0] += 1
+            return loss
 
         for i in range(int(steps)):
-            opt.zero_grad()
+            start = [p.detach().clone() for p in params]
+            evaluations[0] = 0
             try:
-                loss = self()
-                if not bool(torch.isfinite(loss.detach())):
-                    raise ValueError(f"the objective is {float(loss.detach())}")
+                loss = opt.step(closure)
             except ValueError as exc:
+                if evaluations[0] > 0:  # the step's own evaluations left the finite region
+                    restore(start)
+                    raise ValueError(f"minimize: during step {i} (lr={lr!r}): {exc}; the parameters are restored "
+                                     "to their values before that step") from exc
                 if before is None:  # the state was bad before any step of this call
                     raise
-                restore()
+                restore(before)
                 raise ValueError(f"minimize: after step {i - 1} (lr={lr!r}): {exc}; the parameters are restored to "
                                  "their values before that step") from exc
-            loss.backward()
-            before = [p.detach().clone() for p in params]
-            opt.step()
+            before = start
             bad = [name for name, p in self.model.named_parameters() if p.requires_grad
                    and not bool(torch.isfinite(p.detach()).all())]
             if bad:
-                restore()
+                restore(before)
                 raise ValueError(
                     f"minimize: step {i} made {', '.join(bad)} NaN or Inf (lr={lr!r} too large?); the parameters "
                     "are restored to their values before that step"

@@ -186,7 +186,8 @@ class HoldOut(NystromObjective):
         kernel, c = self.model.kernel, self.model.centers
         rows = self._rows(xv.shape[0])
         if xv.shape[0] > 0:
-            sq = (self.backend_pass("kernel_matmul")(kernel, xv, c, alpha, rows) - yv).square().sum()
+            with self._pass_budget():  # the model's own budget decides whether the pass keeps its graph
+                sq = (self.backend_pass("kernel_matmul")(kernel, xv, c, alpha, rows) - yv).square().sum()
             (sq,) = self.reduce(sq)
         else:  # an empty part of this shard: zero, still part of the collective
             (sq,) = self.reduce(torch.zeros((), dtype=alpha.dtype, device=alpha.device), anchor=alpha.sum() * 0.0)
