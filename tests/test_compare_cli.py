@@ -173,6 +173,8 @@ def test_a_baseline_is_reached_on_its_own_curve_scale(monkeypatch):
     base = _row("svgp", 0.950, 400.0, curve=[[100.0, 0.99, 1], [330.0, 0.968, 2], [400.0, 0.968, 3]])
     assert compare.baseline_reached(base) == 330.0
     assert compare.baseline_reached(_row("svgp", 0.95, 77.0)) == 77.0
+    assert compare.curve_on_subset(dict(base, n_test=1_000_000))
+    assert not compare.curve_on_subset(dict(base, n_test=5_000))
 
 
 def test_a_loss_that_jumps_about_is_not_converged(monkeypatch):
