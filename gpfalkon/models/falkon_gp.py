@@ -237,6 +237,7 @@ def _check_kernel(kernel: object, d: int, device: torch.device) -> None:
     for name, p in kernel.named_parameters():
         if p.device != device:
             raise ValueError(f"kernel parameter {name} is on {p.device} but train_x is on {device}")
+    point = torch.zeros(1, d, device=device)  # what a multitask kernel is asked its outputs per input at
     for name, mod in kernel.named_modules():
         where = f"kernel{'.' + name if name else ''}"
         ard = getattr(mod, "ard_num_dims", None)
@@ -253,7 +254,6 @@ def _check_kernel(kernel: object, d: int, device: torch.device) -> None:
                              "(one n x M kernel matrix); build it without batch_shape, or fit one model per output "
                              "(e.g. a ModelListGP of FalkonModels)")
         if isinstance(mod, Kernel):
-            point = torch.zeros(1, d, device=device)
             try:
                 outputs = int(mod.num_outputs_per_input(point, point))
             except Exception:  # a kernel that cannot say: it is evaluated as it is
