@@ -450,8 +450,9 @@ def test_botorch_output_indices_noise_and_model_list_conditioning(device):
     Yn = torch.stack([torch.sin(4 * Xn).sum(-1), 3 * Xn[:, 0] + 2], -1)
     noise = torch.tensor([0.1, 0.3], dtype=torch.float64).expand(3, 4, 2)
     res = []
+    centers = X[torch.randperm(120, generator=g)[:20]]  # given: a seed draws different centers on each device
     for dev in (torch.device("cpu"), device):
-        kw = dict(num_centers=20, tol=1e-12, max_iter=500, seed=0)
+        kw = dict(centers=centers.to(dev), tol=1e-12, max_iter=500)
         m = FalkonModel(X.to(dev), Y.to(dev), **kw)
         post = m.posterior(Xs.to(dev), output_indices=[1], observation_noise=noise.to(dev))
         ma = FalkonModel(X.to(dev), Y[:, :1].to(dev), **kw)
@@ -502,8 +503,9 @@ def test_matheron_paths_and_fantasies_on_the_device(device, m):
     Xf = torch.rand(3, 2, generator=g, dtype=torch.float64)
     Yf = torch.randn(5, 3, m, generator=g, dtype=torch.float64)
     fant = []
+    centers = X[torch.randperm(150, generator=g)[:40]]  # given: a seed draws different centers on each device
     for dev in (torch.device("cpu"), device):
-        model = FalkonModel(X.to(dev), Y.to(dev), num_centers=40, tol=1e-12, max_iter=500, seed=0)
+        model = FalkonModel(X.to(dev), Y.to(dev), centers=centers.to(dev), tol=1e-12, max_iter=500)
         fant.append(model.condition_on_observations(Xf.to(dev), Yf.to(dev)).posterior(Xt.to(dev)).mean.cpu())
     torch.manual_seed(0)
     paths = draw_matheron_paths(model, sample_shape=torch.Size([4000]))

@@ -349,7 +349,10 @@ class FalkonGP(gpytorch.models.GP):
             constraint through ``exp``/``log``, so that learning it is learning
             ``log lambda``.
         learn_centers: register ``centers`` as a ``torch.nn.Parameter``.
-        generator: ``torch.Generator`` for center sampling (default seeded with ``seed``).
+        generator: ``torch.Generator`` for center sampling (default: one on ``train_x``'s device seeded with
+            ``seed``). The draws happen on the generator's device, and torch's CPU and CUDA generators give
+            different streams: the same ``seed`` picks different centers on different devices. Pass ``centers``
+            (or a CPU ``generator``) for the same centers everywhere.
         max_iter, tol: CG stopping rule (see :class:`~gpfalkon.NystromKRROperator`;
             default: relative residual 1e-6 or 100 iterations, with a
             :class:`~gpfalkon.CGNotConvergedWarning` if the cap comes first). FALKON's
