@@ -959,6 +959,9 @@ def run_auto(data: dict, budget: float, label: str = "gpfalkon auto_fit",
     rep = model.auto_report
     c = rep.chosen
     grown = f", grown from {c['grown_from']}" if c.get("grown_from") else ""
+    g = rep.growth
+    if g and not g.get("kept"):
+        grown = f", growth to {g['M']} rejected"
     rate = f"lr {c['lr']:g}, " if c.get("lr") is not None else ""
     info = (f"objective {c['objective']} ({rate}step {c['step']}), M {c['num_centers']} ({c['centers']}{grown}), "
             f"noise {c['noise']:.3g}, multiplier {c['multiplier']:.3g}; "
@@ -967,6 +970,7 @@ def run_auto(data: dict, budget: float, label: str = "gpfalkon auto_fit",
                  predict_s=predict_s, scores=scores, info=info, curve=curve, **var,
                  auto=dict(chosen={k: v for k, v in c.items() if k != "levels"}, levels=c["levels"],
                            stages=rep.stages, notes=rep.notes, leverage=rep.leverage, sampling=rep.sampling,
+                           growth=rep.growth,
                            learn=[{k: v for k, v in r.items()} for r in rep.learn]))]
 
 

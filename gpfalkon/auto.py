@@ -120,7 +120,9 @@ class AutoFitReport:
     targets' units). ``stages`` holds the seconds spent per stage; ``learn`` the starting point's
     record, then one per racer and subsample (its ``objective``, ``racer``, ``lr``, rows and
     validation-error trajectory); ``search`` every selection fit
-    ``(M, noise, multiplier, error, seconds)``; ``chosen`` the final choices; ``leverage`` the
+    ``(M, noise, multiplier, error, seconds)``; ``chosen`` the final choices; ``growth`` the check of a grown
+    final fit (``check_growth``: the grown size ``M``, ``grown_from``, its validation ``error`` against the
+    level's ``level_error``, its ``seconds``, whether it was ``kept``); ``leverage`` the
     leverage-score check of the chosen level (``leverage_check=True``: its validation ``error``
     against the uniform centers', the distinct centers drawn, its seconds); ``sampling`` the choice of
     the center pool at the first size (``center_sampling``: ``uniform_error``, ``leverage_error``, the
@@ -139,6 +141,7 @@ class AutoFitReport:
     notes: list[str] = field(default_factory=list)
     leverage: dict[str, Any] = field(default_factory=dict)
     sampling: dict[str, Any] = field(default_factory=dict)
+    growth: dict[str, Any] = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
@@ -626,6 +629,7 @@ def auto_fit(
     search_tol: float = 2e-3,
     final_growth: bool = True,
     final_growth_factor: float = 4.0,
+    check_growth: bool = True,
     center_sampling: str = "auto",
     leverage_check: bool = False,
     max_iter: int = 50,
@@ -790,6 +794,11 @@ def auto_fit(
             regularised: on the development sets with ``n`` below 10,000 such growth raised the test error
             in some runs, while on the larger sets four times the level's centers at its noise lowered it,
             ``benchmarks/results/auto-growth-check.md``).
+        check_growth: before a grown final fit, fit the grown size on the level's own selection rows at the level's
+            noise and multiplier, and keep the growth only where its validation error is below the level's; else
+            the final fit keeps the level's centers. The check's time is kept from the growth (a smaller grown
+            size); a kept check's coefficients start the final CG. Recorded in ``report.growth``. ``False``: the
+            growth is not validated (the behaviour before this option).
         center_sampling: how the nested centers of stages 2-3 are drawn from the selection rows:
             ``"uniform"`` (a random permutation's prefixes); ``"leverage"`` (prefixes of one stream of
             ridge-leverage-score draws, :func:`~gpfalkon.nested_leverage_centers`, with the
@@ -903,6 +912,8 @@ def auto_fit(
         raise TypeError(f"grow_select_rows must be True or False, got {grow_select_rows!r}")
     if not isinstance(final_growth, bool):
         raise TypeError(f"final_growth must be True or False, got {final_growth!r}")
+    if not isinstance(check_growth, bool):
+        raise TypeError(f"check_growth must be True or False, got {check_growth!r}")
     if isinstance(final_growth_factor, bool) or not (isinstance(final_growth_factor, (int, float))
                                                      and 1.25 <= final_growth_factor < math.inf):
         raise ValueError(f"final_growth_factor must be a finite number >= 1.25, got {final_growth_factor!r}")
@@ -1292,6 +1303,10 @@ def auto_fit(
             """The key of a selection fit (its cached error and its calibration residuals)."""
             return (int(m), round(math.log(noise), 6), round(math.log(mult), 6), kind)
 
+        def growth_key(m: int, noise: float, mult: float, kind: str, rows_m: int) -> tuple[int, float, float, str]:
+            """The key of a growth check's fit: ``m`` centers on the selection rows of the size ``rows_m``."""
+            return score_key(m, noise, mult, f"{kind} on the rows of M={rows_m}")
+
         def centers_at(m: int, kind: str | None = None) -> tuple[Tensor, Tensor | None]:
             """The ``m`` nested centers of the pool ``kind`` (default: the current one) and their weights."""
             kind = pool["kind"] if kind is None else kind
@@ -1304,9 +1319,13 @@ def auto_fit(
         def pool_limit() -> int:
             return n_s if pool["kind"] == "uniform" else min(n_s, pool["nested"].size)
 
-        def score(m: int, noise: float, mult: float, kind: str | None = None) -> float:
+        def score(m: int, noise: float, mult: float, kind: str | None = None, rows_m: int | None = None) -> float:
+            """The validation error of a selection fit at ``m`` centers of the pool ``kind``, at ``noise`` and
+            ``mult``, on the selection rows of ``m`` (or of the size ``rows_m``: the growth check, a fit kept
+            apart from the sizes' own in the cache and in the time predictions)."""
             kind = pool["kind"] if kind is None else kind
-            key = score_key(m, noise, mult, kind)
+            check = rows_m is not None and rows_m != m
+            key = growth_key(m, noise, mult, kind, int(rows_m or m)) if check else score_key(m, noise, mult, kind)
             if key in cache:
                 return cache[key]
             t = time.perf_counter()
@@ -1314,7 +1333,7 @@ def auto_fit(
                 k = copy.deepcopy(base_kernel)
                 _scale_lengthscales(k, mult)
                 c_m, w_m = centers_at(m, kind)
-                x_m, y_m = rows_of(m)
+                x_m, y_m = rows_of(int(rows_m or m))
                 mod, conv = _fit_quiet(FalkonGP(x_m, y_m, kernel=k, centers=c_m, center_weights=w_m,
                                                 penalty=noise / x_m.shape[0], max_iter=score_iter, tol=tol,
                                                 options=select_options))
@@ -1337,10 +1356,10 @@ def auto_fit(
                 report.notes.append(f"selection fit M={m} noise={noise:.3g} mult={mult:.3g} failed: {exc}")
             sec = time.perf_counter() - t
             cache[key] = err
-            report.search.append(dict(M=m, rows=rows_at(m), noise=noise, multiplier=mult, error=err, seconds=sec,
-                                      converged=conv,
+            report.search.append(dict(M=m, rows=rows_at(int(rows_m or m)), noise=noise, multiplier=mult, error=err,
+                                      seconds=sec, converged=conv,
                                       iterations=iters, centers=kind, precond_seconds=pre_s,
-                                      apply_seconds=apply_s, direct=direct))
+                                      apply_seconds=apply_s, direct=direct, growth_check=check))
             clock.tick(f"select M={m}", val_rmse=f"{math.sqrt(err):.4f}" if math.isfinite(err) else "inf")
             return err
 
@@ -1378,7 +1397,7 @@ def auto_fit(
                     return  # went down: the first step up is not tried (one descent direction per search)
 
         def last_fit_seconds(m: int) -> float:
-            times = [r["seconds"] for r in report.search if r["M"] == m]
+            times = [r["seconds"] for r in report.search if r["M"] == m and not r["growth_check"]]
             return max(times) if times else 0.0
 
         pass_cache: dict[int, float] = {}
@@ -1395,7 +1414,8 @@ def auto_fit(
             ``m`` (default: on the selection rows of ``m_new``), predicted from those fits by
             :func:`_scaled_fit_seconds`."""
             ratio = rows_at(m_new) / rows_at(m) if rows_ratio is None else rows_ratio
-            return _scaled_fit_seconds([r for r in report.search if r["M"] == m], m_new / m, ratio)
+            return _scaled_fit_seconds([r for r in report.search if r["M"] == m and not r["growth_check"]],
+                                       m_new / m, ratio)
 
         def fit_cost(m: int, base: int, rows: int, iterations: int) -> float:
             """A fit at ``m`` centers on ``rows`` rows with at most ``iterations`` CG iterations, predicted
@@ -1434,9 +1454,14 @@ def auto_fit(
             """CG's starting coefficients (standardised units) for a final fit of ``level`` at its pool's first
             ``m`` centers: the level's selection fit's (its centers are the pool's first ones: both pools are
             nested), zero for the centers a grown level adds after them; ``None`` where that fit was not kept or
-            ``m`` is below its size."""
-            m_sel = int(level.get("grown_from") or level["M"])
-            a = sel_alpha.get(score_key(m_sel, level["noise"], level["multiplier"], level["centers"]))
+            ``m`` is below its size; for a grown level that passed its growth check, that check's fit at the grown
+            size."""
+            if "start_key" in level:  # a growth check's fit at the grown size
+                m_sel = int(level["M"])
+                a = sel_alpha.get(level["start_key"])
+            else:
+                m_sel = int(level.get("grown_from") or level["M"])
+                a = sel_alpha.get(score_key(m_sel, level["noise"], level["multiplier"], level["centers"]))
             if a is None or a.numel() != m_sel or m < m_sel:
                 return None
             return torch.cat([a, a.new_zeros(m - m_sel)])
@@ -1491,8 +1516,10 @@ def auto_fit(
             rows = _calibration_rows(int(final.centers.shape[0]), int(cal_idx.shape[0]))
             idx = cal_idx[:rows]
             x_c = xv[idx].to(dtype)
-            if n_back > 0:  # the residuals of the selection fit whose centers the final model has
-                key = score_key(best_level["M"], best_level["noise"], best_level["multiplier"], centers_kind)
+            if n_back > 0:  # the residuals of the selection fit whose centers the final model has (a kept
+                # growth check's, else the level's own)
+                key = final_level.get("start_key") or score_key(best_level["M"], best_level["noise"],
+                                                                best_level["multiplier"], centers_kind)
                 if key not in cal_residuals:
                     raise LookupError("the chosen level's selection residuals were not kept")
                 r = cal_residuals[key][:rows] * float(y_sd)
@@ -1566,11 +1593,15 @@ def auto_fit(
 
         def grown_level(level: dict[str, Any]) -> dict[str, Any]:
             """``final_growth``: the level with more nested centers for the final fit, as many as the time
-            left pays for (at most ``2 M`` and the pool, at least ``1.25 M``), or the level itself where
-            growth does not apply. The final fit of a candidate ``m`` is predicted by ``final_cost`` from
-            the level's measured selection fits (:func:`_scaled_fit_seconds`: each part of a fit scaled by
-            its own power of ``m / M``); it must fit in the time left with the 1.2 margin every other
-            prediction of this function keeps."""
+            left pays for (at most ``final_growth_factor M``, the pool and :func:`_growth_cap`'s bound, at least
+            ``1.25 M``), or the level itself where growth does not apply or fails its check. The final fit of a
+            candidate ``m`` is predicted by ``final_cost`` from the level's measured selection fits
+            (:func:`_scaled_fit_seconds`: each part of a fit scaled by its own power of ``m / M``); with
+            ``check_growth`` a fit at ``m`` on the level's own selection rows (predicted the same way) is added,
+            and the two must fit in the time left with the 1.2 margin every other prediction of this function
+            keeps. The check keeps ``m`` only where its validation error is below the level's: the level's
+            noise was selected for ``M`` centers, and more centers at that noise can overfit
+            (docs/math.md §8 "Final growth")."""
             m_b = int(level["M"])
             why = None
             if not stopped_by_budget:
@@ -1592,16 +1623,32 @@ def auto_fit(
             predicted = math.inf
             while m_try >= 1.25 * m_b:
                 predicted = final_cost(m_try, base=m_b)
-                if 1.2 * predicted <= clock.left():
+                check_s = predicted_fit_seconds(m_b, m_try, 1.0) if check_growth else 0.0
+                if 1.2 * (predicted + check_s) <= clock.left():
                     break
                 m_try = int(m_try / 1.15)
             if m_try < 1.25 * m_b:
-                report.notes.append(f"final growth skipped: {clock.left():.3g} s left pay for no final fit with "
-                                    f"M >= {math.ceil(1.25 * m_b)}")
+                what = " and its growth check" if check_growth else ""
+                report.notes.append(f"final growth skipped: {clock.left():.3g} s left pay for no final fit{what} "
+                                    f"with M >= {math.ceil(1.25 * m_b)}")
                 return level
+            grown = dict(level, M=m_try, grown_from=m_b, final_predicted=predicted)
+            if check_growth:
+                kind = level["centers"]
+                err_g = score(m_try, level["noise"], level["multiplier"], kind, rows_m=m_b)
+                report.growth = dict(M=m_try, grown_from=m_b, error=err_g, level_error=level["error"],
+                                     seconds=report.search[-1]["seconds"], kept=err_g < level["error"])
+                if not err_g < level["error"]:
+                    report.notes.append(f"final growth from M={m_b} to M={m_try} rejected: its validation error "
+                                        f"{err_g:.4g} is not below the level's {level['error']:.4g} (the level's "
+                                        f"noise and multiplier, the level's selection rows)")
+                    return level
+                grown["start_key"] = growth_key(m_try, level["noise"], level["multiplier"], kind, m_b)
+            checked = (f", validation error {report.growth['error']:.4g} against the level's "
+                       f"{level['error']:.4g}" if check_growth else "")
             report.notes.append(f"final fit's centers grown from M={m_b} to M={m_try} at the level's noise and "
-                                f"multiplier ({clock.left():.3g} s left)")
-            return dict(level, M=m_try, grown_from=m_b, final_predicted=predicted)
+                                f"multiplier ({clock.left():.3g} s left{checked})")
+            return grown
 
         def try_leverage(m: int, level: dict[str, Any], deadline: float) -> None:
             """At the first size: draw a nested pool of leverage-score centers over the selection rows, the

@@ -499,6 +499,7 @@ def test_auto_fit_respects_a_small_budget():
         (dict(lengthscale_step="rms"), "lengthscale_step"),
         (dict(lengthscale_step=None), "lengthscale_step"),
         (dict(final_growth="yes"), "final_growth"),
+        (dict(check_growth=1), "check_growth"),
         (dict(grow_select_rows=1), "grow_select_rows"),
         (dict(final_growth_factor=1.0), "final_growth_factor"),
         (dict(final_growth_factor=float("inf")), "final_growth_factor"),
@@ -687,9 +688,12 @@ def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int, **extra
     # the learning stage's parametrisation pinned (softplus lengthscales, Adam's own steps): the scenarios
     # below size their budgets to the number of selection fits that the hyperparameters learned so lead to
     # (with the defaults this easy problem's M = 120 gains < min_gain over M = 60: nothing left to grow)
+    # the growth check off: the budgets below are sized to a grown final fit alone (the check is covered by
+    # test_auto_fit_checks_a_grown_final_fit_on_the_levels_rows)
     kw = dict(SMALL, budget=budget, select_rows=400, min_centers=60, max_centers=120, search_tol=0.0,
               objectives=("sgpr", "gcv", "nystrom-compreg"), race_margin=None, race_share=None,
-              grow_select_rows=False, lengthscale_transform="softplus", lengthscale_step="adam")
+              grow_select_rows=False, lengthscale_transform="softplus", lengthscale_step="adam",
+              check_growth=False)
     kw.update(extra)
     with settings.memory_budget(memory_budget):
         model = auto_fit(x, y, **kw)
@@ -785,6 +789,76 @@ def test_auto_fit_final_growth_spends_the_time_a_next_size_could_not(monkeypatch
     assert any(n.startswith("final growth skipped:") and n.endswith("s left pay for no final fit with M >= 75")
                for n in rep.notes), rep.notes
     assert spent <= 0.03 * 1.05
+
+
+@pytest.mark.parametrize("verdict", [0.5, 2.0])
+def test_auto_fit_checks_a_grown_final_fit_on_the_levels_rows(monkeypatch, verdict):
+    """``check_growth``: before the grown final fit, the grown size is fitted on the level's own selection rows at its
+    noise and multiplier (the dense Nystrom solution there, at ``lambda = noise / rows``, with the grown model's first
+    centers) and scored on the validation rows. Its validation error is scaled here by ``verdict``: below the
+    level's (0.5) the growth is kept and the final CG starts from the check's coefficients; not below (2.0) the
+    final fit keeps the level's 60 centers. Either way the call keeps its budget, and the check's time comes out of
+    the growth: the grown size is at most the unchecked one's."""
+    import gpfalkon.auto as auto_module
+
+    checks: list[tuple[FalkonGP, float]] = []
+    real_val = auto_module._val_mse
+
+    def val_mse(mod, x, y):
+        err = real_val(mod, x, y)
+        if mod.centers.shape[0] > 60:  # the only fit past the level's 60 centers is the growth check
+            checks.append((mod, err))
+            return err * verdict
+        return err
+
+    monkeypatch.setattr(auto_module, "_val_mse", val_mse)
+    starts: dict[int, torch.Tensor] = {}
+    real_fit = FalkonGP.fit
+
+    def spy(self, *args, **kwargs):
+        if kwargs.get("initial_alpha") is not None:
+            starts[id(self)] = kwargs["initial_alpha"].detach().clone()
+        return real_fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(FalkonGP, "fit", spy)
+    kw = dict(memory_budget=2**40, max_centers=400)
+    model, spent = _fake_clock_auto_fit(monkeypatch, budget=0.04, check_growth=True, **kw)
+    rep = model.auto_report
+    assert spent <= 0.04 * 1.05, (spent, rep.stages)
+    assert [lv["M"] for lv in rep.chosen["levels"]] == [60], rep.notes
+    assert len(checks) == 1, rep.search
+    check, err = checks[0]
+    g = rep.growth
+    m_g = g["M"]
+    assert check.centers.shape[0] == m_g and 75 <= m_g <= 120 and g["grown_from"] == 60
+    level = rep.chosen["levels"][0]
+    assert g["level_error"] == level["error"] and g["error"] == pytest.approx(err * verdict, rel=1e-12)
+    # on the level's selection rows (400), at its noise: the dense Nystrom solution there
+    rows = [r["rows"] for r in rep.search if r["M"] == 60]
+    assert check.train_inputs[0].shape[0] == rows[0] == 400
+    assert float(check.penalty) * 400 == pytest.approx(level["noise"], rel=1e-6)
+    with torch.no_grad():  # standardised units: the function on its own rows against the dense solve's
+        x_c = check.train_inputs[0]
+        knm = dense_kernel(check.kernel, x_c, check.centers)
+        ref = knm @ _dense_alpha(check, check.train_targets - check.mean_constant)
+        got = knm @ check.alpha.detach().reshape(-1).to(knm.dtype)
+    assert float((got - ref).abs().max()) < 1e-3 * float(ref.std())
+    entry = rep.search[-1]
+    assert entry["growth_check"] and entry["M"] == m_g and entry["rows"] == 400
+    assert not any(r["growth_check"] for r in rep.search[:-1])
+    if verdict < 1:
+        assert g["kept"] and rep.chosen["grown_from"] == 60 and rep.chosen["num_centers"] == m_g
+        assert any(n.startswith(f"final fit's centers grown from M=60 to M={m_g}") for n in rep.notes), rep.notes
+        # the final CG starts from the check's coefficients (standardised units; raw = z / y_sd)
+        torch.testing.assert_close(starts[id(model)].reshape(-1) * rep.chosen["y_scale"],
+                                   check.alpha.detach().reshape(-1).to(torch.float64), rtol=1e-6, atol=1e-9)
+        # the same centers (in raw units) as the check's first ones, in order
+        unchecked, _ = _fake_clock_auto_fit(monkeypatch, budget=0.04, **kw)
+        assert unchecked.auto_report.chosen["num_centers"] >= m_g and not unchecked.auto_report.growth
+        torch.testing.assert_close(unchecked.centers[:m_g], model.centers)
+    else:
+        assert not g["kept"] and rep.chosen["grown_from"] is None and rep.chosen["num_centers"] == 60
+        assert any(n.startswith(f"final growth from M=60 to M={m_g} rejected") for n in rep.notes), rep.notes
 
 
 def test_auto_fit_grows_the_final_fit_instead_of_a_partial_step(monkeypatch):
