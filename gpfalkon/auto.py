@@ -795,10 +795,14 @@ def auto_fit(
             in some runs, while on the larger sets four times the level's centers at its noise lowered it,
             ``benchmarks/results/auto-growth-check.md``).
         check_growth: before a grown final fit, fit the grown size on the level's own selection rows at the level's
-            noise and multiplier, and keep the growth only where its validation error is below the level's; else
-            the final fit keeps the level's centers. The check's time is kept from the growth (a smaller grown
-            size); a kept check's coefficients start the final CG. Recorded in ``report.growth``. ``False``: the
-            growth is not validated (the behaviour before this option).
+            noise and multiplier, with the final fit's ``max_iter`` (a selection fit's fewer iterations regularise
+            and hid the over-fit this check is for), and keep the growth only where its validation error is below
+            the level's; else the final fit keeps the level's centers. The check's time is kept from the growth (a
+            smaller grown size); a kept check's coefficients start the final CG and give the variance calibration's
+            residuals. Recorded in ``report.growth``. ``False``: the growth is not validated (the behaviour before
+            this option; on the development sets the check lowered the test error where growth over-fitted and cost
+            up to ~2 % where the smaller growth it leaves would have helped: ``benchmarks/results/auto-notes.md``,
+            session 42).
         center_sampling: how the nested centers of stages 2-3 are drawn from the selection rows:
             ``"uniform"`` (a random permutation's prefixes); ``"leverage"`` (prefixes of one stream of
             ridge-leverage-score draws, :func:`~gpfalkon.nested_leverage_centers`, with the
@@ -1334,8 +1338,9 @@ def auto_fit(
                 _scale_lengthscales(k, mult)
                 c_m, w_m = centers_at(m, kind)
                 x_m, y_m = rows_of(int(rows_m or m))
+                cap = max_iter if check else score_iter  # the growth check: as many iterations as the final fit
                 mod, conv = _fit_quiet(FalkonGP(x_m, y_m, kernel=k, centers=c_m, center_weights=w_m,
-                                                penalty=noise / x_m.shape[0], max_iter=score_iter, tol=tol,
+                                                penalty=noise / x_m.shape[0], max_iter=cap, tol=tol,
                                                 options=select_options))
                 err = _val_mse(mod, xv_z, yv_z)
                 if calibrate_variance and n_back > 0 and math.isfinite(err):
@@ -1623,7 +1628,7 @@ def auto_fit(
             predicted = math.inf
             while m_try >= 1.25 * m_b:
                 predicted = final_cost(m_try, base=m_b)
-                check_s = predicted_fit_seconds(m_b, m_try, 1.0) if check_growth else 0.0
+                check_s = (predicted_fit_seconds(m_b, m_try, 1.0) * max_iter / score_iter) if check_growth else 0.0
                 if 1.2 * (predicted + check_s) <= clock.left():
                     break
                 m_try = int(m_try / 1.15)
