@@ -724,13 +724,8 @@ def test_auto_fit_does_not_grow_centers_past_a_final_fit_it_cannot_afford(monkey
     assert model.auto_report.chosen["num_centers"] == 60 and model.fitted
 
 
-def test_auto_fit_final_growth_spends_the_time_a_next_size_could_not(monkeypatch):
-    """On the fake clock, a budget of 0.04 s pays for the first size (M = 60) but not for the selection
-    fits of M = 120: the final fit then takes more nested centers (at most 2 x, at least 1.25 x) at the
-    level's noise and multiplier, within the budget, and equals the dense Nystrom solve with those centers;
-    off, it keeps the level's 60 centers (a prefix of the grown ones). A stage 2 that stopped for lack of
-    gain (budget 0.15) does not grow. The grown fit's CG starts from the level's selection fit, zero for the
-    added centers (the same function)."""
+def _record_cg_starts(monkeypatch) -> dict[int, torch.Tensor]:
+    """``{id(model): initial_alpha}`` of every ``FalkonGP.fit`` given a CG start from here on."""
     starts: dict[int, torch.Tensor] = {}
     real_fit = FalkonGP.fit
 
@@ -740,6 +735,17 @@ def test_auto_fit_final_growth_spends_the_time_a_next_size_could_not(monkeypatch
         return real_fit(self, *args, **kwargs)
 
     monkeypatch.setattr(FalkonGP, "fit", spy)
+    return starts
+
+
+def test_auto_fit_final_growth_spends_the_time_a_next_size_could_not(monkeypatch):
+    """On the fake clock, a budget of 0.04 s pays for the first size (M = 60) but not for the selection
+    fits of M = 120: the final fit then takes more nested centers (at most 2 x, at least 1.25 x) at the
+    level's noise and multiplier, within the budget, and equals the dense Nystrom solve with those centers;
+    off, it keeps the level's 60 centers (a prefix of the grown ones). A stage 2 that stopped for lack of
+    gain (budget 0.15) does not grow. The grown fit's CG starts from the level's selection fit, zero for the
+    added centers (the same function)."""
+    starts = _record_cg_starts(monkeypatch)
     model, spent = _fake_clock_auto_fit(monkeypatch, budget=0.04, memory_budget=2**40, max_centers=400)
     rep = model.auto_report
     assert [lv["M"] for lv in rep.chosen["levels"]] == [60], rep.notes
@@ -812,15 +818,7 @@ def test_auto_fit_checks_a_grown_final_fit_on_the_levels_rows(monkeypatch, verdi
         return err
 
     monkeypatch.setattr(auto_module, "_val_mse", val_mse)
-    starts: dict[int, torch.Tensor] = {}
-    real_fit = FalkonGP.fit
-
-    def spy(self, *args, **kwargs):
-        if kwargs.get("initial_alpha") is not None:
-            starts[id(self)] = kwargs["initial_alpha"].detach().clone()
-        return real_fit(self, *args, **kwargs)
-
-    monkeypatch.setattr(FalkonGP, "fit", spy)
+    starts = _record_cg_starts(monkeypatch)
     kw = dict(memory_budget=2**40, max_centers=400)
     model, spent = _fake_clock_auto_fit(monkeypatch, budget=0.04, check_growth=True, **kw)
     rep = model.auto_report
