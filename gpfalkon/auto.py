@@ -1328,8 +1328,9 @@ def auto_fit(
             ``mult``, on the selection rows of ``m`` (or of the size ``rows_m``: the growth check, a fit kept
             apart from the sizes' own in the cache and in the time predictions)."""
             kind = pool["kind"] if kind is None else kind
-            check = rows_m is not None and rows_m != m
-            key = growth_key(m, noise, mult, kind, int(rows_m or m)) if check else score_key(m, noise, mult, kind)
+            r_size = m if rows_m is None else int(rows_m)  # the size whose selection rows the fit takes
+            check = r_size != m
+            key = growth_key(m, noise, mult, kind, r_size) if check else score_key(m, noise, mult, kind)
             if key in cache:
                 return cache[key]
             t = time.perf_counter()
@@ -1337,7 +1338,7 @@ def auto_fit(
                 k = copy.deepcopy(base_kernel)
                 _scale_lengthscales(k, mult)
                 c_m, w_m = centers_at(m, kind)
-                x_m, y_m = rows_of(int(rows_m or m))
+                x_m, y_m = rows_of(r_size)
                 cap = max_iter if check else score_iter  # the growth check: as many iterations as the final fit
                 mod, conv = _fit_quiet(FalkonGP(x_m, y_m, kernel=k, centers=c_m, center_weights=w_m,
                                                 penalty=noise / x_m.shape[0], max_iter=cap, tol=tol,
@@ -1361,7 +1362,7 @@ def auto_fit(
                 report.notes.append(f"selection fit M={m} noise={noise:.3g} mult={mult:.3g} failed: {exc}")
             sec = time.perf_counter() - t
             cache[key] = err
-            report.search.append(dict(M=m, rows=rows_at(int(rows_m or m)), noise=noise, multiplier=mult, error=err,
+            report.search.append(dict(M=m, rows=rows_at(r_size), noise=noise, multiplier=mult, error=err,
                                       seconds=sec, converged=conv,
                                       iterations=iters, centers=kind, precond_seconds=pre_s,
                                       apply_seconds=apply_s, direct=direct, growth_check=check))
