@@ -15,7 +15,7 @@
    time left when it started on its rows, it continues from its best point on twice
    the rows (nested subsamples; optionally more centers, ``hyper_centers_growth``), within the
    memory budget ``hyper_entries``; stalled on all the rows it may use, or stalled on more rows
-   without beating its best point on fewer, it stops. The best
+   without beating its best point on fewer or its start point scored on those rows, it stops. The best
    (racer, rows, step) over the whole race wins, so the objective *and* the stopping point
    are chosen on validation data.
 2. **Select** on at most ``select_rows`` training rows: a coordinate search over the noise
@@ -491,7 +491,7 @@ class _ObjectiveRun:
 
     def __init__(self, name: str, model: FalkonGP, lr: float, eval_every: int,
                  start_error: float, score_pool: Tensor | None = None, lengthscale_step: str = "shared",
-                 label: str | None = None) -> None:
+                 label: str | None = None, start_score: float | None = None) -> None:
         rows = model.n
         self.name = name
         self.lr = float(lr)
@@ -518,6 +518,10 @@ class _ObjectiveRun:
                                         + (0 if score_pool is None else int(score_pool.shape[0])), steps=0,
                                         best_step=0, best_error=start_error,
                                         curve=[(0, 0.0, start_error)], stopped="")
+        # a continuation's start point scored on its own rows (``start_error`` is its score on fewer rows)
+        self.start_score = start_score
+        if start_score is not None:
+            self.rec["start_score"] = start_score
 
     def stalled(self, evals: int = 5, rel: float = 0.01) -> bool:
         """No new best in the last 3 evaluations, or less than ``rel`` relative gain over the last ``evals``."""
@@ -630,6 +634,7 @@ def auto_fit(
     final_growth: bool = True,
     final_growth_factor: float = 4.0,
     check_growth: bool = True,
+    rescore_continuations: bool = True,
     center_sampling: str = "auto",
     leverage_check: bool = False,
     max_iter: int = 50,
@@ -720,6 +725,14 @@ def auto_fit(
             see more data, at 2x the cost per step); the default ``0`` keeps ``hyper_centers``
             (on the development sets, 0.5 was no better within the same budget:
             ``benchmarks/results/auto-notes.md``).
+        rescore_continuations: when the leader goes on on twice the rows, score its start point on those rows
+            too (one scoring fit) and end stage 1 where the continuation's steps find nothing better than that
+            score (when it stalls or uses its ``level_share``; the rest of the learning share goes to selection).
+            Its validation error on more rows is lower at the same hyperparameters (the scoring fit sees more
+            rows), so without this a continuation's gain over the score on fewer rows can be the rows' alone and
+            stage 1 goes on doubling while the hyperparameters no longer move. The continuation's best point is
+            kept either way (a choice by the scores on the new rows was worse on the development sets:
+            ``benchmarks/results/auto-notes.md``, "Continuations scored on their own rows").
         level_share: after the race, the leading objective spends at most this fraction of the
             learning time that was left when it started on a subsample (for the first subsample: when
             stage 1 started) on that subsample; then it goes on from its best point on twice the rows as
@@ -1215,6 +1228,14 @@ def auto_fit(
                     # would cost twice as much per step for the same; the rest of the share goes to selection
                     live[0].stop(f"stalled on {rows_h:,} rows with no gain over fewer rows")
                     start = None
+                elif (rows_h > n_h and live[0].start_score is not None
+                      and live[0].rec["best_error"] >= live[0].start_score):
+                    # its steps found nothing better than its start scored on these rows: what it gained over the
+                    # score on fewer rows was the rows', and the hyperparameters have stopped moving (its best
+                    # point is kept: it was learned on more rows)
+                    live[0].stop(f"stalled on {rows_h:,} rows with no gain over its start on these rows "
+                                 f"({live[0].start_score:.4g})")
+                    start = None
             if start is not None:
                 # progressive subsampling: the leader has stalled on this many rows; go on from the best point
                 # with twice the rows and sqrt(2) times the centers (both nested; a fresh optimiser)
@@ -1229,11 +1250,22 @@ def auto_fit(
                 centers_next = torch.cat([c_start.to(dtype), xt_z[pick]], 0)
                 why = "stalled" if stalled else f"level share ({level_share:g}) used"
                 old.stop(f"{why}; continued on {rows_h:,} rows, {centers_next.shape[0]:,} centers")
-                runners.append(_ObjectiveRun(
-                    old.name, h_model(copy.deepcopy(start["kernel"]), float(start["noise"]), centers_next,
-                                      learn_centers, rows=rows_h),
-                    old.lr, eval_every, best_state["error"], score_extra(centers_next.shape[0]), lengthscale_step,
-                    old.label))
+                nxt = h_model(copy.deepcopy(start["kernel"]), float(start["noise"]), centers_next, learn_centers,
+                              rows=rows_h)
+                start_score = None
+                if rescore_continuations:
+                    # the start's own score on the new rows: a scoring fit on twice the rows validates better at
+                    # the same hyperparameters, so a gain over the score on fewer rows may be the rows' alone
+                    try:
+                        start_score = _val_mse(_scoring_fit(nxt, score_extra(centers_next.shape[0])), xv_z, yv_z)
+                    except Exception as exc:
+                        report.notes.append(f"the start of the continuation on {rows_h:,} rows failed to fit: "
+                                            f"{type(exc).__name__}: {exc}")
+                    if start_score is not None and not math.isfinite(start_score):
+                        start_score = None
+                runners.append(_ObjectiveRun(old.name, nxt, old.lr, eval_every, best_state["error"],
+                                             score_extra(centers_next.shape[0]), lengthscale_step, old.label,
+                                             start_score=start_score))
         for r in runners:
             r.rec["steps"] = r.step
             if r.failed:

@@ -286,13 +286,14 @@ def test_auto_fit_learning_grows_rows_and_centers_within_the_memory_budget():
     x, y, _ = _data(1200, noise=0.5)
     # softplus lengthscales and Adam's own steps pinned: on this problem the leader then stalls on every
     # subsample up to the hyper_entries bound (with the defaults its last subsample ends by the "no gain over
-    # fewer rows" rule instead, test_auto_fit_level_share_moves_the_leader_to_more_rows' subject)
+    # fewer rows" rule instead, test_auto_fit_level_share_moves_the_leader_to_more_rows' subject; and
+    # rescore_continuations, off here, ends it at the first continuation whose steps gain nothing on its rows)
     kw = dict(SMALL, hyper_rows=100, hyper_centers=20, max_steps=2000, objectives=("gcv", "sgpr"), race_rounds=2,
               hyper_entries=24_000, hyper_centers_growth=0.5, lengthscale_transform="softplus",
-              lengthscale_step="adam")
+              lengthscale_step="adam", rescore_continuations=False)
     rep = auto_fit(x, y, **kw).auto_report
     leader = [r for r in rep.learn[1:] if r["objective"] == rep.learn[-1]["objective"]]  # the last record: the leader's
-    assert len(leader) >= 3, [(r["rows"], r["stopped"]) for r in rep.learn]
+    assert len(leader) >= 3, [(r["rows"], r.get("stopped")) for r in rep.learn]
     for prev, cur in itertools.pairwise(leader):
         assert prev["stopped"].startswith(f"stalled; continued on {cur['rows']:,} rows")
         assert cur["rows"] == min(2 * prev["rows"], rep.n_train)
@@ -308,8 +309,9 @@ def test_auto_fit_level_share_moves_the_leader_to_more_rows():
     subsample: it goes on from its best point on twice the rows each round, up to all training rows, and
     is never pushed off the last subsample by the share (only a stall, patience or max_steps end it)."""
     x, y, _ = _data(1200, noise=0.5)
+    # (rescore_continuations off: its stop, tested on its own below, would end the climb at the first continuation)
     kw = dict(SMALL, hyper_rows=100, hyper_centers=20, max_steps=200, objectives=("gcv", "sgpr"), race_rounds=2,
-              level_share=1e-9)
+              level_share=1e-9, rescore_continuations=False)
     rep = auto_fit(x, y, **kw).auto_report
     leader = [r for r in rep.learn[1:] if r["objective"] == rep.learn[-1]["objective"]]  # the last record: the leader's
     rows = [r["rows"] for r in leader]
@@ -586,6 +588,34 @@ def test_auto_fit_scores_stage_one_with_score_centers():
     assert all(r["score_centers"] == r["centers"] == 40 for r in own.learn if r["objective"] != "initial")
     with pytest.raises(ValueError, match="score_centers must be an int >= 1"):
         auto_fit(x, y, score_centers=0, **SMALL)
+
+
+def test_auto_fit_learning_stops_when_a_continuation_does_not_beat_its_start_on_its_rows(monkeypatch):
+    """rescore_continuations: with Adam's steps held at zero (nothing moves) every score of a continuation equals
+    its start scored on its own rows, which is lower than the start's score on fewer rows (the scoring fit sees
+    more data). Without the rescore that counts as a gain and stage 1 doubles the rows up to all of them; with
+    it, the first continuation ends stage 1 and its start score is what its scores measured, bit for bit."""
+    import gpfalkon.auto as auto_module
+
+    class Frozen(auto_module.Adam):
+        def step(self) -> None:  # gradients are computed, nothing moves
+            return None
+
+    monkeypatch.setattr(auto_module, "Adam", Frozen)
+    x, y, _ = _data(1600, noise=0.05)
+    kw = dict(SMALL, hyper_rows=100, hyper_centers=20, max_steps=2000, objectives=("gcv",), race_rounds=1,
+              level_share=1e-9)
+    on = auto_fit(x, y, **kw).auto_report.learn[1:]
+    first, cont = on[0], on[1]
+    assert len(on) == 2 and cont["rows"] == 200, [(r["rows"], r["stopped"]) for r in on]
+    assert cont["stopped"] == (f"stalled on 200 rows with no gain over its start on these rows "
+                               f"({cont['start_score']:.4g})")
+    assert {e for _, _, e in cont["curve"][1:]} == {cont["start_score"]}  # every score: the start's, on 200 rows
+    assert cont["best_error"] == cont["start_score"] < first["best_error"]
+    assert "start_score" not in first
+    off = auto_fit(x, y, **dict(kw, rescore_continuations=False)).auto_report.learn[1:]
+    assert [r["rows"] for r in off][:2] == [100, 200] and len(off) > 2, [(r["rows"], r["stopped"]) for r in off]
+    assert all("start_score" not in r and "its start" not in r["stopped"] for r in off)
 
 
 def test_auto_fit_level_callback_builds_each_levels_final_model():
