@@ -931,6 +931,8 @@ def auto_fit(
         raise TypeError(f"final_growth must be True or False, got {final_growth!r}")
     if not isinstance(check_growth, bool):
         raise TypeError(f"check_growth must be True or False, got {check_growth!r}")
+    if not isinstance(rescore_continuations, bool):
+        raise TypeError(f"rescore_continuations must be True or False, got {rescore_continuations!r}")
     if isinstance(final_growth_factor, bool) or not (isinstance(final_growth_factor, (int, float))
                                                      and 1.25 <= final_growth_factor < math.inf):
         raise ValueError(f"final_growth_factor must be a finite number >= 1.25, got {final_growth_factor!r}")

@@ -502,6 +502,7 @@ def test_auto_fit_respects_a_small_budget():
         (dict(lengthscale_step=None), "lengthscale_step"),
         (dict(final_growth="yes"), "final_growth"),
         (dict(check_growth=1), "check_growth"),
+        (dict(rescore_continuations="yes"), "rescore_continuations"),
         (dict(grow_select_rows=1), "grow_select_rows"),
         (dict(final_growth_factor=1.0), "final_growth_factor"),
         (dict(final_growth_factor=float("inf")), "final_growth_factor"),
