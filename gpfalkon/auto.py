@@ -518,9 +518,7 @@ class _ObjectiveRun:
                                         + (0 if score_pool is None else int(score_pool.shape[0])), steps=0,
                                         best_step=0, best_error=start_error,
                                         curve=[(0, 0.0, start_error)], stopped="")
-        # a continuation's start point scored on its own rows (``start_error`` is its score on fewer rows)
-        self.start_score = start_score
-        if start_score is not None:
+        if start_score is not None:  # a continuation's start scored on its own rows (start_error: on fewer rows)
             self.rec["start_score"] = start_score
 
     def stalled(self, evals: int = 5, rel: float = 0.01) -> bool:
@@ -1224,19 +1222,16 @@ def auto_fit(
                     # learning share goes to the selection stage
                     live[0].stop(f"stalled on {rows_h:,} rows, the most it may use")
                     start = None
-                elif rows_h > n_h and live[0].best is None:
-                    # a continuation on twice the rows found nothing better than the best point on fewer
-                    # rows: the hyperparameters have stopped moving with the rows, and a further doubling
-                    # would cost twice as much per step for the same; the rest of the share goes to selection
-                    live[0].stop(f"stalled on {rows_h:,} rows with no gain over fewer rows")
-                    start = None
-                elif (rows_h > n_h and live[0].start_score is not None
-                      and live[0].rec["best_error"] >= live[0].start_score):
-                    # its steps found nothing better than its start scored on these rows: what it gained over the
-                    # score on fewer rows was the rows', and the hyperparameters have stopped moving (its best
-                    # point is kept: it was learned on more rows)
-                    live[0].stop(f"stalled on {rows_h:,} rows with no gain over its start on these rows "
-                                 f"({live[0].start_score:.4g})")
+                elif rows_h > n_h and (live[0].best is None
+                                       or live[0].rec["best_error"] >= live[0].rec.get("start_score", math.inf)):
+                    # a continuation on twice the rows found nothing better than the best point on fewer rows, or
+                    # than its start scored on these rows (rescore_continuations: then what it gained over the score
+                    # on fewer rows was the rows'; its best point is kept, it was learned on more rows): the
+                    # hyperparameters have stopped moving with the rows, and a further doubling would cost twice
+                    # as much per step for the same; the rest of the share goes to selection
+                    live[0].stop(f"stalled on {rows_h:,} rows with no gain over fewer rows" if live[0].best is None
+                                 else f"stalled on {rows_h:,} rows with no gain over its start on these rows "
+                                 f"({live[0].rec['start_score']:.4g})")
                     start = None
             if start is not None:
                 # progressive subsampling: the leader has stalled on this many rows; go on from the best point
@@ -1254,20 +1249,19 @@ def auto_fit(
                 old.stop(f"{why}; continued on {rows_h:,} rows, {centers_next.shape[0]:,} centers")
                 nxt = h_model(copy.deepcopy(start["kernel"]), float(start["noise"]), centers_next, learn_centers,
                               rows=rows_h)
-                start_score = None
+                extra_next = score_extra(centers_next.shape[0])
+                start_score = math.inf  # none: the stop rule above compares with the score on fewer rows only
                 if rescore_continuations:
                     # the start's own score on the new rows: a scoring fit on twice the rows validates better at
                     # the same hyperparameters, so a gain over the score on fewer rows may be the rows' alone
                     try:
-                        start_score = _val_mse(_scoring_fit(nxt, score_extra(centers_next.shape[0])), xv_z, yv_z)
+                        start_score = _val_mse(_scoring_fit(nxt, extra_next), xv_z, yv_z)
                     except Exception as exc:
                         report.notes.append(f"the start of the continuation on {rows_h:,} rows failed to fit: "
                                             f"{type(exc).__name__}: {exc}")
-                    if start_score is not None and not math.isfinite(start_score):
-                        start_score = None
-                runners.append(_ObjectiveRun(old.name, nxt, old.lr, eval_every, best_state["error"],
-                                             score_extra(centers_next.shape[0]), lengthscale_step, old.label,
-                                             start_score=start_score))
+                runners.append(_ObjectiveRun(old.name, nxt, old.lr, eval_every, best_state["error"], extra_next,
+                                             lengthscale_step, old.label,
+                                             start_score=start_score if math.isfinite(start_score) else None))
         for r in runners:
             r.rec["steps"] = r.step
             if r.failed:
