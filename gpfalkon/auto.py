@@ -122,7 +122,8 @@ class AutoFitReport:
     validation-error trajectory); ``search`` every selection fit
     ``(M, noise, multiplier, error, seconds)``; ``chosen`` the final choices; ``growth`` the check of a grown
     final fit (``check_growth``: the grown size ``M``, ``grown_from``, its validation ``error`` against the
-    level's ``level_error``, its ``seconds``, whether it was ``kept``); ``leverage`` the
+    level's ``level_error`` on its ``check_rows``, the grown fit's ``rows`` and ``seconds``, whether it was
+    ``kept``); ``leverage`` the
     leverage-score check of the chosen level (``leverage_check=True``: its validation ``error``
     against the uniform centers', the distinct centers drawn, its seconds); ``sampling`` the choice of
     the center pool at the first size (``center_sampling``: ``uniform_error``, ``leverage_error``, the
@@ -333,6 +334,18 @@ def _val_mse(model: FalkonGP, xv: Tensor, yv: Tensor) -> float:
     model.eval()
     pred = model.posterior_mean(xv).to(torch.float64)
     return float((pred - yv.to(torch.float64)).square().mean())
+
+
+def _val_mse_raw(model: FalkonGP, xv: Tensor, yv: Tensor, y_sd: float) -> float:
+    """``mean(((f(xv) - yv) / y_sd)^2)``: :func:`_val_mse` of a model in raw units, in standardised units (a non-finite
+    value is ``inf``); the model's train/eval mode is kept."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        pred = model.posterior_mean(xv).to(torch.float64)
+    model.train(was_training)
+    err = float(((pred - yv.to(torch.float64)) / y_sd).square().mean())
+    return err if math.isfinite(err) else math.inf
 
 
 def _onthefly_pass_seconds(kernel: Kernel, x: Tensor, centers: Tensor) -> float:
@@ -664,7 +677,8 @@ def auto_fit(
             prediction fits the time left plus a grace of 5 % of the budget, and the final CG stops
             at that point or at 1.2 x its prediction, whichever is later
             (``FalkonGP.fit(time_limit=...)``; ``auto_report.notes`` says so). The call can run over by
-            the grace, the final fit's ``K_Mn y`` pass and its last CG iteration, the variance
+            the grace, the final fit's ``K_Mn y`` pass and its last CG iteration (after a rejected growth
+            check, ``check_growth``, the level's final fit's passes, preconditioner and first iteration), the variance
             calibration after it (``calibrate_variance``: at most ``max(2e9, 512 M^2)`` flops, about
             0.05 s up to ``M`` = 2,000 and 0.1-0.2 s at ``M`` = 4,000 on 2 CPU cores), or where the first number
             of centers alone does not fit (the first level is always returned).
@@ -805,15 +819,18 @@ def auto_fit(
             regularised: on the development sets with ``n`` below 10,000 such growth raised the test error
             in some runs, while on the larger sets four times the level's centers at its noise lowered it,
             ``benchmarks/results/auto-growth-check.md``).
-        check_growth: before a grown final fit, fit the grown size on the level's own selection rows at the level's
-            noise and multiplier, with the final fit's ``max_iter`` (a selection fit's fewer iterations regularise
-            and hid the over-fit this check is for), and keep the growth only where its validation error is below
-            the level's; else the final fit keeps the level's centers. The check's time is kept from the growth (a
-            smaller grown size); a kept check's coefficients start the final CG and give the variance calibration's
-            residuals. Recorded in ``report.growth``. ``False``: the growth is not validated (the behaviour before
-            this option; on the development sets the check lowered the test error where growth over-fitted and cost
-            up to ~2 % where the smaller growth it leaves would have helped: ``benchmarks/results/auto-notes.md``,
-            session 42).
+        check_growth: validate a grown final fit: the grown size is fitted once, at the level's noise and
+            multiplier with the final fit's ``max_iter`` (a selection fit's fewer iterations regularise and hid the
+            over-fit this check is for), on the final rows less the check rows, and scored on the check rows
+            against the level's selection fit there. With held-out rows to put back (no ``val_x``,
+            ``refit_on_all``) the check rows are the variance calibration's (up to :data:`CALIBRATION_ROWS` of
+            the held-out rows; the other held-out rows are put back), else all validation rows. Where the grown
+            fit's error is below the level's, it is the returned model (without the check rows: the check's
+            price), else the level's own final fit is (on all final rows, its CG started from the level's
+            selection fit and stopped at the clock: no time was kept for it). The grown size is sized to the time
+            left as without the check. Recorded in ``report.growth``. ``False``: the growth is not validated (the
+            behaviour before this option; the check lowered the test error where growth over-fitted:
+            ``benchmarks/results/auto-notes.md``, sessions 42 and 44).
         center_sampling: how the nested centers of stages 2-3 are drawn from the selection rows:
             ``"uniform"`` (a random permutation's prefixes); ``"leverage"`` (prefixes of one stream of
             ridge-leverage-score draws, :func:`~gpfalkon.nested_leverage_centers`, with the
@@ -848,10 +865,12 @@ def auto_fit(
             predictive variances at those rows through its preconditioner
             (:func:`~gpfalkon.models.calibration.preconditioned_variances`, ``2 rows M^2`` flops);
             ``r``: the final model's residuals there where the held-out rows are not refit (``val_x``
-            given or ``refit_on_all=False``), else those of the selection fit that scored the chosen level
-            (the leverage check's fit where its centers were taken; where the final fit grew the centers,
-            ``final_growth``, the level's fewer ones), before the held-out rows joined its training rows: its
-            error, usually the larger, tends to make ``c`` err high, the safe side.
+            given, ``refit_on_all=False`` or a kept growth check, ``check_growth``, whose check rows they
+            are), else those of the
+            selection fit that scored the chosen level (the leverage check's fit where its centers were
+            taken; where an unchecked growth grew the centers, the level's fewer ones), before the held-out
+            rows joined its training rows: its error, usually the larger, tends to make ``c`` err high, the
+            safe side.
             ``auto_report.chosen["variance_scale"]`` is ``c`` (1 when off or skipped, with a note).
         dtype: dtype of the data passes (float32 by default: half the time; CG, Cholesky factors
             and predictions stay float64 inside FALKON).
@@ -1319,9 +1338,9 @@ def auto_fit(
         # Cholesky instead of M^3 (bit for bit the same fit); freed before the final fit
         factors = FactorCache()
         select_options = FalkonOptions(preconditioner=factors)
-        # the variance calibration's held-out rows (a draw of its own: the other draws stay as they were); where
-        # the final fit takes them back, each selection fit's residuals there are kept (CALIBRATION_ROWS
-        # float64 values a fit) for the chosen level's
+        # the variance calibration's held-out rows (a draw of its own: the other draws stay as they were), also the
+        # growth check's (check_growth); where the final fit takes them back, each selection fit's residuals there
+        # are kept (CALIBRATION_ROWS float64 values a fit) for the chosen level's
         cal_idx = torch.randperm(xv.shape[0], generator=torch.Generator(device=dev).manual_seed(_sub_seed(seed, 1)),
                                  device=dev)[:CALIBRATION_ROWS]
         cal_residuals: dict[tuple[int, float, float, str], Tensor] = {}
@@ -1335,10 +1354,6 @@ def auto_fit(
             """The key of a selection fit (its cached error and its calibration residuals)."""
             return (int(m), round(math.log(noise), 6), round(math.log(mult), 6), kind)
 
-        def growth_key(m: int, noise: float, mult: float, kind: str, rows_m: int) -> tuple[int, float, float, str]:
-            """The key of a growth check's fit: ``m`` centers on the selection rows of the size ``rows_m``."""
-            return score_key(m, noise, mult, f"{kind} on the rows of M={rows_m}")
-
         def centers_at(m: int, kind: str | None = None) -> tuple[Tensor, Tensor | None]:
             """The ``m`` nested centers of the pool ``kind`` (default: the current one) and their weights."""
             kind = pool["kind"] if kind is None else kind
@@ -1351,14 +1366,11 @@ def auto_fit(
         def pool_limit() -> int:
             return n_s if pool["kind"] == "uniform" else min(n_s, pool["nested"].size)
 
-        def score(m: int, noise: float, mult: float, kind: str | None = None, rows_m: int | None = None) -> float:
+        def score(m: int, noise: float, mult: float, kind: str | None = None) -> float:
             """The validation error of a selection fit at ``m`` centers of the pool ``kind``, at ``noise`` and
-            ``mult``, on the selection rows of ``m`` (or of the size ``rows_m``: the growth check, a fit kept
-            apart from the sizes' own in the cache and in the time predictions)."""
+            ``mult``, on the selection rows of ``m``."""
             kind = pool["kind"] if kind is None else kind
-            r_size = m if rows_m is None else int(rows_m)  # the size whose selection rows the fit takes
-            check = r_size != m
-            key = growth_key(m, noise, mult, kind, r_size) if check else score_key(m, noise, mult, kind)
+            key = score_key(m, noise, mult, kind)
             if key in cache:
                 return cache[key]
             t = time.perf_counter()
@@ -1366,13 +1378,12 @@ def auto_fit(
                 k = copy.deepcopy(base_kernel)
                 _scale_lengthscales(k, mult)
                 c_m, w_m = centers_at(m, kind)
-                x_m, y_m = rows_of(r_size)
-                cap = max_iter if check else score_iter  # the growth check: as many iterations as the final fit
+                x_m, y_m = rows_of(m)
                 mod, conv = _fit_quiet(FalkonGP(x_m, y_m, kernel=k, centers=c_m, center_weights=w_m,
-                                                penalty=noise / x_m.shape[0], max_iter=cap, tol=tol,
+                                                penalty=noise / x_m.shape[0], max_iter=score_iter, tol=tol,
                                                 options=select_options))
                 err = _val_mse(mod, xv_z, yv_z)
-                if calibrate_variance and n_back > 0 and math.isfinite(err):
+                if (calibrate_variance or check_growth) and n_back > 0 and math.isfinite(err):
                     cal_residuals[key] = yv_cal - mod.posterior_mean(xv_cal).to(torch.float64)
                 if math.isfinite(err):
                     sel_alpha[key] = mod.alpha.detach().reshape(-1).clone()
@@ -1390,10 +1401,10 @@ def auto_fit(
                 report.notes.append(f"selection fit M={m} noise={noise:.3g} mult={mult:.3g} failed: {exc}")
             sec = time.perf_counter() - t
             cache[key] = err
-            report.search.append(dict(M=m, rows=rows_at(r_size), noise=noise, multiplier=mult, error=err,
+            report.search.append(dict(M=m, rows=rows_at(m), noise=noise, multiplier=mult, error=err,
                                       seconds=sec, converged=conv,
                                       iterations=iters, centers=kind, precond_seconds=pre_s,
-                                      apply_seconds=apply_s, direct=direct, growth_check=check))
+                                      apply_seconds=apply_s, direct=direct))
             clock.tick(f"select M={m}", val_rmse=f"{math.sqrt(err):.4f}" if math.isfinite(err) else "inf")
             return err
 
@@ -1431,7 +1442,7 @@ def auto_fit(
                     return  # went down: the first step up is not tried (one descent direction per search)
 
         def last_fit_seconds(m: int) -> float:
-            times = [r["seconds"] for r in report.search if r["M"] == m and not r["growth_check"]]
+            times = [r["seconds"] for r in report.search if r["M"] == m]
             return max(times) if times else 0.0
 
         pass_cache: dict[int, float] = {}
@@ -1448,8 +1459,7 @@ def auto_fit(
             ``m`` (default: on the selection rows of ``m_new``), predicted from those fits by
             :func:`_scaled_fit_seconds`."""
             ratio = rows_at(m_new) / rows_at(m) if rows_ratio is None else rows_ratio
-            return _scaled_fit_seconds([r for r in report.search if r["M"] == m and not r["growth_check"]],
-                                       m_new / m, ratio)
+            return _scaled_fit_seconds([r for r in report.search if r["M"] == m], m_new / m, ratio)
 
         def fit_cost(m: int, base: int, rows: int, iterations: int) -> float:
             """A fit at ``m`` centers on ``rows`` rows with at most ``iterations`` CG iterations, predicted
@@ -1488,14 +1498,9 @@ def auto_fit(
             """CG's starting coefficients (standardised units) for a final fit of ``level`` at its pool's first
             ``m`` centers: the level's selection fit's (its centers are the pool's first ones: both pools are
             nested), zero for the centers a grown level adds after them; ``None`` where that fit was not kept or
-            ``m`` is below its size; for a grown level that passed its growth check, that check's fit at the grown
-            size."""
-            if "start_key" in level:  # a growth check's fit at the grown size
-                m_sel = int(level["M"])
-                a = sel_alpha.get(level["start_key"])
-            else:
-                m_sel = int(level.get("grown_from") or level["M"])
-                a = sel_alpha.get(score_key(m_sel, level["noise"], level["multiplier"], level["centers"]))
+            ``m`` is below its size."""
+            m_sel = int(level.get("grown_from") or level["M"])
+            a = sel_alpha.get(score_key(m_sel, level["noise"], level["multiplier"], level["centers"]))
             if a is None or a.numel() != m_sel or m < m_sel:
                 return None
             return torch.cat([a, a.new_zeros(m - m_sel)])
@@ -1503,7 +1508,7 @@ def auto_fit(
         def build_final(level: dict[str, Any], time_limit: float | None = None,
                         centers: Tensor | None = None, weights: Tensor | None = None,
                         rows: int | None = None, keeper: _KeptPreconditioner | None = None,
-                        start: Tensor | None = None) -> tuple[FalkonGP, bool]:
+                        start: Tensor | None = None, leave_out: Tensor | None = None) -> tuple[FalkonGP, bool]:
             """The model of a selection level on the final rows, in raw units, fitted; (model, converged).
             ``time_limit`` bounds the fit's wall time (CG stops at the clock, see ``FalkonGP.fit``);
             ``centers`` (standardised units) and their preconditioner ``weights`` replace the level's, ``start``
@@ -1511,9 +1516,16 @@ def auto_fit(
             level's selection fit (:func:`start_for`): in raw units ``f = y_mu + y_sd f_z`` with the kernel
             scaled by ``y_sd^2``, so the coefficients are ``alpha_z / y_sd``. ``rows`` (default: all final rows)
             takes the first ``rows - n_back`` selection-order training rows (every size's selection rows come
-            first) and the held-out rows put back; ``keeper`` builds the fit's preconditioner and keeps it."""
+            first) and the held-out rows put back; ``leave_out`` (indices of held-out rows, with ``rows`` all final
+            rows) keeps those held-out rows out of the fit; ``keeper`` builds the fit's preconditioner and keeps
+            it."""
             x_use, y_use = x_fin_t, y_fin_t
-            if rows is not None and rows < x_fin.shape[0]:
+            if leave_out is not None and n_back > 0:
+                back = torch.ones(n_back, dtype=torch.bool, device=dev)
+                back[leave_out] = False
+                idx = torch.cat([torch.arange(n_tr, device=dev), n_tr + back.nonzero().reshape(-1)])
+                x_use, y_use = x_fin_t[idx], y_fin_t[idx]
+            elif rows is not None and rows < x_fin.shape[0]:
                 idx = torch.cat([s_order[: rows - n_back], torch.arange(n_tr, n_tr + n_back, device=dev)])
                 x_use, y_use = x_fin_t[idx], y_fin_t[idx]
             m_fin = min(level["M"], x_use.shape[0])
@@ -1550,10 +1562,9 @@ def auto_fit(
             rows = _calibration_rows(int(final.centers.shape[0]), int(cal_idx.shape[0]))
             idx = cal_idx[:rows]
             x_c = xv[idx].to(dtype)
-            if n_back > 0:  # the residuals of the selection fit whose centers the final model has (a kept
-                # growth check's, else the level's own)
-                key = final_level.get("start_key") or score_key(best_level["M"], best_level["noise"],
-                                                                best_level["multiplier"], centers_kind)
+            if cal_seen:  # the final fit took the calibration rows back: the residuals of the selection fit
+                # that scored the chosen level (a grown final fit's are its level's)
+                key = score_key(best_level["M"], best_level["noise"], best_level["multiplier"], centers_kind)
                 if key not in cal_residuals:
                     raise LookupError("the chosen level's selection residuals were not kept")
                 r = cal_residuals[key][:rows] * float(y_sd)
@@ -1628,13 +1639,11 @@ def auto_fit(
         def grown_level(level: dict[str, Any]) -> dict[str, Any]:
             """``final_growth``: the level with more nested centers for the final fit, as many as the time
             left pays for (at most ``final_growth_factor M``, the pool and :func:`_growth_cap`'s bound, at least
-            ``1.25 M``), or the level itself where growth does not apply or fails its check. The final fit of a
-            candidate ``m`` is predicted by ``final_cost`` from the level's measured selection fits
-            (:func:`_scaled_fit_seconds`: each part of a fit scaled by its own power of ``m / M``); with
-            ``check_growth`` a fit at ``m`` on the level's own selection rows (predicted the same way) is added,
-            and the two must fit in the time left with the 1.2 margin every other prediction of this function
-            keeps. The check keeps ``m`` only where its validation error is below the level's: the level's
-            noise was selected for ``M`` centers, and more centers at that noise can overfit
+            ``1.25 M``), or the level itself where growth does not apply. The final fit of a candidate ``m`` is
+            predicted by ``final_cost`` from the level's measured selection fits (:func:`_scaled_fit_seconds`:
+            each part of a fit scaled by its own power of ``m / M``), on the rows it will take (with
+            ``check_growth`` the training rows alone: the held-out rows validate it, :func:`checked_growth`), and
+            must fit the time left with the 1.2 margin every other prediction of this function keeps
             (docs/math.md §8 "Final growth")."""
             m_b = int(level["M"])
             why = None
@@ -1653,36 +1662,58 @@ def auto_fit(
                        else f"the pool's {pool_limit()} centers")
                 report.notes.append(f"final growth skipped: {cap} allow no M >= {math.ceil(1.25 * m_b)}")
                 return level
+            rows_g = n_final - min(n_back, int(cal_idx.shape[0])) if check_growth else n_final
             m_try = m_cap
             predicted = math.inf
             while m_try >= 1.25 * m_b:
-                predicted = final_cost(m_try, base=m_b)
-                check_s = (predicted_fit_seconds(m_b, m_try, 1.0) * max_iter / score_iter) if check_growth else 0.0
-                if 1.2 * (predicted + check_s) <= clock.left():
+                predicted = final_cost(m_try, base=m_b, rows=rows_g)
+                if 1.2 * predicted <= clock.left():
                     break
                 m_try = int(m_try / 1.15)
             if m_try < 1.25 * m_b:
-                what = " and its growth check" if check_growth else ""
-                report.notes.append(f"final growth skipped: {clock.left():.3g} s left pay for no final fit{what} "
+                report.notes.append(f"final growth skipped: {clock.left():.3g} s left pay for no final fit "
                                     f"with M >= {math.ceil(1.25 * m_b)}")
                 return level
-            grown = dict(level, M=m_try, grown_from=m_b, final_predicted=predicted)
-            if check_growth:
-                kind = level["centers"]
-                err_g = score(m_try, level["noise"], level["multiplier"], kind, rows_m=m_b)
-                report.growth = dict(M=m_try, grown_from=m_b, error=err_g, level_error=level["error"],
-                                     seconds=report.search[-1]["seconds"], kept=err_g < level["error"])
-                if not err_g < level["error"]:
-                    report.notes.append(f"final growth from M={m_b} to M={m_try} rejected: its validation error "
-                                        f"{err_g:.4g} is not below the level's {level['error']:.4g} (the level's "
-                                        f"noise and multiplier, the level's selection rows)")
-                    return level
-                grown["start_key"] = growth_key(m_try, level["noise"], level["multiplier"], kind, m_b)
-            checked = (f", validation error {report.growth['error']:.4g} against the level's "
-                       f"{level['error']:.4g}" if check_growth else "")
             report.notes.append(f"final fit's centers grown from M={m_b} to M={m_try} at the level's noise and "
-                                f"multiplier ({clock.left():.3g} s left{checked})")
-            return grown
+                                f"multiplier ({clock.left():.3g} s left)")
+            return dict(level, M=m_try, grown_from=m_b, final_predicted=predicted)
+
+        def checked_growth(level: dict[str, Any],
+                           keeper: _KeptPreconditioner | None) -> tuple[FalkonGP, bool] | None:
+            """``check_growth``: the grown ``level``'s fit on the final rows less the check rows (the calibration's
+            held-out rows, where the held-out rows are put back; else it is the final fit itself and the check rows
+            are all validation rows), scored there against the level's selection fit: ``(model, converged)`` where
+            its error is below the level's, else ``None`` (recorded in ``report.growth``). The level's noise was
+            selected for its ``M`` centers, and more centers at that noise can over-fit (docs/math.md §8 "Growth
+            check")."""
+            t_g = time.perf_counter()
+            m_b = int(level["grown_from"])
+            key = score_key(m_b, level["noise"], level["multiplier"], level["centers"])
+            split = n_back > 0 and key in cal_residuals
+            model, converged = build_final(level, keeper=keeper, leave_out=cal_idx if split else None,
+                                           time_limit=max(clock.left() + grace, 1.2 * level["final_predicted"], 1e-3))
+            if split:
+                err_g = _val_mse_raw(model, xv[cal_idx].to(dtype), yv[cal_idx], float(y_sd))
+                err_l = float(cal_residuals[key].square().mean())
+            else:
+                err_g = _val_mse_raw(model, xv.to(dtype), yv, float(y_sd))
+                err_l = best_level["error"]
+            kept = err_g < err_l
+            n_check = int(cal_idx.shape[0]) if split else int(xv.shape[0])
+            report.growth = dict(M=int(level["M"]), grown_from=m_b, error=err_g, level_error=err_l,
+                                 check_rows=n_check, rows=int(model.train_targets.shape[0]),
+                                 seconds=time.perf_counter() - t_g, kept=kept)
+            clock.tick(f"growth check M={level['M']}", val_rmse=f"{math.sqrt(err_g):.4f}" if math.isfinite(err_g)
+                       else "inf")
+            if kept:
+                report.notes.append(f"growth to M={level['M']} kept: its error on the {n_check:,} check rows, "
+                                    f"{err_g:.4g}, is below the level's {err_l:.4g}; the final model is that fit (on "
+                                    f"{model.train_targets.shape[0]:,} rows, the check rows left out)")
+                return model, converged
+            report.notes.append(f"final growth from M={m_b} to M={level['M']} rejected: its error on the {n_check:,} "
+                                f"check rows, {err_g:.4g}, is not below the level's {err_l:.4g} (the level's noise "
+                                f"and multiplier); the final fit keeps M={m_b}")
+            return None
 
         def try_leverage(m: int, level: dict[str, Any], deadline: float) -> None:
             """At the first size: draw a nested pool of leverage-score centers over the selection rows, the
@@ -1914,25 +1945,42 @@ def auto_fit(
         level_rows.clear()
         t_stage = time.perf_counter()
         clock.tick("final fit", M=final_level["M"])
+        keeper = _KeptPreconditioner() if calibrate_variance else None
+        cal_seen = n_back > 0  # whether the returned model's fit took the calibration rows back
+        checked: tuple[FalkonGP, bool] | None = None
+        fallback = False
+        if check_growth and "grown_from" in final_level:
+            checked = checked_growth(final_level, keeper)
+            if checked is None:  # the level's own final fit
+                final_level, fallback = best_level, True
         # the final rows: all of them, or with grow_rows as many as 1.2 x the predicted fit leaves within the
         # time left, at least the level's selection rows and the held-out ones (a grown level was sized on all)
         m_final = int(final_level["M"])
         rows_final = n_final
-        if "final_predicted" not in final_level:
-            rows_final = _rows_within(lambda r: 1.2 * final_cost(m_final, rows=r), fewest_final_rows(m_final), n_final,
-                                      clock.left())
-            if rows_final < n_final:
-                report.notes.append(f"final fit on {rows_final:,} of the {n_final:,} rows: on all of them M={m_final} "
-                                    f"is predicted at {final_cost(m_final):.3g} s, {clock.left():.3g} s were left")
-        # the grown level carries the prediction its size was chosen by; a level's is its measured fits'
-        final_predicted = (final_level["final_predicted"] if "final_predicted" in final_level
-                           else final_cost(m_final, rows=rows_final))
-        # the budget's remainder (and the grace) bounds the final CG: a backstop for a prediction that was
-        # low. Never below 1.2 x the prediction: a final CG cut to a few iterations returns a useless model
-        keeper = _KeptPreconditioner() if calibrate_variance else None
-        final, converged = build_final(final_level, time_limit=max(clock.left() + grace, 1.2 * final_predicted, 1e-3),
-                                       centers=lev_centers, weights=lev_weights, rows=rows_final, keeper=keeper,
-                                       start=lev_alpha)
+        if checked is not None:
+            final, converged = checked
+            rows_final, cal_seen = int(final.train_targets.shape[0]), False
+            chosen_error = float(report.growth["error"])
+            final_predicted = final_level["final_predicted"]
+        else:
+            if "final_predicted" not in final_level:
+                rows_final = _rows_within(lambda r: 1.2 * final_cost(m_final, rows=r), fewest_final_rows(m_final),
+                                          n_final, clock.left())
+                if rows_final < n_final:
+                    report.notes.append(f"final fit on {rows_final:,} of the {n_final:,} rows: on all of them "
+                                        f"M={m_final} is predicted at {final_cost(m_final):.3g} s, "
+                                        f"{clock.left():.3g} s were left")
+            # the grown level carries the prediction its size was chosen by; a level's is its measured fits'
+            final_predicted = (final_level["final_predicted"] if "final_predicted" in final_level
+                               else final_cost(m_final, rows=rows_final))
+            # the budget's remainder (and the grace) bounds the final CG: a backstop for a prediction that was
+            # low. Never below 1.2 x the prediction: a final CG cut to a few iterations returns a useless model;
+            # except after a rejected growth check, which no time was kept for: that fit starts from the level's
+            # selection coefficients (validated), and its CG stops at the clock
+            floor = 1e-3 if fallback else 1.2 * final_predicted
+            final, converged = build_final(final_level, time_limit=max(clock.left() + grace, floor, 1e-3),
+                                           centers=lev_centers, weights=lev_weights, rows=rows_final, keeper=keeper,
+                                           start=lev_alpha)
         report.stages["final fit"] = time.perf_counter() - t_stage
         variance_c = 1.0
         if keeper is not None:

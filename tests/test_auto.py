@@ -719,8 +719,8 @@ def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int, **extra
     # the learning stage's parametrisation pinned (softplus lengthscales, Adam's own steps): the scenarios
     # below size their budgets to the number of selection fits that the hyperparameters learned so lead to
     # (with the defaults this easy problem's M = 120 gains < min_gain over M = 60: nothing left to grow)
-    # the growth check off: the budgets below are sized to a grown final fit alone (the check is covered by
-    # test_auto_fit_checks_a_grown_final_fit_on_the_levels_rows)
+    # the growth check off: the budgets below are sized to a grown final fit on all rows (the check is covered by
+    # test_auto_fit_checks_a_grown_final_fit_on_held_out_rows)
     kw = dict(SMALL, budget=budget, select_rows=400, min_centers=60, max_centers=120, search_tol=0.0,
               objectives=("sgpr", "gcv", "nystrom-compreg"), race_margin=None, race_share=None,
               grow_select_rows=False, lengthscale_transform="softplus", lengthscale_step="adam",
@@ -730,9 +730,13 @@ def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int, **extra
         model = auto_fit(x, y, **kw)
     # only the final fit is bounded: by what the budget has left when it starts and a 5 % grace, or 1.2 x its
     # predicted time if that is longer
-    assert all(lim is None for lim, _ in limits[:-1])
+    growth = model.auto_report.growth
+    checked = 1 if growth else 0  # a growth check's fit: bounded as a final fit
+    assert all(lim is None for lim, _ in limits[:-1 - checked])
     pred = model.auto_report.chosen["final_predicted_seconds"]
-    assert limits[-1][0] == pytest.approx(max(budget - limits[-1][1] + 0.05 * budget, 1.2 * pred))
+    # a final fit after a rejected growth check stops at the clock (its CG starts from the level's selection fit)
+    floor = 1e-3 if growth and not growth["kept"] else 1.2 * pred
+    assert limits[-1][0] == pytest.approx(max(budget - limits[-1][1] + 0.05 * budget, floor, 1e-3))
     return model, now[0]
 
 
@@ -829,65 +833,72 @@ def test_auto_fit_final_growth_spends_the_time_a_next_size_could_not(monkeypatch
 
 
 @pytest.mark.parametrize("verdict", [0.5, 2.0])
-def test_auto_fit_checks_a_grown_final_fit_on_the_levels_rows(monkeypatch, verdict):
-    """``check_growth``: before the grown final fit, the grown size is fitted on the level's own selection rows at its
-    noise and multiplier (the dense Nystrom solution there, at ``lambda = noise / rows``, with the grown model's first
-    centers) and scored on the validation rows. Its validation error is scaled here by ``verdict``: below the
-    level's (0.5) the growth is kept and the final CG starts from the check's coefficients; not below (2.0) the
-    final fit keeps the level's 60 centers. Either way the call keeps its budget, and the check's time comes out of
-    the growth: the grown size is at most the unchecked one's."""
+def test_auto_fit_checks_a_grown_final_fit_on_held_out_rows(monkeypatch, verdict):
+    """``check_growth``: the grown size is fitted once on the final rows less the check rows (the calibration's 150
+    held-out rows here) at the level's noise and multiplier, and scored on the check rows against the level's
+    selection fit there. Its error is scaled here by ``verdict``: below the level's (0.5) that fit is the returned
+    model (the dense Nystrom solution on the other 1,850 rows); not below (2.0) the returned model is the level's
+    own final fit (60 centers, on all 2,000 rows, CG started from its selection fit). The check takes no time from
+    the growth: the grown size is at least the unchecked one's, and the call keeps its budget (a rejected growth's
+    fallback fit, which no time was kept for, stops its CG at the clock)."""
     import gpfalkon.auto as auto_module
 
-    checks: list[tuple[FalkonGP, float]] = []
-    real_val = auto_module._val_mse
+    monkeypatch.setattr(auto_module, "CALIBRATION_ROWS", 150)
 
-    def val_mse(mod, x, y):
-        err = real_val(mod, x, y)
-        if mod.centers.shape[0] > 60:  # the only fit past the level's 60 centers is the growth check
-            checks.append((mod, err))
-            return err * verdict
-        return err
+    checks: list[tuple[FalkonGP, torch.Tensor, torch.Tensor, float, float]] = []
+    real_val = auto_module._val_mse_raw
 
-    monkeypatch.setattr(auto_module, "_val_mse", val_mse)
+    def val_mse_raw(mod, xv, yv, y_sd):
+        err = real_val(mod, xv, yv, y_sd)
+        checks.append((mod, xv, yv, y_sd, err))
+        return err * verdict
+
+    monkeypatch.setattr(auto_module, "_val_mse_raw", val_mse_raw)
     starts = _record_cg_starts(monkeypatch)
     kw = dict(memory_budget=2**40, max_centers=400)
     model, spent = _fake_clock_auto_fit(monkeypatch, budget=0.04, check_growth=True, **kw)
     rep = model.auto_report
     assert spent <= 0.04 * 1.05, (spent, rep.stages)
     assert [lv["M"] for lv in rep.chosen["levels"]] == [60], rep.notes
-    assert len(checks) == 1, rep.search
-    check, err = checks[0]
+    assert len(checks) == 1, rep.notes
+    check, xv, yv, y_sd, err = checks[0]
     g = rep.growth
     m_g = g["M"]
-    assert check.centers.shape[0] == m_g and 75 <= m_g <= 120 and g["grown_from"] == 60
     level = rep.chosen["levels"][0]
-    assert g["level_error"] == level["error"] and g["error"] == pytest.approx(err * verdict, rel=1e-12)
-    # on the level's selection rows (400), at its noise: the dense Nystrom solution there
-    rows = [r["rows"] for r in rep.search if r["M"] == 60]
-    assert check.train_inputs[0].shape[0] == rows[0] == 400
-    assert float(check.penalty) * 400 == pytest.approx(level["noise"], rel=1e-6)
-    with torch.no_grad():  # standardised units: the function on its own rows against the dense solve's
-        x_c = check.train_inputs[0]
-        knm = dense_kernel(check.kernel, x_c, check.centers)
-        ref = knm @ _dense_alpha(check, check.train_targets - check.mean_constant)
-        got = knm @ check.alpha.detach().reshape(-1).to(knm.dtype)
-    assert float((got - ref).abs().max()) < 1e-3 * float(ref.std())
-    entry = rep.search[-1]
-    assert entry["growth_check"] and entry["M"] == m_g and entry["rows"] == 400
-    assert not any(r["growth_check"] for r in rep.search[:-1])
+    assert g["grown_from"] == 60 and g["check_rows"] == 150 and g["rows"] == 1850
+    assert g["error"] == pytest.approx(err * verdict, rel=1e-12)
+    # the level's error on the check rows: its selection fit's (on the 400 selection rows, validated on all 400
+    # held-out rows), there about its validation error
+    assert 0.5 * level["error"] < g["level_error"] < 2 * level["error"]
+    # the check's fit: the grown centers on the 1,850 other rows at the level's noise; its error is the check rows'
+    # (standardised units)
+    x_all, _, _ = _data(2000)
+    assert check.centers.shape[0] == m_g and check.train_inputs[0].shape[0] == 1850 and xv.shape[0] == 150
+    seen = {tuple(r.tolist()) for r in torch.cat([check.train_inputs[0], xv])}
+    assert seen == {tuple(r.tolist()) for r in x_all}
+    assert float(check.penalty.detach()) * 1850 / y_sd**2 == pytest.approx(
+        level["noise"] * rep.chosen["variance_scale"] if verdict < 1 else level["noise"], rel=1e-6)
+    with torch.no_grad():
+        ref_err = float(((check.posterior_mean(xv) - yv) / y_sd).square().mean())
+    assert err == pytest.approx(ref_err, rel=1e-9)
+    unchecked, _ = _fake_clock_auto_fit(monkeypatch, budget=0.04, **kw)
+    m_u = unchecked.auto_report.chosen["num_centers"]
+    assert m_g >= m_u >= 75 and unchecked.auto_report.growth == {}
+    torch.testing.assert_close(unchecked.centers[:m_u], check.centers[:m_u])  # nested: the same pool
     if verdict < 1:
-        assert g["kept"] and rep.chosen["grown_from"] == 60 and rep.chosen["num_centers"] == m_g
-        assert any(n.startswith(f"final fit's centers grown from M=60 to M={m_g}") for n in rep.notes), rep.notes
-        # the final CG starts from the check's coefficients (standardised units; raw = z / y_sd)
-        torch.testing.assert_close(starts[id(model)].reshape(-1) * rep.chosen["y_scale"],
-                                   check.alpha.detach().reshape(-1).to(torch.float64), rtol=1e-6, atol=1e-9)
-        # the same centers (in raw units) as the check's first ones, in order
-        unchecked, _ = _fake_clock_auto_fit(monkeypatch, budget=0.04, **kw)
-        assert unchecked.auto_report.chosen["num_centers"] >= m_g and not unchecked.auto_report.growth
-        torch.testing.assert_close(unchecked.centers[:m_g], model.centers)
+        assert g["kept"] and model is check
+        assert rep.chosen["grown_from"] == 60 and rep.chosen["num_centers"] == m_g and rep.chosen["final_rows"] == 1850
+        assert rep.chosen["val_error"] == g["error"]
+        assert any(n.startswith(f"growth to M={m_g} kept") for n in rep.notes), rep.notes
+        _assert_dense_nystrom(model)
     else:
-        assert not g["kept"] and rep.chosen["grown_from"] is None and rep.chosen["num_centers"] == 60
+        assert not g["kept"] and model is not check
+        assert rep.chosen["grown_from"] is None and rep.chosen["num_centers"] == 60 and model.n == 2000
+        assert rep.chosen["val_error"] == level["error"]
         assert any(n.startswith(f"final growth from M=60 to M={m_g} rejected") for n in rep.notes), rep.notes
+        # the fallback's CG starts from the level's selection fit (60 coefficients), and it is the dense solution
+        assert starts[id(model)].shape == model.alpha.shape and float(starts[id(model)].abs().sum()) > 0
+        _assert_dense_nystrom(model)
 
 
 def test_auto_fit_grows_the_final_fit_instead_of_a_partial_step(monkeypatch):
