@@ -87,6 +87,12 @@ LEVERAGE_DICTIONARY = 2048
 #: :func:`_calibration_rows`)
 CALIBRATION_ROWS = 1000
 
+#: ``check_growth`` keeps a grown final fit only where its squared errors on the check rows are below the level's
+#: by more than ``-GROWTH_CHECK_Z`` standard errors of their paired mean difference (:func:`_paired_z`): 0, a lower
+#: mean squared error. A tie goes to the level, whose own final fit also takes the check rows; 2 (growth unless
+#: clearly worse) was 2-3 % worse on the development sets (``benchmarks/results/auto-ab-growth-check-z-s*.md``)
+GROWTH_CHECK_Z = 0.0
+
 #: ``report.chosen["centers"]`` where the leverage check's centers replaced the level's
 _LEVERAGE_CHECK = "leverage (check)"
 
@@ -122,8 +128,8 @@ class AutoFitReport:
     validation-error trajectory); ``search`` every selection fit
     ``(M, noise, multiplier, error, seconds)``; ``chosen`` the final choices; ``growth`` the check of a grown
     final fit (``check_growth``: the grown size ``M``, ``grown_from``, its validation ``error`` against the
-    level's ``level_error`` on its ``check_rows``, the grown fit's ``rows`` and ``seconds``, whether it was
-    ``kept``); ``leverage`` the
+    level's ``level_error`` on its ``check_rows``, ``z`` the paired difference in standard errors, the grown fit's
+    ``rows`` and ``seconds``, whether it was ``kept``); ``leverage`` the
     leverage-score check of the chosen level (``leverage_check=True``: its validation ``error``
     against the uniform centers', the distinct centers drawn, its seconds); ``sampling`` the choice of
     the center pool at the first size (``center_sampling``: ``uniform_error``, ``leverage_error``, the
@@ -336,16 +342,29 @@ def _val_mse(model: FalkonGP, xv: Tensor, yv: Tensor) -> float:
     return float((pred - yv.to(torch.float64)).square().mean())
 
 
-def _val_mse_raw(model: FalkonGP, xv: Tensor, yv: Tensor, y_sd: float) -> float:
-    """``mean(((f(xv) - yv) / y_sd)^2)``: :func:`_val_mse` of a model in raw units, in standardised units (a non-finite
-    value is ``inf``); the model's train/eval mode is kept."""
+def _std_residuals(model: FalkonGP, xv: Tensor, yv: Tensor, y_sd: float) -> Tensor:
+    """``(yv - f(xv)) / y_sd`` (float64) of a model in raw units: its residuals in standardised units; the model's
+    train/eval mode is kept."""
     was_training = model.training
     model.eval()
     with torch.no_grad():
         pred = model.posterior_mean(xv).to(torch.float64)
     model.train(was_training)
-    err = float(((pred - yv.to(torch.float64)) / y_sd).square().mean())
-    return err if math.isfinite(err) else math.inf
+    return (yv.to(torch.float64) - pred) / y_sd
+
+
+def _paired_z(res_new: Tensor, res_old: Tensor) -> float:
+    """``mean(d) / (std(d) / sqrt(k))`` with ``d = res_new^2 - res_old^2`` over ``k`` rows: how many standard errors
+    the new fit's mean squared error is above the old one's on the same rows (a paired comparison: the two fits'
+    errors on one row are correlated, so their difference is far less noisy than either mean); 0 where the
+    differences do not vary, ``inf`` where a residual is not finite."""
+    d = res_new.square() - res_old.square()
+    if not bool(torch.isfinite(d).all()):
+        return math.inf
+    if d.numel() < 2:
+        return 0.0
+    se = float(d.std()) / math.sqrt(d.numel())
+    return float(d.mean()) / se if se > 0 else 0.0
 
 
 def _onthefly_pass_seconds(kernel: Kernel, x: Tensor, centers: Tensor) -> float:
@@ -821,16 +840,15 @@ def auto_fit(
             ``benchmarks/results/auto-growth-check.md``).
         check_growth: validate a grown final fit: the grown size is fitted once, at the level's noise and
             multiplier with the final fit's ``max_iter`` (a selection fit's fewer iterations regularise and hid the
-            over-fit this check is for), on the final rows less the check rows, and scored on the check rows
-            against the level's selection fit there. With held-out rows to put back (no ``val_x``,
-            ``refit_on_all``) the check rows are the variance calibration's (up to :data:`CALIBRATION_ROWS` of
-            the held-out rows; the other held-out rows are put back), else all validation rows. Where the grown
-            fit's error is below the level's, it is the returned model (without the check rows: the check's
-            price), else the level's own final fit is (on all final rows, its CG started from the level's
-            selection fit and stopped at the clock: no time was kept for it). The grown size is sized to the time
-            left as without the check. Recorded in ``report.growth``. ``False``: the growth is not validated (the
-            behaviour before this option; the check lowered the test error where growth over-fitted:
-            ``benchmarks/results/auto-notes.md``, sessions 42 and 44).
+            over-fit this check is for), on the final rows less the check rows (the variance calibration's, up to
+            :data:`CALIBRATION_ROWS` of the held-out rows; the other held-out rows are put back), and compared
+            there with the level's selection fit: where its mean squared error is lower (:data:`GROWTH_CHECK_Z`),
+            it is the returned model (without the check rows: the check's price); else the level's own final fit
+            is (on all final rows, its CG started from the level's selection fit and stopped at the clock: no
+            time was kept for it). The grown
+            size is sized to the time left as without the check. Recorded in ``report.growth``. ``False``: the
+            growth is not validated (the behaviour before this option; the check lowered the test error where
+            growth over-fitted: ``benchmarks/results/auto-notes.md``, sessions 42 and 44).
         center_sampling: how the nested centers of stages 2-3 are drawn from the selection rows:
             ``"uniform"`` (a random permutation's prefixes); ``"leverage"`` (prefixes of one stream of
             ridge-leverage-score draws, :func:`~gpfalkon.nested_leverage_centers`, with the
@@ -1383,7 +1401,7 @@ def auto_fit(
                                                 penalty=noise / x_m.shape[0], max_iter=score_iter, tol=tol,
                                                 options=select_options))
                 err = _val_mse(mod, xv_z, yv_z)
-                if (calibrate_variance or check_growth) and n_back > 0 and math.isfinite(err):
+                if ((calibrate_variance and n_back > 0) or check_growth) and math.isfinite(err):
                     cal_residuals[key] = yv_cal - mod.posterior_mean(xv_cal).to(torch.float64)
                 if math.isfinite(err):
                     sel_alpha[key] = mod.alpha.detach().reshape(-1).clone()
@@ -1681,38 +1699,37 @@ def auto_fit(
         def checked_growth(level: dict[str, Any],
                            keeper: _KeptPreconditioner | None) -> tuple[FalkonGP, bool] | None:
             """``check_growth``: the grown ``level``'s fit on the final rows less the check rows (the calibration's
-            held-out rows, where the held-out rows are put back; else it is the final fit itself and the check rows
-            are all validation rows), scored there against the level's selection fit: ``(model, converged)`` where
-            its error is below the level's, else ``None`` (recorded in ``report.growth``). The level's noise was
-            selected for its ``M`` centers, and more centers at that noise can over-fit (docs/math.md §8 "Growth
-            check")."""
+            held-out rows; where no held-out rows are put back it is the final fit itself), compared there with the
+            level's selection fit: ``(model, converged)`` where its squared errors are below the level's by
+            :data:`GROWTH_CHECK_Z` standard errors of their paired difference (:func:`_paired_z`), else ``None``
+            (recorded in ``report.growth``). The level's noise was selected for its ``M`` centers, and more
+            centers at that noise can over-fit (docs/math.md §8 "Growth check")."""
             t_g = time.perf_counter()
             m_b = int(level["grown_from"])
             key = score_key(m_b, level["noise"], level["multiplier"], level["centers"])
-            split = n_back > 0 and key in cal_residuals
-            model, converged = build_final(level, keeper=keeper, leave_out=cal_idx if split else None,
+            model, converged = build_final(level, keeper=keeper, leave_out=cal_idx if n_back > 0 else None,
                                            time_limit=max(clock.left() + grace, 1.2 * level["final_predicted"], 1e-3))
-            if split:
-                err_g = _val_mse_raw(model, xv[cal_idx].to(dtype), yv[cal_idx], float(y_sd))
-                err_l = float(cal_residuals[key].square().mean())
-            else:
-                err_g = _val_mse_raw(model, xv.to(dtype), yv, float(y_sd))
-                err_l = best_level["error"]
-            kept = err_g < err_l
-            n_check = int(cal_idx.shape[0]) if split else int(xv.shape[0])
-            report.growth = dict(M=int(level["M"]), grown_from=m_b, error=err_g, level_error=err_l,
+            res_g = _std_residuals(model, xv[cal_idx].to(dtype), yv[cal_idx], float(y_sd))
+            err_g = float(res_g.square().mean())
+            err_g = err_g if math.isfinite(err_g) else math.inf
+            res_l = cal_residuals.get(key)  # kept for every selection fit with a finite error
+            err_l = float(res_l.square().mean()) if res_l is not None else math.inf
+            z = _paired_z(res_g, res_l) if res_l is not None else (0.0 if math.isfinite(err_g) else math.inf)
+            kept = z < GROWTH_CHECK_Z
+            n_check = int(cal_idx.shape[0])
+            report.growth = dict(M=int(level["M"]), grown_from=m_b, error=err_g, level_error=err_l, z=z,
                                  check_rows=n_check, rows=int(model.train_targets.shape[0]),
                                  seconds=time.perf_counter() - t_g, kept=kept)
             clock.tick(f"growth check M={level['M']}", val_rmse=f"{math.sqrt(err_g):.4f}" if math.isfinite(err_g)
                        else "inf")
+            compared = (f"its error on the {n_check:,} check rows {err_g:.4g}, the level's {err_l:.4g} ({z:.2f} "
+                        "standard errors of the paired difference)")
             if kept:
-                report.notes.append(f"growth to M={level['M']} kept: its error on the {n_check:,} check rows, "
-                                    f"{err_g:.4g}, is below the level's {err_l:.4g}; the final model is that fit (on "
+                report.notes.append(f"growth to M={level['M']} kept: {compared}; the final model is that fit (on "
                                     f"{model.train_targets.shape[0]:,} rows, the check rows left out)")
                 return model, converged
-            report.notes.append(f"final growth from M={m_b} to M={level['M']} rejected: its error on the {n_check:,} "
-                                f"check rows, {err_g:.4g}, is not below the level's {err_l:.4g} (the level's noise "
-                                f"and multiplier); the final fit keeps M={m_b}")
+            report.notes.append(f"final growth from M={m_b} to M={level['M']} rejected: {compared}, not below "
+                                f"{GROWTH_CHECK_Z:g} (the level's noise and multiplier); the final fit keeps M={m_b}")
             return None
 
         def try_leverage(m: int, level: dict[str, Any], deadline: float) -> None:

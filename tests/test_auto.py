@@ -832,46 +832,74 @@ def test_auto_fit_final_growth_spends_the_time_a_next_size_could_not(monkeypatch
     assert spent <= 0.03 * 1.05
 
 
-@pytest.mark.parametrize("verdict", [0.5, 2.0])
+def test_paired_z_is_the_paired_t_statistic_of_the_squared_errors():
+    """``_paired_z`` is the paired t statistic of the two fits' squared residuals (scipy's ``ttest_rel``), 0 for
+    identical fits and ``inf`` for a non-finite residual."""
+    from scipy.stats import ttest_rel
+
+    from gpfalkon.auto import _paired_z
+
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(300, generator=g, dtype=torch.float64)
+    new = old * 0.9 + 0.3 * torch.randn(300, generator=g, dtype=torch.float64)
+    ref = ttest_rel(new.square().numpy(), old.square().numpy()).statistic
+    assert _paired_z(new, old) == pytest.approx(float(ref), rel=1e-10)
+    assert _paired_z(new * 3, old) > 2.0 > _paired_z(new, old * 3)
+    assert _paired_z(old, old) == 0.0
+    assert _paired_z(torch.cat([new[:-1], new.new_tensor([float("nan")])]), old) == math.inf
+
+
+@pytest.mark.parametrize("verdict", [0.5, 4.0])
 def test_auto_fit_checks_a_grown_final_fit_on_held_out_rows(monkeypatch, verdict):
     """``check_growth``: the grown size is fitted once on the final rows less the check rows (the calibration's 150
-    held-out rows here) at the level's noise and multiplier, and scored on the check rows against the level's
-    selection fit there. Its error is scaled here by ``verdict``: below the level's (0.5) that fit is the returned
-    model (the dense Nystrom solution on the other 1,850 rows); not below (2.0) the returned model is the level's
-    own final fit (60 centers, on all 2,000 rows, CG started from its selection fit). The check takes no time from
-    the growth: the grown size is at least the unchecked one's, and the call keeps its budget (a rejected growth's
-    fallback fit, which no time was kept for, stops its CG at the clock)."""
+    held-out rows here) at the level's noise and multiplier, and compared on the check rows with the level's
+    selection fit (``_paired_z`` of their squared residuals). The grown fit's squared residuals are scaled here by
+    ``verdict``: at 0.5 the growth is kept and that fit is the returned model (the dense Nystrom solution on the
+    other 1,850 rows); at 4 it is rejected and the returned model is the level's own final fit (60 centers, on all
+    2,000 rows, CG started from its selection fit). The check takes no time from the growth: the grown size is at
+    least the unchecked one's, and the call keeps its budget (a rejected growth's fallback fit, which no time was
+    kept for, stops its CG at the clock)."""
     import gpfalkon.auto as auto_module
 
     monkeypatch.setattr(auto_module, "CALIBRATION_ROWS", 150)
+    checks: list[tuple[FalkonGP, torch.Tensor, torch.Tensor, float, torch.Tensor]] = []
+    real_res, real_z = auto_module._std_residuals, auto_module._paired_z
+    compared: list[tuple[torch.Tensor, torch.Tensor, float]] = []
 
-    checks: list[tuple[FalkonGP, torch.Tensor, torch.Tensor, float, float]] = []
-    real_val = auto_module._val_mse_raw
+    def std_residuals(mod, xv, yv, y_sd):
+        res = real_res(mod, xv, yv, y_sd)
+        checks.append((mod, xv, yv, y_sd, res))
+        return res * verdict**0.5
 
-    def val_mse_raw(mod, xv, yv, y_sd):
-        err = real_val(mod, xv, yv, y_sd)
-        checks.append((mod, xv, yv, y_sd, err))
-        return err * verdict
+    def paired_z(res_new, res_old):
+        z = real_z(res_new, res_old)
+        compared.append((res_new, res_old, z))
+        return z
 
-    monkeypatch.setattr(auto_module, "_val_mse_raw", val_mse_raw)
+    monkeypatch.setattr(auto_module, "_std_residuals", std_residuals)
+    monkeypatch.setattr(auto_module, "_paired_z", paired_z)
     starts = _record_cg_starts(monkeypatch)
     kw = dict(memory_budget=2**40, max_centers=400)
     model, spent = _fake_clock_auto_fit(monkeypatch, budget=0.04, check_growth=True, **kw)
     rep = model.auto_report
     assert spent <= 0.04 * 1.05, (spent, rep.stages)
     assert [lv["M"] for lv in rep.chosen["levels"]] == [60], rep.notes
-    assert len(checks) == 1, rep.notes
-    check, xv, yv, y_sd, err = checks[0]
+    assert len(checks) == 1 and len(compared) == 1, rep.notes
+    check, xv, yv, y_sd, res = checks[0]
+    res_new, res_old, z = compared[0]
     g = rep.growth
     m_g = g["M"]
     level = rep.chosen["levels"][0]
-    assert g["grown_from"] == 60 and g["check_rows"] == 150 and g["rows"] == 1850
-    assert g["error"] == pytest.approx(err * verdict, rel=1e-12)
-    # the level's error on the check rows: its selection fit's (on the 400 selection rows, validated on all 400
+    assert g["grown_from"] == 60 and g["check_rows"] == 150 and g["rows"] == 1850 and g["z"] == z
+    assert g["error"] == pytest.approx(float(res.square().mean()) * verdict, rel=1e-12)
+    torch.testing.assert_close(res_new, res * verdict**0.5)
+    # the level's residuals on the check rows: its selection fit's (on the 400 selection rows, validated on all 400
     # held-out rows), there about its validation error
+    assert g["level_error"] == pytest.approx(float(res_old.square().mean()), rel=1e-12)
     assert 0.5 * level["error"] < g["level_error"] < 2 * level["error"]
-    # the check's fit: the grown centers on the 1,850 other rows at the level's noise; its error is the check rows'
-    # (standardised units)
+    assert g["kept"] == (z < auto_module.GROWTH_CHECK_Z) and g["kept"] == (verdict < 1)
+    # the check's fit: the grown centers on the 1,850 other rows at the level's noise; its residuals are the check
+    # rows' (standardised units)
     x_all, _, _ = _data(2000)
     assert check.centers.shape[0] == m_g and check.train_inputs[0].shape[0] == 1850 and xv.shape[0] == 150
     seen = {tuple(r.tolist()) for r in torch.cat([check.train_inputs[0], xv])}
@@ -879,20 +907,20 @@ def test_auto_fit_checks_a_grown_final_fit_on_held_out_rows(monkeypatch, verdict
     assert float(check.penalty.detach()) * 1850 / y_sd**2 == pytest.approx(
         level["noise"] * rep.chosen["variance_scale"] if verdict < 1 else level["noise"], rel=1e-6)
     with torch.no_grad():
-        ref_err = float(((check.posterior_mean(xv) - yv) / y_sd).square().mean())
-    assert err == pytest.approx(ref_err, rel=1e-9)
+        ref = (yv - check.posterior_mean(xv)) / y_sd
+    torch.testing.assert_close(res, ref, rtol=1e-9, atol=1e-12)
     unchecked, _ = _fake_clock_auto_fit(monkeypatch, budget=0.04, **kw)
     m_u = unchecked.auto_report.chosen["num_centers"]
     assert m_g >= m_u >= 75 and unchecked.auto_report.growth == {}
     torch.testing.assert_close(unchecked.centers[:m_u], check.centers[:m_u])  # nested: the same pool
     if verdict < 1:
-        assert g["kept"] and model is check
+        assert model is check
         assert rep.chosen["grown_from"] == 60 and rep.chosen["num_centers"] == m_g and rep.chosen["final_rows"] == 1850
         assert rep.chosen["val_error"] == g["error"]
         assert any(n.startswith(f"growth to M={m_g} kept") for n in rep.notes), rep.notes
         _assert_dense_nystrom(model)
     else:
-        assert not g["kept"] and model is not check
+        assert model is not check
         assert rep.chosen["grown_from"] is None and rep.chosen["num_centers"] == 60 and model.n == 2000
         assert rep.chosen["val_error"] == level["error"]
         assert any(n.startswith(f"final growth from M=60 to M={m_g} rejected") for n in rep.notes), rep.notes
