@@ -1660,9 +1660,9 @@ def auto_fit(
             ``1.25 M``), or the level itself where growth does not apply. The final fit of a candidate ``m`` is
             predicted by ``final_cost`` from the level's measured selection fits (:func:`_scaled_fit_seconds`:
             each part of a fit scaled by its own power of ``m / M``), on the rows it will take (with
-            ``check_growth`` the training rows alone: the held-out rows validate it, :func:`checked_growth`), and
-            must fit the time left with the 1.2 margin every other prediction of this function keeps
-            (docs/math.md §8 "Final growth")."""
+            ``check_growth`` the final rows less the check rows: :func:`checked_growth`), and must fit the time
+            left with the 1.2 margin every other prediction of this function keeps (docs/math.md §8 "Final
+            growth")."""
             m_b = int(level["M"])
             why = None
             if not stopped_by_budget:
@@ -1700,9 +1700,9 @@ def auto_fit(
                            keeper: _KeptPreconditioner | None) -> tuple[FalkonGP, bool] | None:
             """``check_growth``: the grown ``level``'s fit on the final rows less the check rows (the calibration's
             held-out rows; where no held-out rows are put back it is the final fit itself), compared there with the
-            level's selection fit: ``(model, converged)`` where its squared errors are below the level's by
-            :data:`GROWTH_CHECK_Z` standard errors of their paired difference (:func:`_paired_z`), else ``None``
-            (recorded in ``report.growth``). The level's noise was selected for its ``M`` centers, and more
+            level's selection fit: ``(model, converged)`` where the paired difference of their squared errors is
+            below :data:`GROWTH_CHECK_Z` standard errors (:func:`_paired_z`; 0: a lower mean squared error), else
+            ``None`` (recorded in ``report.growth``). The level's noise was selected for its ``M`` centers, and more
             centers at that noise can over-fit (docs/math.md §8 "Growth check")."""
             t_g = time.perf_counter()
             m_b = int(level["grown_from"])
@@ -1970,6 +1970,8 @@ def auto_fit(
             checked = checked_growth(final_level, keeper)
             if checked is None:  # the level's own final fit
                 final_level, fallback = best_level, True
+                if keeper is not None:
+                    keeper.last = None  # the rejected fit's factors: the fallback's own (or none) calibrate it
         # the final rows: all of them, or with grow_rows as many as 1.2 x the predicted fit leaves within the
         # time left, at least the level's selection rows and the held-out ones (a grown level was sized on all)
         m_final = int(final_level["M"])

@@ -913,6 +913,9 @@ def test_auto_fit_checks_a_grown_final_fit_on_held_out_rows(monkeypatch, verdict
     m_u = unchecked.auto_report.chosen["num_centers"]
     assert m_g >= m_u >= 75 and unchecked.auto_report.growth == {}
     torch.testing.assert_close(unchecked.centers[:m_u], check.centers[:m_u])  # nested: the same pool
+    # the returned model's variances are calibrated (after a rejection, with the fallback fit's own factors)
+    assert not any(n.startswith("variance calibration skipped") for n in rep.notes), rep.notes
+    assert rep.chosen["variance_scale"] != 1.0
     if verdict < 1:
         assert model is check
         assert rep.chosen["grown_from"] == 60 and rep.chosen["num_centers"] == m_g and rep.chosen["final_rows"] == 1850
