@@ -845,10 +845,10 @@ def auto_fit(
             there with the level's selection fit: where its mean squared error is lower (:data:`GROWTH_CHECK_Z`),
             it is the returned model (without the check rows: the check's price); else the level's own final fit
             is (on all final rows, its CG started from the level's selection fit and stopped at the clock: no
-            time was kept for it). The grown
-            size is sized to the time left as without the check. Recorded in ``report.growth``. ``False``: the
-            growth is not validated (the behaviour before this option; the check lowered the test error where
-            growth over-fitted: ``benchmarks/results/auto-notes.md``, sessions 42 and 44).
+            time was kept for it). The grown size is sized to the time left as without the check. Recorded in
+            ``report.growth``. ``False``: the growth is not validated (the behaviour before this option; the
+            check lowered the test error where growth over-fitted: ``benchmarks/results/auto-notes.md``,
+            sessions 42 and 44).
         center_sampling: how the nested centers of stages 2-3 are drawn from the selection rows:
             ``"uniform"`` (a random permutation's prefixes); ``"leverage"`` (prefixes of one stream of
             ridge-leverage-score draws, :func:`~gpfalkon.nested_leverage_centers`, with the
@@ -884,11 +884,10 @@ def auto_fit(
             (:func:`~gpfalkon.models.calibration.preconditioned_variances`, ``2 rows M^2`` flops);
             ``r``: the final model's residuals there where the held-out rows are not refit (``val_x``
             given, ``refit_on_all=False`` or a kept growth check, ``check_growth``, whose check rows they
-            are), else those of the
-            selection fit that scored the chosen level (the leverage check's fit where its centers were
-            taken; where an unchecked growth grew the centers, the level's fewer ones), before the held-out
-            rows joined its training rows: its error, usually the larger, tends to make ``c`` err high, the
-            safe side.
+            are), else those of the selection fit that scored the chosen level (the leverage check's fit where
+            its centers were taken; where an unchecked growth grew the centers, the level's fewer ones), before
+            the held-out rows joined its training rows: its error, usually the larger, tends to make ``c`` err
+            high, the safe side.
             ``auto_report.chosen["variance_scale"]`` is ``c`` (1 when off or skipped, with a note).
         dtype: dtype of the data passes (float32 by default: half the time; CG, Cholesky factors
             and predictions stay float64 inside FALKON).
