@@ -29,9 +29,9 @@ from .errors import (
 )
 from .heuristics import median_lengthscale
 from .kernels import FastfoodKernel
-from .models import FalkonClassifier, FalkonGP, NystromPosteriorFactors, encode_labels
+from .models import FalkonClassifier, FalkonGP, NystromPosteriorFactors, PenaltyPath, encode_labels
 from .objectives import NystromMarginalLogLikelihood
-from .operators import FactorCache, FalkonPreconditioner, NystromKRROperator
+from .operators import FactorCache, FalkonPreconditioner, NystromKRROperator, PenaltyPathPreconditioner
 from .options import FalkonOptions
 from .solvers import CGInfo, Preconditioner, PreconditionerBuilder, Solver, conjugate_gradient, falkon_solve
 
@@ -65,6 +65,8 @@ __all__ = [
     "NystromMarginalLogLikelihood",
     "NystromPosteriorFactors",
     "ParquetRows",
+    "PenaltyPath",
+    "PenaltyPathPreconditioner",
     "Preconditioner",
     "PreconditionerBuilder",
     "RowSource",

@@ -73,6 +73,7 @@ from .errors import CGNotConvergedWarning
 from .models import FalkonGP
 from .models.calibration import preconditioned_variances, variance_scale
 from .models.defaults import log_positive
+from .models.penalty_path import PenaltyPath
 from .objectives import GCV, LOOCV, CompReg, NystromCompReg, SGPRBound, StochasticNystromCompReg
 from .operators import FactorCache, FalkonPreconditioner
 from .operators.preconditioner import engine_memory_budget
@@ -92,6 +93,10 @@ CALIBRATION_ROWS = 1000
 #: mean squared error. A tie goes to the level, whose own final fit also takes the check rows; 2 (growth unless
 #: clearly worse) was 2-3 % worse on the development sets (``benchmarks/results/auto-ab-growth-check-z-s*.md``)
 GROWTH_CHECK_Z = 0.0
+
+#: ``growth_noises``: the factor below the level's noise of the smallest noise a grown fit tries, and the ratio of
+#: the validation error to the level's noise above which it also tries noises up to that error
+GROWTH_NOISE_STEP = 4.0
 
 #: ``report.chosen["centers"]`` where the leverage check's centers replaced the level's
 _LEVERAGE_CHECK = "leverage (check)"
@@ -383,9 +388,11 @@ def _onthefly_pass_seconds(kernel: Kernel, x: Tensor, centers: Tensor) -> float:
     return seconds
 
 
-def _scaled_fit_seconds(records: Sequence[dict[str, Any]], factor: float, rows_ratio: float = 1.0) -> float:
+def _scaled_fit_seconds(records: Sequence[dict[str, Any]], factor: float, rows_ratio: float = 1.0,
+                        columns: int = 1) -> float:
     """The seconds of a selection fit at ``factor`` times the centers, on ``rows_ratio`` times the rows,
-    predicted from ``records`` (the fits measured at one size: ``report.search`` entries).
+    predicted from ``records`` (the fits measured at one size: ``report.search`` entries); ``columns``: as a penalty
+    path of that many penalties (:meth:`FalkonGP.fit_penalty_path <gpfalkon.FalkonGP.fit_penalty_path>`).
 
     A FALKON fit with ``M`` centers on ``n`` rows spends its time in three parts that grow at different
     rates: the preconditioner's factorisations, ``O(M^3)``; the triangular solves that apply it in every
@@ -397,7 +404,10 @@ def _scaled_fit_seconds(records: Sequence[dict[str, Any]], factor: float, rows_r
     the direct solve (``O(n M^2 + M^3)``, chosen over CG only at small ``M``) is scaled whole by
     ``factor^2 rows_ratio``. One growth exponent for the whole fit (measured over the last growth step,
     the earlier rule) is too high at small ``M``, where the data passes dominate, and too low at large
-    ``M``, where the factorisations do (``benchmarks/results/auto-cost-model.md``). No records: 0.
+    ``M``, where the factorisations do (``benchmarks/results/auto-cost-model.md``). No records: 0. A path of
+    ``columns`` penalties factors ``K_MM`` once and ``T T^T / M + lambda I`` per penalty (the factorisations counted
+    ``(1 + columns) / 2`` times) and applies a preconditioner per column (the solves ``columns`` times); its data
+    passes read ``K_nM`` once for all columns (the rest as for one).
     """
     if not records:
         return 0.0
@@ -407,7 +417,20 @@ def _scaled_fit_seconds(records: Sequence[dict[str, Any]], factor: float, rows_r
     pre = max(float(r.get("precond_seconds", 0.0)) for r in records)
     apply = float(slow.get("apply_seconds", 0.0))
     rest = max(slow["seconds"] - float(slow.get("precond_seconds", 0.0)) - apply, 0.0)
-    return pre * factor**3 + apply * factor**2 + rest * factor * rows_ratio
+    return pre * factor**3 * (1 + columns) / 2 + apply * factor**2 * columns + rest * factor * rows_ratio
+
+
+def _growth_noises(noise: float, error: float) -> list[float]:
+    """``growth_noises``' candidates (standardised units) for a level at ``noise`` with validation error ``error``:
+    ``noise / GROWTH_NOISE_STEP`` and ``noise``; where ``error > GROWTH_NOISE_STEP noise`` also ``error``, and where
+    ``error > GROWTH_NOISE_STEP^2 noise`` their geometric mean ``sqrt(noise error)``; within ``[1e-8, 1e2]``
+    (stage 2's search range), ascending, without repeats."""
+    out = [noise / GROWTH_NOISE_STEP, noise]
+    if math.isfinite(error) and error > GROWTH_NOISE_STEP * noise:
+        if error > GROWTH_NOISE_STEP**2 * noise:
+            out.append(math.sqrt(noise * error))
+        out.append(error)
+    return sorted({min(max(v, 1e-8), 1e2) for v in out})
 
 
 def _growth_cap(m: int, factor: float, n_final: int, limit: int) -> int:
@@ -444,6 +467,20 @@ def _fit_quiet(model: FalkonGP, time_limit: float | None = None,
         if not issubclass(w.category, CGNotConvergedWarning):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return model, not any(issubclass(w.category, CGNotConvergedWarning) for w in caught)
+
+
+def _path_quiet(model: FalkonGP, penalties: Sequence[float], time_limit: float | None,
+                initial_alpha: Tensor | None) -> tuple[PenaltyPath, bool]:
+    """:meth:`FalkonGP.fit_penalty_path` from ``initial_alpha`` (one start for every penalty), recording (not
+    printing) CG's cap warning; returns (path, converged)."""
+    start = None if initial_alpha is None else initial_alpha.reshape(1, -1).expand(len(penalties), -1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = model.fit_penalty_path(penalties, time_limit=time_limit, initial_alpha=start)
+    for w in caught:
+        if not issubclass(w.category, CGNotConvergedWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return path, not any(issubclass(w.category, CGNotConvergedWarning) for w in caught)
 
 
 def _scoring_fit(model: FalkonGP, extra: Tensor | None) -> FalkonGP:
@@ -664,6 +701,7 @@ def auto_fit(
     final_growth: bool = True,
     final_growth_factor: float = 4.0,
     check_growth: bool = True,
+    growth_noises: bool = True,
     rescore_continuations: bool = True,
     center_sampling: str = "auto",
     leverage_check: bool = False,
@@ -838,17 +876,27 @@ def auto_fit(
             regularised: on the development sets with ``n`` below 10,000 such growth raised the test error
             in some runs, while on the larger sets four times the level's centers at its noise lowered it,
             ``benchmarks/results/auto-growth-check.md``).
-        check_growth: validate a grown final fit: the grown size is fitted once, at the level's noise and
-            multiplier with the final fit's ``max_iter`` (a selection fit's fewer iterations regularise and hid the
-            over-fit this check is for), on the final rows less the check rows (the variance calibration's, up to
-            :data:`CALIBRATION_ROWS` of the held-out rows; the other held-out rows are put back), and compared
-            there with the level's selection fit: where its mean squared error is lower (:data:`GROWTH_CHECK_Z`),
-            it is the returned model (without the check rows: the check's price); else the level's own final fit
-            is (on all final rows, its CG started from the level's selection fit and stopped at the clock: no
-            time was kept for it). The grown size is sized to the time left as without the check. Recorded in
-            ``report.growth``. ``False``: the growth is not validated (the behaviour before this option; the
-            check lowered the test error where growth over-fitted: ``benchmarks/results/auto-notes.md``,
-            sessions 42 and 44).
+        check_growth: validate a grown final fit: the grown size is fitted once, at the level's noise (or several noises
+            in one solve: ``growth_noises``) and multiplier with the final fit's ``max_iter`` (a selection fit's fewer
+            iterations regularise and hid the over-fit this check is for), on the final rows less the check rows (the
+            variance calibration's, up to :data:`CALIBRATION_ROWS` of the held-out rows; the other held-out rows are put
+            back), and compared there with the level's selection fit: where its mean squared error is lower
+            (:data:`GROWTH_CHECK_Z`), it is the returned model (without the check rows: the check's price); else the
+            level's own final fit is (on all final rows, its CG started from the level's selection fit and stopped at
+            the clock: no time was kept for it). The grown size is sized to the time left as without the check. Recorded
+            in ``report.growth``. ``False``: the growth is not validated (the behaviour before this option; the check
+            lowered the test error where growth over-fitted: ``benchmarks/results/auto-notes.md``, sessions 42 and 44).
+        growth_noises: with ``check_growth``, the grown fit solves at several noises in one CG
+            (:meth:`FalkonGP.fit_penalty_path <gpfalkon.FalkonGP.fit_penalty_path>`: one data pass an iteration for
+            all) and keeps the one with the lowest error on the check rows, which the growth check then compares with
+            the level: the level's noise ``s``, ``s /`` :data:`GROWTH_NOISE_STEP`, and where the level's validation
+            error ``v`` (standardised: the residual variance, which the noise of a well-specified GP matches) exceeds
+            ``GROWTH_NOISE_STEP s``, ``v`` (and ``sqrt(s v)`` past ``GROWTH_NOISE_STEP^2 s``). The noise was
+            selected for ``M`` centers, whose projection also regularises; where the validation error is flat in the
+            noise there, it does not tell the noise more centers need (docs/math.md §8 "Noise of a grown fit"). The
+            grown size is sized for the path's cost (its triangular solves and factorisations grow with the number
+            of noises, its data passes do not). ``report.growth["noises"]`` and ``["errors"]`` record them.
+            ``False``: the level's noise alone.
         center_sampling: how the nested centers of stages 2-3 are drawn from the selection rows:
             ``"uniform"`` (a random permutation's prefixes); ``"leverage"`` (prefixes of one stream of
             ridge-leverage-score draws, :func:`~gpfalkon.nested_leverage_centers`, with the
@@ -965,6 +1013,8 @@ def auto_fit(
         raise TypeError(f"final_growth must be True or False, got {final_growth!r}")
     if not isinstance(check_growth, bool):
         raise TypeError(f"check_growth must be True or False, got {check_growth!r}")
+    if not isinstance(growth_noises, bool):
+        raise TypeError(f"growth_noises must be True or False, got {growth_noises!r}")
     if not isinstance(rescore_continuations, bool):
         raise TypeError(f"rescore_continuations must be True or False, got {rescore_continuations!r}")
     if isinstance(final_growth_factor, bool) or not (isinstance(final_growth_factor, (int, float))
@@ -1471,32 +1521,33 @@ def auto_fit(
                 pass_cache[m] = _onthefly_pass_seconds(base_kernel, xs, centers_at(m)[0])
             return pass_cache[m]
 
-        def predicted_fit_seconds(m: int, m_new: int, rows_ratio: float | None = None) -> float:
+        def predicted_fit_seconds(m: int, m_new: int, rows_ratio: float | None = None, columns: int = 1) -> float:
             """A fit at ``m_new`` centers on ``rows_ratio`` times the rows of the selection fits measured at
-            ``m`` (default: on the selection rows of ``m_new``), predicted from those fits by
-            :func:`_scaled_fit_seconds`."""
+            ``m`` (default: on the selection rows of ``m_new``), at ``columns`` penalties at once, predicted from
+            those fits by :func:`_scaled_fit_seconds`."""
             ratio = rows_at(m_new) / rows_at(m) if rows_ratio is None else rows_ratio
-            return _scaled_fit_seconds([r for r in report.search if r["M"] == m], m_new / m, ratio)
+            return _scaled_fit_seconds([r for r in report.search if r["M"] == m], m_new / m, ratio, columns)
 
-        def fit_cost(m: int, base: int, rows: int, iterations: int) -> float:
+        def fit_cost(m: int, base: int, rows: int, iterations: int, columns: int = 1) -> float:
             """A fit at ``m`` centers on ``rows`` rows with at most ``iterations`` CG iterations, predicted
             from the selection fits at ``base``: scaled to the rows (FALKON's passes are linear in the rows,
             its factorisations and triangular solves independent of them) while its ``K_nM`` fits the memory
             budget (stored, as it was in the selection fits); beyond it the engine stores the rows that fit
             and every CG iteration recomputes the others: ``iterations + 2`` measured on-the-fly passes over
-            those rows on top."""
-            cost = predicted_fit_seconds(base, m, max(1.0, rows / rows_at(base)))
+            those rows on top. ``columns``: penalties solved at once (:func:`_scaled_fit_seconds`)."""
+            cost = predicted_fit_seconds(base, m, max(1.0, rows / rows_at(base)), columns)
             head = stored_rows_for(rows, m, itemsize, budget_at(m), device=dev, store_dtype=store_dtype, d=d)
             if head < rows:
                 recompute = (iterations + 2) * onthefly_pass_seconds(m) * (rows - head) / n_s
                 # plus a fit on the first size's n_s rows: the parts that do not grow with the rows
-                cost = max(cost, cost * head / rows + recompute + predicted_fit_seconds(base, m, n_s / rows_at(base)))
+                cost = max(cost, cost * head / rows + recompute
+                           + predicted_fit_seconds(base, m, n_s / rows_at(base), columns))
             return cost
 
-        def final_cost(m: int, base: int | None = None, rows: int | None = None) -> float:
-            """The final fit at ``m`` on ``rows`` final rows (default: all of them), predicted from the
-            selection fits at ``base`` (default ``m`` itself) by :func:`fit_cost`."""
-            return fit_cost(m, m if base is None else base, n_final if rows is None else rows, max_iter)
+        def final_cost(m: int, base: int | None = None, rows: int | None = None, columns: int = 1) -> float:
+            """The final fit at ``m`` on ``rows`` final rows (default: all of them) at ``columns`` penalties at
+            once, predicted from the selection fits at ``base`` (default ``m`` itself) by :func:`fit_cost`."""
+            return fit_cost(m, m if base is None else base, n_final if rows is None else rows, max_iter, columns)
 
         def select_cost(m_new: int, m: int) -> float:
             """One selection fit at ``m_new`` centers (on its selection rows), predicted from those at ``m``: with
@@ -1526,16 +1577,26 @@ def auto_fit(
                         centers: Tensor | None = None, weights: Tensor | None = None,
                         rows: int | None = None, keeper: _KeptPreconditioner | None = None,
                         start: Tensor | None = None, leave_out: Tensor | None = None) -> tuple[FalkonGP, bool]:
-            """The model of a selection level on the final rows, in raw units, fitted; (model, converged).
-            ``time_limit`` bounds the fit's wall time (CG stops at the clock, see ``FalkonGP.fit``);
-            ``centers`` (standardised units) and their preconditioner ``weights`` replace the level's, ``start``
-            (standardised units) their coefficients CG starts from; without ``centers``, CG starts from the
-            level's selection fit (:func:`start_for`): in raw units ``f = y_mu + y_sd f_z`` with the kernel
-            scaled by ``y_sd^2``, so the coefficients are ``alpha_z / y_sd``. ``rows`` (default: all final rows)
-            takes the first ``rows - n_back`` selection-order training rows (every size's selection rows come
-            first) and the held-out rows put back; ``leave_out`` (indices of held-out rows, with ``rows`` all final
-            rows) keeps those held-out rows out of the fit; ``keeper`` builds the fit's preconditioner and keeps
-            it."""
+            """The model of a selection level on the final rows, in raw units (:func:`final_model`), fitted;
+            (model, converged). ``time_limit`` bounds the fit's wall time (CG stops at the clock, see
+            ``FalkonGP.fit``)."""
+            model, initial = final_model(level, centers=centers, weights=weights, rows=rows, keeper=keeper,
+                                         start=start, leave_out=leave_out)
+            return _fit_quiet(model, time_limit=time_limit, initial_alpha=initial)
+
+        def final_model(level: dict[str, Any], centers: Tensor | None = None, weights: Tensor | None = None,
+                        rows: int | None = None, keeper: _KeptPreconditioner | None = None,
+                        start: Tensor | None = None, leave_out: Tensor | None = None
+                        ) -> tuple[FalkonGP, Tensor | None]:
+            """The model of a selection level on the final rows, in raw units, not fitted, and the coefficients
+            its CG starts from (raw units, or ``None``). ``centers`` (standardised units) and their preconditioner
+            ``weights`` replace the level's, ``start`` (standardised units) their coefficients CG starts from;
+            without ``centers``, CG starts from the level's selection fit (:func:`start_for`): in raw units
+            ``f = y_mu + y_sd f_z`` with the kernel scaled by ``y_sd^2``, so the coefficients are ``alpha_z / y_sd``.
+            ``rows`` (default: all final rows) takes the first ``rows - n_back`` selection-order training rows (every
+            size's selection rows come first) and the held-out rows put back; ``leave_out`` (indices of held-out rows,
+            with ``rows`` all final rows) keeps those held-out rows out of the fit; ``keeper`` builds the fit's
+            preconditioner and keeps it."""
             x_use, y_use = x_fin_t, y_fin_t
             if leave_out is not None and n_back > 0:
                 back = torch.ones(n_back, dtype=torch.bool, device=dev)
@@ -1572,7 +1633,7 @@ def auto_fit(
             initial = None
             if start is not None and start.numel() == model.alpha.numel():
                 initial = (start.to(torch.float64) / float(y_sd)).reshape(model.alpha.shape)
-            return _fit_quiet(model, time_limit=time_limit, initial_alpha=initial)
+            return model, initial
 
         def calibration_scale(final: FalkonGP, precond: FalkonPreconditioner | None) -> float:
             """``c = mean(r^2 / v)`` on the calibration rows (raw units; see ``calibrate_variance``)."""
@@ -1680,10 +1741,13 @@ def auto_fit(
                 report.notes.append(f"final growth skipped: {cap} allow no M >= {math.ceil(1.25 * m_b)}")
                 return level
             rows_g = n_final - min(n_back, int(cal_idx.shape[0])) if check_growth else n_final
+            noises = [float(level["noise"])]
+            if check_growth and growth_noises:
+                noises = _growth_noises(float(level["noise"]), float(level["error"]))
             m_try = m_cap
             predicted = math.inf
             while m_try >= 1.25 * m_b:
-                predicted = final_cost(m_try, base=m_b, rows=rows_g)
+                predicted = final_cost(m_try, base=m_b, rows=rows_g, columns=len(noises))
                 if 1.2 * predicted <= clock.left():
                     break
                 m_try = int(m_try / 1.15)
@@ -1691,9 +1755,11 @@ def auto_fit(
                 report.notes.append(f"final growth skipped: {clock.left():.3g} s left pay for no final fit "
                                     f"with M >= {math.ceil(1.25 * m_b)}")
                 return level
-            report.notes.append(f"final fit's centers grown from M={m_b} to M={m_try} at the level's noise and "
+            at_noise = ("the level's noise" if len(noises) == 1 else
+                        "noises " + ", ".join(f"{v:.3g}" for v in noises) + " (one CG; the check rows choose)")
+            report.notes.append(f"final fit's centers grown from M={m_b} to M={m_try} at {at_noise} and the level's "
                                 f"multiplier ({clock.left():.3g} s left)")
-            return dict(level, M=m_try, grown_from=m_b, final_predicted=predicted)
+            return dict(level, M=m_try, grown_from=m_b, final_predicted=predicted, noises=noises)
 
         def checked_growth(level: dict[str, Any],
                            keeper: _KeptPreconditioner | None) -> tuple[FalkonGP, bool] | None:
@@ -1706,9 +1772,30 @@ def auto_fit(
             t_g = time.perf_counter()
             m_b = int(level["grown_from"])
             key = score_key(m_b, level["noise"], level["multiplier"], level["centers"])
-            model, converged = build_final(level, keeper=keeper, leave_out=cal_idx if n_back > 0 else None,
-                                           time_limit=max(clock.left() + grace, 1.2 * level["final_predicted"], 1e-3))
-            res_g = _std_residuals(model, xv[cal_idx].to(dtype), yv[cal_idx], float(y_sd))
+            limit = max(clock.left() + grace, 1.2 * level["final_predicted"], 1e-3)
+            x_chk, y_chk = xv[cal_idx].to(dtype), yv[cal_idx].to(torch.float64)
+            noises = [float(v) for v in level.get("noises", [level["noise"]])]
+            errors: list[float] = []
+            if len(noises) == 1:
+                model, converged = build_final(level, keeper=keeper, leave_out=cal_idx if n_back > 0 else None,
+                                               time_limit=limit)
+                res_g = _std_residuals(model, x_chk, y_chk, float(y_sd))
+                chosen = 0
+            else:
+                # one CG for every noise (a penalty path), the check rows choose among them
+                model, initial = final_model(level, leave_out=cal_idx if n_back > 0 else None)
+                rows_g = int(model.train_targets.shape[0])
+                scale = float(y_sd) ** 2 / rows_g
+                path, converged = _path_quiet(model, [v * scale for v in noises], limit, initial)
+                res_all = (y_chk.unsqueeze(0) - model.path_means(path, x_chk)) / float(y_sd)
+                errs = res_all.square().mean(1)
+                errors = [float(e) if math.isfinite(float(e)) else math.inf for e in errs]
+                chosen = min(range(len(noises)), key=lambda j: (errors[j], -noises[j]))
+                model.select_penalty(path, chosen)
+                if keeper is not None:  # (a direct solve built none: the calibration builds CG's)
+                    keeper.last = None if path.preconditioners is None else path.preconditioners.parts[chosen]
+                res_g = res_all[chosen]
+                del path
             err_g = float(res_g.square().mean())
             err_g = err_g if math.isfinite(err_g) else math.inf
             res_l = cal_residuals.get(key)  # kept for every selection fit with a finite error
@@ -1716,19 +1803,26 @@ def auto_fit(
             z = _paired_z(res_g, res_l) if res_l is not None else (0.0 if math.isfinite(err_g) else math.inf)
             kept = z < GROWTH_CHECK_Z
             n_check = int(cal_idx.shape[0])
-            report.growth = dict(M=int(level["M"]), grown_from=m_b, error=err_g, level_error=err_l, z=z,
+            report.growth = dict(M=int(level["M"]), grown_from=m_b, noise=noises[chosen],
+                                 level_noise=float(level["noise"]), noises=noises, errors=errors, error=err_g,
+                                 level_error=err_l, z=z,
                                  check_rows=n_check, rows=int(model.train_targets.shape[0]),
+                                 iterations=None if model.fit_info is None else int(model.fit_info.iterations),
+                                 predicted=float(level["final_predicted"]),
                                  seconds=time.perf_counter() - t_g, kept=kept)
             clock.tick(f"growth check M={level['M']}", val_rmse=f"{math.sqrt(err_g):.4f}" if math.isfinite(err_g)
                        else "inf")
             compared = (f"its error on the {n_check:,} check rows {err_g:.4g}, the level's {err_l:.4g} ({z:.2f} "
                         "standard errors of the paired difference)")
+            if len(noises) > 1:
+                compared = f"at noise {noises[chosen]:.3g} (the lowest error of {len(noises)} noises), " + compared
             if kept:
                 report.notes.append(f"growth to M={level['M']} kept: {compared}; the final model is that fit (on "
                                     f"{model.train_targets.shape[0]:,} rows, the check rows left out)")
+                level["noise"] = noises[chosen]
                 return model, converged
             report.notes.append(f"final growth from M={m_b} to M={level['M']} rejected: {compared}, not below "
-                                f"{GROWTH_CHECK_Z:g} (the level's noise and multiplier); the final fit keeps M={m_b}")
+                                f"{GROWTH_CHECK_Z:g}; the final fit keeps M={m_b} at the level's noise and multiplier")
             return None
 
         def try_leverage(m: int, level: dict[str, Any], deadline: float) -> None:
@@ -2036,7 +2130,7 @@ def auto_fit(
             learn_rows=best_state["rows"],
             y_scale=float(y_sd),
             num_centers=m_fin,
-            noise=best_level["noise"],
+            noise=final_level["noise"],
             variance_scale=variance_c,
             noise_raw=noise_raw,
             penalty=noise_raw / rows_final,

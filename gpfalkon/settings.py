@@ -18,7 +18,7 @@ import os
 from typing import Any, ClassVar
 
 __all__ = ["aggregate_route", "block_rows", "cg_tolerance", "kmm_through_factor", "max_cg_iterations", "memory_budget",
-           "store_format", "tf32", "triton_fly", "variance_factors"]
+           "store_format", "tf32", "triton_fly", "variance_factors", "wide_products"]
 
 _UNSET = object()
 
@@ -251,6 +251,29 @@ class kmm_through_factor(_setting):
     def _check(cls, value: Any) -> bool:
         if not isinstance(value, bool):
             raise ValueError(f"gpfalkon.settings.kmm_through_factor: must be True or False, got {value!r}")
+        return value
+
+
+class wide_products(_setting):
+    """Whether the CPU engine's products over a stored float32 ``K_nM`` (the CG iterations of float32 data) take
+    float64 vectors and sum in float64: each stored float32 value is widened in registers (the store is read at
+    four bytes a value, as before), and the vector ``u`` of ``K_nM^T (K_nM u)`` is not rounded to float32.
+
+    Default ``True``. In float32 arithmetic the dot products ``K_i . u`` lose the digits that cancel between
+    ``u``'s large, preconditioned entries: at a small penalty CG stalls at a relative residual of about ``1e-2``
+    (keggdirected, ``M = 3,000``: float32 test NRMSE 0.0921 against float64's 0.0891), while float64 products
+    over the same float32 kernel values solve as float64 does (0.0906; docs/math.md §3.2b). The kernel values
+    are still computed and stored in float32; the on-the-fly rows (past the memory budget), the first pass and
+    the GPU keep float32 products. ``False``: float32 products (the behaviour before this setting, for
+    comparisons).
+    """
+
+    _default: ClassVar[bool] = True
+
+    @classmethod
+    def _check(cls, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"gpfalkon.settings.wide_products: must be True or False, got {value!r}")
         return value
 
 

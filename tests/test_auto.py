@@ -706,7 +706,14 @@ def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int, **extra
         limits.append((kw.get("time_limit"), now[0]))
         return real_fit(self, **kw)
 
+    real_path = FalkonGP.fit_penalty_path
+
+    def fit_penalty_path(self, penalties, **kw):  # a growth check's path is bounded as a final fit too
+        limits.append((kw.get("time_limit"), now[0]))
+        return real_path(self, penalties, **kw)
+
     monkeypatch.setattr(FalkonGP, "fit", fit)
+    monkeypatch.setattr(FalkonGP, "fit_penalty_path", fit_penalty_path)
     x, y, _ = _data(2000)
     # the fake budgets below are sized to the fake seconds of a three-objective learning stage (the whole
     # race: race_margin=None, race_share=None; early ends are covered by test_auto_fit_race_margin_drops_...
@@ -880,7 +887,8 @@ def test_auto_fit_checks_a_grown_final_fit_on_held_out_rows(monkeypatch, verdict
     monkeypatch.setattr(auto_module, "_paired_z", paired_z)
     starts = _record_cg_starts(monkeypatch)
     kw = dict(memory_budget=2**40, max_centers=400)
-    model, spent = _fake_clock_auto_fit(monkeypatch, budget=0.04, check_growth=True, **kw)
+    # the level's noise alone (the grown fit's noises are covered by test_auto_fit_grown_fit_chooses_its_noise_...)
+    model, spent = _fake_clock_auto_fit(monkeypatch, budget=0.04, check_growth=True, growth_noises=False, **kw)
     rep = model.auto_report
     assert spent <= 0.04 * 1.05, (spent, rep.stages)
     assert [lv["M"] for lv in rep.chosen["levels"]] == [60], rep.notes
@@ -930,6 +938,95 @@ def test_auto_fit_checks_a_grown_final_fit_on_held_out_rows(monkeypatch, verdict
         # the fallback's CG starts from the level's selection fit (60 coefficients), and it is the dense solution
         assert starts[id(model)].shape == model.alpha.shape and float(starts[id(model)].abs().sum()) > 0
         _assert_dense_nystrom(model)
+
+
+@pytest.mark.parametrize("verdict", [0.5, 4.0])
+def test_auto_fit_grown_fit_chooses_its_noise_on_the_check_rows(monkeypatch, verdict):
+    """``growth_noises``: the grown fit is one penalty path over ``_growth_noises`` of the level (its noise among
+    them) on the final rows less the 150 check rows; each noise's error on the check rows is its dense Nystrom
+    solution's there, the lowest one is chosen, and the growth check compares that fit with the level (the level's
+    residuals scaled here by ``1 / verdict``: kept at 0.5, rejected at 4). Kept, the returned model is the path's
+    fit at the chosen noise (the dense solution, calibrated with that noise's preconditioner); rejected, the
+    level's own fit. The call keeps its budget."""
+    import gpfalkon.auto as auto_module
+
+    monkeypatch.setattr(auto_module, "CALIBRATION_ROWS", 150)
+    paths: list = []
+    real_path, real_z = auto_module._path_quiet, auto_module._paired_z
+
+    def spy(model, penalties, limit, initial):
+        out = real_path(model, penalties, limit, initial)
+        paths.append((model, list(penalties), out[0], initial))
+        return out
+
+    monkeypatch.setattr(auto_module, "_path_quiet", spy)
+    monkeypatch.setattr(auto_module, "_paired_z", lambda new, old: real_z(new, old / verdict**0.5))
+    model, spent = _fake_clock_auto_fit(monkeypatch, budget=0.04, check_growth=True, memory_budget=2**40,
+                                        max_centers=400)
+    rep = model.auto_report
+    assert spent <= 0.04 * 1.05, (spent, rep.stages)
+    level = rep.chosen["levels"][0]
+    g = rep.growth
+    assert g["noises"] == auto_module._growth_noises(level["noise"], level["error"])
+    assert g["level_noise"] == level["noise"]
+    assert level["noise"] in g["noises"] and len(g["noises"]) >= 2
+    assert len(paths) == 1, rep.notes
+    grown, penalties, _, initial = paths[0]
+    n_fit = grown.train_inputs[0].shape[0]
+    assert n_fit == 1850 and g["rows"] == 1850 and grown.centers.shape[0] == g["M"] > 60
+    # the penalties are the noises in raw units over the fit's rows, in one ratio (y_sd^2 / rows)
+    ratios = [p / v for p, v in zip(penalties, g["noises"], strict=True)]
+    assert max(ratios) == pytest.approx(min(ratios), rel=1e-12)
+    # CG started every penalty from the level's selection fit (its 60 coefficients, zero for the added centers)
+    assert initial is not None and float(initial.reshape(-1)[60:].abs().max()) == 0.0
+    # each noise's error on the check rows: the dense solution at its penalty (one ratio to the raw squared error)
+    x_all, y_all, _ = _data(2000)
+    fit_rows = {tuple(r.tolist()) for r in grown.train_inputs[0]}
+    check = torch.tensor([tuple(r.tolist()) not in fit_rows for r in x_all])
+    assert int(check.sum()) == 150
+    x_c, y_c = x_all[check], y_all[check]
+    xf, yf, c = grown.train_inputs[0], grown.train_targets, grown.centers.detach()
+    knm, kmm = dense_kernel(grown.kernel, xf, c).detach(), dense_kernel(grown.kernel, c, c).detach()
+    kcm = dense_kernel(grown.kernel, x_c, c).detach()
+    mu = float(grown.mean_constant)
+    raw = []
+    for lam in penalties:
+        a = torch.linalg.solve(knm.T @ knm + n_fit * lam * kmm, knm.T @ (yf - mu).unsqueeze(-1))
+        raw.append(float((y_c - mu - (kcm @ a).reshape(-1)).square().mean()))
+    scale = [e / r for e, r in zip(g["errors"], raw, strict=True)]
+    # (to 2e-3: the solve at M close to the rows regularises K_MM by its jitter, the dense reference does not)
+    assert max(scale) == pytest.approx(min(scale), rel=2e-3), (g["errors"], raw)
+    chosen = min(range(len(raw)), key=lambda j: raw[j])
+    assert g["noise"] == g["noises"][chosen] and g["error"] == g["errors"][chosen]
+    assert g["kept"] == (verdict < 1)
+    if verdict < 1:
+        assert model is grown and rep.chosen["noise"] == g["noise"]
+        assert float(model.penalty.detach()) * rep.chosen["variance_scale"] ** -1 == pytest.approx(penalties[chosen],
+                                                                                                    rel=1e-9)
+        assert any(n.startswith(f"growth to M={g['M']} kept: at noise") for n in rep.notes), rep.notes
+        _assert_dense_nystrom(model)
+    else:
+        assert model is not grown and rep.chosen["num_centers"] == 60 and rep.chosen["noise"] == level["noise"]
+        _assert_dense_nystrom(model)
+    assert not any(n.startswith("variance calibration skipped") for n in rep.notes), rep.notes
+
+
+def test_growth_noises_and_the_path_cost_model():
+    """``_growth_noises``: the level's noise and a quarter of it, and up to the validation error where it is more
+    than 4x the noise (their geometric mean past 16x); ``_scaled_fit_seconds`` with ``columns``: the
+    factorisations ``(1 + p) / 2`` times, the triangular solves ``p`` times, the rest once."""
+    from gpfalkon.auto import _growth_noises, _scaled_fit_seconds
+
+    assert _growth_noises(0.01, 0.02) == pytest.approx([0.0025, 0.01])
+    assert _growth_noises(0.01, 0.1) == pytest.approx([0.0025, 0.01, 0.1])
+    assert _growth_noises(0.001, 0.1) == pytest.approx([0.00025, 0.001, 0.01, 0.1])
+    assert _growth_noises(5.0, 0.5) == pytest.approx([1.25, 5.0])
+    assert _growth_noises(1e-8, 1e3) == pytest.approx([1e-8, math.sqrt(1e-8 * 1e3), 1e2])
+    assert _growth_noises(0.01, math.inf) == pytest.approx([0.0025, 0.01])
+    rec = [dict(seconds=2.0, precond_seconds=0.5, apply_seconds=0.5), dict(seconds=1.0, precond_seconds=0.2)]
+    one = _scaled_fit_seconds(rec, 2.0, 1.5)
+    assert one == pytest.approx(0.5 * 8 + 0.5 * 4 + 1.0 * 2 * 1.5)
+    assert _scaled_fit_seconds(rec, 2.0, 1.5, columns=3) == pytest.approx(0.5 * 8 * 2 + 0.5 * 4 * 3 + 1.0 * 2 * 1.5)
 
 
 def test_auto_fit_grows_the_final_fit_instead_of_a_partial_step(monkeypatch):

@@ -16,6 +16,7 @@ from gpfalkon import (
     conjugate_gradient,
     median_lengthscale,
 )
+from gpfalkon import settings as gp_settings
 from gpfalkon.operators.nystrom import NystromKRROperator
 
 from conftest import make_data, make_kernel
@@ -58,10 +59,26 @@ def test_float32_residual_rise_returns_best_iterate():
     0.05 and then climbs ~5x as round-off takes over. The last iterate's test RMSE is ~5 %
     above float64's (0.839 vs 0.800 when measured); the best iterate, which CG now returns
     for any rise above 2x, matches float64 to 1 %."""
-    r32, info = _fit_rmse(torch.float32, 1e-3, 1000, lengthscale_factor=4.0, return_info=True)
+    with gp_settings.wide_products(False):  # float32 products: the round-off this test is about
+        r32, info = _fit_rmse(torch.float32, 1e-3, 1000, lengthscale_factor=4.0, return_info=True)
     r64 = _fit_rmse(torch.float64, 1e-3, 1000, lengthscale_factor=4.0)
     assert info.extra["returned_best"] == 1
     assert abs(r32 - r64) <= 0.01 * r64, (r32, r64)
+
+
+@pytest.mark.parametrize("noise,m,factor", [(1e-2, 2000, 1.0), (1e-2, 2000, 4.0), (1e-3, 1000, 4.0)])
+def test_wide_products_take_float32_fits_to_float64_s_residual(noise, m, factor):
+    """``settings.wide_products`` (the default): the stored float32 ``K_nM``'s products in float64. The same 20
+    iterations reach a CG residual at least 2x lower than with float32 products (whose floor, the first case,
+    is about 1.5e-2 against float64's 1e-5), the residual no longer rises (no best iterate handed back), and the
+    test RMSE is float64's to 0.1 %."""
+    with gp_settings.wide_products(False):
+        _, narrow = _fit_rmse(torch.float32, noise, m, lengthscale_factor=factor, return_info=True)
+    r32, wide = _fit_rmse(torch.float32, noise, m, lengthscale_factor=factor, return_info=True)
+    r64 = _fit_rmse(torch.float64, noise, m, lengthscale_factor=factor)
+    assert float(wide.final_residual.max()) <= 0.5 * float(narrow.final_residual.max())
+    assert wide.extra["returned_best"] == 0
+    assert abs(r32 - r64) <= 1e-3 * r64, (r32, r64)
 
 
 def test_float32_without_data_dtype_jitter_breaks_down(monkeypatch):
@@ -70,7 +87,8 @@ def test_float32_without_data_dtype_jitter_breaks_down(monkeypatch):
     depends on the rounding of the triangular solves: LAPACK's or the CPU kernel's)."""
     monkeypatch.setattr(NystromKRROperator, "_precond_jitter", lambda self: None)
     with pytest.raises((FalkonConvergenceError, CGNotConvergedWarning),
-                       match=r"lost positive definiteness|no progress|diverged"), warnings.catch_warnings():
+                       match=r"lost positive definiteness|no progress|diverged"), warnings.catch_warnings(), \
+            gp_settings.wide_products(False):  # float32 products: the rounding the jitter is for
         warnings.simplefilter("error", CGNotConvergedWarning)
         _fit_rmse(torch.float32, 1e-2, 2000)
 
@@ -204,7 +222,8 @@ def test_float32_default_tolerance_stops_quietly_at_the_float32_floor():
     tolerance given the fit ends there without a warning
     and predicts as float64 does; an explicit tolerance still warns, and so does an RBF kernel whose
     float32 floor is above FLOAT32_QUIET, with advice naming float64 (penalty 1e-7: 6e-2 with the fused
-    CPU kernels, 0.13 without; at 1e-6 the fused kernels' floor, 2.4e-2, is below it)."""
+    CPU kernels' float32 products, 0.13 without; at 1e-6 the fused kernels' floor, 2.4e-2, is below it); with the
+    products in float64 (``settings.wide_products``) that fit ends quietly and predicts as float64 does."""
     xtr, ytr, xte, yte = _protein()
     ls = float(median_lengthscale(xtr)) * 2.0
 
@@ -221,5 +240,12 @@ def test_float32_default_tolerance_stops_quietly_at_the_float32_floor():
     assert abs(r32 - r64) <= 0.01 * r64, (r32, r64)
     with pytest.warns(CGNotConvergedWarning):
         fit(torch.float32, tol=1e-9, max_iter=120)
-    with pytest.warns(CGNotConvergedWarning, match="use float64 data"):
+    with pytest.warns(CGNotConvergedWarning, match="use float64 data"), gp_settings.wide_products(False):
         fit(torch.float32, kernel="rbf", penalty=1e-7)
+    # with the stored K_nM's products in float64 (settings.wide_products, the default) that fit ends below the
+    # quiet floor, and predicts as float64 does
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CGNotConvergedWarning)
+        _, w32 = fit(torch.float32, kernel="rbf", penalty=1e-7)
+    _, w64 = fit(torch.float64, kernel="rbf", penalty=1e-7, tol=1e-10, max_iter=500)
+    assert abs(w32 - w64) <= 0.01 * w64, (w32, w64)

@@ -51,6 +51,7 @@ import torch
 from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from torch import Tensor
 
+from .. import settings
 from . import blocks as _blocks
 from .blocks import (
     PRODUCT,
@@ -417,11 +418,15 @@ class KernelEngine:
     :class:`gpfalkon.settings.store_format` is ``"int16"`` when the engine is built (fixed point: row ``i``
     is ``q_i s_i``, ``s_i = max |K_i| / 32767``, the scales in the data's dtype), rounded once by the first
     pass; every pass (the first one's products included) reads those values, converted to the data's dtype
-    in the core's cache (the fused CPU kernel) or block by block.
+    in the core's cache (the fused CPU kernel) or block by block. A float32 store on the CPU is multiplied with
+    float64 vectors and sums (:attr:`wide`, :class:`gpfalkon.settings.wide_products` when the engine is built:
+    the fused kernel widens each value in registers; the first pass, which fills the store, reads it once more so
+    that its products are the same float64 ones; docs/math.md §3.2b).
 
     Attributes:
         stored: whether the whole ``K_nM`` is stored.
         store_dtype: the dtype of the stored rows (the data's, or int16).
+        wide: whether the products over a stored float32 ``K_nM`` take float64 vectors and sums (CPU).
         stored_rows: rows of ``K_nM`` held in memory once the first pass has run (``n`` when
             ``stored``; ``0`` with ``store=False`` or where not one block fits beside the buffers).
 
@@ -455,6 +460,10 @@ class KernelEngine:
         itemsize = torch.finfo(self.dtype).bits // 8
         self.store_dtype = resolve_store_dtype(self.dtype)
         self.fixed = self.store_dtype != self.dtype  # a fixed-point (int16) store with row scales
+        # products over a stored float32 K_nM on the CPU with float64 vectors and sums (settings.wide_products, read
+        # now): the fused kernel widens each stored value in registers
+        self.wide = (self.dtype == torch.float32 and not self.fixed and self.device.type == "cpu"
+                     and settings.wide_products.value())
         row_bytes = store_row_bytes(self.m, itemsize, self.store_dtype)
         full_bytes = self.n * row_bytes
         partial = store is None
@@ -721,7 +730,15 @@ class KernelEngine:
             # runs; the rows not stored (and the stored ones where it does not run) block by block
             head = self.stored_rows
             v_head = None if v_t is None else v_t[:, :head]
-            if self._k is not None:
+            if self.wide and head > 0:  # float64 vectors over the float32 store (settings.wide_products)
+                if self._k is None and self._fly_fused(torch.zeros_like(acc), u_t, v_head, fill=True):
+                    pass  # the first pass fills the store (its float32 products dropped), then reads it as every pass
+                u_w = None if u is None else u.to(dtype=torch.float64, device=self.device).t().contiguous()
+                if u_w is not None and s != 1.0:
+                    u_w = u_w * s
+                v_w = None if v is None else v[:head].to(dtype=torch.float64, device=self.device).t()
+                stored_done = self._k is not None and fused_kmn_k(acc, self._k, u_w, v_w, None)
+            elif self._k is not None:
                 stored_done = fused_kmn_k(acc, self._k, u_t, v_head, self._scale)
             else:  # the first pass: the stored rows computed into the store by the fused tile kernel
                 stored_done = head > 0 and self._fly_fused(acc, u_t, v_head, fill=True)

@@ -17,7 +17,9 @@ time:
 so each row comes from memory once and the accumulator is loaded and stored once per four rows.
 Each thread (``at::parallel_for``, OpenMP) takes its own range of rows with its own accumulator (in
 the data dtype over at most ``FLUSH_ROWS`` rows, then added to a float64 one); the threads' float64
-accumulators are summed at the end. Cost: ``4 n M k`` flops, one read of ``K`` from memory,
+accumulators are summed at the end. A float32 store with float64 vectors (:class:`gpfalkon.settings.wide_products`)
+runs the same loops with each stored value widened to float64 in registers and every sum in float64
+(docs/math.md §3.2b). Cost: ``4 n M k`` flops, one read of ``K`` from memory,
 ``O(threads k M)`` extra memory. Measured against the torch path in
 ``benchmarks/results/engine-fused.md`` / ``engine-fused-off.md``.
 
@@ -90,73 +92,79 @@ _SOURCE = r"""
 #include <limits>
 
 // w_q = r_q . uj for the R rows r_q = K0 + q M (R independent sums: no serial dependency on one sum)
-template <typename T, int R>
-__attribute__((always_inline)) static inline void row_dots(const T* K0, int64_t M, const T* __restrict uj, T* w) {
-  const T* __restrict r0 = K0;
-  const T* __restrict r1 = K0 + (R > 1 ? M : 0);
-  const T* __restrict r2 = K0 + (R > 2 ? 2 * M : 0);
-  const T* __restrict r3 = K0 + (R > 3 ? 3 * M : 0);
-  const T* __restrict r4 = K0 + (R > 4 ? 4 * M : 0);
-  const T* __restrict r5 = K0 + (R > 5 ? 5 * M : 0);
-  const T* __restrict r6 = K0 + (R > 6 ? 6 * M : 0);
-  const T* __restrict r7 = K0 + (R > 7 ? 7 * M : 0);
+// (S: the stored rows' type; products in T, the rows widened where S is narrower: a float32 store with float64
+// products, gpfalkon.backend.engine's mixed products)
+template <typename T, int R, typename S = T>
+__attribute__((always_inline)) static inline void row_dots(const S* K0, int64_t M, const T* __restrict uj, T* w) {
+  const S* __restrict r0 = K0;
+  const S* __restrict r1 = K0 + (R > 1 ? M : 0);
+  const S* __restrict r2 = K0 + (R > 2 ? 2 * M : 0);
+  const S* __restrict r3 = K0 + (R > 3 ? 3 * M : 0);
+  const S* __restrict r4 = K0 + (R > 4 ? 4 * M : 0);
+  const S* __restrict r5 = K0 + (R > 5 ? 5 * M : 0);
+  const S* __restrict r6 = K0 + (R > 6 ? 6 * M : 0);
+  const S* __restrict r7 = K0 + (R > 7 ? 7 * M : 0);
   T s0 = T(0), s1 = T(0), s2 = T(0), s3 = T(0), s4 = T(0), s5 = T(0), s6 = T(0), s7 = T(0);
   if constexpr (R == 8) {
 #pragma omp simd reduction(+ : s0, s1, s2, s3, s4, s5, s6, s7)
     for (int64_t c = 0; c < M; ++c) {
       const T x = uj[c];
-      s0 += r0[c] * x;
-      s1 += r1[c] * x;
-      s2 += r2[c] * x;
-      s3 += r3[c] * x;
-      s4 += r4[c] * x;
-      s5 += r5[c] * x;
-      s6 += r6[c] * x;
-      s7 += r7[c] * x;
+      s0 += static_cast<T>(r0[c]) * x;
+      s1 += static_cast<T>(r1[c]) * x;
+      s2 += static_cast<T>(r2[c]) * x;
+      s3 += static_cast<T>(r3[c]) * x;
+      s4 += static_cast<T>(r4[c]) * x;
+      s5 += static_cast<T>(r5[c]) * x;
+      s6 += static_cast<T>(r6[c]) * x;
+      s7 += static_cast<T>(r7[c]) * x;
     }
     w[0] = s0; w[1] = s1; w[2] = s2; w[3] = s3; w[4] = s4; w[5] = s5; w[6] = s6; w[7] = s7;
   } else if constexpr (R == 4) {
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
     for (int64_t c = 0; c < M; ++c) {
       const T x = uj[c];
-      s0 += r0[c] * x;
-      s1 += r1[c] * x;
-      s2 += r2[c] * x;
-      s3 += r3[c] * x;
+      s0 += static_cast<T>(r0[c]) * x;
+      s1 += static_cast<T>(r1[c]) * x;
+      s2 += static_cast<T>(r2[c]) * x;
+      s3 += static_cast<T>(r3[c]) * x;
     }
     w[0] = s0; w[1] = s1; w[2] = s2; w[3] = s3;
   } else {
 #pragma omp simd reduction(+ : s0)
-    for (int64_t c = 0; c < M; ++c) s0 += r0[c] * uj[c];
+    for (int64_t c = 0; c < M; ++c) s0 += static_cast<T>(r0[c]) * uj[c];
     w[0] = s0;
   }
 }
 
 // a += sum_q w_q r_q over the R rows r_q = K0 + q M
-template <typename T, int R>
-__attribute__((always_inline)) static inline void row_axpys(const T* K0, int64_t M, const T* w, T* __restrict a) {
-  const T* __restrict r0 = K0;
-  const T* __restrict r1 = K0 + (R > 1 ? M : 0);
-  const T* __restrict r2 = K0 + (R > 2 ? 2 * M : 0);
-  const T* __restrict r3 = K0 + (R > 3 ? 3 * M : 0);
-  const T* __restrict r4 = K0 + (R > 4 ? 4 * M : 0);
-  const T* __restrict r5 = K0 + (R > 5 ? 5 * M : 0);
-  const T* __restrict r6 = K0 + (R > 6 ? 6 * M : 0);
-  const T* __restrict r7 = K0 + (R > 7 ? 7 * M : 0);
+template <typename T, int R, typename S = T>
+__attribute__((always_inline)) static inline void row_axpys(const S* K0, int64_t M, const T* w, T* __restrict a) {
+  const S* __restrict r0 = K0;
+  const S* __restrict r1 = K0 + (R > 1 ? M : 0);
+  const S* __restrict r2 = K0 + (R > 2 ? 2 * M : 0);
+  const S* __restrict r3 = K0 + (R > 3 ? 3 * M : 0);
+  const S* __restrict r4 = K0 + (R > 4 ? 4 * M : 0);
+  const S* __restrict r5 = K0 + (R > 5 ? 5 * M : 0);
+  const S* __restrict r6 = K0 + (R > 6 ? 6 * M : 0);
+  const S* __restrict r7 = K0 + (R > 7 ? 7 * M : 0);
   if constexpr (R == 8) {
     const T w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3], w4 = w[4], w5 = w[5], w6 = w[6], w7 = w[7];
 #pragma omp simd
     for (int64_t c = 0; c < M; ++c)
-      a[c] += (w0 * r0[c] + w1 * r1[c] + w2 * r2[c] + w3 * r3[c]) +
-              (w4 * r4[c] + w5 * r5[c] + w6 * r6[c] + w7 * r7[c]);
+      a[c] += (w0 * static_cast<T>(r0[c]) + w1 * static_cast<T>(r1[c]) + w2 * static_cast<T>(r2[c]) +
+               w3 * static_cast<T>(r3[c])) +
+              (w4 * static_cast<T>(r4[c]) + w5 * static_cast<T>(r5[c]) + w6 * static_cast<T>(r6[c]) +
+               w7 * static_cast<T>(r7[c]));
   } else if constexpr (R == 4) {
     const T w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
 #pragma omp simd
-    for (int64_t c = 0; c < M; ++c) a[c] += w0 * r0[c] + w1 * r1[c] + w2 * r2[c] + w3 * r3[c];
+    for (int64_t c = 0; c < M; ++c)
+      a[c] += w0 * static_cast<T>(r0[c]) + w1 * static_cast<T>(r1[c]) + w2 * static_cast<T>(r2[c]) +
+              w3 * static_cast<T>(r3[c]);
   } else {
     const T w0 = w[0];
 #pragma omp simd
-    for (int64_t c = 0; c < M; ++c) a[c] += w0 * r0[c];
+    for (int64_t c = 0; c < M; ++c) a[c] += w0 * static_cast<T>(r0[c]);
   }
 }
 
@@ -165,17 +173,17 @@ __attribute__((always_inline)) static inline void row_axpys(const T* K0, int64_t
 // the accumulator is loaded and stored once per R rows rather than once per row. R = 8 read the stored K
 // 5-10 % faster than R = 4 (0.84-0.86 of torch.sum's read rate against 0.77-0.81, 200,000 x 2,000 float32
 // on 2 EPYC cores).
-template <typename T, int R>
-static inline void block_rows(const T* K, int64_t i, int64_t M, const T* u, const T* v, int64_t ldv,
+template <typename T, int R, typename S = T>
+static inline void block_rows(const S* K, int64_t i, int64_t M, const T* u, const T* v, int64_t ldv,
                               int64_t k, T* acc) {
-  const T* K0 = K + i * M;
+  const S* K0 = K + i * M;
   for (int64_t j = 0; j < k; ++j) {
     T w[R];
     for (int q = 0; q < R; ++q) w[q] = T(0);
-    if (u != nullptr) row_dots<T, R>(K0, M, u + j * M, w);
+    if (u != nullptr) row_dots<T, R, S>(K0, M, u + j * M, w);
     if (v != nullptr)
       for (int q = 0; q < R; ++q) w[q] += v[j * ldv + i + q];
-    row_axpys<T, R>(K0, M, w, acc + j * M);
+    row_axpys<T, R, S>(K0, M, w, acc + j * M);
   }
 }
 
@@ -251,6 +259,7 @@ template <> struct Vec<double> {
   static V zero() { return _mm256_setzero_pd(); }
   static V set1(double x) { return _mm256_set1_pd(x); }
   static V load(const double* p) { return _mm256_loadu_pd(p); }
+  static V load(const float* p) { return _mm256_cvtps_pd(_mm_loadu_ps(p)); }
   static V load(const int16_t* p) {
     return _mm256_cvtepi32_pd(_mm_cvtepi16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
@@ -441,20 +450,21 @@ static inline void groups1(const int16_t* __restrict src, const T* sc, int64_t i
 }
 #endif
 
-// acc64 += rows begin .. end - 1 of K's products, summed in T over at most `flush` rows at a time
-template <typename T>
-static void rows_into(const T* K, int64_t begin, int64_t end, int64_t M, const T* u, const T* v, int64_t ldv,
+// acc64 += rows begin .. end - 1 of K's products, summed in T over at most `flush` rows at a time (K's rows of S
+// values: T's own, or float32 rows with float64 products)
+template <typename T, typename S = T>
+static void rows_into(const S* K, int64_t begin, int64_t end, int64_t M, const T* u, const T* v, int64_t ldv,
                       int64_t k, int64_t flush, std::vector<T>& acc, std::vector<double>& acc64) {
   for (int64_t i0 = begin; i0 < end; i0 += flush) {
     const int64_t i1 = std::min(end, i0 + flush);
     int64_t i = i0;
 #if defined(__AVX2__) && defined(__FMA__)
     if (k >= 3 && u != nullptr)
-      for (; i + 8 <= i1; i += 8) rows8_rhs<T, T>(K + i * M, nullptr, M, u, v, ldv, i, k, acc.data());
+      for (; i + 8 <= i1; i += 8) rows8_rhs<T, S>(K + i * M, nullptr, M, u, v, ldv, i, k, acc.data());
 #endif
-    for (; i + 8 <= i1; i += 8) block_rows<T, 8>(K, i, M, u, v, ldv, k, acc.data());
-    for (; i + 4 <= i1; i += 4) block_rows<T, 4>(K, i, M, u, v, ldv, k, acc.data());
-    for (; i < i1; ++i) block_rows<T, 1>(K, i, M, u, v, ldv, k, acc.data());
+    for (; i + 8 <= i1; i += 8) block_rows<T, 8, S>(K, i, M, u, v, ldv, k, acc.data());
+    for (; i + 4 <= i1; i += 4) block_rows<T, 4, S>(K, i, M, u, v, ldv, k, acc.data());
+    for (; i < i1; ++i) block_rows<T, 1, S>(K, i, M, u, v, ldv, k, acc.data());
     for (int64_t c = 0; c < k * M; ++c) {
       acc64[c] += static_cast<double>(acc[c]);
       acc[c] = T(0);
@@ -496,14 +506,47 @@ static void fixed_rows_into(const int16_t* K, const T* sc, int64_t begin, int64_
   }
 }
 
-template <typename T>
-static void fused_rows(const T* K, int64_t rows, int64_t M, const T* u, const T* v, int64_t ldv,
+// rows_into for float32 rows with float64 products, R rows at a time (widened in registers)
+template <int R>
+static void wide_rows_into(const float* K, int64_t begin, int64_t end, int64_t M, const double* u, const double* v,
+                           int64_t ldv, int64_t k, int64_t flush, std::vector<double>& acc,
+                           std::vector<double>& acc64) {
+  for (int64_t i0 = begin; i0 < end; i0 += flush) {
+    const int64_t i1 = std::min(end, i0 + flush);
+    int64_t i = i0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (k >= 2 && u != nullptr)
+      for (; i + 8 <= i1; i += 8) rows8_rhs<double, float>(K + i * M, nullptr, M, u, v, ldv, i, k, acc.data());
+#endif
+    for (; i + R <= i1; i += R) block_rows<double, R, float>(K, i, M, u, v, ldv, k, acc.data());
+    for (; i < i1; ++i) block_rows<double, 1, float>(K, i, M, u, v, ldv, k, acc.data());
+    for (int64_t c = 0; c < k * M; ++c) {
+      acc64[c] += acc[c];
+      acc[c] = 0.0;
+    }
+  }
+}
+
+static void fused_wide_rows(const float* K, int64_t rows, int64_t M, const double* u, const double* v, int64_t ldv,
+                            int64_t k, int64_t flush, double* out) {
+  std::mutex lock;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> acc(k * M, 0.0);
+    std::vector<double> acc64(k * M, 0.0);
+    wide_rows_into<8>(K, begin, end, M, u, v, ldv, k, flush, acc, acc64);
+    std::lock_guard<std::mutex> guard(lock);
+    for (int64_t c = 0; c < k * M; ++c) out[c] += acc64[c];
+  });
+}
+
+template <typename T, typename S = T>
+static void fused_rows(const S* K, int64_t rows, int64_t M, const T* u, const T* v, int64_t ldv,
                        int64_t k, int64_t flush, double* out) {
   std::mutex lock;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> acc(k * M, T(0));
     std::vector<double> acc64(k * M, 0.0);
-    rows_into<T>(K, begin, end, M, u, v, ldv, k, flush, acc, acc64);
+    rows_into<T, S>(K, begin, end, M, u, v, ldv, k, flush, acc, acc64);
     std::lock_guard<std::mutex> guard(lock);
     for (int64_t c = 0; c < k * M; ++c) out[c] += acc64[c];
   });
@@ -553,6 +596,14 @@ void fused_kmn_k(torch::Tensor acc, torch::Tensor K, torch::Tensor u, torch::Ten
                                  has_u ? u.data_ptr<scalar_t>() : nullptr, has_v ? v.data_ptr<scalar_t>() : nullptr,
                                  has_v ? v.stride(0) : 0, k, flush, acc.data_ptr<double>());
     });
+    return;
+  }
+  const bool wide = (has_u ? u : v).scalar_type() == torch::kFloat64 && K.scalar_type() == torch::kFloat32;
+  if (wide) {  // a float32 K with float64 products (the rows widened in registers)
+    TORCH_CHECK(!has_u || u.scalar_type() == torch::kFloat64, "u must be float64 with v");
+    TORCH_CHECK(!has_v || v.scalar_type() == torch::kFloat64, "v must be float64 with u");
+    fused_wide_rows(K.data_ptr<float>(), rows, M, has_u ? u.data_ptr<double>() : nullptr,
+                    has_v ? v.data_ptr<double>() : nullptr, has_v ? v.stride(0) : 0, k, flush, acc.data_ptr<double>());
     return;
   }
   AT_DISPATCH_FLOATING_TYPES(K.scalar_type(), "fused_kmn_k", [&] {
@@ -1087,7 +1138,9 @@ def fused_kmn_k(acc: Tensor, k_nm: Tensor, u_t: Tensor | None, v_t: Tensor | Non
             (:class:`gpfalkon.settings.store_format`) whose row ``i`` is ``k_nm[i] * scale[i]``: on a CPU with AVX2
             eight rows at a time widened in registers (the scale folded into the rows' weights), else each
             group of eight rows dequantized in the core's cache; ``K`` is read at two bytes a value.
-        u_t: ``(k, M)`` in ``k_nm``'s dtype (an int16 ``k_nm``: ``scale``'s), or ``None``.
+        u_t: ``(k, M)`` in ``k_nm``'s dtype (an int16 ``k_nm``: ``scale``'s), or ``None``; float64 with a float32
+            ``k_nm`` (and ``v_t`` float64 too): the products in float64, each stored value widened in registers
+            (:class:`gpfalkon.settings.wide_products`).
         v_t: ``(k, rows)`` in ``u_t``'s dtype with unit column stride, or ``None``.
         scale: ``(rows,)`` contiguous, float32 or float64: the row scales of an int16 ``k_nm`` (else ``None``).
 

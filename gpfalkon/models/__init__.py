@@ -2,6 +2,7 @@
 from .classification import FalkonClassifier, encode_labels
 from .defaults import default_kernel, default_likelihood
 from .falkon_gp import FalkonGP
+from .penalty_path import PenaltyPath
 from .posterior import NystromPosteriorCovariance, NystromPosteriorFactors, nystrom_posterior_mean
 
 __all__ = [
@@ -9,6 +10,7 @@ __all__ = [
     "FalkonGP",
     "NystromPosteriorCovariance",
     "NystromPosteriorFactors",
+    "PenaltyPath",
     "default_kernel",
     "default_likelihood",
     "encode_labels",

@@ -8,7 +8,7 @@ import numbers
 import time
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import gpytorch
@@ -55,7 +55,16 @@ from ..options import FalkonOptions, option_property
 from ..solvers import CGInfo
 from .calibration import variance_scale
 from .defaults import check_likelihood, default_kernel, default_likelihood
-from .fit_state import FIT_GROUPS, FitTracker, dtype_code, hyper_digest, kernel_identity, module_structure
+from .fit_state import (
+    FIT_GROUPS,
+    FitTracker,
+    _identity,
+    dtype_code,
+    hyper_digest,
+    kernel_identity,
+    module_structure,
+)
+from .penalty_path import PenaltyPath
 from .posterior import (
     NystromPosteriorCovariance,
     NystromPosteriorFactors,
@@ -930,6 +939,103 @@ class FalkonGP(gpytorch.models.GP):
                     self._factors = NystromPosteriorFactors.compute(op)
                 op.engine.release()
             return self
+
+    def _path_state(self) -> tuple[list[Tensor], tuple, tuple]:
+        """What a :class:`PenaltyPath`'s coefficients depend on besides the noise: the fit's dependencies without
+        the noise's two entries (cloned), the training data's identity, the kernel's structure."""
+        deps = self._fit_dependencies()
+        i = self._noise_dependency_index() - 1  # the raw noise, then the noise value
+        kept = [t.detach().clone() for t in deps[:i] + deps[i + 2:]]
+        return kept, _identity(self._fit_data()), self._kernel_structure()
+
+    def fit_penalty_path(
+        self,
+        penalties: Tensor | Sequence[float],
+        *,
+        tol: float | None = None,
+        max_iter: int | None = None,
+        time_limit: float | None = None,
+        initial_alpha: Tensor | None = None,
+    ) -> PenaltyPath:
+        """The Nystrom solutions at every penalty of ``penalties`` at once
+        (:meth:`~gpfalkon.operators.NystromKRROperator.solve_path`): ``alphas[j]`` solves
+        ``(K_Mn K_nM + n lambda_j K_MM) alpha = K_Mn (y - c)``. By FALKON's CG, each iteration one data pass for all
+        of them, so where that pass dominates (a stored ``K_nM``) ``p`` penalties cost about one :meth:`fit` plus
+        ``p`` Cholesky factorisations of ``M x M``; or, where the cost model picks it (``options.solve_method``), by
+        the direct solve: one pass and a Cholesky per penalty. The model is not changed: :meth:`path_means` predicts
+        at every penalty, :meth:`select_penalty` makes one of them the model's fit. One output, rows on one
+        process, the built-in solver and FALKON's own preconditioner. ``initial_alpha`` (``(p, M)``: one start per
+        penalty) starts CG there (not used by a direct solve); ``time_limit`` as in :meth:`fit`."""
+        if self._num_outputs != 1:
+            raise ValueError(f"fit_penalty_path handles one output; this model has {self._num_outputs}")
+        lams = torch.as_tensor(penalties, dtype=torch.float64).detach().reshape(-1).cpu()
+        if lams.numel() < 1:
+            raise ValueError("penalties must hold at least one penalty")
+        for lam in lams.tolist():
+            check_penalty(lam)
+        p, m = lams.numel(), int(self.centers.shape[0])
+        if initial_alpha is not None and (not isinstance(initial_alpha, Tensor) or initial_alpha.numel() != p * m
+                                          or not bool(torch.isfinite(initial_alpha).all())):
+            raise ValueError(f"initial_alpha must be a finite tensor of {p} x {m} coefficients (one start per "
+                             "penalty)")
+        with self._scan_budget():
+            t_start = time.perf_counter()
+            _check_kernel(self.kernel, self.centers.shape[-1], self.centers.device)
+            with torch.no_grad():
+                op = self.nystrom_operator()
+                op.check_time_limit(time_limit)
+                rhs = op.kmn_y(self.centered_targets())
+                if not bool(torch.isfinite(rhs).all()):
+                    raise FalkonConvergenceError("K_Mn y is not finite: the kernel overflows for these inputs and "
+                                                 "hyperparameters")
+                x0 = None if initial_alpha is None else \
+                    initial_alpha.detach().reshape(p, m).mT.to(device=rhs.device, dtype=torch.float64)
+                limit = None if time_limit is None else max(1e-9, time_limit - (time.perf_counter() - t_start))
+                alpha, info, precond = op.solve_path(rhs, lams, x0, tol=tol, max_iter=max_iter, time_limit=limit)
+                op.engine.release()
+            info.extra["fit_seconds"] = time.perf_counter() - t_start
+        alphas = alpha.mT.reshape(p, *self.alpha.shape).to(torch.float64)
+        return PenaltyPath(penalties=lams, alphas=alphas, info=info, preconditioners=precond, state=self._path_state())
+
+    def _check_path(self, path: PenaltyPath) -> None:
+        if not isinstance(path, PenaltyPath):
+            raise TypeError(f"path must be a PenaltyPath (from fit_penalty_path), got {type(path).__name__}")
+        kept, key, structure = path.state
+        now, key_now, structure_now = self._path_state()
+        same = key == key_now and structure == structure_now and len(kept) == len(now) and all(
+            a.shape == b.shape and torch.equal(a, b.to(device=a.device, dtype=a.dtype))
+            for a, b in zip(kept, now, strict=True))
+        if not same:
+            raise ValueError("path: the model's data, kernel, centers or mean changed since fit_penalty_path computed "
+                             "this path; compute it again")
+
+    def path_means(self, path: PenaltyPath, x: Tensor) -> Tensor:
+        """``c + K_xM alphas[j]`` for every penalty of ``path``: ``(p, q)`` (float64), one kernel pass over ``x``
+        for all of them (``O(q M d + q M p)``)."""
+        self._check_path(path)
+        x = self._test_inputs(x)
+        if x.dim() != 2:
+            raise ValueError(f"x must have shape (q, d), got {tuple(x.shape)}")
+        cols = path.alphas.reshape(path.alphas.shape[0], -1).mT.contiguous()
+        with torch.no_grad():
+            kxa = nystrom_posterior_mean(self.kernel, x, self.centers, cols, self._predict_chunk(x),
+                                         backend=self.options.backend)
+        return (kxa.to(torch.float64) + self.mean_constant.to(torch.float64).reshape(())).mT
+
+    def select_penalty(self, path: PenaltyPath, j: int) -> FalkonGP:
+        """Make the path's ``j``-th solution this model's fit: ``penalty = path.penalties[j]`` (the noise
+        ``n lambda_j``), ``alpha = path.alphas[j]``, ``fit_info = path.info``; returns ``self``. Refuses a path
+        computed before the model's data, kernel, centers or mean changed."""
+        self._check_path(path)
+        p = path.penalties.numel()
+        if isinstance(j, bool) or not isinstance(j, numbers.Integral) or not -p <= int(j) < p:
+            raise ValueError(f"j must be an index into the path's {p} penalties, got {j!r}")
+        self.penalty = float(path.penalties[int(j)])
+        self.alpha = path.alphas[int(j)].clone().to(self.alpha)
+        self.fit_info = path.info
+        self._mark_fitted()
+        self._forget_factors()
+        return self
 
     def _fit_argument_problem(self, callback: Any, initial_alpha: Any, warm_start: bool
                               ) -> tuple[type[Exception], str] | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numbers
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -25,6 +25,7 @@ from ..errors import FalkonConvergenceError, JitterWarning
 from ..options import FalkonOptions, option_property
 from ..solvers import CGInfo, Preconditioner, PreconditionerBuilder, Solver, choose_method, falkon_solve
 from ..solvers.direct import direct_solve_whitened, whitened_factor
+from .penalty_path import PenaltyPathPreconditioner
 from .preconditioner import FalkonPreconditioner, engine_memory_budget
 
 __all__ = ["FIXED_POINT_EPS", "FLOAT32_QUIET", "FLOAT32_TOL", "HGrads", "NystromKRROperator"]
@@ -414,26 +415,11 @@ class NystromKRROperator(LinearOperator):
             raise ValueError(f"rhs must have shape ({self.m}, k), got {tuple(rhs.shape)}")
         if x0 is not None and x0.shape != rhs.shape:
             raise ValueError(f"x0 must have the shape of rhs {tuple(rhs.shape)}, got {tuple(x0.shape)}")
-        tol_, max_iter_ = self._stopping_rule(tol, max_iter)
-        default_tol = tol is None and self.options.tol is None and not settings.cg_tolerance.overridden() \
-            and float(lo_settings.cg_tolerance.value()) >= 1
-        # the dtype reaches the built-in solver for its advice; a user's solver keeps the Solver signature
-        extra: dict = {"data_dtype": self.x.dtype} if self.solver is falkon_solve else {}
-        if self.solver is falkon_solve and (self.precond_dtype == torch.float32 or self._fixed_store()):
-            # products or preconditioner in less than float64: a claimed convergence is checked (conjugate_gradient)
-            extra["verify"] = True
         self.check_time_limit(time_limit)
         # the limit counts from here: the preconditioner's factorisations and any restart after a jitter
         # boost share it
         t_end = None if time_limit is None else time.perf_counter() + float(time_limit)
-        if default_tol and self.x.dtype.itemsize < 8 and 0 < tol_ < FLOAT32_TOL:
-            # the default tolerance (no tol given here, in the options or by a setting) for float32 data: aim
-            # at FLOAT32_TOL, and where float32 kernel products stall above it (smooth kernels, small
-            # penalties: benchmarks/results/float32-tol.md) stop there after 25 iterations without
-            # progress, quietly up to FLOAT32_QUIET (test error unchanged there), with a warning above
-            tol_ = FLOAT32_TOL
-            if self.solver is falkon_solve:
-                extra.update(stagnation_window=25, quiet_below=FLOAT32_QUIET)
+        tol_, max_iter_, extra = self._cg_rule(tol, max_iter)
         precond_seconds = 0.0  # building the preconditioner (0 when cached), restarts included
         with torch.no_grad():
             while True:
@@ -470,6 +456,108 @@ class NystromKRROperator(LinearOperator):
         info.extra["preconditioner_seconds"] = precond_seconds
         self.last_info = info
         return sol, info
+
+    def _cg_rule(self, tol: float | None, max_iter: int | None) -> tuple[float, int, dict[str, Any]]:
+        """``(tol, max_iter, extra)`` of a CG solve: the stopping rule (:meth:`_stopping_rule`) and the built-in
+        solver's extra arguments (the data dtype for its advice; ``verify`` where products or preconditioner are in
+        less than float64), with float32 data's default tolerance."""
+        tol_, max_iter_ = self._stopping_rule(tol, max_iter)
+        default_tol = tol is None and self.options.tol is None and not settings.cg_tolerance.overridden() \
+            and float(lo_settings.cg_tolerance.value()) >= 1
+        # the dtype reaches the built-in solver for its advice; a user's solver keeps the Solver signature
+        extra: dict[str, Any] = {"data_dtype": self.x.dtype} if self.solver is falkon_solve else {}
+        if self.solver is falkon_solve and (self.precond_dtype == torch.float32 or self._fixed_store()):
+            # products or preconditioner in less than float64: a claimed convergence is checked (conjugate_gradient)
+            extra["verify"] = True
+        if default_tol and self.x.dtype.itemsize < 8 and 0 < tol_ < FLOAT32_TOL:
+            # the default tolerance (no tol given here, in the options or by a setting) for float32 data: aim
+            # at FLOAT32_TOL, and where float32 kernel products stall above it (smooth kernels, small
+            # penalties: benchmarks/results/float32-tol.md) stop there after 25 iterations without
+            # progress, quietly up to FLOAT32_QUIET (test error unchanged there), with a warning above
+            tol_ = FLOAT32_TOL
+            if self.solver is falkon_solve:
+                extra.update(stagnation_window=25, quiet_below=FLOAT32_QUIET)
+        return tol_, max_iter_, extra
+
+    def solve_path(
+        self,
+        rhs: Tensor,
+        penalties: Tensor | Sequence[float],
+        x0: Tensor | None = None,
+        *,
+        tol: float | None = None,
+        max_iter: int | None = None,
+        warn: bool = True,
+        time_limit: float | None = None,
+    ) -> tuple[Tensor, CGInfo, PenaltyPathPreconditioner | None]:
+        r"""Solves of ``H_j alpha_j = rhs`` at every penalty ``lambda_j`` of ``penalties`` at once,
+        ``H_j = K_Mn K_nM + n lambda_j K_MM`` (the operator's own penalty is not used), no autograd.
+
+        Where :meth:`chosen_method` picks the direct solve (for ``p`` right-hand sides), one pass forms the whitened
+        Gram matrix and each penalty costs one ``M^3 / 3`` Cholesky (:meth:`direct_solve`'s system at each
+        ``lambda_j``; ``x0`` is not used, the preconditioner returned is ``None``). Else one CG over the ``(M, p)``
+        block whose column ``j`` is the system at ``lambda_j``, preconditioned column by
+        column (:class:`~gpfalkon.operators.penalty_path.PenaltyPathPreconditioner`: one factorisation of ``K_MM``,
+        one ``M^3 / 3`` Cholesky per penalty): each iteration is one data pass for all penalties, so where the pass
+        dominates (a stored ``K_nM``, read once whatever the block's width) ``p`` penalties cost about one solve.
+        ``rhs``: ``(M, 1)`` (one output); ``x0``: ``(M, p)`` starting coefficients. Returns ``(alpha, info,
+        preconditioner)``, ``alpha`` ``(M, p)`` float64; CG runs until every column meets ``tol`` (or
+        ``max_iter``, ``time_limit`` seconds counted from this call). Needs the built-in solver, FALKON's own
+        preconditioner (the options' builder is not used: it builds one penalty's) and rows on one process.
+        *(Tested against dense solves at every penalty.)*"""
+        if rhs.dim() != 2 or rhs.shape != (self.m, 1):
+            raise ValueError(f"rhs must have shape ({self.m}, 1) (one output), got {tuple(rhs.shape)}")
+        lams = torch.as_tensor(penalties, dtype=torch.float64).reshape(-1)
+        if lams.numel() < 1:
+            raise ValueError("penalties must hold at least one penalty")
+        if x0 is not None and x0.shape != (self.m, lams.numel()):
+            raise ValueError(f"x0 must have shape ({self.m}, {lams.numel()}), got {tuple(x0.shape)}")
+        if self.solver is not falkon_solve:
+            raise ValueError("solve_path needs the built-in FALKON solver (options.solver is a custom one)")
+        if is_sharded(self.options.backend):
+            raise ValueError("solve_path needs rows on one process")
+        self.check_time_limit(time_limit)
+        t_end = None if time_limit is None else time.perf_counter() + float(time_limit)
+        p = lams.numel()
+        if self.chosen_method(tol=tol, max_iter=max_iter, outputs=p) == "direct":
+            with torch.no_grad():
+                t_pre = time.perf_counter()
+                factor, _ = whitened_factor(self.kmm, jitter=self._precond_jitter(direct=True))
+                gram = self.engine.whitened_gram(factor)
+                solved = [direct_solve_whitened(gram, factor, rhs.detach(), self.n * float(lam)) for lam in lams]
+            alpha = torch.cat([a for a, _ in solved], dim=1)
+            info = CGInfo(iterations=0, converged=True, residuals=torch.cat([i.residuals for _, i in solved], dim=1),
+                          tol=0.0, max_iter=0,
+                          extra={"method": "direct", "m": self.m, "preconditioner_seconds": 0.0,
+                                 "direct_seconds": time.perf_counter() - t_pre})
+            return alpha, info, None
+        tol_, max_iter_, extra = self._cg_rule(tol, max_iter)
+        block = rhs.detach().to(torch.float64).expand(self.m, p).contiguous()
+        with torch.no_grad():
+            while True:
+                try:
+                    t_pre = time.perf_counter()
+                    precond = PenaltyPathPreconditioner.from_kernel_matrix(
+                        self.kmm, lams, self.n, weights=self.weights, dtype=self.precond_dtype,
+                        jitter=self._precond_jitter())
+                    precond_seconds = time.perf_counter() - t_pre
+                    weight = (self.n * lams).to(self.kmm.device)
+                    if t_end is not None:
+                        extra["time_limit"] = max(t_end - time.perf_counter(), 1e-9)
+                    if settings.kmm_through_factor.value() and precond.reproduces(self.kmm):
+                        extra.update(data_matmul=lambda v: self.engine.kmn_k(v), kmm_weight=weight)
+
+                    def h_matmul(u: Tensor, c: Tensor = weight) -> Tensor:
+                        return self.engine.kmn_k(u).add_((self.kmm.to(torch.float64) @ u) * c)
+
+                    sol, info = falkon_solve(h_matmul, precond, block, None if x0 is None else x0.detach(),
+                                             tol=tol_, max_iter=max_iter_, warn=warn, **extra)
+                    break
+                except FalkonConvergenceError as exc:
+                    if "positive definiteness" not in str(exc) or not self._boost_jitter(str(exc)):
+                        raise
+        info.extra["preconditioner_seconds"] = precond_seconds
+        return sol, info, precond
 
     def check_time_limit(self, time_limit: float | None) -> None:
         """Raise unless ``time_limit`` is ``None`` or usable here: a number of seconds > 0, the built-in

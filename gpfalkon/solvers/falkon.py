@@ -35,7 +35,7 @@ def falkon_solve(
     quiet_below: float = 0.0,
     time_limit: float | None = None,
     data_matmul: Callable[[Tensor], Tensor] | None = None,
-    kmm_weight: float | None = None,
+    kmm_weight: float | Tensor | None = None,
     verify: bool | None = None,
 ) -> tuple[Tensor, CGInfo]:
     """Solve ``H alpha = rhs`` by CG on ``W beta = B^T rhs``, ``W = B^T H B``, ``alpha = B beta``.
@@ -46,7 +46,9 @@ def falkon_solve(
     ``x0`` warm-starts from a previous ``alpha`` (one extra data pass).
 
     With ``data_matmul`` (``v -> K_Mn K_nM v``) and ``kmm_weight`` (``c`` in ``H = K_Mn K_nM + c K_MM``),
-    ``W`` is applied by the preconditioner's own ``w_matmul(u, data_matmul, kmm_weight)``
+    ``W`` is applied by the preconditioner's own ``w_matmul(u, data_matmul, kmm_weight)`` (``kmm_weight`` a tensor
+    of one weight per column where the preconditioner holds one system per column:
+    :class:`~gpfalkon.operators.penalty_path.PenaltyPathPreconditioner`)
     (:meth:`~gpfalkon.FalkonPreconditioner.w_matmul`: ``K_MM`` through its factor, no ``M x M``
     product) instead of through ``h_matmul``; the caller vouches that this gives the same ``W``.
     Cost: one data pass per iteration (one more with a warm start, and one per check of a claimed convergence:
@@ -80,12 +82,13 @@ def falkon_solve(
         return timed(0, fn, u)
 
     # (precond.w_matmul, data_matmul, kmm_weight) where W is applied by the preconditioner
-    split: tuple[Callable[..., Tensor], Callable[[Tensor], Tensor], float] | None = None
+    split: tuple[Callable[..., Tensor], Callable[[Tensor], Tensor], float | Tensor] | None = None
     if data_matmul is not None:
         w_fn = getattr(precond, "w_matmul", None)
         if w_fn is None or kmm_weight is None:
             raise ValueError("data_matmul needs kmm_weight and a preconditioner with a w_matmul method")
-        split = (w_fn, data_matmul, float(kmm_weight))
+        # (a tensor: one weight per column, for a preconditioner per column such as a penalty path's)
+        split = (w_fn, data_matmul, kmm_weight if isinstance(kmm_weight, Tensor) else float(kmm_weight))
     t_start = time.perf_counter()
     b = timed_apply(precond.apply_bt, rhs.to(torch.float64))
 
