@@ -457,16 +457,23 @@ def _rows_within(cost: Callable[[int], float], lo: int, hi: int, seconds: float)
     return lo
 
 
+def _quietly(call: Callable[[], Any]) -> tuple[Any, bool]:
+    """``(call(), converged)``: CG's cap warning recorded (not printed) as ``converged = False``; other warnings
+    (jitter escalation, ...) reach the caller as usual."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = call()
+    for w in caught:
+        if not issubclass(w.category, CGNotConvergedWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return out, not any(issubclass(w.category, CGNotConvergedWarning) for w in caught)
+
+
 def _fit_quiet(model: FalkonGP, time_limit: float | None = None,
                initial_alpha: Tensor | None = None) -> tuple[FalkonGP, bool]:
     """Fit, recording (not printing) CG's cap warning; returns (model, converged)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model.fit(time_limit=time_limit, initial_alpha=initial_alpha)
-    for w in caught:  # other warnings (jitter escalation, ...) reach the caller as usual
-        if not issubclass(w.category, CGNotConvergedWarning):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return model, not any(issubclass(w.category, CGNotConvergedWarning) for w in caught)
+    _, converged = _quietly(lambda: model.fit(time_limit=time_limit, initial_alpha=initial_alpha))
+    return model, converged
 
 
 def _path_quiet(model: FalkonGP, penalties: Sequence[float], time_limit: float | None,
@@ -474,13 +481,7 @@ def _path_quiet(model: FalkonGP, penalties: Sequence[float], time_limit: float |
     """:meth:`FalkonGP.fit_penalty_path` from ``initial_alpha`` (one start for every penalty), recording (not
     printing) CG's cap warning; returns (path, converged)."""
     start = None if initial_alpha is None else initial_alpha.reshape(1, -1).expand(len(penalties), -1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        path = model.fit_penalty_path(penalties, time_limit=time_limit, initial_alpha=start)
-    for w in caught:
-        if not issubclass(w.category, CGNotConvergedWarning):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return path, not any(issubclass(w.category, CGNotConvergedWarning) for w in caught)
+    return _quietly(lambda: model.fit_penalty_path(penalties, time_limit=time_limit, initial_alpha=start))
 
 
 def _scoring_fit(model: FalkonGP, extra: Tensor | None) -> FalkonGP:

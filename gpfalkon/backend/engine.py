@@ -731,8 +731,8 @@ class KernelEngine:
             head = self.stored_rows
             v_head = None if v_t is None else v_t[:, :head]
             if self.wide and head > 0:  # float64 vectors over the float32 store (settings.wide_products)
-                if self._k is None and self._fly_fused(torch.zeros_like(acc), u_t, v_head, fill=True):
-                    pass  # the first pass fills the store (its float32 products dropped), then reads it as every pass
+                if self._k is None:  # the first pass fills the store (its float32 products dropped) and reads it
+                    self._fly_fused(torch.zeros_like(acc), u_t, v_head, fill=True)  # back as every later pass does
                 u_w = None if u is None else u.to(dtype=torch.float64, device=self.device).t().contiguous()
                 if u_w is not None and s != 1.0:
                     u_w = u_w * s

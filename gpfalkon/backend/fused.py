@@ -451,15 +451,17 @@ static inline void groups1(const int16_t* __restrict src, const T* sc, int64_t i
 #endif
 
 // acc64 += rows begin .. end - 1 of K's products, summed in T over at most `flush` rows at a time (K's rows of S
-// values: T's own, or float32 rows with float64 products)
-template <typename T, typename S = T>
+// values: T's own, or float32 rows with float64 products). rows8_rhs from KMIN right-hand sides on: 3 for T's own
+// rows; 2 for widened float32 rows, where it widens each value once for both vectors (84-89 against 97-98 ms at
+// k = 2, 200,000 x 2,000 on 2 EPYC cores; at k = 1 block_rows was faster, 69 against 78 ms)
+template <typename T, typename S = T, int KMIN = 3>
 static void rows_into(const S* K, int64_t begin, int64_t end, int64_t M, const T* u, const T* v, int64_t ldv,
                       int64_t k, int64_t flush, std::vector<T>& acc, std::vector<double>& acc64) {
   for (int64_t i0 = begin; i0 < end; i0 += flush) {
     const int64_t i1 = std::min(end, i0 + flush);
     int64_t i = i0;
 #if defined(__AVX2__) && defined(__FMA__)
-    if (k >= 3 && u != nullptr)
+    if (k >= KMIN && u != nullptr)
       for (; i + 8 <= i1; i += 8) rows8_rhs<T, S>(K + i * M, nullptr, M, u, v, ldv, i, k, acc.data());
 #endif
     for (; i + 8 <= i1; i += 8) block_rows<T, 8, S>(K, i, M, u, v, ldv, k, acc.data());
@@ -506,47 +508,14 @@ static void fixed_rows_into(const int16_t* K, const T* sc, int64_t begin, int64_
   }
 }
 
-// rows_into for float32 rows with float64 products, R rows at a time (widened in registers)
-template <int R>
-static void wide_rows_into(const float* K, int64_t begin, int64_t end, int64_t M, const double* u, const double* v,
-                           int64_t ldv, int64_t k, int64_t flush, std::vector<double>& acc,
-                           std::vector<double>& acc64) {
-  for (int64_t i0 = begin; i0 < end; i0 += flush) {
-    const int64_t i1 = std::min(end, i0 + flush);
-    int64_t i = i0;
-#if defined(__AVX2__) && defined(__FMA__)
-    if (k >= 2 && u != nullptr)
-      for (; i + 8 <= i1; i += 8) rows8_rhs<double, float>(K + i * M, nullptr, M, u, v, ldv, i, k, acc.data());
-#endif
-    for (; i + R <= i1; i += R) block_rows<double, R, float>(K, i, M, u, v, ldv, k, acc.data());
-    for (; i < i1; ++i) block_rows<double, 1, float>(K, i, M, u, v, ldv, k, acc.data());
-    for (int64_t c = 0; c < k * M; ++c) {
-      acc64[c] += acc[c];
-      acc[c] = 0.0;
-    }
-  }
-}
-
-static void fused_wide_rows(const float* K, int64_t rows, int64_t M, const double* u, const double* v, int64_t ldv,
-                            int64_t k, int64_t flush, double* out) {
-  std::mutex lock;
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<double> acc(k * M, 0.0);
-    std::vector<double> acc64(k * M, 0.0);
-    wide_rows_into<8>(K, begin, end, M, u, v, ldv, k, flush, acc, acc64);
-    std::lock_guard<std::mutex> guard(lock);
-    for (int64_t c = 0; c < k * M; ++c) out[c] += acc64[c];
-  });
-}
-
-template <typename T, typename S = T>
+template <typename T, typename S = T, int KMIN = 3>
 static void fused_rows(const S* K, int64_t rows, int64_t M, const T* u, const T* v, int64_t ldv,
                        int64_t k, int64_t flush, double* out) {
   std::mutex lock;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> acc(k * M, T(0));
     std::vector<double> acc64(k * M, 0.0);
-    rows_into<T, S>(K, begin, end, M, u, v, ldv, k, flush, acc, acc64);
+    rows_into<T, S, KMIN>(K, begin, end, M, u, v, ldv, k, flush, acc, acc64);
     std::lock_guard<std::mutex> guard(lock);
     for (int64_t c = 0; c < k * M; ++c) out[c] += acc64[c];
   });
@@ -602,8 +571,9 @@ void fused_kmn_k(torch::Tensor acc, torch::Tensor K, torch::Tensor u, torch::Ten
   if (wide) {  // a float32 K with float64 products (the rows widened in registers)
     TORCH_CHECK(!has_u || u.scalar_type() == torch::kFloat64, "u must be float64 with v");
     TORCH_CHECK(!has_v || v.scalar_type() == torch::kFloat64, "v must be float64 with u");
-    fused_wide_rows(K.data_ptr<float>(), rows, M, has_u ? u.data_ptr<double>() : nullptr,
-                    has_v ? v.data_ptr<double>() : nullptr, has_v ? v.stride(0) : 0, k, flush, acc.data_ptr<double>());
+    fused_rows<double, float, 2>(K.data_ptr<float>(), rows, M, has_u ? u.data_ptr<double>() : nullptr,
+                                 has_v ? v.data_ptr<double>() : nullptr, has_v ? v.stride(0) : 0, k, flush,
+                                 acc.data_ptr<double>());
     return;
   }
   AT_DISPATCH_FLOATING_TYPES(K.scalar_type(), "fused_kmn_k", [&] {
