@@ -84,6 +84,11 @@ __all__ = ["CENTER_SAMPLING", "KERNEL_FAMILIES", "LENGTHSCALE_TRANSFORMS", "OBJE
 #: largest dictionary :func:`auto_fit` estimates leverage scores from (``O(n M_J^2)`` per pass)
 LEVERAGE_DICTIONARY = 2048
 
+#: ``center_sampling="auto"`` stops its leverage-score try where the first quarter's scores are this close to uniform
+#: (:func:`_score_uniformity` at least this: the draw probabilities' coefficient of variation at most 0.5); a draw
+#: from nearly uniform scores is nearly a uniform draw, so its selection fit would compare two like pools
+LEVERAGE_UNIFORM = 0.8
+
 #: most held-out rows :func:`auto_fit`'s variance calibration uses; fewer at large ``M`` (see
 #: :func:`_calibration_rows`)
 CALIBRATION_ROWS = 1000
@@ -94,8 +99,8 @@ CALIBRATION_ROWS = 1000
 #: clearly worse) was 2-3 % worse on the development sets (``benchmarks/results/auto-ab-growth-check-z-s*.md``)
 GROWTH_CHECK_Z = 0.0
 
-#: ``growth_noises``: the factor below the level's noise of the smallest noise a grown fit tries, and the ratio of
-#: the validation error to the level's noise above which it also tries noises up to that error
+#: ``growth_noises``: the factor below the level's noise of the smallest noise a grown fit tries; its square is the
+#: ratio of the validation error to the level's noise above which it also tries a larger noise (:func:`_growth_noises`)
 GROWTH_NOISE_STEP = 4.0
 
 #: ``report.chosen["centers"]`` where the leverage check's centers replaced the level's
@@ -137,8 +142,9 @@ class AutoFitReport:
     ``rows`` and ``seconds``, whether it was ``kept``); ``leverage`` the
     leverage-score check of the chosen level (``leverage_check=True``: its validation ``error``
     against the uniform centers', the distinct centers drawn, its seconds); ``sampling`` the choice of
-    the center pool at the first size (``center_sampling``: ``uniform_error``, ``leverage_error``, the
-    estimated ``d_eff``, the ``distinct`` leverage draws, ``seconds``, the pool ``chosen``).
+    the center pool at the first size (``center_sampling``: the scores' ``uniformity``, ``uniform_error``,
+    ``leverage_error``, the estimated ``d_eff``, the ``distinct`` leverage draws, ``seconds``, the pool ``chosen``;
+    where the scores were nearly uniform, no errors: the try stopped there).
     """
 
     budget: float
@@ -422,15 +428,24 @@ def _scaled_fit_seconds(records: Sequence[dict[str, Any]], factor: float, rows_r
 
 def _growth_noises(noise: float, error: float) -> list[float]:
     """``growth_noises``' candidates (standardised units) for a level at ``noise`` with validation error ``error``:
-    ``noise / GROWTH_NOISE_STEP`` and ``noise``; where ``error > GROWTH_NOISE_STEP noise`` also ``error``, and where
-    ``error > GROWTH_NOISE_STEP^2 noise`` their geometric mean ``sqrt(noise error)``; within ``[1e-8, 1e2]``
-    (stage 2's search range), ascending, without repeats."""
+    ``noise / GROWTH_NOISE_STEP`` and ``noise``, and where ``error > GROWTH_NOISE_STEP^2 noise`` their geometric
+    mean ``sqrt(noise error)``; within ``[1e-8, 1e2]`` (stage 2's search range), ascending, without repeats. Each
+    candidate costs the path a triangular solve an iteration and half a factorisation, paid for in centers
+    (:func:`_scaled_fit_seconds`); the error itself, a candidate until session 46, was never chosen
+    (``benchmarks/results/auto-notes.md``)."""
     out = [noise / GROWTH_NOISE_STEP, noise]
-    if math.isfinite(error) and error > GROWTH_NOISE_STEP * noise:
-        if error > GROWTH_NOISE_STEP**2 * noise:
-            out.append(math.sqrt(noise * error))
-        out.append(error)
+    if math.isfinite(error) and error > GROWTH_NOISE_STEP**2 * noise:
+        out.append(math.sqrt(noise * error))
     return sorted({min(max(v, 1e-8), 1e2) for v in out})
+
+
+def _score_uniformity(scores: Tensor) -> float:
+    """``(sum s)^2 / (k sum s^2)`` over ``k`` scores ``s >= 0``: 1 where they are all equal, ``1 / k`` where one
+    carries all the mass (the effective sample size of draws with probabilities ``s / sum s``, over ``k``; the
+    probabilities' coefficient of variation is ``sqrt(1 / u - 1)``). 0 for an empty or zero vector."""
+    total = float(scores.sum())
+    sq = float(scores.square().sum())
+    return total * total / (scores.numel() * sq) if sq > 0 else 0.0
 
 
 def _growth_cap(m: int, factor: float, n_final: int, limit: int) -> int:
@@ -703,6 +718,7 @@ def auto_fit(
     final_growth_factor: float = 4.0,
     check_growth: bool = True,
     growth_noises: bool = True,
+    growth_first: bool = True,
     rescore_continuations: bool = True,
     center_sampling: str = "auto",
     leverage_check: bool = False,
@@ -892,12 +908,19 @@ def auto_fit(
             all) and keeps the one with the lowest error on the check rows, which the growth check then compares with
             the level: the level's noise ``s``, ``s /`` :data:`GROWTH_NOISE_STEP`, and where the level's validation
             error ``v`` (standardised: the residual variance, which the noise of a well-specified GP matches) exceeds
-            ``GROWTH_NOISE_STEP s``, ``v`` (and ``sqrt(s v)`` past ``GROWTH_NOISE_STEP^2 s``). The noise was
+            ``GROWTH_NOISE_STEP^2 s``, ``sqrt(s v)``. The noise was
             selected for ``M`` centers, whose projection also regularises; where the validation error is flat in the
             noise there, it does not tell the noise more centers need (docs/math.md §8 "Noise of a grown fit"). The
             grown size is sized for the path's cost (its triangular solves and factorisations grow with the number
             of noises, its data passes do not). ``report.growth["noises"]`` and ``["errors"]`` record them.
             ``False``: the level's noise alone.
+        growth_first: with ``final_growth``, a doubling of the centers that the time left admits is taken only
+            where the final fit it leads to (``2 M`` grown with the time left after its four selection fits) has at
+            least as many centers as a final fit grown from ``M`` now; else stage 2 stops at ``M`` and the final fit
+            grows from it (its noise chosen by ``growth_noises``). Both sizes are predicted as the final growth
+            predicts them, among sizes whose final ``K_nM`` is stored (no on-the-fly pass is measured for it).
+            ``False``: every admitted doubling is taken (the behaviour before session 46; the A/B:
+            ``benchmarks/results/auto-ab-gfirst-s*.md``).
         center_sampling: how the nested centers of stages 2-3 are drawn from the selection rows:
             ``"uniform"`` (a random permutation's prefixes); ``"leverage"`` (prefixes of one stream of
             ridge-leverage-score draws, :func:`~gpfalkon.nested_leverage_centers`, with the
@@ -906,7 +929,9 @@ def auto_fit(
             :func:`~gpfalkon.dictionary_leverage_scores`, one pass); ``"auto"``: both are scored at the
             first size (its noise and multiplier searched with uniform centers) and the one with the
             lower validation error is used for every larger size and the final fit (one more selection
-            fit and one scoring pass; ``report.sampling``). Leverage scores place more centers where
+            fit and one scoring pass; ``report.sampling``), except where the scores of the pass's first quarter
+            are nearly uniform (:data:`LEVERAGE_UNIFORM`): a draw from them would be a uniform one, and the try
+            stops there. Leverage scores place more centers where
             the data are sparse relative to the kernel's resolution; uniform ones follow the density.
             ``learn_centers=True`` keeps the uniform pool (``"auto"`` then means ``"uniform"``;
             ``"leverage"`` is an error). The scores' dictionary is at most the first
@@ -1016,6 +1041,8 @@ def auto_fit(
         raise TypeError(f"check_growth must be True or False, got {check_growth!r}")
     if not isinstance(growth_noises, bool):
         raise TypeError(f"growth_noises must be True or False, got {growth_noises!r}")
+    if not isinstance(growth_first, bool):
+        raise TypeError(f"growth_first must be True or False, got {growth_first!r}")
     if not isinstance(rescore_continuations, bool):
         raise TypeError(f"rescore_continuations must be True or False, got {rescore_continuations!r}")
     if isinstance(final_growth_factor, bool) or not (isinstance(final_growth_factor, (int, float))
@@ -1715,6 +1742,38 @@ def auto_fit(
             less time than that)."""
             return clock.t0 + budget - 1.2 * final_cost(m_reserve, base=m)
 
+        def growth_rows() -> int:
+            """The rows of a grown final fit: the final rows, less the check rows with ``check_growth``
+            (:func:`checked_growth`)."""
+            return n_final - min(n_back, int(cal_idx.shape[0])) if check_growth else n_final
+
+        def growth_noise_list(level: dict[str, Any]) -> list[float]:
+            """The noises a grown fit of ``level`` solves at once: :func:`_growth_noises` with ``check_growth`` and
+            ``growth_noises``, else the level's noise."""
+            if check_growth and growth_noises:
+                return _growth_noises(float(level["noise"]), float(level["error"]))
+            return [float(level["noise"])]
+
+        def growth_reach(m_b: int, columns: int, spend: float = 0.0, base: int | None = None,
+                         stored_only: bool = False) -> int:
+            """The centers :func:`grown_level` gives a level at ``m_b`` with the time left less ``spend`` seconds:
+            the largest of the sizes down from :func:`growth_cap` (``final_growth_factor``; steps of 1.15) whose
+            final fit on :func:`growth_rows` at ``columns`` noises, predicted from the selection fits at ``base``
+            (default ``m_b``), takes 1.2 x at most that time (read again after each prediction: one past the memory
+            budget measures a pass); below ``1.25 m_b`` where none of at least that does. ``stored_only``: sizes
+            whose final ``K_nM`` would not be stored are passed over (no pass measured: a prediction only)."""
+            m_try = growth_cap(m_b, final_growth_factor)
+            rows = growth_rows()
+            while m_try >= 1.25 * m_b:
+                stored = (not stored_only or stored_rows_for(rows, m_try, itemsize, budget_at(m_try), device=dev,
+                                                             store_dtype=store_dtype, d=d) >= rows)
+                cost = (final_cost(m_try, base=m_b if base is None else base, rows=rows, columns=columns) if stored
+                        else math.inf)
+                if 1.2 * cost <= clock.left() - spend:
+                    break
+                m_try = int(m_try / 1.15)
+            return m_try
+
         def grown_level(level: dict[str, Any]) -> dict[str, Any]:
             """``final_growth``: the level with more nested centers for the final fit, as many as the time
             left pays for (at most ``final_growth_factor M``, the pool and :func:`_growth_cap`'s bound, at least
@@ -1741,21 +1800,13 @@ def auto_fit(
                        else f"the pool's {pool_limit()} centers")
                 report.notes.append(f"final growth skipped: {cap} allow no M >= {math.ceil(1.25 * m_b)}")
                 return level
-            rows_g = n_final - min(n_back, int(cal_idx.shape[0])) if check_growth else n_final
-            noises = [float(level["noise"])]
-            if check_growth and growth_noises:
-                noises = _growth_noises(float(level["noise"]), float(level["error"]))
-            m_try = m_cap
-            predicted = math.inf
-            while m_try >= 1.25 * m_b:
-                predicted = final_cost(m_try, base=m_b, rows=rows_g, columns=len(noises))
-                if 1.2 * predicted <= clock.left():
-                    break
-                m_try = int(m_try / 1.15)
+            noises = growth_noise_list(level)
+            m_try = growth_reach(m_b, len(noises))
             if m_try < 1.25 * m_b:
                 report.notes.append(f"final growth skipped: {clock.left():.3g} s left pay for no final fit "
                                     f"with M >= {math.ceil(1.25 * m_b)}")
                 return level
+            predicted = final_cost(m_try, base=m_b, rows=growth_rows(), columns=len(noises))
             at_noise = ("the level's noise" if len(noises) == 1 else
                         "noises " + ", ".join(f"{v:.3g}" for v in noises) + " (one CG; the check rows choose)")
             report.notes.append(f"final fit's centers grown from M={m_b} to M={m_try} at {at_noise} and the level's "
@@ -1856,6 +1907,15 @@ def auto_fit(
                 # where it and a fit at m fit before the deadline (else the pass would be spent for nothing)
                 head = max(1, n_s // 4)
                 scores = lev_scores(torch.arange(head, device=dev))
+                uniformity = _score_uniformity(scores)
+                if center_sampling == "auto" and uniformity >= LEVERAGE_UNIFORM:
+                    report.notes.append(
+                        f"leverage-score centers not tried: the scores of {head:,} of the {n_s:,} selection rows "
+                        f"are nearly uniform (uniformity {uniformity:.3f} >= {LEVERAGE_UNIFORM:g}, mean "
+                        f"{float(scores.mean()):.3g}): their draw would be a uniform one")
+                    report.sampling = dict(M=m, uniformity=uniformity, d_eff=float(scores.mean()) * n_s,
+                                           seconds=time.perf_counter() - t_lev, chosen="uniform")
+                    return
                 if head < n_s:
                     spent = time.perf_counter() - t_lev
                     rest = spent * (n_s - head) / head
@@ -1891,7 +1951,8 @@ def auto_fit(
             elif center_sampling == "leverage" or (err < uniform_error and room):
                 pool["kind"] = "leverage"
                 level.update(error=err, centers="leverage")
-            report.sampling = dict(M=m, uniform_error=uniform_error, leverage_error=err, d_eff=float(scores.sum()),
+            report.sampling = dict(M=m, uniformity=uniformity, uniform_error=uniform_error, leverage_error=err,
+                                   d_eff=float(scores.sum()),
                                    distinct=nested.size, seconds=time.perf_counter() - t_lev, chosen=pool["kind"])
             clock.tick(f"leverage M={m}", val_rmse=f"{math.sqrt(err):.4f}" if math.isfinite(err) else "inf")
 
@@ -1939,6 +2000,19 @@ def auto_fit(
 
             if final_growth:
                 m_try = m_next if stored_growth_need(m, m_next) <= left and step_fits(m_next) else m
+                if m_try > m and growth_first:
+                    # a final fit grown from m now against one grown from m_try after its four selection fits
+                    columns = len(growth_noise_list(levels[-1]))
+                    # (stored K_nM only: no on-the-fly pass is measured for the comparison)
+                    now = growth_reach(m, columns, stored_only=True)
+                    later = max(m_try, growth_reach(m_try, columns, spend=4 * select_cost(m_try, m), base=m,
+                                                    stored_only=True))
+                    if now > later:
+                        report.notes.append(
+                            f"centers stopped at M={m}: a final fit grown from it reaches M={now}, one from M={m_try} "
+                            f"after its searches M={later} (growth_first)")
+                        stopped_by_budget = True
+                        break
             else:
                 m_try = m_next
                 if stored_growth_need(m, m_next) > left:

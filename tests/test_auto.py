@@ -766,6 +766,29 @@ def test_auto_fit_does_not_grow_centers_past_a_final_fit_it_cannot_afford(monkey
     assert model.auto_report.chosen["num_centers"] == 60 and model.fitted
 
 
+def test_auto_fit_growth_first_grows_instead_of_a_doubling_that_ends_smaller(monkeypatch):
+    """``growth_first``: on the fake clock a budget of 0.15 s admits the doubling to M = 120 (taken with the option
+    off), but the final fit grown from M = 60 with the time left is predicted larger than M = 120 grown after its
+    four selection fits: stage 2 stops at M = 60, says so with both sizes, and the final fit grows from it to the
+    size named (its centers the doubling's pool prefix); no selection fit past M = 60 runs. The budget is kept."""
+    import re
+
+    on, spent = _fake_clock_auto_fit(monkeypatch, budget=0.15, memory_budget=2**40, max_centers=400)
+    rep = on.auto_report
+    note = [n for n in rep.notes if n.startswith("centers stopped at M=60: a final fit grown from it reaches")]
+    assert len(note) == 1, rep.notes
+    now, m2, later = (int(v) for v in re.findall(r"M=(\d+)", note[0])[1:])
+    assert m2 == 120 and now > later >= 120
+    assert [lv["M"] for lv in rep.chosen["levels"]] == [60] and not any(r["M"] > 60 for r in rep.search)
+    assert rep.chosen["grown_from"] == 60 and rep.chosen["num_centers"] == now
+    assert spent <= 0.15 * 1.05, (spent, rep.stages)
+    off, _ = _fake_clock_auto_fit(monkeypatch, budget=0.15, memory_budget=2**40, max_centers=400, growth_first=False)
+    assert 120 in [lv["M"] for lv in off.auto_report.chosen["levels"]]
+    torch.testing.assert_close(on.centers[:120], off.centers[:120])
+    with pytest.raises(TypeError, match="growth_first"):
+        auto_fit(*_data(200)[:2], growth_first=1, **SMALL)
+
+
 def _record_cg_starts(monkeypatch) -> dict[int, torch.Tensor]:
     """``{id(model): initial_alpha}`` of every ``FalkonGP.fit`` given a CG start from here on."""
     starts: dict[int, torch.Tensor] = {}
@@ -818,8 +841,9 @@ def test_auto_fit_final_growth_spends_the_time_a_next_size_could_not(monkeypatch
         float(off.noise.detach()) / off.auto_report.chosen["variance_scale"], rel=1e-9)
     # the grown model is the dense Nystrom KRR solution with its centers
     _assert_dense_nystrom(model)
-    # stopped for lack of gain: no growth
-    model, _ = _fake_clock_auto_fit(monkeypatch, budget=0.15, memory_budget=2**40, max_centers=400)
+    # stopped for lack of gain (a doubling taken: growth_first off, see test_auto_fit_growth_first_...): no growth
+    model, _ = _fake_clock_auto_fit(monkeypatch, budget=0.15, memory_budget=2**40, max_centers=400,
+                                    growth_first=False)
     rep = model.auto_report
     assert rep.chosen["grown_from"] is None
     assert "final growth skipped: stage 2 did not stop for time" in rep.notes, rep.notes
@@ -1012,16 +1036,17 @@ def test_auto_fit_grown_fit_chooses_its_noise_on_the_check_rows(monkeypatch, ver
 
 
 def test_growth_noises_and_the_path_cost_model():
-    """``_growth_noises``: the level's noise and a quarter of it, and up to the validation error where it is more
-    than 4x the noise (their geometric mean past 16x); ``_scaled_fit_seconds`` with ``columns``: the
+    """``_growth_noises``: the level's noise and a quarter of it, and the geometric mean of the noise and the
+    validation error where that error is more than 16x the noise; ``_scaled_fit_seconds`` with ``columns``: the
     factorisations ``(1 + p) / 2`` times, the triangular solves ``p`` times, the rest once."""
     from gpfalkon.auto import _growth_noises, _scaled_fit_seconds
 
     assert _growth_noises(0.01, 0.02) == pytest.approx([0.0025, 0.01])
-    assert _growth_noises(0.01, 0.1) == pytest.approx([0.0025, 0.01, 0.1])
-    assert _growth_noises(0.001, 0.1) == pytest.approx([0.00025, 0.001, 0.01, 0.1])
+    assert _growth_noises(0.01, 0.1) == pytest.approx([0.0025, 0.01])
+    assert _growth_noises(0.001, 0.1) == pytest.approx([0.00025, 0.001, 0.01])
     assert _growth_noises(5.0, 0.5) == pytest.approx([1.25, 5.0])
-    assert _growth_noises(1e-8, 1e3) == pytest.approx([1e-8, math.sqrt(1e-8 * 1e3), 1e2])
+    assert _growth_noises(1e-8, 1e3) == pytest.approx([1e-8, math.sqrt(1e-8 * 1e3)])  # 1e-8 / 4 clamped to 1e-8
+    assert _growth_noises(1.0, 1e6) == pytest.approx([0.25, 1.0, 1e2])  # sqrt(1e6) clamped to 1e2
     assert _growth_noises(0.01, math.inf) == pytest.approx([0.0025, 0.01])
     rec = [dict(seconds=2.0, precond_seconds=0.5, apply_seconds=0.5), dict(seconds=1.0, precond_seconds=0.2)]
     one = _scaled_fit_seconds(rec, 2.0, 1.5)
@@ -1364,6 +1389,64 @@ def test_auto_fit_leverage_pool_skips_and_failures(monkeypatch, branch):
     assert rep.chosen["centers"] == "uniform" and model.center_weights is None
     assert all(lv["centers"] == "uniform" for lv in rep.chosen["levels"])
     assert model.fitted and torch.isfinite(model.alpha).all()
+
+
+def test_score_uniformity_closed_form():
+    """``_score_uniformity``: ``(sum s)^2 / (k sum s^2)``, i.e. ``1 / (1 + cv^2)`` with the scores' population
+    coefficient of variation; 1 for equal scores, ``1 / k`` for one non-zero score, 0 for none."""
+    from gpfalkon.auto import _score_uniformity
+
+    assert _score_uniformity(torch.full((7,), 0.3, dtype=torch.float64)) == pytest.approx(1.0)
+    assert _score_uniformity(torch.tensor([0.0, 0.0, 2.0, 0.0])) == pytest.approx(0.25)
+    assert _score_uniformity(torch.tensor([1.0, 2.0, 3.0])) == pytest.approx(36 / 42)
+    assert _score_uniformity(torch.zeros(5)) == 0.0
+    s = torch.rand(1000, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    cv = float(s.std(unbiased=False) / s.mean())
+    assert _score_uniformity(s) == pytest.approx(1 / (1 + cv**2), rel=1e-12)
+
+
+@pytest.mark.parametrize("sampling", ["auto", "leverage"])
+def test_auto_fit_leverage_try_stops_at_nearly_uniform_scores(monkeypatch, sampling):
+    """With ``center_sampling="auto"``, scores of the first quarter whose uniformity is at least
+    ``LEVERAGE_UNIFORM`` end the leverage try there (a note, ``report.sampling`` with the uniformity and the
+    uniform pool, no leverage selection fit, no second scoring pass); scores just below it (a spread of
+    ``cv = 0.6``, uniformity 0.735) are scored in full and the leverage pool fitted. ``"leverage"`` never stops
+    there: the user asked for leverage-score centers."""
+    import gpfalkon.auto as auto_module
+
+    calls: list = []
+    spread = [0.0]
+
+    def scores(*args, rows=None, **kwargs):
+        calls.append(rows)
+        n = int(rows.numel())
+        # alternating 1 - a, 1 + a (times 0.5): coefficient of variation a, uniformity 1 / (1 + a^2)
+        sign = torch.ones(n, dtype=torch.float64)
+        sign[1::2] = -1.0
+        return 0.5 * (1.0 + spread[0] * sign)
+
+    monkeypatch.setattr(auto_module, "dictionary_leverage_scores", scores)
+    x, y, _ = _data(600)
+    n_s = SMALL["select_rows"]
+    for a in (0.3, 0.6):
+        spread[0] = a
+        calls.clear()
+        model = auto_fit(x, y, center_sampling=sampling, **SMALL)
+        rep = model.auto_report
+        u = 1 / (1 + a * a)
+        assert rep.sampling["uniformity"] == pytest.approx(u, rel=1e-9), rep.notes
+        kinds = {r["centers"] for r in rep.search}
+        if sampling == "auto" and u >= auto_module.LEVERAGE_UNIFORM:
+            assert len(calls) == 1 and torch.equal(calls[0], torch.arange(n_s // 4))
+            assert any(n.startswith(f"leverage-score centers not tried: the scores of {n_s // 4:,} of the {n_s:,} "
+                                    "selection rows are nearly uniform") for n in rep.notes), rep.notes
+            assert rep.sampling["chosen"] == "uniform" and "leverage_error" not in rep.sampling
+            assert kinds == {"uniform"} and model.center_weights is None
+        else:
+            assert len(calls) == 2, rep.notes
+            assert "leverage" in kinds and math.isfinite(rep.sampling["leverage_error"])
+            assert not any("nearly uniform" in n for n in rep.notes)
+        assert model.fitted and torch.isfinite(model.alpha).all()
 
 
 @pytest.mark.parametrize("slow", [False, True])
