@@ -103,6 +103,10 @@ GROWTH_CHECK_Z = 0.0
 #: ratio of the validation error to the level's noise above which it also tries a larger noise (:func:`_growth_noises`)
 GROWTH_NOISE_STEP = 4.0
 
+#: :func:`_factor_growth` measures the factorisations' growth from ``m`` to ``2 m`` up to this ``m`` (a Cholesky of
+#: ``2 m = 2,048`` takes about 0.05 s on 2 CPU cores); past it they grow as their flop count
+FACTOR_PROBE_MAX = 1024
+
 #: ``report.chosen["centers"]`` where the leverage check's centers replaced the level's
 _LEVERAGE_CHECK = "leverage (check)"
 
@@ -394,8 +398,52 @@ def _onthefly_pass_seconds(kernel: Kernel, x: Tensor, centers: Tensor) -> float:
     return seconds
 
 
+def _factor_scale(factor: float, growth: float = 8.0) -> float:
+    """How much longer the preconditioner's factorisations take at ``factor`` times the centers:
+    ``factor^log2(growth)``, ``growth`` their measured ``t(2 m) / t(m)`` (:func:`_factor_growth`; at the default 8,
+    the flop count's ``factor^3``)."""
+    return float(factor) ** math.log2(growth)
+
+
+def _factor_growth(m: int, device: torch.device, repeats: int = 2) -> float:
+    """``t(2 m) / t(m)`` of a float64 Cholesky factorisation on ``device``, within ``[4, 8]``: the fastest of
+    ``repeats`` timings at each size (alternating, after one untimed factorisation of each), on diagonally dominant
+    matrices; 8 (the flop count's ratio) where ``m`` exceeds :data:`FACTOR_PROBE_MAX` (there the rate no longer grows
+    much with ``m``, and the probe would cost a large factorisation) or is below 64.
+
+    A Cholesky factorisation of ``M x M`` is ``M^3 / 3`` flops, but on a CPU its rate still grows with ``M`` up to a
+    few thousand, so ``M^3`` scaling overstates the factorisations of a grown fit: on 2 EPYC cores a preconditioner
+    build took 0.028, 0.150, 0.49 and 1.07 s at ``M`` = 1,000 / 2,000 / 3,000 / 4,000 (about ``M^2.6``), and the
+    Cholesky factorisations alone grew 6.4x from 1,000 to 2,000 (``M^2.7``; ``benchmarks/results/auto-notes.md``,
+    sessions 46-47). Cost ``1 + repeats`` factorisations at each size (about 0.2 s at ``m = 1,000`` on 2 CPU
+    cores)."""
+    if m > FACTOR_PROBE_MAX or m < 64:
+        return 8.0
+    mats = []
+    for size in (m, 2 * m):
+        a = torch.rand(size, size, dtype=torch.float64, device=device)
+        a = a + a.mT
+        a.diagonal().add_(2.0 * size)
+        torch.linalg.cholesky(a)  # untimed: workspace and threads warmed at this size
+        mats.append(a)
+    best = [math.inf, math.inf]
+    for _ in range(repeats):
+        for i, a in enumerate(mats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            torch.linalg.cholesky(a)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best[i] = min(best[i], time.perf_counter() - t)
+    del mats
+    if not 0 < best[0] < math.inf:
+        return 8.0
+    return min(max(best[1] / best[0], 4.0), 8.0)
+
+
 def _scaled_fit_seconds(records: Sequence[dict[str, Any]], factor: float, rows_ratio: float = 1.0,
-                        columns: int = 1) -> float:
+                        columns: int = 1, factor_growth: float = 8.0) -> float:
     """The seconds of a selection fit at ``factor`` times the centers, on ``rows_ratio`` times the rows,
     predicted from ``records`` (the fits measured at one size: ``report.search`` entries); ``columns``: as a penalty
     path of that many penalties (:meth:`FalkonGP.fit_penalty_path <gpfalkon.FalkonGP.fit_penalty_path>`).
@@ -403,27 +451,36 @@ def _scaled_fit_seconds(records: Sequence[dict[str, Any]], factor: float, rows_r
     A FALKON fit with ``M`` centers on ``n`` rows spends its time in three parts that grow at different
     rates: the preconditioner's factorisations, ``O(M^3)``; the triangular solves that apply it in every
     CG iteration, ``O(M^2)`` each and independent of ``n``; the rest (``K_nM``, the data passes, the
-    validation predictions), ``O(n M)``. Each is scaled by its own power: ``factor^3``, ``factor^2``
-    and ``factor rows_ratio``. The parts are those of the slowest record (the rest is its seconds less
-    its own factorisations and solves), except the factorisations: the largest recorded, since fits that
-    reused a cached penalty-free factor (the noise searches) paid less than a fresh build. A record of
+    validation predictions), ``O(n M)``. Each is scaled by its own power: the factorisations by
+    :func:`_factor_scale` (``factor^log2(factor_growth)``, ``factor_growth`` their measured ``t(2 M) / t(M)``;
+    ``factor^3`` at the default 8), the solves by ``factor^2``, the rest by ``factor rows_ratio``. The parts are
+    those of the slowest record (the rest is its seconds less its own factorisations and solves), except the
+    factorisations: the median of the fresh builds (the records whose factorisations took at least half the
+    largest; fits that reused a cached penalty-free factor, the noise searches, paid about a third), whose single
+    largest is often a slow outlier of a shared machine. A record of
     the direct solve (``O(n M^2 + M^3)``, chosen over CG only at small ``M``) is scaled whole by
     ``factor^2 rows_ratio``. One growth exponent for the whole fit (measured over the last growth step,
     the earlier rule) is too high at small ``M``, where the data passes dominate, and too low at large
     ``M``, where the factorisations do (``benchmarks/results/auto-cost-model.md``). No records: 0. A path of
     ``columns`` penalties factors ``K_MM`` once and ``T T^T / M + lambda I`` per penalty (the factorisations counted
     ``(1 + columns) / 2`` times) and applies a preconditioner per column (the solves ``columns`` times); its data
-    passes read ``K_nM`` once for all columns (the rest as for one).
+    passes read ``K_nM`` once for all columns (the rest as for one). The records' CG iterations are not scaled:
+    a final fit (``max_iter``) is sized as if it ran the selection fits' ``score_max_iter``, and its CG stops at the
+    budget where it runs longer (at a fixed time, more centers with fewer iterations tested better:
+    ``benchmarks/results/auto-notes.md``, session 47).
     """
     if not records:
         return 0.0
     slow = max(records, key=lambda r: r["seconds"])
     if slow.get("direct"):
         return slow["seconds"] * factor**2 * rows_ratio
-    pre = max(float(r.get("precond_seconds", 0.0)) for r in records)
+    pres = [float(r.get("precond_seconds", 0.0)) for r in records]
+    fresh = sorted(v for v in pres if v >= 0.5 * max(pres))
+    pre = fresh[len(fresh) // 2] if fresh else 0.0
     apply = float(slow.get("apply_seconds", 0.0))
     rest = max(slow["seconds"] - float(slow.get("precond_seconds", 0.0)) - apply, 0.0)
-    return pre * factor**3 * (1 + columns) / 2 + apply * factor**2 * columns + rest * factor * rows_ratio
+    return (pre * _factor_scale(factor, factor_growth) * (1 + columns) / 2 + apply * factor**2 * columns
+            + rest * factor * rows_ratio)
 
 
 def _growth_noises(noise: float, error: float) -> list[float]:
@@ -1549,12 +1606,21 @@ def auto_fit(
                 pass_cache[m] = _onthefly_pass_seconds(base_kernel, xs, centers_at(m)[0])
             return pass_cache[m]
 
+        growth_cache: dict[int, float] = {}
+
+        def factor_growth_at(m: int) -> float:
+            """The factorisations' measured ``t(2 m) / t(m)`` (:func:`_factor_growth`, once per size and call)."""
+            if m not in growth_cache:
+                growth_cache[m] = _factor_growth(m, dev)
+            return growth_cache[m]
+
         def predicted_fit_seconds(m: int, m_new: int, rows_ratio: float | None = None, columns: int = 1) -> float:
             """A fit at ``m_new`` centers on ``rows_ratio`` times the rows of the selection fits measured at
             ``m`` (default: on the selection rows of ``m_new``), at ``columns`` penalties at once, predicted from
             those fits by :func:`_scaled_fit_seconds`."""
             ratio = rows_at(m_new) / rows_at(m) if rows_ratio is None else rows_ratio
-            return _scaled_fit_seconds([r for r in report.search if r["M"] == m], m_new / m, ratio, columns)
+            return _scaled_fit_seconds([r for r in report.search if r["M"] == m], m_new / m, ratio, columns,
+                                       factor_growth_at(m))
 
         def fit_cost(m: int, base: int, rows: int, iterations: int, columns: int = 1) -> float:
             """A fit at ``m`` centers on ``rows`` rows with at most ``iterations`` CG iterations, predicted

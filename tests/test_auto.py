@@ -1577,7 +1577,7 @@ def test_auto_fit_search_tol_ends_a_flat_search(monkeypatch, tol):
 
 
 def test_scaled_fit_seconds_scales_each_part_by_its_own_power():
-    """The selection-fit prediction: factorisations x f^3 (the largest recorded, a cached factor costs
+    """The selection-fit prediction: factorisations x f^3 (the fresh build's, a cached factor costs
     less), triangular solves x f^2, the rest x f rho (the slowest record's own parts); a direct solve
     whole x f^2 rho; nothing recorded, 0. Checked against the closed form by hand."""
     from gpfalkon.auto import _scaled_fit_seconds
@@ -1595,6 +1595,59 @@ def test_scaled_fit_seconds_scales_each_part_by_its_own_power():
     # the parts never make the rest negative (a clock read around a fit can trail its parts)
     assert _scaled_fit_seconds([dict(seconds=1.0, precond_seconds=0.8, apply_seconds=0.4)], 2.0) == pytest.approx(
         0.8 * 8 + 0.4 * 4)
+
+
+def test_scaled_fit_seconds_takes_the_median_fresh_build_and_the_measured_factor_growth():
+    """The factorisations' part: the median of the records whose factorisations took at least half the largest
+    (fresh builds; a cached factor's fit pays about a third, a single slow build is an outlier), scaled by
+    f^log2(g) for a measured growth g = t(2M) / t(M) (f^3 at g = 8). Closed forms by hand."""
+    from gpfalkon.auto import _factor_scale, _scaled_fit_seconds
+
+    assert _factor_scale(2.0, 6.4) == pytest.approx(6.4)
+    assert _factor_scale(4.0, 6.4) == pytest.approx(6.4**2)
+    assert _factor_scale(3.0) == pytest.approx(27.0)
+    assert _factor_scale(1.0, 5.0) == pytest.approx(1.0)
+    pres = [0.030, 0.010, 0.033, 0.046, 0.011]  # three fresh builds (>= 0.023), two cached
+    recs = [dict(seconds=0.1 + p, precond_seconds=p, apply_seconds=0.02) for p in pres]
+    slow = max(recs, key=lambda r: r["seconds"])
+    rest = slow["seconds"] - slow["precond_seconds"] - 0.02
+    for g in (8.0, 6.4, 4.0):
+        expected = 0.033 * 2.5 ** math.log2(g) * (1 + 2) / 2 + 0.02 * 2.5**2 * 2 + rest * 2.5 * 1.2
+        assert _scaled_fit_seconds(recs, 2.5, 1.2, columns=2, factor_growth=g) == pytest.approx(expected)
+
+
+def test_factor_growth_measures_the_cholesky_ratio_on_its_clock(monkeypatch):
+    """_factor_growth times a Cholesky at m and 2m (the fastest of its repeats, after an untimed one each) and
+    returns their ratio within [4, 8]: on a fake clock where a factorisation of size s takes (s / 1000)^p seconds
+    it returns 2^p, clamped; past FACTOR_PROBE_MAX or below 64 it returns 8 without factorising; on the real clock
+    it lies in [4, 8]."""
+    import types
+
+    import gpfalkon.auto as auto_module
+
+    real = torch.linalg.cholesky
+    assert 4.0 <= auto_module._factor_growth(200, torch.device("cpu")) <= 8.0
+    clock = [0.0]
+    sizes: list[int] = []
+    power = [2.5]
+
+    def fake_cholesky(a: torch.Tensor) -> torch.Tensor:
+        sizes.append(a.shape[-1])
+        clock[0] += (a.shape[-1] / 1000) ** power[0]
+        return a
+
+    monkeypatch.setattr(torch.linalg, "cholesky", fake_cholesky)
+    monkeypatch.setattr(auto_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    assert auto_module._factor_growth(500, torch.device("cpu"), repeats=3) == pytest.approx(2**2.5)
+    assert sorted(set(sizes)) == [500, 1000] and len(sizes) == 2 * (1 + 3)
+    for p, expected in ((3.4, 8.0), (1.5, 4.0), (3.0, 8.0), (2.0, 4.0)):
+        power[0] = p
+        assert auto_module._factor_growth(300, torch.device("cpu")) == pytest.approx(expected)
+    sizes.clear()
+    assert auto_module._factor_growth(auto_module.FACTOR_PROBE_MAX + 1, torch.device("cpu")) == 8.0
+    assert auto_module._factor_growth(63, torch.device("cpu")) == 8.0
+    assert sizes == []
+    monkeypatch.setattr(torch.linalg, "cholesky", real)
 
 
 
