@@ -1625,7 +1625,6 @@ def test_factor_growth_measures_the_cholesky_ratio_on_its_clock(monkeypatch):
 
     import gpfalkon.auto as auto_module
 
-    real = torch.linalg.cholesky
     assert 4.0 <= auto_module._factor_growth(200, torch.device("cpu")) <= 8.0
     clock = [0.0]
     sizes: list[int] = []
@@ -1647,8 +1646,26 @@ def test_factor_growth_measures_the_cholesky_ratio_on_its_clock(monkeypatch):
     assert auto_module._factor_growth(auto_module.FACTOR_PROBE_MAX + 1, torch.device("cpu")) == 8.0
     assert auto_module._factor_growth(63, torch.device("cpu")) == 8.0
     assert sizes == []
-    monkeypatch.setattr(torch.linalg, "cholesky", real)
 
+
+def test_auto_fit_measures_the_factor_growth_once_per_size(monkeypatch):
+    """auto_fit's predictions take the factorisations' growth from _factor_growth, measured once per base size of a
+    call (on the fit's device) however many predictions read it."""
+    import gpfalkon.auto as auto_module
+
+    calls: list[tuple[int, str]] = []
+
+    def recorder(m: int, device: torch.device, repeats: int = 2) -> float:
+        calls.append((m, device.type))
+        return 8.0
+
+    monkeypatch.setattr(auto_module, "_factor_growth", recorder)
+    x, y, _ = _data(800)
+    rep = auto_fit(x, y, **SMALL).auto_report
+    sizes = sorted({r["M"] for r in rep.search})
+    assert calls and all(dev == "cpu" for _, dev in calls)
+    assert len(calls) == len({m for m, _ in calls}) and {m for m, _ in calls} <= set(sizes)
+    assert rep.chosen["final_predicted_seconds"] > 0
 
 
 def _race(**race: object) -> tuple[int, dict, dict]:
