@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import pathlib
 import sys
-import time
 import warnings
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import environment_lines, log, markdown_table, write_result  # noqa: E402
+from _common import environment_lines, log, markdown_table, timed, write_result  # noqa: E402
 
 
 def _one(name: str, args: argparse.Namespace, it_rows: list[list[object]], br_rows: list[list[object]]) -> None:
@@ -65,25 +65,19 @@ def _one(name: str, args: argparse.Namespace, it_rows: list[list[object]], br_ro
         for size in (m, min(2 * m, n)):
             for iters in args.iters:
                 fit = probe(x[perm[:size]], iters)
-                t = time.perf_counter()
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    fit.fit()
-                sec = time.perf_counter() - t
+                    sec = timed(fit.fit)[0]
                 it_rows.append([name, size, iters, f"{nrmse(fit):.4f}", f"{sec:.2f}"])
                 log(" | ".join(str(v) for v in it_rows[-1]))
     if args.breakdown:
         for columns in (1, 2, 3):
             fit = probe(x[perm[:m]], 50)
-            t = time.perf_counter()
+            path = [noise / n * 4.0**j for j in range(columns)]
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                if columns == 1:
-                    fit.fit()
-                    info = fit.fit_info
-                else:
-                    info = fit.fit_penalty_path([noise / n * 4.0**j for j in range(columns)]).info
-            sec = time.perf_counter() - t
+                sec, _, out = timed(fit.fit if columns == 1 else functools.partial(fit.fit_penalty_path, path))
+            info = fit.fit_info if columns == 1 else out.info  # type: ignore[attr-defined]
             extra = info.extra if info is not None else {}
             pre, cg = extra.get("preconditioner_seconds", float("nan")), extra.get("cg_seconds", float("nan"))
             solves = extra.get("precond_apply_seconds", float("nan"))

@@ -382,6 +382,13 @@ def _paired_z(res_new: Tensor, res_old: Tensor) -> float:
     return float(d.mean()) / se if se > 0 else 0.0
 
 
+def _wait(device: torch.device) -> None:
+    """Waits for the kernels queued on ``device`` (CUDA; nothing elsewhere), so that a clock read after it covers
+    them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _onthefly_pass_seconds(kernel: Kernel, x: Tensor, centers: Tensor) -> float:
     """Wall seconds of one ``K_Mn (K_nM u)`` pass over ``x`` with ``K_nM`` recomputed block by block
     (the cost of one CG iteration of a fit whose ``K_nM`` exceeds the memory budget); on CUDA the
@@ -391,8 +398,7 @@ def _onthefly_pass_seconds(kernel: Kernel, x: Tensor, centers: Tensor) -> float:
     t = time.perf_counter()
     with torch.no_grad():
         eng.kmn_k(u)
-    if x.device.type == "cuda":
-        torch.cuda.synchronize(x.device)
+    _wait(x.device)
     seconds = time.perf_counter() - t
     eng.release()
     return seconds
@@ -429,12 +435,10 @@ def _factor_growth(m: int, device: torch.device, repeats: int = 2) -> float:
     best = [math.inf, math.inf]
     for _ in range(repeats):
         for i, a in enumerate(mats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            _wait(device)
             t = time.perf_counter()
             torch.linalg.cholesky(a)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            _wait(device)
             best[i] = min(best[i], time.perf_counter() - t)
     del mats
     if not 0 < best[0] < math.inf:
@@ -475,8 +479,8 @@ def _scaled_fit_seconds(records: Sequence[dict[str, Any]], factor: float, rows_r
     if slow.get("direct"):
         return slow["seconds"] * factor**2 * rows_ratio
     pres = [float(r.get("precond_seconds", 0.0)) for r in records]
-    fresh = sorted(v for v in pres if v >= 0.5 * max(pres))
-    pre = fresh[len(fresh) // 2] if fresh else 0.0
+    fresh = sorted(v for v in pres if v >= 0.5 * max(pres))  # never empty: the largest is in it
+    pre = fresh[len(fresh) // 2]
     apply = float(slow.get("apply_seconds", 0.0))
     rest = max(slow["seconds"] - float(slow.get("precond_seconds", 0.0)) - apply, 0.0)
     return (pre * _factor_scale(factor, factor_growth) * (1 + columns) / 2 + apply * factor**2 * columns
