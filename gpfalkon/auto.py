@@ -107,6 +107,12 @@ GROWTH_NOISE_STEP = 4.0
 #: ``2 m = 2,048`` takes about 0.05 s on 2 CPU cores); past it they grow as their flop count
 FACTOR_PROBE_MAX = 1024
 
+#: ``final_growth``: a grown final fit's size is the largest whose predicted time, times this margin, fits the time
+#: left (:func:`_growth_size`). The prediction scales the selection fits (``score_max_iter`` CG iterations) and the
+#: final CG runs on to ``max_iter`` or the time left, so a margin above 1 buys CG iterations instead of centers; at
+#: a fixed time more centers tested better than more iterations (docs/math.md §8 "Final growth")
+GROWTH_MARGIN = 1.0
+
 #: ``report.chosen["centers"]`` where the leverage check's centers replaced the level's
 _LEVERAGE_CHECK = "leverage (check)"
 
@@ -533,6 +539,27 @@ def _rows_within(cost: Callable[[int], float], lo: int, hi: int, seconds: float)
     return lo
 
 
+def _growth_size(cost: Callable[[int], float], m: int, cap: int, seconds: Callable[[], float],
+                 refinable: Callable[[int], bool]) -> int:
+    """The centers a final fit grown from a level of ``m`` takes: the first of ``cap``, ``int(cap / 1.15)``, ... (down
+    to ``1.25 m``) with ``GROWTH_MARGIN * cost(size) <= seconds()`` (read after each ``cost``, which may take time),
+    then, below ``cap``, ``int(1.10 size)`` or else ``int(1.05 size)`` where ``refinable`` and within the same test
+    (the steps of 1.15 alone leave up to 15 % of the centers, 7 % on average, that the time pays for). Below
+    ``1.25 m`` where no size of at least that fits; ``cost`` may be ``inf`` (a size passed over). At most
+    ``log(cap / m) / log(1.15) + 2`` predictions."""
+    size = cap
+    while size >= 1.25 * m:
+        if GROWTH_MARGIN * cost(size) <= seconds():
+            break
+        size = int(size / 1.15)
+    if 1.25 * m <= size < cap:
+        top = min(int(size * 1.15), cap)
+        for finer in (int(size * 1.10), int(size * 1.05)):
+            if size < finer < top and refinable(finer) and GROWTH_MARGIN * cost(finer) <= seconds():
+                return finer
+    return size
+
+
 def _quietly(call: Callable[[], Any]) -> tuple[Any, bool]:
     """``(call(), converged)``: CG's cap warning recorded (not printed) as ``converged = False``; other warnings
     (jitter escalation, ...) reach the caller as usual."""
@@ -811,7 +838,8 @@ def auto_fit(
             only when it is predicted to end in time, the final model is the best level whose
             prediction fits the time left plus a grace of 5 % of the budget, and the final CG stops
             at that point or at 1.2 x its prediction, whichever is later
-            (``FalkonGP.fit(time_limit=...)``; ``auto_report.notes`` says so). The call can run over by
+            (``FalkonGP.fit(time_limit=...)``; ``auto_report.notes`` says so); a grown final fit
+            (``final_growth``) is sized to the time left and its CG stops there. The call can run over by
             the grace, the final fit's ``K_Mn y`` pass and its last CG iteration (after a rejected growth
             check, ``check_growth``, the level's final fit's passes, preconditioner and first iteration), the variance
             calibration after it (``calibrate_variance``: at most ``max(2e9, 512 M^2)`` flops, about
@@ -940,7 +968,10 @@ def auto_fit(
             ``max_centers`` or the pool's size; with it, a next size short of doubling is not searched, its
             time goes to the grown final fit), and the chosen level is the largest one, the final
             fit takes more nested centers than that level, as many as the
-            time left pays for (at least 1.25 times the level's, at most ``final_growth_factor`` times), with
+            time left pays for (at least 1.25 times the level's, at most ``final_growth_factor`` times; the
+            largest size whose fit, predicted at the selection fits' CG iterations, takes at most the time
+            left, :data:`GROWTH_MARGIN`, to about 5 % of the centers: :func:`_growth_size`; its CG then runs
+            on to ``max_iter`` or the time left, without the grace), with
             the level's noise and multiplier (not re-searched: that is what the time left cannot pay for; at a
             fixed noise, nested centers lower the minimum of the regularised least-squares objective
             toward the full kernel model's; docs/math.md §8 "Final growth"). The first size's noise and
@@ -1825,24 +1856,27 @@ def auto_fit(
             return [float(level["noise"])]
 
         def growth_reach(m_b: int, columns: int, spend: float = 0.0, base: int | None = None,
-                         stored_only: bool = False) -> int:
+                         stored_only: bool = False, refine: bool = True) -> int:
             """The centers :func:`grown_level` gives a level at ``m_b`` with the time left less ``spend`` seconds:
-            the largest of the sizes down from :func:`growth_cap` (``final_growth_factor``; steps of 1.15) whose
-            final fit on :func:`growth_rows` at ``columns`` noises, predicted from the selection fits at ``base``
-            (default ``m_b``), takes 1.2 x at most that time (read again after each prediction: one past the memory
-            budget measures a pass); below ``1.25 m_b`` where none of at least that does. ``stored_only``: sizes
-            whose final ``K_nM`` would not be stored are passed over (no pass measured: a prediction only)."""
-            m_try = growth_cap(m_b, final_growth_factor)
+            :func:`_growth_size` from :func:`growth_cap` (``final_growth_factor``) for the final fit on
+            :func:`growth_rows` at ``columns`` noises, predicted from the selection fits at ``base`` (default
+            ``m_b``); the time is read again after each prediction (one past the memory budget measures a pass),
+            and the refinement within the last step takes stored sizes only (none without ``refine``: the
+            ``growth_first`` comparison of two predictions stays on the steps of 1.15). ``stored_only``: sizes whose
+            final ``K_nM`` would not be stored are passed over (no pass measured: a prediction only)."""
             rows = growth_rows()
-            while m_try >= 1.25 * m_b:
-                stored = (not stored_only or stored_rows_for(rows, m_try, itemsize, budget_at(m_try), device=dev,
-                                                             store_dtype=store_dtype, d=d) >= rows)
-                cost = (final_cost(m_try, base=m_b if base is None else base, rows=rows, columns=columns) if stored
+            on = m_b if base is None else base
+
+            def stored(m: int) -> bool:
+                return stored_rows_for(rows, m, itemsize, budget_at(m), device=dev, store_dtype=store_dtype,
+                                       d=d) >= rows
+
+            def cost(m: int) -> float:
+                return (final_cost(m, base=on, rows=rows, columns=columns) if not stored_only or stored(m)
                         else math.inf)
-                if 1.2 * cost <= clock.left() - spend:
-                    break
-                m_try = int(m_try / 1.15)
-            return m_try
+
+            return _growth_size(cost, m_b, growth_cap(m_b, final_growth_factor), lambda: clock.left() - spend,
+                                stored if refine else lambda m: False)
 
         def grown_level(level: dict[str, Any]) -> dict[str, Any]:
             """``final_growth``: the level with more nested centers for the final fit, as many as the time
@@ -1894,7 +1928,7 @@ def auto_fit(
             t_g = time.perf_counter()
             m_b = int(level["grown_from"])
             key = score_key(m_b, level["noise"], level["multiplier"], level["centers"])
-            limit = max(clock.left() + grace, 1.2 * level["final_predicted"], 1e-3)
+            limit = max(clock.left(), GROWTH_MARGIN * level["final_predicted"], 1e-3)  # sized to the time left
             x_chk, y_chk = xv[cal_idx].to(dtype), yv[cal_idx].to(torch.float64)
             noises = [float(v) for v in level.get("noises", [level["noise"]])]
             errors: list[float] = []
@@ -2073,10 +2107,10 @@ def auto_fit(
                 if m_try > m and growth_first:
                     # a final fit grown from m now against one grown from m_try after its four selection fits
                     columns = len(growth_noise_list(levels[-1]))
-                    # (stored K_nM only: no on-the-fly pass is measured for the comparison)
-                    now = growth_reach(m, columns, stored_only=True)
+                    # (stored K_nM only: no on-the-fly pass is measured for the comparison; on the steps of 1.15)
+                    now = growth_reach(m, columns, stored_only=True, refine=False)
                     later = max(m_try, growth_reach(m_try, columns, spend=4 * select_cost(m_try, m), base=m,
-                                                    stored_only=True))
+                                                    stored_only=True, refine=False))
                     if now > later:
                         report.notes.append(
                             f"centers stopped at M={m}: a final fit grown from it reaches M={now}, one from M={m_try} "
@@ -2231,11 +2265,14 @@ def auto_fit(
             final_predicted = (final_level["final_predicted"] if "final_predicted" in final_level
                                else final_cost(m_final, rows=rows_final))
             # the budget's remainder (and the grace) bounds the final CG: a backstop for a prediction that was
-            # low. Never below 1.2 x the prediction: a final CG cut to a few iterations returns a useless model;
-            # except after a rejected growth check, which no time was kept for: that fit starts from the level's
-            # selection coefficients (validated), and its CG stops at the clock
-            floor = 1e-3 if fallback else 1.2 * final_predicted
-            final, converged = build_final(final_level, time_limit=max(clock.left() + grace, floor, 1e-3),
+            # low. Never below 1.2 x the prediction (GROWTH_MARGIN x for a grown level, sized by it): a final CG
+            # cut to a few iterations returns a useless model; except after a rejected growth check, which no time
+            # was kept for: that fit starts from the level's selection coefficients (validated), and its CG stops
+            # at the clock
+            grown = "grown_from" in final_level  # sized to the time left: no grace
+            floor = 1e-3 if fallback else (GROWTH_MARGIN if grown else 1.2) * final_predicted
+            final, converged = build_final(final_level, time_limit=max(clock.left() + (0.0 if grown else grace),
+                                                                       floor, 1e-3),
                                            centers=lev_centers, weights=lev_weights, rows=rows_final, keeper=keeper,
                                            start=lev_alpha)
         report.stages["final fit"] = time.perf_counter() - t_stage

@@ -736,14 +736,20 @@ def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int, **extra
     with settings.memory_budget(memory_budget):
         model = auto_fit(x, y, **kw)
     # only the final fit is bounded: by what the budget has left when it starts and a 5 % grace, or 1.2 x its
-    # predicted time if that is longer
+    # predicted time if that is longer; a grown final fit (sized to the time left) by the time left, or
+    # GROWTH_MARGIN x its prediction
     growth = model.auto_report.growth
     checked = 1 if growth else 0  # a growth check's fit: bounded as a final fit
     assert all(lim is None for lim, _ in limits[:-1 - checked])
     pred = model.auto_report.chosen["final_predicted_seconds"]
-    # a final fit after a rejected growth check stops at the clock (its CG starts from the level's selection fit)
-    floor = 1e-3 if growth and not growth["kept"] else 1.2 * pred
-    assert limits[-1][0] == pytest.approx(max(budget - limits[-1][1] + 0.05 * budget, floor, 1e-3))
+    grace = 0.05 * budget
+    if growth and not growth["kept"]:  # the level's final fit after a rejected check stops at the clock (its CG
+        floor = 1e-3                   # starts from the level's selection fit)
+    elif model.auto_report.chosen["grown_from"] is not None:
+        floor, grace = auto_module.GROWTH_MARGIN * pred, 0.0
+    else:
+        floor = 1.2 * pred
+    assert limits[-1][0] == pytest.approx(max(budget - limits[-1][1] + grace, floor, 1e-3))
     return model, now[0]
 
 
@@ -1155,6 +1161,41 @@ def test_growth_cap_closed_form(m, factor, n_final, limit, expected):
     assert _growth_cap(m, factor, n_final, limit) == expected
 
 
+def test_growth_size_takes_the_largest_size_the_time_pays_for_within_a_step():
+    """``_growth_size``: down from the cap by steps of 1.15 to the first size whose predicted final fit (times
+    ``GROWTH_MARGIN``) fits the time, then 1.10 or 1.05 of it where that fits too; the time is read after each
+    prediction; nothing of at least ``1.25 m`` fits: below it; ``inf`` costs are passed over."""
+    from gpfalkon.auto import GROWTH_MARGIN, _growth_size
+
+    def cost(m: int) -> float:
+        return m / 1000.0
+
+    def budget(s: float):
+        return lambda: s * GROWTH_MARGIN
+
+    # grid 4000, 3478, 3024, 2629 (the first that fits 3.0 s), then int(2629 * 1.10) = 2891 fits too
+    assert _growth_size(cost, 1000, 4000, budget(3.0), lambda m: True) == 2891
+    assert _growth_size(cost, 1000, 4000, budget(2.8), lambda m: True) == 2760  # 2891 not, int(2629 * 1.05)
+    assert _growth_size(cost, 1000, 4000, budget(2.7), lambda m: True) == 2629  # neither refinement
+    assert _growth_size(cost, 1000, 4000, budget(3.0), lambda m: m < 2800) == 2760  # 2891 not refinable
+    assert _growth_size(cost, 1000, 4000, budget(5.0), lambda m: True) == 4000  # the cap fits: no refinement
+    assert _growth_size(cost, 1000, 4000, budget(1.0), lambda m: True) < 1250  # nothing of 1,250 or more
+    # a size passed over (inf) is skipped, the next step down is taken
+    passed_over = lambda m: math.inf if m > 3100 else cost(m)
+    assert _growth_size(passed_over, 1000, 4000, budget(10.0), lambda m: True) == 3024  # 3326, 3175 passed over
+    # the time is read after each prediction: at a constant 3.4 s, 3024 then 3326 fit; a clock that falls keeps 3024
+    assert _growth_size(cost, 1000, 4000, budget(3.4), lambda m: True) == 3326
+    left = iter([3.9, 3.4, 3.1, 3.3, 3.0])
+    calls: list[int] = []
+
+    def timed(m: int) -> float:
+        calls.append(m)
+        return cost(m)
+
+    assert _growth_size(timed, 1000, 4000, lambda: next(left) * GROWTH_MARGIN, lambda m: True) == 3024
+    assert calls == [4000, 3478, 3024, 3326, 3175]
+
+
 def test_auto_fit_first_size_searches_keep_time_for_a_grown_final_fit(monkeypatch):
     """With final_growth, the first size's noise and multiplier searches stop where the time left still pays
     for a grown final fit (up to 2 M, 1.2 x its prediction, at most half the time left when they start);
@@ -1172,8 +1213,11 @@ def test_auto_fit_first_size_searches_keep_time_for_a_grown_final_fit(monkeypatc
     assert rep.chosen["grown_from"] == 60 and 75 <= rep.chosen["num_centers"] <= 120, rep.notes
     assert any(n.startswith("the searches at M=60 keep time for a final fit grown up to M=") for n in rep.notes)
     assert not any(n.startswith("the searches at M=") for n in off.auto_report.notes)
-    # the searches ended where the grown final fit's reserve begins; the whole call kept its budget
-    assert rep.chosen["levels"][0]["elapsed"] + 1.2 * rep.chosen["final_predicted_seconds"] <= 0.06 + 1e-9
+    # the searches ended where the grown final fit's reserve begins (the grown size: GROWTH_MARGIN x its prediction
+    # within the time left); the whole call kept its budget
+    from gpfalkon.auto import GROWTH_MARGIN
+
+    assert rep.chosen["levels"][0]["elapsed"] + GROWTH_MARGIN * rep.chosen["final_predicted_seconds"] <= 0.06 + 1e-9
     assert spent <= 0.06 * 1.05, (spent, rep.stages)
     assert off.auto_report.chosen["num_centers"] == 60 and off.auto_report.chosen["grown_from"] is None
     # the same level's choices: the grown model's first 60 centers are the level's
