@@ -2,12 +2,13 @@
 
 One ``K^T (K u)`` by :func:`gpfalkon.backend.fused.fused_kmn_k` over a whole store of ``--bytes`` (about 1.6 GB,
 the reference fit's float32 ``K_nM``) of random values: float32 and float64 stores and int16 fixed-point stores
-(:class:`gpfalkon.settings.store_format`) with float32 or float64 row scales, at ``--ms`` columns, with 1 and 4
-right-hand sides. Each product is timed right after a ``torch.sum`` over the same bytes (as float32: torch's
-integer sum is far slower than the memory), alternating, ``--repeats`` times after a warm-up; reported: the
-medians, and the product's bytes per second over the sum's (issue 17's target for one stored-``K`` iteration:
-at least 0.8). The store's own memory is measured, not a separate buffer's (their rates differ on these VMs:
-``stored-read-diagnosis.md``).
+(:class:`gpfalkon.settings.store_format`) with float32 or float64 row scales, and float32 stores with float64
+vectors (``wide``: :class:`gpfalkon.settings.wide_products`, the default for float32 data), at ``--ms``
+columns, with 1 and 4 right-hand sides. Each product is timed right after a ``torch.sum`` over the same bytes (as
+float32: torch's integer sum is far slower than the memory), alternating, ``--repeats`` times after a warm-up;
+reported: the medians, and the product's bytes per second over the sum's (issue 17's target for one
+stored-``K`` iteration: at least 0.8). The store's own memory is measured, not a separate buffer's (their rates
+differ on these VMs: ``stored-read-diagnosis.md``).
 
     .venv/bin/python benchmarks/product_rate.py --out benchmarks/results/product-rate.md
 """
@@ -30,7 +31,8 @@ from _common import environment_lines, log, markdown_table, write_result
 
 def measure(k_nm: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, k: int, repeats: int
             ) -> tuple[float, float]:
-    """(median seconds of torch.sum over the store's bytes, median seconds of one fused product)."""
+    """(median seconds of torch.sum over the store's bytes, median seconds of one fused product with vectors of
+    ``dtype``)."""
     m = k_nm.shape[1]
     u = torch.randn(k, m, dtype=dtype)
     acc = torch.zeros(k, m, dtype=torch.float64)
@@ -54,6 +56,8 @@ def main() -> None:
     ap.add_argument("--bytes", type=float, default=1.6e9, help="bytes of each store (default 1.6e9)")
     ap.add_argument("--ms", nargs="+", type=int, default=[2000, 10_000], help="columns M (default 2,000 10,000)")
     ap.add_argument("--ks", nargs="+", type=int, default=[1, 4], help="right-hand sides (default 1 4)")
+    ap.add_argument("--stores", nargs="+", choices=["dtype", "int16", "wide"], default=["dtype", "int16", "wide"],
+                    help="store formats: the data's dtype, int16 fixed point, float32 with float64 vectors")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args()
@@ -67,7 +71,9 @@ def main() -> None:
     rows = []
     for m in args.ms:
         for dtype in (torch.float32, torch.float64):
-            for store in ("dtype", "int16"):
+            for store in args.stores:
+                if store == "wide" and dtype != torch.float32:
+                    continue  # float64 vectors over a float32 store only
                 itemsize = 2 if store == "int16" else dtype.itemsize
                 n = int(args.bytes // (m * itemsize)) // 8 * 8
                 if store == "int16":
@@ -77,7 +83,8 @@ def main() -> None:
                     k_nm, scale = torch.rand(n, m, generator=g, dtype=dtype), None
                 nbytes = k_nm.numel() * itemsize
                 for k in args.ks:
-                    t_sum, t_prod = measure(k_nm, scale, dtype, k, args.repeats)
+                    vectors = torch.float64 if store == "wide" else dtype
+                    t_sum, t_prod = measure(k_nm, scale, vectors, k, args.repeats)
                     row = [f"{m:,}", str(dtype).removeprefix("torch."), store, k, f"{n:,}", nbytes / t_sum / 1e9,
                            nbytes / t_prod / 1e9, t_sum / t_prod]
                     rows.append(row)
@@ -86,7 +93,7 @@ def main() -> None:
                 del k_nm, scale
     body = ("## One fused product against torch.sum over the same store\n\n"
             f"Medians of {args.repeats} alternating pairs after a warm-up; 'x sum' = the product's bytes per "
-            "second over the sum's.\n\n"
+            "second over the sum's. Store 'wide': float32 values, float64 vectors and sums.\n\n"
             + markdown_table(["M", "dtype", "store", "k", "rows", "sum GB/s", "product GB/s", "x sum"], rows,
                              align="rllrrrrr"))
     print(body)

@@ -285,7 +285,7 @@ def test_release_frees_a_large_store_in_the_background_and_the_next_store_waits(
     import gpfalkon.backend.engine as eng_mod
 
     monkeypatch.setattr(eng_mod, "BACKGROUND_FREE_BYTES", 1)  # every store counts as large
-    eng_mod._await_frees()  # nothing pending from earlier tests
+    eng_mod.await_frees()  # nothing pending from earlier tests
     x, _ = make_data(300, 3)
     centers = x[:20].clone()
     kernel = make_kernel("rbf", 3)
@@ -304,6 +304,38 @@ def test_release_frees_a_large_store_in_the_background_and_the_next_store_waits(
     monkeypatch.setattr(eng_mod, "BACKGROUND_FREE_BYTES", 2**62)
     again.release()
     assert eng_mod._pending_frees == []
+
+
+def test_release_leaves_the_worker_the_last_reference(monkeypatch):
+    """The free happens on the worker: when its target has run, the store is gone, before release() returns
+    (a reference kept by release itself would free the store on the caller's thread when it returns)."""
+    import weakref
+
+    import gpfalkon.backend.engine as eng_mod
+
+    monkeypatch.setattr(eng_mod, "BACKGROUND_FREE_BYTES", 1)
+    eng_mod.await_frees()
+    seen: list[bool] = []
+
+    class Synchronous:  # a worker whose target runs inside start(), while release() is still on the stack
+        def __init__(self, target, name, daemon):
+            self.target = target
+
+        def start(self):
+            self.target()
+            seen.append(stored() is None)
+
+        def join(self):
+            pass
+
+    monkeypatch.setattr(eng_mod.threading, "Thread", Synchronous)
+    x, _ = make_data(300, 3)
+    eng = KernelEngine(make_kernel("rbf", 3), x, x[:20].clone(), store=True)
+    eng.kmn_k(torch.randn(20, 1, dtype=torch.float64))
+    stored = weakref.ref(eng._k)
+    eng.release()
+    assert seen[-1] is True
+    eng_mod.await_frees()
 
 
 @pytest.mark.parametrize("fused_on", [True, False], ids=["fused-kernel", "torch-path"])
@@ -327,7 +359,7 @@ def test_reuse_stores_hands_a_released_store_to_the_next_engine_of_its_size(monk
     monkeypatch.setattr(eng_mod, "BACKGROUND_FREE_BYTES", 1)  # every store counts as large
     monkeypatch.setattr(blocks_mod, "open", lambda *a, **k: io.StringIO("MemTotal: 9 kB\nMemAvailable: 1000 kB\n"),
                         raising=False)
-    eng_mod._await_frees()
+    eng_mod.await_frees()
     x, _ = make_data(300, 3)
     centers = x[:20].clone()
     u = torch.randn(20, 2, dtype=torch.float64)
@@ -374,7 +406,7 @@ def test_reuse_stores_hands_a_released_store_to_the_next_engine_of_its_size(monk
     e6.kmn_k(u)
     e6.release()
     assert eng_mod.kept_stores() == []
-    eng_mod._await_frees()
+    eng_mod.await_frees()
 
 
 def test_reuse_stores_is_per_thread(monkeypatch):
@@ -406,7 +438,7 @@ def test_reuse_stores_is_per_thread(monkeypatch):
         e.release()
         assert len(eng_mod.kept_stores()) == 1
     assert eng_mod.kept_stores() == []
-    eng_mod._await_frees()
+    eng_mod.await_frees()
 
 
 def test_a_process_that_ends_right_after_a_fit_exits_cleanly():
@@ -469,7 +501,7 @@ def test_release_frees_inline_when_no_thread_can_start(monkeypatch):
 
     monkeypatch.setattr(eng_mod, "BACKGROUND_FREE_BYTES", 1)
     monkeypatch.setattr(threading.Thread, "start", refuse)
-    eng_mod._await_frees()
+    eng_mod.await_frees()
     x, _ = make_data(200, 3)
     kernel = make_kernel("rbf", 3)
     eng = KernelEngine(kernel, x, x[:10].clone(), store=True)

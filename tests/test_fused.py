@@ -16,27 +16,31 @@ def _need_kernel() -> None:
         pytest.skip(f"fused kernel unavailable: {why}")
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, "wide"])
 @pytest.mark.parametrize("k", [1, 3, 5, fused.MAX_K])
 @pytest.mark.parametrize("rows", [1, 7, fused.FLUSH_ROWS + 3, 3 * fused.FLUSH_ROWS + 17])
 def test_fused_matches_dense(dtype, k, rows):
     """``acc += (u^T K^T + v^T) K`` for every mix of u / v, row counts across the flush boundary, a v
     that is a column slice (leading dimension larger than its rows), and an accumulator that already
-    holds a value (the kernel adds)."""
+    holds a value (the kernel adds). ``"wide"``: a float32 ``K`` with float64 vectors, whose products are the
+    float64 products of ``K``'s float32 values (settings.wide_products)."""
     _need_kernel()
     g = torch.Generator().manual_seed(rows * 31 + k)
     m = 29
     knm = torch.rand(rows, m, generator=g, dtype=torch.float64)
+    if dtype == "wide":
+        knm = knm.float().double()  # the values a float32 store holds
     u = torch.randn(k, m, generator=g, dtype=torch.float64)
     v_full = torch.randn(k, rows + 11, generator=g, dtype=torch.float64)
     v = v_full[:, 5 : 5 + rows]  # stride (rows + 11, 1)
     start = torch.randn(k, m, generator=g, dtype=torch.float64)
-    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    k_dtype, vec_dtype = (torch.float32, torch.float64) if dtype == "wide" else (dtype, dtype)
     for uu, vv in ((u, v), (u, None), (None, v)):
         want = start + (0 if uu is None else (uu @ knm.T) @ knm) + (0 if vv is None else vv @ knm)
         acc = start.clone()
-        ran = fused.fused_kmn_k(acc, knm.to(dtype), None if uu is None else uu.to(dtype),
-                                None if vv is None else vv.to(dtype))
+        ran = fused.fused_kmn_k(acc, knm.to(k_dtype), None if uu is None else uu.to(vec_dtype),
+                                None if vv is None else vv.to(vec_dtype))
         assert ran
         torch.testing.assert_close(acc, want, rtol=tol, atol=tol * float(want.abs().max()))
 
@@ -236,6 +240,27 @@ def test_engine_on_the_fly_products_with_and_without_the_kernel(dtype, kind, sto
         torch.testing.assert_close(out, want, rtol=tol, atol=tol * float(want.abs().max()))
     for a, b in zip(got[True], got[False], strict=True):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol * float(b.abs().max()))
+
+
+@pytest.mark.parametrize("kind", ["rbf", "matern32"])
+def test_first_pass_of_a_wide_store_takes_float64_products_of_its_values(kind):
+    """With float32 data and a stored K_nM (settings.wide_products on), the first pass fills the store and its
+    products (``K_Mn y``, the first CG product) are the float64 products of the stored float32 values, as every
+    later pass's are: the same to float64 round-off, not float32's."""
+    _need_kernel()
+    n, m = 1203, 37
+    x, _ = make_data(n, 5)
+    c = x[:m] + 0.01
+    kern = make_kernel(kind, 5)
+    u = torch.randn(m, 2, dtype=torch.float64)
+    v = torch.randn(n, 2, dtype=torch.float64)
+    e = KernelEngine(kern, x.float(), c.float(), store=True)
+    assert e.wide
+    first = e.kmn_k(u, v)
+    ks = e.materialize().double()  # the float32 values the store holds
+    want = ks.T @ (ks @ u + v)
+    torch.testing.assert_close(first, want, rtol=1e-12, atol=1e-12 * float(want.abs().max()))
+    torch.testing.assert_close(e.kmn_k(u, v), want, rtol=1e-12, atol=1e-12 * float(want.abs().max()))
 
 
 def test_fused_fly_declines_what_it_does_not_handle():

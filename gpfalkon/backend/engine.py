@@ -264,7 +264,9 @@ def _take_pooled(rows: int, m: int, dtype: torch.dtype, device: torch.device) ->
     fits = store.untyped_storage().nbytes() == rows * m * store.element_size() and rows * m > 0
     if fits and store.dtype == dtype and store.device == torch.device(device):
         return torch.empty(0, dtype=dtype, device=store.device).set_(store.untyped_storage(), 0, (rows, m), (m, 1))
-    _release_store([store], keep=False)
+    drop = [store]
+    del store  # the list holds the only reference: the store is freed where _release_store drops it
+    _release_store(drop, keep=False)
     return None
 
 
@@ -273,7 +275,7 @@ def _release_store(store: list[Tensor], keep: bool = True) -> None:
     caller does not wait while its pages go back to the operating system (``munmap`` of a 1.6 GB ``K_nM``
     took 0.11 s of a 2.2 s fit on a 2-core KVM host, ``benchmarks/results/fit-reference.md``); anything
     else at once (and at once where no thread can be started). The next store an engine allocates first
-    waits for pending frees (:func:`_await_frees`), so within one thread of engines two stores never
+    waits for pending frees (:func:`await_frees`), so within one thread of engines two stores never
     coexist beyond the memory budget (engines used from several threads at once can overlap one free with
     another thread's new store). The destructor holds the GIL: the caller gains where it runs torch
     operations that release it (the fit's remaining work), not pure-Python code. The thread is not a daemon:
@@ -303,8 +305,9 @@ def _release_store(store: list[Tensor], keep: bool = True) -> None:
         _pending_frees.append(worker)
 
 
-def _await_frees() -> None:
-    """Wait until the stores handed to :func:`_release_store` are freed."""
+def await_frees() -> None:
+    """Wait until the stores handed to :func:`_release_store` are freed (an engine does before it allocates a
+    store; a benchmark does before it times something else, so that no free runs beside it)."""
     with _pending_lock:
         pending = list(_pending_frees)
         _pending_frees.clear()
@@ -420,8 +423,8 @@ class KernelEngine:
     pass; every pass (the first one's products included) reads those values, converted to the data's dtype
     in the core's cache (the fused CPU kernel) or block by block. A float32 store on the CPU is multiplied with
     float64 vectors and sums (:attr:`wide`, :class:`gpfalkon.settings.wide_products` when the engine is built:
-    the fused kernel widens each value in registers; the first pass, which fills the store, reads it once more so
-    that its products are the same float64 ones; docs/math.md §3.2b).
+    the fused kernels widen each value in registers, the first pass's tile kernel too, from the tile it has just
+    written into the store; docs/math.md §3.2b).
 
     Attributes:
         stored: whether the whole ``K_nM`` is stored.
@@ -576,7 +579,7 @@ class KernelEngine:
     def _new_store(self, rows: int) -> tuple[Tensor, Tensor | None]:
         """An empty ``(rows, M)`` tensor (:attr:`store_dtype`) for stored rows of ``K_nM`` and, for a fixed-point
         store, its ``(rows,)`` row scales (else ``None``), once any released store is freed
-        (:func:`_await_frees`). Plain pages: transparent huge pages (``madvise``) were measured and left out
+        (:func:`await_frees`). Plain pages: transparent huge pages (``madvise``) were measured and left out
         (``benchmarks/results/hugepages.md``: a process's first advised store paid 1.8-2.1 s of memory
         compaction against 0.35-0.4 s of page faults). Inside :func:`reuse_stores`, a kept store of exactly
         this size, dtype and device is reused instead."""
@@ -585,7 +588,7 @@ class KernelEngine:
             kept = _take_pooled(rows, self.m, self.store_dtype, self.device)
             if kept is not None:
                 return kept, scale
-        _await_frees()
+        await_frees()
         return torch.empty(rows, self.m, dtype=self.store_dtype, device=self.device), scale
 
     def _fill_block(self, k: Tensor, scale: Tensor | None, start: int, stop: int, xb: Tensor | None) -> Tensor:
@@ -685,11 +688,13 @@ class KernelEngine:
         """Free the stored matrix (a large host one on a background thread: :func:`_release_store`) and
         the buffers. Only the stored matrix may be kept for the next engine (:func:`reuse_stores`); the
         buffers never are."""
-        store, buffers = self._k, [t for t in (self._buf, self._tmp, self._wide, self._scale) if t is not None]
+        # the lists hold the only references, so the tensors are freed where _release_store drops them (a local
+        # name here would keep the store alive until this method returns, freeing it on the caller's thread)
+        stores = [self._k] if self._k is not None else []
+        buffers = [t for t in (self._buf, self._tmp, self._wide, self._scale) if t is not None]
         self._k = self._buf = self._tmp = self._wide = self._scale = None
         _release_store(buffers, keep=False)
-        if store is not None:
-            _release_store([store])
+        _release_store(stores)
 
     # ---------------------------------------------------------------- products
     @overload
@@ -731,13 +736,14 @@ class KernelEngine:
             head = self.stored_rows
             v_head = None if v_t is None else v_t[:, :head]
             if self.wide and head > 0:  # float64 vectors over the float32 store (settings.wide_products)
-                if self._k is None:  # the first pass fills the store (its float32 products dropped) and reads it
-                    self._fly_fused(torch.zeros_like(acc), u_t, v_head, fill=True)  # back as every later pass does
                 u_w = None if u is None else u.to(dtype=torch.float64, device=self.device).t().contiguous()
                 if u_w is not None and s != 1.0:
                     u_w = u_w * s
                 v_w = None if v is None else v[:head].to(dtype=torch.float64, device=self.device).t()
-                stored_done = self._k is not None and fused_kmn_k(acc, self._k, u_w, v_w, None)
+                if self._k is None:  # the first pass: the tile kernel fills the store, each tile's products
+                    stored_done = self._fly_fused(acc, u_w, v_w, fill=True)  # taken in float64 from the cache
+                else:
+                    stored_done = fused_kmn_k(acc, self._k, u_w, v_w, None)
             elif self._k is not None:
                 stored_done = fused_kmn_k(acc, self._k, u_t, v_head, self._scale)
             else:  # the first pass: the stored rows computed into the store by the fused tile kernel

@@ -352,11 +352,11 @@ static inline void rows8_rhs(const S* __restrict K0, const T* sc, int64_t M, con
     }
 }
 
-// Eight int16 rows src_q = src + q M of a fixed-point store, products in T. MW: the columns in whole vectors; the
-// tail columns MW .. M - 1 are scalar.
+// Eight rows src_q = src + q M of S values (an int16 fixed-point store, or float32 rows with float64 products T),
+// products in T. MW: the columns in whole vectors; the tail columns MW .. M - 1 are scalar.
 // s_q += the eight rows' products with u over the first MW columns (one vector accumulator per row)
-template <typename T>
-static inline void dots8(const int16_t* __restrict src, int64_t M, int64_t MW, const T* u, typename Vec<T>::V* s) {
+template <typename T, typename S>
+static inline void dots8(const S* __restrict src, int64_t M, int64_t MW, const T* u, typename Vec<T>::V* s) {
   using X = Vec<T>;
   for (int64_t c = 0; c < MW; c += X::W) {
     const typename X::V x = X::load(u + c);
@@ -366,8 +366,8 @@ static inline void dots8(const int16_t* __restrict src, int64_t M, int64_t MW, c
 }
 
 // sum_q wq_q src_q[c ..] for the columns of the vector at c (two chains of four rows)
-template <typename T>
-static inline typename Vec<T>::V axpy8_at(const int16_t* __restrict src, int64_t M, int64_t c, const T* wq) {
+template <typename T, typename S>
+static inline typename Vec<T>::V axpy8_at(const S* __restrict src, int64_t M, int64_t c, const T* wq) {
   using X = Vec<T>;
   typename X::V p0 = X::mul(X::set1(wq[0]), X::load(src + c));
   typename X::V p1 = X::mul(X::set1(wq[4]), X::load(src + 4 * M + c));
@@ -380,10 +380,10 @@ static inline typename Vec<T>::V axpy8_at(const int16_t* __restrict src, int64_t
 }
 
 // a += sum_q wq_q src_q over the M columns c from `from` on (the vectors, then the tail)
-template <typename T>
-static inline void axpy8(const int16_t* __restrict src, int64_t M, int64_t MW, const T* wq, T* a, int64_t from = 0) {
+template <typename T, typename S>
+static inline void axpy8(const S* __restrict src, int64_t M, int64_t MW, const T* wq, T* a, int64_t from = 0) {
   using X = Vec<T>;
-  for (int64_t c = from; c < MW; c += X::W) X::store(a + c, X::add(X::load(a + c), axpy8_at<T>(src, M, c, wq)));
+  for (int64_t c = from; c < MW; c += X::W) X::store(a + c, X::add(X::load(a + c), axpy8_at<T, S>(src, M, c, wq)));
   for (int64_t c = MW; c < M; ++c) {
     T t = T(0);
     for (int q = 0; q < 8; ++q) t += wq[q] * static_cast<T>(src[q * M + c]);
@@ -391,18 +391,18 @@ static inline void axpy8(const int16_t* __restrict src, int64_t M, int64_t MW, c
   }
 }
 
-// w_q = (the lanes of s_q summed + the tail columns' products with u) sc_q (+ v_q)
-template <typename T>
-static inline void finish8(const int16_t* __restrict src, int64_t M, int64_t MW, const T* u,
+// w_q = (the lanes of s_q summed + the tail columns' products with u) sc_q (+ v_q); sc nullptr: no scales
+template <typename T, typename S>
+static inline void finish8(const S* __restrict src, int64_t M, int64_t MW, const T* u,
                            const typename Vec<T>::V* s, const T* sc, const T* v, T* w) {
   for (int q = 0; q < 8; ++q) {
     T t = Vec<T>::lanes(s[q]);
     for (int64_t c = MW; c < M; ++c) t += static_cast<T>(src[q * M + c]) * u[c];
-    w[q] = t * sc[q] + (v != nullptr ? v[q] : T(0));
+    w[q] = (sc != nullptr ? t * sc[q] : t) + (v != nullptr ? v[q] : T(0));
   }
 }
 
-// The products of one right-hand side u over the groups of eight int16 rows g = 0 .. groups - 1 (src, scales sc,
+// The products of one right-hand side u over the groups of eight rows g = 0 .. groups - 1 (src; int16 rows: scales sc,
 // rows i0 ..), software-pipelined: one loop over the columns adds group g's weighted rows into the accumulator
 // (from the cache) while it takes group g + 1's dot products (from memory) and prefetches group g + 2's cache
 // lines, so the read from memory overlaps both passes and crosses the rows' page boundaries, where the
@@ -410,25 +410,27 @@ static inline void finish8(const int16_t* __restrict src, int64_t M, int64_t MW,
 // benchmarks/results/store-int16.md: without the prefetch float32 read the store at 0.46-0.64 of torch.sum's
 // rate, with it 0.76-0.85; float64 reads it 1.6-1.9x faster than dequantizing each group into the cache did
 // (benchmarks/results/product-rate-s37.md). Over a float32 or float64 store neither this loop, nor a prefetch
-// alone, nor eight rows packed column-block by column-block into one stream read faster than block_rows there.
-template <typename T>
-static inline void groups1(const int16_t* __restrict src, const T* sc, int64_t i0, int64_t groups, int64_t M,
+// alone, nor eight rows packed column-block by column-block into one stream read faster than block_rows there;
+// over float32 rows widened to float64 products (S float, T double, sc nullptr) it does, while a group of eight
+// rows fits the core's L2 (WIDE_GROUP_BYTES).
+template <typename T, typename S>
+static inline void groups1(const S* __restrict src, const T* sc, int64_t i0, int64_t groups, int64_t M,
                            const T* u, const T* v, T* a) {
   using X = Vec<T>;
-  constexpr int64_t LINE = 32;  // int16 columns per cache line (a multiple of W)
+  constexpr int64_t LINE = 64 / sizeof(S);  // stored columns per cache line (a multiple of W)
   const int64_t MW = M / X::W * X::W;
   T w[8];
   typename X::V s[8];
   for (int q = 0; q < 8; ++q) s[q] = X::zero();
-  dots8<T>(src, M, MW, u, s);  // group 0's dot products
-  finish8<T>(src, M, MW, u, s, sc, v != nullptr ? v + i0 : nullptr, w);
+  dots8<T, S>(src, M, MW, u, s);  // group 0's dot products
+  finish8<T, S>(src, M, MW, u, s, sc, v != nullptr ? v + i0 : nullptr, w);
   for (int64_t g = 0; g < groups; ++g) {
-    const int16_t* cur = src + g * 8 * M;
-    const int16_t* nxt = cur + 8 * M;
+    const S* cur = src + g * 8 * M;
+    const S* nxt = cur + 8 * M;
     T wq[8];
-    for (int q = 0; q < 8; ++q) wq[q] = w[q] * sc[g * 8 + q];
+    for (int q = 0; q < 8; ++q) wq[q] = sc != nullptr ? w[q] * sc[g * 8 + q] : w[q];
     if (g + 1 == groups) {  // the last group: its second pass alone
-      axpy8<T>(cur, M, MW, wq, a);
+      axpy8<T, S>(cur, M, MW, wq, a);
       break;
     }
     for (int q = 0; q < 8; ++q) s[q] = X::zero();
@@ -443,8 +445,8 @@ static inline void groups1(const int16_t* __restrict src, const T* sc, int64_t i
       }
       X::store(a + c, X::add(X::load(a + c), add));
     }
-    axpy8<T>(cur, M, MW, wq, a, MW);  // the tail columns
-    finish8<T>(nxt, M, MW, u, s, sc + (g + 1) * 8,
+    axpy8<T, S>(cur, M, MW, wq, a, MW);  // the tail columns
+    finish8<T, S>(nxt, M, MW, u, s, sc != nullptr ? sc + (g + 1) * 8 : nullptr,
                   v != nullptr ? v + i0 + (g + 1) * 8 : nullptr, w);
   }
 }
@@ -454,6 +456,11 @@ static inline void groups1(const int16_t* __restrict src, const T* sc, int64_t i
 // values: T's own, or float32 rows with float64 products). rows8_rhs from KMIN right-hand sides on: 3 for T's own
 // rows; 2 for widened float32 rows, where it widens each value once for both vectors (84-89 against 97-98 ms at
 // k = 2, 200,000 x 2,000 on 2 EPYC cores; at k = 1 block_rows was faster, 69 against 78 ms)
+// The largest group of eight widened rows (float32 rows with float64 products) that rows_into takes through groups1
+// at one right-hand side: 1.05-1.2x block_rows' rate at M = 1,000-5,000, slower past it (0.77-0.85x at M =
+// 7,000-10,000; 200,000 x M float32 stores on 2 EPYC cores, benchmarks/results/product-rate-s49.md)
+constexpr int64_t WIDE_GROUP_BYTES = 160 * 1024;
+
 template <typename T, typename S = T, int KMIN = 3>
 static void rows_into(const S* K, int64_t begin, int64_t end, int64_t M, const T* u, const T* v, int64_t ldv,
                       int64_t k, int64_t flush, std::vector<T>& acc, std::vector<double>& acc64) {
@@ -461,6 +468,13 @@ static void rows_into(const S* K, int64_t begin, int64_t end, int64_t M, const T
     const int64_t i1 = std::min(end, i0 + flush);
     int64_t i = i0;
 #if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (!std::is_same<T, S>::value) {  // widened rows, one vector: pipelined while a group fits L2
+      if (k == 1 && u != nullptr && i + 16 <= i1 && 8 * M * static_cast<int64_t>(sizeof(S)) <= WIDE_GROUP_BYTES) {
+        const int64_t groups = (i1 - i) / 8;
+        groups1<T, S>(K + i * M, nullptr, i, groups, M, u, v, acc.data());
+        i += groups * 8;
+      }
+    }
     if (k >= KMIN && u != nullptr)
       for (; i + 8 <= i1; i += 8) rows8_rhs<T, S>(K + i * M, nullptr, M, u, v, ldv, i, k, acc.data());
 #endif
@@ -488,7 +502,7 @@ static void fixed_rows_into(const int16_t* K, const T* sc, int64_t begin, int64_
 #if defined(__AVX2__) && defined(__FMA__)
     if (k == 1 && u != nullptr && i + 16 <= i1) {
       const int64_t groups = (i1 - i) / 8;
-      groups1<T>(K + i * M, sc + i, i, groups, M, u, v, acc.data());
+      groups1<T, int16_t>(K + i * M, sc + i, i, groups, M, u, v, acc.data());
       i += groups * 8;
     }
     for (; i + 8 <= i1; i += 8) rows8_rhs<T, int16_t>(K + i * M, sc + i, M, u, v, ldv, i, k, acc.data());
@@ -766,16 +780,25 @@ void fly_kmn_k(torch::Tensor acc, torch::Tensor xa, torch::Tensor ca, torch::Ten
   const int64_t ntiles = (rows + tile - 1) / tile;
   std::mutex lock;
   double* out = acc.data_ptr<double>();
+  // float32 tiles with float64 vectors (u, v): the products in float64, each tile value widened in registers, as
+  // fused_kmn_k's over a float32 store (gpfalkon.settings.wide_products; the engine's first pass fills its store so)
+  const bool wide = (has_u ? u : v).scalar_type() == torch::kFloat64 && xa.scalar_type() == torch::kFloat32;
   AT_DISPATCH_FLOATING_TYPES(xa.scalar_type(), "fly_kmn_k", [&] {
     TORCH_CHECK(ca.scalar_type() == xa.scalar_type(), "ca must have xa's dtype");
-    TORCH_CHECK(!has_u || u.scalar_type() == xa.scalar_type(), "u must have xa's dtype");
-    TORCH_CHECK(!has_v || v.scalar_type() == xa.scalar_type(), "v must have xa's dtype");
-    const scalar_t* up = has_u ? u.data_ptr<scalar_t>() : nullptr;
-    const scalar_t* vp = has_v ? v.data_ptr<scalar_t>() : nullptr;
+    TORCH_CHECK(wide || !has_u || u.scalar_type() == xa.scalar_type(), "u must have xa's dtype (or float64)");
+    TORCH_CHECK(wide || !has_v || v.scalar_type() == xa.scalar_type(), "v must have xa's dtype (or float64)");
+    TORCH_CHECK(!wide || !has_u || u.scalar_type() == torch::kFloat64, "u must be float64 with v");
+    TORCH_CHECK(!wide || !has_v || v.scalar_type() == torch::kFloat64, "v must be float64 with u");
+    TORCH_CHECK(!wide || !fixed_store, "float64 vectors take no int16 store");
+    const scalar_t* up = has_u && !wide ? u.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* vp = has_v && !wide ? v.data_ptr<scalar_t>() : nullptr;
+    const double* up64 = has_u && wide ? u.data_ptr<double>() : nullptr;
+    const double* vp64 = has_v && wide ? v.data_ptr<double>() : nullptr;
     const int64_t ldv = has_v ? v.stride(0) : 0;
     at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
       at::Tensor buf = at::empty({has_store && !fixed_store ? 0 : std::min(tile, rows), M}, xa.options());
-      std::vector<scalar_t> part(k * M, scalar_t(0));
+      std::vector<scalar_t> part(wide ? 0 : k * M, scalar_t(0));
+      std::vector<double> wide_part(wide ? k * M : 0, 0.0);
       std::vector<double> part64(k * M, 0.0);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t s = t * tile, r = std::min(rows, s + tile) - s;
@@ -796,8 +819,12 @@ void fly_kmn_k(torch::Tensor acc, torch::Tensor xa, torch::Tensor ca, torch::Ten
           for (int64_t row = 0; row < r; ++row) sp[row] = quantize_row<scalar_t>(bp + row * M, qp + row * M, M);
         }
         const scalar_t* K = b.data_ptr<scalar_t>();
-        const scalar_t* vt = vp != nullptr ? vp + s : nullptr;
-        rows_into<scalar_t>(K, 0, r, M, up, vt, ldv, k, flush, part, part64);
+        if (wide) {  // (scalar_t is float here; the double instance is never called)
+          rows_into<double, scalar_t, 2>(K, 0, r, M, up64, vp64 != nullptr ? vp64 + s : nullptr, ldv, k, flush,
+                                         wide_part, part64);
+        } else {
+          rows_into<scalar_t>(K, 0, r, M, up, vp != nullptr ? vp + s : nullptr, ldv, k, flush, part, part64);
+        }
       }
       std::lock_guard<std::mutex> guard(lock);
       for (int64_t c = 0; c < k * M; ++c) out[c] += part64[c];
