@@ -457,8 +457,9 @@ static inline void groups1(const S* __restrict src, const T* sc, int64_t i0, int
 // rows; 2 for widened float32 rows, where it widens each value once for both vectors (84-89 against 97-98 ms at
 // k = 2, 200,000 x 2,000 on 2 EPYC cores; at k = 1 block_rows was faster, 69 against 78 ms)
 // The largest group of eight widened rows (float32 rows with float64 products) that rows_into takes through groups1
-// at one right-hand side: 1.05-1.2x block_rows' rate at M = 1,000-5,000, slower past it (0.77-0.85x at M =
-// 7,000-10,000; 200,000 x M float32 stores on 2 EPYC cores, benchmarks/results/product-rate-s49.md)
+// at one right-hand side: 1.08-1.23x block_rows' rate at M = 1,000-5,000 (1.6 GB float32 stores on 2 EPYC cores,
+// benchmarks/results/product-rate-s49.md against -before.md), slower past it (0.83-0.97x at M = 7,000-10,000 in
+// runs of benchmarks/product_rate.py with this bound lifted; the numbers in fit-reference-s49.md's note)
 constexpr int64_t WIDE_GROUP_BYTES = 160 * 1024;
 
 template <typename T, typename S = T, int KMIN = 3>
