@@ -77,7 +77,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import gpfalkon
 from gpfalkon import FalkonGP, KernelEngine, median_lengthscale, uniform_centers
 from gpfalkon.backend import stored_rows_for
-from gpfalkon.backend.blocks import resolve_store_dtype
+from gpfalkon.backend.blocks import kept_stores, resolve_store_dtype
 from gpfalkon.backend.engine import reuse_stores
 from gpfalkon.errors import FalkonConvergenceError, NotPSDError
 from gpfalkon.linalg import jittered_cholesky
@@ -145,6 +145,22 @@ def fit_falkon(xtr, ytr, centers, kernel, lam, max_iter, tol, solve_method="cg",
             lambda: FalkonGP(xtr, ytr, kernel=kernel, centers=centers, penalty=lam, options=opts).fit()
         )
     return model, wall, cpu, [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def fit_falkon_store_rate(*args, **kwargs):
+    """:func:`fit_falkon` in a ``reuse_stores()`` block of its own, then (outside the timing) the read rate of the
+    fit's own stored ``K_nM`` (:func:`tensor_read_rate`, GB/s; ``None`` where nothing was stored), the store then
+    freed. The first take of a block finds no kept store, so the fit allocates and fills fresh memory as
+    without the block; its release keeps the store instead of freeing it in the background, which lets the
+    memory that the fit's passes read be measured: on these VMs the read rate of a 1.6 GB allocation varies
+    from one to the next (about 32 against 50 GB/s), and a limit at another buffer's rate moves with it.
+    Returns (model, wall, cpu, caught warnings, rate)."""
+    with reuse_stores():
+        model, wall, cpu, warns = fit_falkon(*args, **kwargs)
+        kept = kept_stores()
+        rate = tensor_read_rate(kept[0]) if kept else None
+        del kept
+    return model, wall, cpu, warns, rate
 
 
 def predict_model(model: FalkonGP, x: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -335,7 +351,7 @@ def run_choice(args, notes: list[str]) -> str:
 
 
 def physical_limit(n: int, m: int, d: int, iterations: int, dtype: torch.dtype, store_itemsize: int | None = None
-                   ) -> tuple[float, str, float, float]:
+                   ) -> tuple[float, str, float, float, float]:
     """A lower bound on the wall time of a stored-K_nM FALKON fit on this machine, from rates measured
     now: K_nM computed once (2 n M d flops at torch's matmul rate in ``dtype``, n M exps at the
     cache-resident exp rate), then ``iterations`` reads of the stored K_nM (n M itemsize bytes each) at
@@ -344,8 +360,9 @@ def physical_limit(n: int, m: int, d: int, iterations: int, dtype: torch.dtype, 
     seconds of obtaining K_nM's memory: a fresh ``n M`` tensor's first write and release, which a
     fit pays and the limit does not count, and the limit with the reads at the read rate of that fresh
     ``n M`` tensor itself: memory allocated as K_nM's is, whose rate can differ from the 1 GiB buffer's,
-    ``benchmarks/results/stored-read-diagnosis.md``). ``store_itemsize``: the bytes of a stored value where
-    the store is not of ``dtype`` (the int16 store: 2; its reads and its fresh memory then count those)."""
+    ``benchmarks/results/stored-read-diagnosis.md``), and the limit less its reads. ``store_itemsize``: the
+    bytes of a stored value where the store is not of ``dtype`` (the int16 store: 2; its reads and its fresh
+    memory then count those)."""
     itemsize = torch.empty(0, dtype=dtype).element_size() if store_itemsize is None else store_itemsize
     gc.collect()
     gpfalkon.backend.engine.await_frees()  # the fit's K_nM, freed on a background thread: gone before any timing
@@ -369,7 +386,7 @@ def physical_limit(n: int, m: int, d: int, iterations: int, dtype: torch.dtype, 
            f"itemsize fresh bytes {touch:.2f} s (write {t1 - t0:.2f} s); reads at the fresh n M tensor's own "
            f"rate ({own / 1e9:.1f} GB/s): {iterations * n * m * itemsize / own:.2f} s")
     own_limit = sum(parts.values()) - parts["reads"] + iterations * n * m * itemsize / own
-    return sum(parts.values()), how, touch, own_limit
+    return sum(parts.values()), how, touch, own_limit, sum(parts.values()) - parts["reads"]
 
 
 def run_reference(args, notes: list[str]) -> str:
@@ -383,7 +400,8 @@ def run_reference(args, notes: list[str]) -> str:
     headers = ["n", "dtype", "K_nM", "store", "fit wall s", "fit CPU s", "iterations", "test RMSE", "RMSE vs f",
                "speed-up vs 70 CPU-s", ">= 5x", "RMSE / float64 RMSE", "physical limit s", "x limit", "<= 1.5x",
                "K_nM memory s", "x (limit + memory)", "limit at K_nM's read rate s", "x that limit",
-               "refit s (reuse_stores)", "refit x limit", "x the dtype store's limit"]
+               "refit s (reuse_stores)", "refit x limit", "x the dtype store's limit", "own K_nM read GB/s",
+               "x the limit at its own K_nM's rate"]
     rows = []
     results = {}
     limits = []
@@ -394,11 +412,12 @@ def run_reference(args, notes: list[str]) -> str:
         label = name if store_fmt is None else f"{name}, {fmt} store"
         try:
             with gpfalkon.settings.store_format(store_fmt):
-                fits = []
+                fits, store_rates = [], []
                 for _ in range(args.reference_repeats):  # the fit with the median wall time is reported
-                    model, wall, cpu, warns = fit_falkon(xtr.to(dtype), ytr.to(dtype), c64.to(dtype),
-                                                         make_kernel("rbf", ls, dtype), args.lam, 20, 0.0)
+                    model, wall, cpu, warns, rate = fit_falkon_store_rate(
+                        xtr.to(dtype), ytr.to(dtype), c64.to(dtype), make_kernel("rbf", ls, dtype), args.lam, 20, 0.0)
                     fits.append((wall, cpu))
+                    store_rates.append((wall, rate, model.fit_info.iterations))
                     if len(fits) < args.reference_repeats:
                         del model
                         gc.collect()
@@ -441,8 +460,17 @@ def run_reference(args, notes: list[str]) -> str:
         iterations = model.fit_info.iterations
         del model
         gc.collect()
-        limit, how, touch, own_limit = physical_limit(n, m, d, iterations, dtype,
-                                                      store_itemsize=None if store_fmt is None else 2)
+        limit, how, touch, own_limit, no_reads = physical_limit(n, m, d, iterations, dtype,
+                                                                store_itemsize=None if store_fmt is None else 2)
+        store_bytes = n * m * (torch.empty(0, dtype=dtype).element_size() if store_fmt is None else 2)
+        own_ratios = [w / (no_reads + its * store_bytes / (r * 1e9)) for w, r, its in store_rates if r]
+        own_rate = statistics.median([r for _, r, _ in store_rates if r]) if own_ratios else None
+        own_ratio = statistics.median(own_ratios) if own_ratios else None
+        if own_ratios:
+            notes.append(f"reference {label}: the read rate of each fit's own K_nM (GB/s) and its fit wall / the limit "
+                         "with the reads at that rate: " + ", ".join(
+                             f"{r:.1f} ({w / (no_reads + its * store_bytes / (r * 1e9)):.2f}x)"
+                             for w, r, its in store_rates if r))
         if store_fmt is None:
             dtype_limit[name] = limit
         limits.append(f"{label}: {limit:.2f} s = {how}")
@@ -451,14 +479,15 @@ def run_reference(args, notes: list[str]) -> str:
         rows.append([n, name, kn_mode(n, m, dtype), fmt, wall, cpu, iterations, r, rf,
                      REFERENCE_CPU_S / cpu, REFERENCE_CPU_S / cpu >= 5.0, None, limit, wall / limit,
                      wall / limit <= 1.5, touch, wall / (limit + touch), own_limit, wall / own_limit,
-                     refit, None if refit is None else refit / limit, None if base is None else wall / base])
+                     refit, None if refit is None else refit / limit, None if base is None else wall / base,
+                     own_rate, own_ratio])
     if "float64" in results:
         for row in rows:
             row[11] = row[7] / results["float64"]
     text = (
         f"## Reference target (d = {d}, M = {m:,}, lambda = {args.lam:g}, RBF, median-heuristic lengthscale "
         f"{ls:.3f}, exactly 20 CG iterations)\n\n"
-        + markdown_table(headers, rows, align="rlll" + "r" * 18)
+        + markdown_table(headers, rows, align="rlll" + "r" * 20)
         + "\n\nfalkon 0.9 reference: ~70 CPU-s (float64), test RMSE 0.145 (float64) / 0.30 (float32) on its own "
         "synthetic problem. Targets: CPU-s <= 14 (>= 5x) at equal error; float32 test RMSE within 2% of float64"
     )
@@ -482,7 +511,13 @@ def run_reference(args, notes: list[str]) -> str:
                  "faster or slower than it). 'refit s (reuse_stores)': the median wall time of the same fit "
                  "repeated inside one `gpfalkon.backend.engine.reuse_stores()` block, all but the first (each "
                  "writes K_nM into the store the previous one released: no fresh pages, as a process that refits "
-                 "at one size, e.g. auto_fit's selection fits, sees it); 'refit x limit' = it / the limit."
+                 "at one size, e.g. auto_fit's selection fits, sees it); 'refit x limit' = it / the limit. "
+                 "'own K_nM read GB/s': the median over the timed fits of the rate `sum()` reads each fit's own "
+                 "stored K_nM, measured right after that fit (its store kept by a `reuse_stores()` block of its own, "
+                 "then freed); 'x the limit at its own K_nM's rate': the median over those fits of fit wall / the "
+                 "limit with the reads at that fit's own store's rate (the memory the fit's passes read: the read "
+                 "rate of a 1.6 GB allocation varies from one to the next on these VMs, so the other limits move "
+                 "with the allocation that measured them)."
                  "\n\nPhysical limit (issue 17: fit within 1.5x of it), measured right after each fit: "
                  + physical_limit.__doc__.split("now: ", 1)[1].split(" Returns")[0].replace("\n    ", " ")
                  + "\n\n" + "\n".join(f"- {line}" for line in limits))

@@ -299,7 +299,11 @@ def test_fit_initial_alpha_starts_cg_from_given_coefficients():
             assert r0 == pytest.approx(1.0, abs=1e-12)  # worse than zero: dropped
         else:
             assert r0 == pytest.approx(expected, rel=1e-5, abs=1e-9)
-            assert info.iterations < cold.iterations
+            if expected < 1e-3:  # a start at the solution: CG stops far sooner than from zero
+                assert info.iterations < cold.iterations / 2
+            # (starts at a residual of 0.1-0.3 reach tol within +-2 iterations of the cold start here, the count
+            # moving with the products' summation order: 42-45 against 43-45 over the fused kernel's two loops
+            # and the torch path, so it is not asserted)
         torch.testing.assert_close(knm @ model.alpha.reshape(-1), fitted, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="initial_alpha must have alpha's shape"):
         model.fit(initial_alpha=ref[:5])

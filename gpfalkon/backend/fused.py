@@ -405,14 +405,17 @@ static inline void finish8(const S* __restrict src, int64_t M, int64_t MW, const
 // The products of one right-hand side u over the groups of eight rows g = 0 .. groups - 1 (src; int16 rows: scales sc,
 // rows i0 ..), software-pipelined: one loop over the columns adds group g's weighted rows into the accumulator
 // (from the cache) while it takes group g + 1's dot products (from memory) and prefetches group g + 2's cache
-// lines, so the read from memory overlaps both passes and crosses the rows' page boundaries, where the
-// hardware's stream prefetchers stop (eight 2-byte rows of M = 2,000 are one 4 KiB page each). Measured in
+// lines into L2, so the read from memory overlaps both passes and crosses the rows' page boundaries, where the
+// hardware's stream prefetchers stop (eight 2-byte rows of M = 2,000 are one 4 KiB page each). The prefetch goes to
+// L2 (_MM_HINT_T1), not L1: a group is 8 M values, more than L1 holds past M = 1,000 float32 values, and pulling
+// group g + 2 into L1 evicted the lines of groups g and g + 1 that the loop was reading (on 2 EPYC cores, 1.6 GB
+// stores, k = 1: widened float32 rows 0.78-0.79 of torch.sum's rate with L1 prefetches, 0.91-0.95 with L2 ones,
+// M = 1,000-5,000; int16 stores 1.1-1.5x faster; benchmarks/results/product-rate-s50.md). Measured in
 // benchmarks/results/store-int16.md: without the prefetch float32 read the store at 0.46-0.64 of torch.sum's
 // rate, with it 0.76-0.85; float64 reads it 1.6-1.9x faster than dequantizing each group into the cache did
-// (benchmarks/results/product-rate-s37.md). Over a float32 or float64 store neither this loop, nor a prefetch
-// alone, nor eight rows packed column-block by column-block into one stream read faster than block_rows there;
-// over float32 rows widened to float64 products (S float, T double, sc nullptr) it does, while a group of eight
-// rows fits the core's L2 (WIDE_GROUP_BYTES).
+// (benchmarks/results/product-rate-s37.md). Over a float32 or float64 store it reads faster than block_rows
+// while a group is small (NARROW_GROUP_BYTES), over float32 rows widened to float64 products (S float, T double,
+// sc nullptr) while a group fits the core's L2 (WIDE_GROUP_BYTES).
 template <typename T, typename S>
 static inline void groups1(const S* __restrict src, const T* sc, int64_t i0, int64_t groups, int64_t M,
                            const T* u, const T* v, T* a) {
@@ -441,7 +444,7 @@ static inline void groups1(const S* __restrict src, const T* sc, int64_t i0, int
       for (int q = 0; q < 8; ++q) s[q] = X::fma(X::load(nxt + q * M + c), x, s[q]);
       if (c % LINE == 0 && g + 2 < groups) {
 #pragma GCC unroll 8
-        for (int q = 0; q < 8; ++q) _mm_prefetch(reinterpret_cast<const char*>(nxt + (8 + q) * M + c), _MM_HINT_T0);
+        for (int q = 0; q < 8; ++q) _mm_prefetch(reinterpret_cast<const char*>(nxt + (8 + q) * M + c), _MM_HINT_T1);
       }
       X::store(a + c, X::add(X::load(a + c), add));
     }
@@ -458,9 +461,14 @@ static inline void groups1(const S* __restrict src, const T* sc, int64_t i0, int
 // k = 2, 200,000 x 2,000 on 2 EPYC cores; at k = 1 block_rows was faster, 69 against 78 ms)
 // The largest group of eight widened rows (float32 rows with float64 products) that rows_into takes through groups1
 // at one right-hand side: 1.08-1.23x block_rows' rate at M = 1,000-5,000 (1.6 GB float32 stores on 2 EPYC cores,
-// benchmarks/results/product-rate-s49.md against -before.md), slower past it (0.83-0.97x at M = 7,000-10,000 in
-// runs of benchmarks/product_rate.py with this bound lifted; the numbers in fit-reference-s49.md's note)
+// benchmarks/results/product-rate-s49.md against -before.md; 1.1-1.2x more with the L2 prefetch,
+// product-rate-s50.md), slower past it (0.83-0.97x at M = 7,000-10,000 in runs of benchmarks/product_rate.py with
+// this bound lifted, the numbers in fit-reference-s49.md's note; 0.87x at 10,000 with the L2 prefetch)
 constexpr int64_t WIDE_GROUP_BYTES = 160 * 1024;
+// The same for a store's own dtype (float32 or float64 rows and products): 1.06-1.6x block_rows' rate up to
+// 48 KiB a group (float32 M = 500-1,500, float64 M = 500), 0.99-1.06x at 64 KiB (float32 M = 2,000, float64
+// 1,000), 0.80-1.05x past it (float32 M = 3,000-10,000, float64 1,500-10,000; product-rate-s50.md's note)
+constexpr int64_t NARROW_GROUP_BYTES = 48 * 1024;
 
 template <typename T, typename S = T, int KMIN = 3>
 static void rows_into(const S* K, int64_t begin, int64_t end, int64_t M, const T* u, const T* v, int64_t ldv,
@@ -469,12 +477,12 @@ static void rows_into(const S* K, int64_t begin, int64_t end, int64_t M, const T
     const int64_t i1 = std::min(end, i0 + flush);
     int64_t i = i0;
 #if defined(__AVX2__) && defined(__FMA__)
-    if constexpr (!std::is_same<T, S>::value) {  // widened rows, one vector: pipelined while a group fits L2
-      if (k == 1 && u != nullptr && i + 16 <= i1 && 8 * M * static_cast<int64_t>(sizeof(S)) <= WIDE_GROUP_BYTES) {
-        const int64_t groups = (i1 - i) / 8;
-        groups1<T, S>(K + i * M, nullptr, i, groups, M, u, v, acc.data());
-        i += groups * 8;
-      }
+    // one vector: pipelined while a group is small enough (widened rows: while it fits L2)
+    constexpr int64_t group_bytes = std::is_same<T, S>::value ? NARROW_GROUP_BYTES : WIDE_GROUP_BYTES;
+    if (k == 1 && u != nullptr && i + 16 <= i1 && 8 * M * static_cast<int64_t>(sizeof(S)) <= group_bytes) {
+      const int64_t groups = (i1 - i) / 8;
+      groups1<T, S>(K + i * M, nullptr, i, groups, M, u, v, acc.data());
+      i += groups * 8;
     }
     if (k >= KMIN && u != nullptr)
       for (; i + 8 <= i1; i += 8) rows8_rhs<T, S>(K + i * M, nullptr, M, u, v, ldv, i, k, acc.data());
