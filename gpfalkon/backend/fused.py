@@ -409,8 +409,9 @@ static inline void finish8(const S* __restrict src, int64_t M, int64_t MW, const
 // hardware's stream prefetchers stop (eight 2-byte rows of M = 2,000 are one 4 KiB page each). The prefetch goes to
 // L2 (_MM_HINT_T1), not L1: a group is 8 M values, more than L1 holds past M = 1,000 float32 values, and pulling
 // group g + 2 into L1 evicted the lines of groups g and g + 1 that the loop was reading (on 2 EPYC cores, 1.6 GB
-// stores, k = 1: widened float32 rows 0.78-0.79 of torch.sum's rate with L1 prefetches, 0.91-0.95 with L2 ones,
-// M = 1,000-5,000; int16 stores 1.1-1.5x faster; benchmarks/results/product-rate-s50.md). Measured in
+// stores, k = 1: widened float32 rows 0.78-0.85 of torch.sum's rate with L1 prefetches (product-rate-s49.md),
+// 0.90-0.97 with L2 ones at M = 500-5,000; int16 stores with float32 scales 1.04-1.77x faster; in one process on
+// the same stores, benchmarks/results/product-rate-s50.md). Measured in
 // benchmarks/results/store-int16.md: without the prefetch float32 read the store at 0.46-0.64 of torch.sum's
 // rate, with it 0.76-0.85; float64 reads it 1.6-1.9x faster than dequantizing each group into the cache did
 // (benchmarks/results/product-rate-s37.md). Over a float32 or float64 store it reads faster than block_rows
@@ -461,7 +462,7 @@ static inline void groups1(const S* __restrict src, const T* sc, int64_t i0, int
 // k = 2, 200,000 x 2,000 on 2 EPYC cores; at k = 1 block_rows was faster, 69 against 78 ms)
 // The largest group of eight widened rows (float32 rows with float64 products) that rows_into takes through groups1
 // at one right-hand side: 1.08-1.23x block_rows' rate at M = 1,000-5,000 (1.6 GB float32 stores on 2 EPYC cores,
-// benchmarks/results/product-rate-s49.md against -before.md; 1.1-1.2x more with the L2 prefetch,
+// benchmarks/results/product-rate-s49.md against -before.md; 1.11-1.42x more with the L2 prefetch at M = 500-5,000,
 // product-rate-s50.md), slower past it (0.83-0.97x at M = 7,000-10,000 in runs of benchmarks/product_rate.py with
 // this bound lifted, the numbers in fit-reference-s49.md's note; 0.87x at 10,000 with the L2 prefetch)
 constexpr int64_t WIDE_GROUP_BYTES = 160 * 1024;
