@@ -159,7 +159,6 @@ def fit_falkon_store_rate(*args, **kwargs):
         model, wall, cpu, warns = fit_falkon(*args, **kwargs)
         kept = kept_stores()
         rate = tensor_read_rate(kept[0]) if kept else None
-        del kept
     return model, wall, cpu, warns, rate
 
 
@@ -463,14 +462,13 @@ def run_reference(args, notes: list[str]) -> str:
         limit, how, touch, own_limit, no_reads = physical_limit(n, m, d, iterations, dtype,
                                                                 store_itemsize=None if store_fmt is None else 2)
         store_bytes = n * m * (torch.empty(0, dtype=dtype).element_size() if store_fmt is None else 2)
-        own_ratios = [w / (no_reads + its * store_bytes / (r * 1e9)) for w, r, its in store_rates if r]
-        own_rate = statistics.median([r for _, r, _ in store_rates if r]) if own_ratios else None
-        own_ratio = statistics.median(own_ratios) if own_ratios else None
-        if own_ratios:
+        # (read rate, fit wall / the limit with the reads at that rate) of each fit that stored its K_nM
+        own = [(r, w / (no_reads + its * store_bytes / (r * 1e9))) for w, r, its in store_rates if r]
+        own_rate = statistics.median([r for r, _ in own]) if own else None
+        own_ratio = statistics.median([x for _, x in own]) if own else None
+        if own:
             notes.append(f"reference {label}: the read rate of each fit's own K_nM (GB/s) and its fit wall / the limit "
-                         "with the reads at that rate: " + ", ".join(
-                             f"{r:.1f} ({w / (no_reads + its * store_bytes / (r * 1e9)):.2f}x)"
-                             for w, r, its in store_rates if r))
+                         "with the reads at that rate: " + ", ".join(f"{r:.1f} ({x:.2f}x)" for r, x in own))
         if store_fmt is None:
             dtype_limit[name] = limit
         limits.append(f"{label}: {limit:.2f} s = {how}")

@@ -134,11 +134,12 @@ def main() -> None:
                         f"ratio {row[7]:.3f}" + "".join(f"; {tree}: {row[8 + 2 * j]:.1f} GB/s"
                                                         for j, tree in enumerate(args.against)))
                 del k_nm, scale
+    labels = [chr(ord("A") + j) for j in range(len(args.against))]
     headers = ["M", "dtype", "store", "k", "rows", "sum GB/s", "product GB/s", "x sum"]
-    for j in range(len(args.against)):
-        headers += [f"product GB/s ({chr(ord('A') + j)})", f"this tree x {chr(ord('A') + j)}"]
-    trees = "".join(f" {chr(ord('A') + j)}: the kernel of `{tree}`, timed in turn with this tree's on the same "
-                    "store." for j, tree in enumerate(args.against))
+    for label in labels:
+        headers += [f"product GB/s ({label})", f"this tree x {label}"]
+    trees = "".join(f" {label}: the kernel of `{tree}`, timed in turn with this tree's on the same store."
+                    for label, tree in zip(labels, args.against, strict=True))
     body = ("## One fused product against torch.sum over the same store\n\n"
             f"Medians of {args.repeats} alternating pairs after a warm-up; 'x sum' = the product's bytes per "
             "second over the sum's. Store 'wide': float32 values, float64 vectors and sums." + trees + "\n\n"
