@@ -6,6 +6,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -184,3 +185,52 @@ def test_a_loss_that_jumps_about_is_not_converged(monkeypatch):
     jumpy = [1.0 - 1e-3 * i for i in range(10)] + [0.99 + 0.02 * (i % 2) for i in range(60)]
     assert not compare._converged(jumpy, 50, 1e-5)
     assert not compare._converged(flat[:50], 50, 1e-5)
+
+
+def test_round_summary_reads_compares_10x_table(monkeypatch, tmp_path):
+    """benchmarks/round_summary.py reads the time-to-error table as compare.py writes it (the same rows, the same
+    markdown): the primary run's speed-up and verdict, the monotone run, per round and dataset, and counts the
+    rounds that met each rule."""
+    compare = _compare_module(monkeypatch)
+    import round_summary
+
+    base = _row("sgpr", 0.100, 120.0, curve=[[10.0, 0.2, 1], [60.0, 0.1, 2], [120.0, 0.1, 3]])
+    met = [_row("falkon-auto-12", 0.095, 5.0), _row("falkon-auto-24", 0.09, 2.0)]
+    short = [_row("falkon-auto-12", 0.095, 10.0), _row("falkon-auto-24", 0.08, 5.0)]
+    above = [_row("falkon-auto-12", 0.104, 5.0), _row("falkon-auto-24", 0.09, 2.0)]
+    headers = ["dataset", "best baseline", "its error", "reached at s", "primary", "its error", "its s", "speed-up",
+               ">= 10x at no worse error?", "monotone", "its s", "its speed-up", "runs"]
+
+    def round_file(name: str, sets: dict[str, list[dict]]) -> pathlib.Path:
+        rows = [compare.time_to_baseline(ds, [base, *runs], primary=12) for ds, runs in sets.items()]
+        text = "\n".join(["# title", "", round_summary.SECTION + " (issue 17: 10x)", "", "legend (a, b)", "",
+                          compare.markdown_table(headers, rows, align="llrrlrrrllrrl"), "",
+                          "Datasets: " + "; ".join(f"{ds} (treforevans split 3, n_train 100, n_test 10, d 2)"
+                                                   for ds in sets) + "."])
+        path = tmp_path / name
+        path.write_text(text)
+        return path
+
+    first = round_file("auto-r7-partial.md", {"a": met, "b": short})
+    second = round_file("auto-r7-rest.md", {"c": above})
+    third = round_file("auto-r8.md", {"a": short, "c": met})
+    parsed = round_summary.parse_round(first.read_text())
+    assert parsed["a"]["speed"] == pytest.approx(12.0) and parsed["a"]["verdict"] == "yes"
+    assert parsed["b"]["verdict"] == "no (time)" and parsed["b"]["monotone"] == "/24"
+    assert parsed["b"]["mono_speed"] == pytest.approx(12.0) and parsed["b"]["split"] == "treforevans split 3"
+    rounds = round_summary.collect([first, second, third])
+    assert list(rounds) == [7, 8] and sorted(rounds[7]) == ["a", "b", "c"]
+    assert round_summary.primary_cell(rounds[7]["a"]) == "12.0 Y"
+    assert round_summary.primary_cell(rounds[7]["b"]) == "6.0 t"
+    assert round_summary.primary_cell(rounds[7]["c"]) == "e +4.0%"
+    assert round_summary.monotone_cell(rounds[7]["c"]) == "-"  # /12 missed it, so /24 does not count
+    assert round_summary.monotone_cell(rounds[8]["a"]) == "12.0 /24 Y"
+    primary, monotone = round_summary.summary(rounds).split("## Monotone rule")
+
+    def squeeze(text: str) -> str:
+        return re.sub(r" +", " ", text)
+
+    assert "| a | 12.0 Y | 6.0 t | 1 of 2 |" in squeeze(primary)
+    assert "| rounds met | 1 of 3 | 1 of 2 |" in squeeze(primary)
+    assert "| b | 12.0 /24 Y | | 1 of 1 |" in squeeze(monotone)
+    assert "| rounds met | 2 of 3 | 2 of 2 |" in squeeze(monotone.split("## Splits")[0])
