@@ -47,12 +47,12 @@ def parse_round(text: str) -> dict[str, dict]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) < 12:
             continue
-        ds, _, base_err, _, primary, prim_err, _, speed, verdict, monotone, _, mono_speed = cells[:12]
+        ds, _, base_err, _, _, prim_err, _, speed, verdict, monotone, _, mono_speed = cells[:12]
         try:
             row = dict(speed=float(speed), ratio=float(prim_err) / float(base_err), verdict=verdict,
                        base_error=float(base_err),
                        monotone=monotone, mono_speed=float(mono_speed) if monotone != "none" else None,
-                       split=splits.get(ds, "?"), primary=primary)
+                       split=splits.get(ds, "?"))
         except ValueError:  # a primary that did not run ("/12 not run", "-")
             continue
         rows[ds] = row
