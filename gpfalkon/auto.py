@@ -398,14 +398,21 @@ def _wait(device: torch.device) -> None:
 def _onthefly_pass_seconds(kernel: Kernel, x: Tensor, centers: Tensor) -> float:
     """Wall seconds of one ``K_Mn (K_nM u)`` pass over ``x`` with ``K_nM`` recomputed block by block
     (the cost of one CG iteration of a fit whose ``K_nM`` exceeds the memory budget); on CUDA the
-    queued kernels are waited for, so the timing covers them."""
+    queued kernels are waited for, so the timing covers them, and the timed pass follows an untimed one: the
+    first on-the-fly pass of a process compiles the fused Triton kernels (seconds, against milliseconds a pass), a
+    cost no CG iteration pays; timed with it, a final fit past the memory budget was predicted 1,000 times too
+    long (``benchmarks/results/gpu-notes.md``, session 52). On the CPU one pass, timed (nothing compiles there:
+    the learning stage's fits have loaded the fused kernel before any probe but the first, which sees its load)."""
     eng = KernelEngine(kernel, x, centers, store=False)
     u = torch.ones(centers.shape[0], 1, dtype=torch.float64, device=x.device)
-    t = time.perf_counter()
     with torch.no_grad():
+        if x.device.type == "cuda":
+            eng.kmn_k(u)  # untimed: compilation
+            _wait(x.device)
+        t = time.perf_counter()
         eng.kmn_k(u)
-    _wait(x.device)
-    seconds = time.perf_counter() - t
+        _wait(x.device)
+        seconds = time.perf_counter() - t
     eng.release()
     return seconds
 

@@ -263,8 +263,9 @@ class wide_products(_setting):
     ``u``'s large, preconditioned entries: at a small penalty CG stalls at a relative residual of about ``1e-2``
     (keggdirected, ``M = 3,000``: float32 test NRMSE 0.0921 against float64's 0.0891), while float64 products
     over the same float32 kernel values solve as float64 does (0.0906; docs/math.md §3.2b). The kernel values
-    are still computed and stored in float32; the on-the-fly rows (past the memory budget), the first pass and
-    the GPU keep float32 products. ``False``: float32 products (the behaviour before this setting, for
+    are still computed and stored in float32; the on-the-fly rows (past the memory budget) and the GPU keep float32
+    products (their sums over rows flushed to float64 every ``FLUSH_ROWS`` rows), as does a CPU without the fused
+    kernel. ``False``: float32 products (the behaviour before this setting, for
     comparisons).
     """
 

@@ -30,6 +30,16 @@ DEVICES = test_devices()
 test_devices.__test__ = False  # a helper, not a test
 
 
+def require_fused_cpu(what: str) -> None:
+    """Skip the calling test where the fused CPU kernel does not run (``GPFALKON_FUSED_CPU=0``, no compiler):
+    ``what`` names the premise of the test that only that kernel meets (its kernel values and float64 sums)."""
+    from gpfalkon.backend import fused
+
+    ok, why = fused.fused_available()
+    if not ok:
+        pytest.skip(f"{what}: the fused CPU kernel is unavailable ({why})")
+
+
 def make_data(n: int = 300, d: int = 3, t: int | None = None, dtype=torch.float64, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.rand(n, d, generator=g, dtype=torch.float64) * 2 - 1

@@ -14,7 +14,7 @@ from gpytorch.utils.warnings import GPInputWarning
 from gpfalkon import FalkonGP, auto_fit
 from gpfalkon.objectives import GCV, SGPRBound
 
-from conftest import dense_kernel, make_data
+from conftest import DEVICES, dense_kernel, make_data
 
 
 def _data(n: int = 500, seed: int = 0, noise: float = 0.05):
@@ -1954,6 +1954,35 @@ def test_auto_fit_draws_do_not_depend_on_free_memory():
     assert probes  # the probe ran in the low-memory run
     assert torch.equal(a.centers, b.centers)
     assert a.auto_report.chosen["noise"] == b.auto_report.chosen["noise"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_on_the_fly_probe_does_not_time_a_gpus_compilation(device, monkeypatch):
+    """``_onthefly_pass_seconds`` on CUDA times a pass after an untimed one: the first on-the-fly pass of a process
+    compiles the Triton kernels (3.5 s against 1 ms a pass on an H200), which no CG iteration of the final fit pays.
+    On the CPU it times its one pass (nothing compiles there). Here the engine's first product sleeps 0.5 s."""
+    import time as time_module
+
+    import gpfalkon.auto as auto_module
+
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    calls = []
+
+    class SlowFirstPass(auto_module.KernelEngine):
+        def kmn_k(self, *args, **kwargs):
+            if not calls:
+                time_module.sleep(0.5)
+            calls.append(1)
+            return super().kmn_k(*args, **kwargs)
+
+    monkeypatch.setattr(auto_module, "KernelEngine", SlowFirstPass)
+    x = torch.rand(2000, 3, dtype=torch.float64, device=device)
+    seconds = auto_module._onthefly_pass_seconds(gpytorch.kernels.RBFKernel().double().to(device), x, x[:100])
+    if torch.device(device).type == "cuda":
+        assert len(calls) == 2 and 0 < seconds < 0.25, (calls, seconds)
+    else:
+        assert len(calls) == 1 and seconds >= 0.5, (calls, seconds)
 
 
 def test_the_report_gives_the_validation_error_of_the_centers_returned():

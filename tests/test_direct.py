@@ -11,7 +11,7 @@ from gpfalkon import FalkonGP, FalkonOptions, settings
 from gpfalkon.solvers import SolveCosts, choose_method, direct_solve_whitened
 from gpfalkon.solvers.direct import whitened_factor
 
-from conftest import dense_nystrom, make_data, make_kernel
+from conftest import dense_nystrom, make_data, make_kernel, require_fused_cpu
 
 
 @pytest.mark.parametrize("kernel_name", ["rbf", "scale_matern52", "rbf+linear"])
@@ -73,6 +73,9 @@ def test_float32_direct_solve_is_as_close_to_float64_as_cg(lengthscale):
         wide_err = float((mean(torch.float32, "cg") - ref).abs().max()) / scale
     direct_err = float((mean(torch.float32, "direct") - ref).abs().max()) / scale
     assert direct_err < 0.06 and direct_err < 2 * cg_err + 1e-3, (direct_err, cg_err)
+    # the torch path's float32 kernel values (squared distances by the expansion |x|^2 + |c|^2 - 2 x.c) differ
+    # from the fused kernel's at these long lengthscales by more than the 2 % below (an H200 without it: 3-21 %)
+    require_fused_cpu("wide products over the fused kernel's float32 values")
     # CG with the stored float32 K_nM's products in float64 (the default): within 2 % (measured 0.09 %, 1.25 % and
     # 0.85 % at lengthscales 3, 10 and 30; at 30 it solves the system of the float32 kernel values further than
     # float32 products do, 0.54 %)

@@ -558,3 +558,25 @@ def test_refine_near_on_empty_blocks_and_many_near_pairs():
     same = torch.randn(1, 3).expand(600, 3).contiguous()
     eng = KernelEngine(gpytorch.kernels.MaternKernel(nu=0.5), same, same[:300].clone(), store=False)
     assert bool((eng.materialize() == 1.0).all())
+
+
+@pytest.mark.parametrize("rows", [100, 256 * 7, 256 * 7 + 100])
+def test_flushed_product_sums_chunks_in_float64_across_spans(rows, monkeypatch):
+    """``_flushed_product``: ``w @ blk`` with the sum over rows taken in the data dtype within chunks of
+    ``FLUSH_ROWS`` and in float64 across them, the chunks taken ``FLUSH_BATCH`` at a time (3 here: spans of 768
+    rows, a partial span and a remainder below one chunk). Reference: each chunk's product, in float64 on the
+    float32 values (the chunks' own float32 rounding is 2^-24 relative a term), and the float64 product."""
+    from gpfalkon.backend import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "FLUSH_BATCH", 3)
+    c = engine_mod.FLUSH_ROWS
+    g = torch.Generator().manual_seed(1)
+    blk = torch.rand(rows, 40, generator=g)
+    w = torch.rand(2, rows, generator=g) + 1.0
+    out = engine_mod._flushed_product(w, blk, torch.float64)
+    exact = w.double() @ blk.double()
+    chunked = sum(((w[:, s:s + c] @ blk[s:s + c]).double() for s in range(0, rows, c)),
+                  torch.zeros(2, 40, dtype=torch.float64))
+    assert out.dtype == torch.float64 and out.shape == (2, 40)
+    torch.testing.assert_close(out, chunked, rtol=2e-6, atol=0)
+    torch.testing.assert_close(out, exact, rtol=2e-6, atol=0)

@@ -19,7 +19,7 @@ from gpfalkon import (
 from gpfalkon import settings as gp_settings
 from gpfalkon.operators.nystrom import NystromKRROperator
 
-from conftest import make_data, make_kernel
+from conftest import make_data, make_kernel, require_fused_cpu
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "protein.npz"
 
@@ -72,6 +72,7 @@ def test_wide_products_take_float32_fits_to_float64_s_residual(noise, m, factor)
     iterations reach a CG residual at least 2x lower than with float32 products (whose floor, the first case,
     is about 1.5e-2 against float64's 1e-5), the residual no longer rises (no best iterate handed back), and the
     test RMSE is float64's to 0.1 %."""
+    require_fused_cpu("the CPU's wide products")
     with gp_settings.wide_products(False):
         _, narrow = _fit_rmse(torch.float32, noise, m, lengthscale_factor=factor, return_info=True)
     r32, wide = _fit_rmse(torch.float32, noise, m, lengthscale_factor=factor, return_info=True)
@@ -224,6 +225,7 @@ def test_float32_default_tolerance_stops_quietly_at_the_float32_floor():
     float32 floor is above FLOAT32_QUIET, with advice naming float64 (penalty 1e-7: 6e-2 with the fused
     CPU kernels' float32 products, 0.13 without; at 1e-6 the fused kernels' floor, 2.4e-2, is below it); with the
     products in float64 (``settings.wide_products``) that fit ends quietly and predicts as float64 does."""
+    require_fused_cpu("the fused kernel's float32 floor (without it, 9.7e-2: above FLOAT32_QUIET)")
     xtr, ytr, xte, yte = _protein()
     ls = float(median_lengthscale(xtr)) * 2.0
 

@@ -338,6 +338,9 @@ FIXED_MAX = 32767
 #: bytes of the data-dtype buffer into which a fixed-point store's rows are converted per product on a GPU
 #: (the CPU's fused kernel converts them in its cache; its torch path uses the stored sub-blocks' size)
 FIXED_CHUNK_BYTES = 64 * 2**20
+#: chunks of FLUSH_ROWS rows summed by one batched product in :func:`_flushed_product` (bounds its
+#: ``(chunks, k, M)`` partial sums where a block is the whole store: a GPU)
+FLUSH_BATCH = 512
 
 
 def _quantize_rows_(blk: Tensor, q: Tensor, scale: Tensor) -> Tensor:
@@ -396,8 +399,11 @@ def _flushed_product(w: Tensor, blk: Tensor, acc_dtype: torch.dtype) -> Tensor:
     rows, m = blk.shape
     c = FLUSH_ROWS
     full = rows - rows % c
-    out = torch.bmm(w[:, :full].reshape(w.shape[0], full // c, c).transpose(0, 1),
-                    blk[:full].reshape(full // c, c, m)).to(acc_dtype).sum(0)
+    out = torch.zeros(w.shape[0], m, dtype=acc_dtype, device=blk.device)
+    span = c * FLUSH_BATCH  # partial sums of at most FLUSH_BATCH chunks at a time: (FLUSH_BATCH, k, M)
+    for s0, s1 in row_blocks(full, span):
+        out += torch.bmm(w[:, s0:s1].reshape(w.shape[0], (s1 - s0) // c, c).transpose(0, 1),
+                         blk[s0:s1].reshape((s1 - s0) // c, c, m)).to(acc_dtype).sum(0)
     if full < rows:
         out += (w[:, full:] @ blk[full:]).to(acc_dtype)
     return out
@@ -824,10 +830,11 @@ class KernelEngine:
                 if cand > 1 and rows % cand == 0:
                     t = cand
                     break
-        # a float32 (or narrower) block on the CPU: its row sums flushed to float64 every FLUSH_ROWS rows, as the
-        # fused kernel does; summed over a whole block (thousands of rows: row sources, kernels the fused kernel
-        # does not know) in float32 they drifted 25-40x beyond the in-memory fit's rounding
-        flush = blk.device.type == "cpu" and blk.dtype != self.acc_dtype and rows > FLUSH_ROWS
+        # a float32 (or narrower) block: its row sums flushed to float64 every FLUSH_ROWS rows, as the fused CPU
+        # kernel does; summed over a whole block (thousands of rows on the CPU: row sources, kernels the fused kernel
+        # does not know; on a GPU the whole store, millions of rows) in float32 they drifted beyond the in-memory
+        # fit's rounding and held CG's residual up (benchmarks/results/gpu-notes.md, session 52)
+        flush = blk.dtype != self.acc_dtype and rows > FLUSH_ROWS
         if t == 1 or flush:
             if u_t is not None:
                 w = u_t @ blk.t()  # (k, rows)
