@@ -146,7 +146,10 @@ class AutoFitReport:
     targets' units). ``stages`` holds the seconds spent per stage; ``learn`` the starting point's
     record, then one per racer and subsample (its ``objective``, ``racer``, ``lr``, rows and
     validation-error trajectory); ``search`` every selection fit
-    ``(M, noise, multiplier, error, seconds)``; ``chosen`` the final choices; ``growth`` the check of a grown
+    ``(M, noise, multiplier, error, seconds)``; ``chosen`` the final choices (with ``final_check_error``, the returned
+    model's error on the calibration rows, and ``final_check_selection_error``, its level's selection fit's there:
+    above :data:`FINAL_CHECK_RATIO` times it ``auto_fit`` warns; ``None`` where a growth check scored the model
+    instead, in ``growth``); ``growth`` the check of a grown
     final fit (``check_growth``: the grown size ``M``, ``grown_from``, its validation ``error`` against the
     level's ``level_error`` on its ``check_rows``, ``z`` the paired difference in standard errors, the grown fit's
     ``rows`` and ``seconds``, whether it was ``kept``); ``leverage`` the
@@ -355,6 +358,12 @@ def _calibration_rows(m: int, available: int) -> int:
 #: float32 may be what limits it: on a nearly noiseless function (noise sd 1e-4 of a unit-scale target) float32
 #: stopped at 2.3e-5 with a noise 1e4 times too large, and float64 was 14.6 times more accurate in test RMSE
 FLOAT32_LIMITED_ERROR = 1e-4
+
+#: the final model's error on the calibration rows (a fraction of the targets' variance) over its level's selection
+#: fit's there above which :func:`auto_fit` warns that the returned model is worse than the one it validated (a final
+#: CG that did not solve its system: on an H200, float32 row sums over a million stored rows once stalled it at a
+#: relative residual of 0.6 and test NRMSE 1.27, against 0.98 validated; ``benchmarks/results/gpu-notes.md``)
+FINAL_CHECK_RATIO = 1.5
 
 
 def _val_mse(model: FalkonGP, xv: Tensor, yv: Tensor) -> float:
@@ -1077,6 +1086,12 @@ def auto_fit(
     Returns:
         A fitted ``FalkonGP`` on ``train_x`` (plus held-out rows) in ``dtype``, with
         ``model.auto_report`` (:class:`AutoFitReport`).
+
+    Warns:
+        RuntimeWarning: where the returned model's error on the calibration rows exceeds
+        :data:`FINAL_CHECK_RATIO` times its level's selection fit's there (a final CG that did not solve its
+        system; ``report.chosen["final_check_error"]``); where float32 may limit a nearly noiseless fit
+        (:data:`FLOAT32_LIMITED_ERROR`).
 
     The call runs inside :func:`gpfalkon.backend.engine.reuse_stores`: between two fits of one size it keeps the
     released ``K_nM`` store (host memory, counted as available to the fits' memory budgets) and frees it on
@@ -2283,6 +2298,28 @@ def auto_fit(
                                            centers=lev_centers, weights=lev_weights, rows=rows_final, keeper=keeper,
                                            start=lev_alpha)
         report.stages["final fit"] = time.perf_counter() - t_stage
+        # the final model on the calibration rows against its level's selection fit there (a grown fit that the
+        # growth check kept was scored so already): a final CG that did not solve its system shows as a final
+        # model worse than the fit it was chosen by, even where those rows are in its fit
+        final_check: tuple[float, float] | None = None
+        sel_key = score_key(best_level["M"], best_level["noise"], best_level["multiplier"], centers_kind)
+        if checked is None and sel_key in cal_residuals:
+            n_chk = int(cal_residuals[sel_key].shape[0])
+            with torch.no_grad():
+                pred = final.posterior_mean(xv[cal_idx[:n_chk]].to(dtype)).to(torch.float64)
+            mse_fin = float((yv_cal[:n_chk] - (pred - y_mu) / y_sd).square().mean())
+            mse_sel = float(cal_residuals[sel_key].square().mean())
+            final_check = (mse_fin, mse_sel)
+            if math.isfinite(mse_sel) and mse_sel > 0 and not mse_fin <= FINAL_CHECK_RATIO * mse_sel:
+                info = final.fit_info
+                cg = ("" if info is None else f" (its CG: relative residual {float(info.final_residual.max()):.3g} "
+                      f"after {info.iterations} iterations)")
+                msg = (f"the final fit's error on {n_chk:,} held-out rows is {mse_fin:.3g} of the targets' variance, "
+                       f"{mse_fin / mse_sel:.3g} times that of the selection fit it was chosen by ({mse_sel:.3g}) "
+                       f"although it fits more rows{cg}: the returned model is worse than the one validated; "
+                       "dtype=torch.float64, a larger max_iter or a larger budget may solve it")
+                report.notes.append(msg)
+                warnings.warn(f"auto_fit: {msg}", RuntimeWarning, stacklevel=2)
         variance_c = 1.0
         if keeper is not None:
             t_cal = time.perf_counter()
@@ -2326,6 +2363,8 @@ def auto_fit(
             multiplier=best_level["multiplier"],
             val_error=chosen_error,
             val_rmse=math.sqrt(chosen_error) * float(y_sd),
+            final_check_error=None if final_check is None else final_check[0],
+            final_check_selection_error=None if final_check is None else final_check[1],
             levels=[dict(r) for r in levels],
             final_rows=rows_final,
             final_iterations=final.fit_info.iterations if final.fit_info is not None else None,

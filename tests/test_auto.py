@@ -2063,3 +2063,45 @@ def test_a_float32_fit_on_nearly_noiseless_data_suggests_float64():
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*float32 kernel values limit", category=RuntimeWarning)
             auto_fit(data[0], data[1], **dict(SMALL, dtype=dtype))
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_auto_fit_checks_its_final_model_against_the_selection_fit(monkeypatch, broken):
+    """The returned model is scored on the calibration rows against its level's selection fit there. A final fit
+    whose CG did not solve its system (here its coefficients scaled by 3 after the fit, as a stalled CG's might be
+    off) is worse than the fit it was chosen by: auto_fit warns, naming both errors, and the report and its notes
+    keep them; a sound final fit (more rows) is within FINAL_CHECK_RATIO of it and does not warn. With 400 given
+    validation rows the calibration rows are all of them (a permutation: the mean is the same), so the report's
+    errors are recomputed here: the returned model's standardised MSE there, and the level's validation error."""
+    import warnings
+
+    import gpfalkon.auto as auto_module
+
+    x, y, _ = _data(2000)
+    xt, yt, xv, yv = x[:1600], y[:1600], x[1600:], y[1600:]
+    real = auto_module._fit_quiet
+
+    def fit_quiet(model, time_limit=None, initial_alpha=None):
+        model, converged = real(model, time_limit=time_limit, initial_alpha=initial_alpha)
+        if broken and model.train_inputs[0].shape[0] == 1600:  # the final fit (the selection fits: 400 rows)
+            with torch.no_grad():
+                model.alpha.mul_(3.0)
+        return model, converged
+
+    monkeypatch.setattr(auto_module, "_fit_quiet", fit_quiet)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = auto_fit(xt, yt, val_x=xv, val_y=yv, **dict(SMALL, final_growth=False))
+    msgs = [str(w.message) for w in caught if "the final fit's error" in str(w.message)]
+    c = model.auto_report.chosen
+    fin, sel = c["final_check_error"], c["final_check_selection_error"]
+    with torch.no_grad():
+        mse = float(((yv - model.posterior_mean(xv).double()) / yt.std()).square().mean())
+    assert fin == pytest.approx(mse, rel=1e-9) and sel == pytest.approx(c["val_error"], rel=1e-9), (fin, mse, sel)
+    assert (fin > auto_module.FINAL_CHECK_RATIO * sel) == broken, (fin, sel)
+    assert bool(msgs) == broken, msgs
+    if broken:
+        assert f"{fin:.3g}" in msgs[0] and f"{sel:.3g}" in msgs[0], msgs
+        assert msgs[0].removeprefix("auto_fit: ") in model.auto_report.notes
+    else:
+        assert fin <= sel * 1.2, (fin, sel)  # more rows, the same validation rows: no worse than the selection fit
