@@ -149,7 +149,8 @@ class AutoFitReport:
     ``(M, noise, multiplier, error, seconds)``; ``chosen`` the final choices (with ``final_check_error``, the returned
     model's error on the calibration rows, and ``final_check_selection_error``, its level's selection fit's there:
     above :data:`FINAL_CHECK_RATIO` times it ``auto_fit`` warns; ``None`` where a growth check scored the model
-    instead, in ``growth``); ``growth`` the check of a grown
+    instead, in ``growth``, or where no selection residuals were kept: ``check_growth=False`` with
+    ``calibrate_variance=False`` or no held-out rows put back); ``growth`` the check of a grown
     final fit (``check_growth``: the grown size ``M``, ``grown_from``, its validation ``error`` against the
     level's ``level_error`` on its ``check_rows``, ``z`` the paired difference in standard errors, the grown fit's
     ``rows`` and ``seconds``, whether it was ``kept``); ``leverage`` the
@@ -361,8 +362,8 @@ FLOAT32_LIMITED_ERROR = 1e-4
 
 #: the final model's error on the calibration rows (a fraction of the targets' variance) over its level's selection
 #: fit's there above which :func:`auto_fit` warns that the returned model is worse than the one it validated (a final
-#: CG that did not solve its system: on an H200, float32 row sums over a million stored rows once stalled it at a
-#: relative residual of 0.6 and test NRMSE 1.27, against 0.98 validated; ``benchmarks/results/gpu-notes.md``)
+#: CG that did not solve its system: on an H200 one stopped at a relative residual of 0.6, its model tested 1.27
+#: NRMSE against 0.98 validated; ``benchmarks/results/gpu-notes.md``, session 52)
 FINAL_CHECK_RATIO = 1.5
 
 
@@ -2223,7 +2224,7 @@ def auto_fit(
                                                      max_iter=max_iter, tol=tol))
                         err_lev = _val_mse(mod, xv_z, yv_z)
                         alpha_lev = mod.alpha.detach().reshape(-1).clone()
-                        if calibrate_variance and n_back > 0 and math.isfinite(err_lev):
+                        if ((calibrate_variance and n_back > 0) or check_growth) and math.isfinite(err_lev):
                             # the calibration's residuals where these centers are taken (as a level's are kept)
                             cal_residuals[score_key(m_b, best_level["noise"], best_level["multiplier"],
                                                     _LEVERAGE_CHECK)] = (
@@ -2314,10 +2315,10 @@ def auto_fit(
                 info = final.fit_info
                 cg = ("" if info is None else f" (its CG: relative residual {float(info.final_residual.max()):.3g} "
                       f"after {info.iterations} iterations)")
-                msg = (f"the final fit's error on {n_chk:,} held-out rows is {mse_fin:.3g} of the targets' variance, "
-                       f"{mse_fin / mse_sel:.3g} times that of the selection fit it was chosen by ({mse_sel:.3g}) "
-                       f"although it fits more rows{cg}: the returned model is worse than the one validated; "
-                       "dtype=torch.float64, a larger max_iter or a larger budget may solve it")
+                msg = (f"the final fit's error on {n_chk:,} calibration rows is {mse_fin:.3g} of the targets' "
+                       f"variance, {mse_fin / mse_sel:.3g} times that of the selection fit it was chosen by "
+                       f"({mse_sel:.3g}), on at least that fit's rows{cg}: the returned model is worse than the one "
+                       "validated; dtype=torch.float64, a larger max_iter or a larger budget may solve it")
                 report.notes.append(msg)
                 warnings.warn(f"auto_fit: {msg}", RuntimeWarning, stacklevel=2)
         variance_c = 1.0

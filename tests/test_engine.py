@@ -578,5 +578,6 @@ def test_flushed_product_sums_chunks_in_float64_across_spans(rows, monkeypatch):
     chunked = sum(((w[:, s:s + c] @ blk[s:s + c]).double() for s in range(0, rows, c)),
                   torch.zeros(2, 40, dtype=torch.float64))
     assert out.dtype == torch.float64 and out.shape == (2, 40)
-    torch.testing.assert_close(out, chunked, rtol=2e-6, atol=0)
+    # one float32 sum over all rows differs from the chunked sums by 1.5-1.7e-6 here (measured): 3e-7 tells them apart
+    torch.testing.assert_close(out, chunked, rtol=3e-7, atol=0)
     torch.testing.assert_close(out, exact, rtol=2e-6, atol=0)

@@ -832,8 +832,8 @@ class KernelEngine:
                     break
         # a float32 (or narrower) block: its row sums flushed to float64 every FLUSH_ROWS rows, as the fused CPU
         # kernel does; summed over a whole block (thousands of rows on the CPU: row sources, kernels the fused kernel
-        # does not know; on a GPU the whole store, millions of rows) in float32 they drifted beyond the in-memory
-        # fit's rounding and held CG's residual up (benchmarks/results/gpu-notes.md, session 52)
+        # does not know; on a GPU the whole store, millions of rows) in float32 they drift beyond the in-memory
+        # fit's rounding (on a GPU: benchmarks/results/gpu-notes.md, session 52)
         flush = blk.dtype != self.acc_dtype and rows > FLUSH_ROWS
         if t == 1 or flush:
             if u_t is not None:
