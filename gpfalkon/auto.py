@@ -148,7 +148,8 @@ class AutoFitReport:
     validation-error trajectory); ``search`` every selection fit
     ``(M, noise, multiplier, error, seconds)``; ``chosen`` the final choices (with ``final_check_error``, the returned
     model's error on the calibration rows, and ``final_check_selection_error``, its level's selection fit's there:
-    above :data:`FINAL_CHECK_RATIO` times it ``auto_fit`` warns; ``None`` where a growth check scored the model
+    above :data:`FINAL_CHECK_RATIO` times it ``auto_fit`` refits the level on its selection rows, returns the better
+    of the two there and warns; ``None`` where a growth check scored the model
     instead, in ``growth``, or where no selection residuals were kept: ``check_growth=False`` with
     ``calibrate_variance=False`` or no held-out rows put back); ``growth`` the check of a grown
     final fit (``check_growth``: the grown size ``M``, ``grown_from``, its validation ``error`` against the
@@ -361,7 +362,8 @@ def _calibration_rows(m: int, available: int) -> int:
 FLOAT32_LIMITED_ERROR = 1e-4
 
 #: the final model's error on the calibration rows (a fraction of the targets' variance) over its level's selection
-#: fit's there above which :func:`auto_fit` warns that the returned model is worse than the one it validated (a final
+#: fit's there above which :func:`auto_fit` refits the chosen level on its selection rows (and the held-out rows),
+#: returns that fit where it scores lower there, and warns: the final fit was worse than the one it validated (a final
 #: CG that did not solve its system: on an H200 one stopped at a relative residual of 0.6, its model tested 1.27
 #: NRMSE against 0.98 validated; ``benchmarks/results/gpu-notes.md``, session 52)
 FINAL_CHECK_RATIO = 1.5
@@ -1089,10 +1091,10 @@ def auto_fit(
         ``model.auto_report`` (:class:`AutoFitReport`).
 
     Warns:
-        RuntimeWarning: where the returned model's error on the calibration rows exceeds
-        :data:`FINAL_CHECK_RATIO` times its level's selection fit's there (a final CG that did not solve its
-        system; ``report.chosen["final_check_error"]``); where float32 may limit a nearly noiseless fit
-        (:data:`FLOAT32_LIMITED_ERROR`).
+        RuntimeWarning: where the final fit's error on the calibration rows exceeded :data:`FINAL_CHECK_RATIO`
+        times its level's selection fit's there (a final CG that did not solve its system; the level refitted on
+        its selection rows is returned instead where it scores lower there; ``report.chosen["final_check_error"]``);
+        where float32 may limit a nearly noiseless fit (:data:`FLOAT32_LIMITED_ERROR`).
 
     The call runs inside :func:`gpfalkon.backend.engine.reuse_stores`: between two fits of one size it keeps the
     released ``K_nM`` store (host memory, counted as available to the fits' memory budgets) and frees it on
@@ -2317,8 +2319,32 @@ def auto_fit(
                       f"after {info.iterations} iterations)")
                 msg = (f"the final fit's error on {n_chk:,} calibration rows is {mse_fin:.3g} of the targets' "
                        f"variance, {mse_fin / mse_sel:.3g} times that of the selection fit it was chosen by "
-                       f"({mse_sel:.3g}), on at least that fit's rows{cg}: the returned model is worse than the one "
-                       "validated; dtype=torch.float64, a larger max_iter or a larger budget may solve it")
+                       f"({mse_sel:.3g}), on at least that fit's rows{cg}")
+                # the fallback: the chosen level refitted on the rows it was selected on (and the held-out rows put
+                # back), the size of fit that validated; kept where it scores lower on the calibration rows
+                m_b = int(best_level["M"])
+                rows_fb = min(n_final, rows_at(m_b) + n_back)
+                refit = None
+                if rows_fb < rows_final or final_level is not best_level:
+                    kept_factors = keeper.last if keeper is not None else None
+                    fb, conv_fb = build_final(best_level, centers=lev_centers, weights=lev_weights, rows=rows_fb,
+                                              keeper=keeper, start=lev_alpha)
+                    with torch.no_grad():
+                        pred_fb = fb.posterior_mean(xv[cal_idx[:n_chk]].to(dtype)).to(torch.float64)
+                    mse_fb = float((yv_cal[:n_chk] - (pred_fb - y_mu) / y_sd).square().mean())
+                    if mse_fb < mse_fin:
+                        final, converged, rows_final, final_level = fb, conv_fb, rows_fb, best_level
+                        final_check, refit = (mse_fb, mse_sel), mse_fb
+                    elif keeper is not None:
+                        keeper.last = kept_factors  # the returned fit's factors calibrate it
+                    del fb
+                if refit is not None:
+                    back = " and the held-out ones" if n_back > 0 else ""
+                    msg += (f": the returned model is the chosen level (M={m_b}) refitted on {rows_fb:,} rows, its "
+                            f"selection rows{back} (error {refit:.3g} there)")
+                else:
+                    msg += (": the returned model is worse than the one validated; dtype=torch.float64, a larger "
+                            "max_iter or a larger budget may solve it")
                 report.notes.append(msg)
                 warnings.warn(f"auto_fit: {msg}", RuntimeWarning, stacklevel=2)
         variance_c = 1.0
