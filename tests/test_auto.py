@@ -2158,3 +2158,19 @@ def test_auto_fit_final_check_refit_keeps_its_own_calibration(monkeypatch):
     with torch.no_grad():
         var = model(x[:50]).variance
     assert bool((var > 0).all())
+
+
+def test_the_final_checks_paired_z_ignores_a_few_noisy_rows():
+    """``FINAL_CHECK_Z``'s statistic on the final check's residuals: twice the mean squared error from one outlying
+    row of 10 is well under 2 standard errors of the paired differences (no refit, no warning), while a final fit
+    uniformly 3x off on 1,000 rows is tens of them."""
+    import gpfalkon.auto as auto_module
+
+    g = torch.Generator().manual_seed(0)
+    r_sel = torch.randn(10, generator=g, dtype=torch.float64)
+    r_fin = r_sel.clone()
+    r_fin[0] = 4.0 * r_sel.abs().max()  # one row: the mean squared error more than doubles
+    assert float(r_fin.square().mean()) > auto_module.FINAL_CHECK_RATIO * float(r_sel.square().mean())
+    assert auto_module._paired_z(r_fin, r_sel) < auto_module.FINAL_CHECK_Z
+    r_sel = torch.randn(1000, generator=g, dtype=torch.float64)
+    assert auto_module._paired_z(3.0 * r_sel, r_sel) > 10 * auto_module.FINAL_CHECK_Z
