@@ -370,8 +370,8 @@ FLOAT32_LIMITED_ERROR = 1e-4
 FINAL_CHECK_RATIO = 1.5
 #: the final check fires only where the final model's error is also above the selection fit's by more than this many
 #: standard errors of the paired difference of the two fits' squared errors there
-#: (:func:`_paired_z`): a few calibration rows (small given validation data) do not trigger it by chance, nor does the
-#: selection fit's optimism on the rows its level was chosen on
+#: (:func:`_paired_z`): a few calibration rows (small given validation data) do not trigger it by chance (the ratio's
+#: margin absorbs the selection fit's optimism on the rows its level was chosen on)
 FINAL_CHECK_Z = 2.0
 
 
@@ -2334,18 +2334,23 @@ def auto_fit(
                 rows_fb = min(n_final, rows_at(m_b) + n_back)
                 refit = None
                 if rows_fb < rows_final or final_level is not best_level:
-                    kept_factors = keeper.last if keeper is not None else None
+                    t_fb = time.perf_counter()
+                    kept_factors = None
+                    if keeper is not None:  # the refit's own factors, or none (a direct solve builds none)
+                        kept_factors, keeper.last = keeper.last, None
                     fb, conv_fb = build_final(best_level, centers=lev_centers, weights=lev_weights, rows=rows_fb,
                                               keeper=keeper, start=lev_alpha)
                     with torch.no_grad():
                         pred_fb = fb.posterior_mean(xv[cal_idx[:n_chk]].to(dtype)).to(torch.float64)
                     mse_fb = float((yv_cal[:n_chk] - (pred_fb - y_mu) / y_sd).square().mean())
-                    if mse_fb < mse_fin:
+                    if mse_fb < mse_fin or math.isnan(mse_fin):
                         final, converged, rows_final, final_level = fb, conv_fb, rows_fb, best_level
                         final_check, refit = (mse_fb, mse_sel), mse_fb
+                        final_predicted = final_cost(m_b, rows=rows_fb)
                     elif keeper is not None:
                         keeper.last = kept_factors  # the returned fit's factors calibrate it
                     del fb
+                    report.stages["final check refit"] = time.perf_counter() - t_fb
                 if refit is not None:
                     back = " and the held-out ones" if n_back > 0 else ""
                     msg += (f": the returned model is the chosen level (M={m_b}) refitted on {rows_fb:,} rows, its "

@@ -2065,6 +2065,34 @@ def test_a_float32_fit_on_nearly_noiseless_data_suggests_float64():
             auto_fit(data[0], data[1], **dict(SMALL, dtype=dtype))
 
 
+def test_the_final_check_consults_its_paired_z(monkeypatch):
+    """With ``FINAL_CHECK_Z`` out of reach, the final fit of the broken case below (coefficients scaled by 3: its
+    error far above the ratio) is returned as it is, without a refit or a warning: the ratio alone does not fire."""
+    import warnings
+
+    import gpfalkon.auto as auto_module
+
+    x, y, _ = _data(2000)
+    real = auto_module._fit_quiet
+
+    def fit_quiet(model, time_limit=None, initial_alpha=None):
+        model, converged = real(model, time_limit=time_limit, initial_alpha=initial_alpha)
+        if model.train_inputs[0].shape[0] == 1600:
+            with torch.no_grad():
+                model.alpha.mul_(3.0)
+        return model, converged
+
+    monkeypatch.setattr(auto_module, "_fit_quiet", fit_quiet)
+    monkeypatch.setattr(auto_module, "FINAL_CHECK_Z", math.inf)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = auto_fit(x[:1600], y[:1600], val_x=x[1600:], val_y=y[1600:], **dict(SMALL, final_growth=False))
+    c = model.auto_report.chosen
+    assert not [w for w in caught if "the final fit's error" in str(w.message)]
+    assert model.train_inputs[0].shape[0] == 1600 and "final check refit" not in model.auto_report.stages
+    assert c["final_check_error"] > auto_module.FINAL_CHECK_RATIO * c["final_check_selection_error"]
+
+
 @pytest.mark.parametrize("broken", [False, True])
 def test_auto_fit_checks_its_final_model_against_the_selection_fit(monkeypatch, broken):
     """The final model is scored on the calibration rows against its level's selection fit there. A final fit
@@ -2122,11 +2150,14 @@ def test_auto_fit_checks_its_final_model_against_the_selection_fit(monkeypatch, 
         assert fin <= sel * 1.2, (fin, sel)  # more rows, the same validation rows: no worse than the selection fit
 
 
-def test_auto_fit_final_check_refit_keeps_its_own_calibration(monkeypatch):
-    """The final check's refit where the held-out rows are put back (no validation data given) and the variances
-    are calibrated: the returned model is the refit on the level's selection rows plus the held-out rows, the
-    calibration ran on its own preconditioner (no 'calibration skipped' note; the scale is the mean of r^2 / v over
-    the calibration rows, positive and finite) and its variances are positive."""
+@pytest.mark.parametrize("failure", ["scaled", "nan"])
+def test_auto_fit_final_check_refit_keeps_its_own_calibration(monkeypatch, failure):
+    """The final check's refit where the held-out rows are put back (no validation data given: 400 of the 2,000
+    rows) and the variances are calibrated. The final fit on all 2,000 rows is broken (coefficients scaled by 3, or
+    a NaN among them) and leaves factors in the calibration's keeper, as a CG fit does (built here for its 2,000
+    rows). The returned model is the refit on the level's 800 selection rows (M = 120) plus the 400 held-out rows;
+    the calibration ran on factors of the returned fit (built for 1,200 rows), not the discarded fit's; its
+    variances are positive."""
     import warnings
 
     import gpfalkon.auto as auto_module
@@ -2138,32 +2169,47 @@ def test_auto_fit_final_check_refit_keeps_its_own_calibration(monkeypatch):
         model, converged = real(model, time_limit=time_limit, initial_alpha=initial_alpha)
         if model.train_inputs[0].shape[0] == 2000:  # the final fit on every row
             with torch.no_grad():
-                model.alpha.mul_(3.0)
+                if failure == "nan":
+                    model.alpha[0] = float("nan")
+                else:
+                    model.alpha.mul_(3.0)
+            keeper = model.options.preconditioner
+            if isinstance(keeper, auto_module._KeptPreconditioner):  # factors as a CG final fit leaves them
+                c = model.centers.detach()
+                keeper(model.kernel(c, c).to_dense().detach(), model.penalty.detach(), 2000)
         return model, converged
 
+    seen = []
+    real_var = auto_module.preconditioned_variances
+
+    def variances(kernel, x_c, centers, precond, noise):
+        seen.append((precond.n, centers.shape[0]))
+        return real_var(kernel, x_c, centers, precond, noise)
+
     monkeypatch.setattr(auto_module, "_fit_quiet", fit_quiet)
+    monkeypatch.setattr(auto_module, "preconditioned_variances", variances)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = auto_fit(x, y, **dict(SMALL, final_growth=False))
     rep = model.auto_report
     msgs = [str(w.message) for w in caught if "the final fit's error" in str(w.message)]
-    assert len(msgs) == 1 and "its selection rows and the held-out ones" in msgs[0], msgs
-    rows = model.train_inputs[0].shape[0]
-    assert rows == rep.chosen["final_rows"] < 2000
+    assert len(msgs) == 1 and "(M=120) refitted on 1,200 rows, its selection rows and the held-out ones" in msgs[0]
+    assert model.train_inputs[0].shape[0] == 1200 == rep.chosen["final_rows"]
+    assert seen == [(1200, 120)], seen
+    assert "final check refit" in rep.stages
     assert not any("calibration skipped" in n for n in rep.notes), rep.notes
-    assert rep.chosen["final_check_error"] <= auto_module.FINAL_CHECK_RATIO * rep.chosen["final_check_selection_error"]
-    c = rep.chosen["variance_scale"]
-    assert math.isfinite(c) and c > 0
+    fin, sel = rep.chosen["final_check_error"], rep.chosen["final_check_selection_error"]
+    assert math.isfinite(fin) and fin <= auto_module.FINAL_CHECK_RATIO * sel
     model.eval()
     with torch.no_grad():
         var = model(x[:50]).variance
-    assert bool((var > 0).all())
+    assert bool(torch.isfinite(model.alpha).all()) and bool((var > 0).all())
 
 
 def test_the_final_checks_paired_z_ignores_a_few_noisy_rows():
-    """``FINAL_CHECK_Z``'s statistic on the final check's residuals: twice the mean squared error from one outlying
-    row of 10 is well under 2 standard errors of the paired differences (no refit, no warning), while a final fit
-    uniformly 3x off on 1,000 rows is tens of them."""
+    """The statistic ``FINAL_CHECK_Z`` bounds (``_paired_z`` of the final and selection residuals): a mean squared
+    error more than doubled by one outlying row of 10 is one standard error of the paired differences, under the
+    bound (such a final fit passes the check), while residuals uniformly 3x off on 1,000 rows are tens of them."""
     import gpfalkon.auto as auto_module
 
     g = torch.Generator().manual_seed(0)
