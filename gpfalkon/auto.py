@@ -149,9 +149,9 @@ class AutoFitReport:
     ``(M, noise, multiplier, error, seconds)``; ``chosen`` the final choices (with ``final_check_error``, the returned
     model's error on the calibration rows, and ``final_check_selection_error``, its level's selection fit's there:
     above :data:`FINAL_CHECK_RATIO` times it ``auto_fit`` refits the level on its selection rows, returns the better
-    of the two there and warns; ``None`` where a growth check scored the model
-    instead, in ``growth``, or where no selection residuals were kept: ``check_growth=False`` with
-    ``calibrate_variance=False`` or no held-out rows put back); ``growth`` the check of a grown
+    of the two there and warns; ``None`` where a growth check scored the model instead, in ``growth``, or where no
+    selection residuals were kept: ``check_growth=False`` with ``calibrate_variance=False`` or no held-out rows put
+    back); ``growth`` the check of a grown
     final fit (``check_growth``: the grown size ``M``, ``grown_from``, its validation ``error`` against the
     level's ``level_error`` on its ``check_rows``, ``z`` the paired difference in standard errors, the grown fit's
     ``rows`` and ``seconds``, whether it was ``kept``); ``leverage`` the
@@ -364,9 +364,8 @@ FLOAT32_LIMITED_ERROR = 1e-4
 #: the final model's error on the calibration rows (a fraction of the targets' variance) over its level's selection
 #: fit's there above which (and :data:`FINAL_CHECK_Z`) :func:`auto_fit` refits the chosen level on its selection rows
 #: (and the held-out rows), returns that fit where it scores lower there, and warns: the final fit was worse than
-#: the one it validated (a final
-#: CG that did not solve its system: on an H200 one stopped at a relative residual of 0.6, its model tested 1.27
-#: NRMSE against 0.98 validated; ``benchmarks/results/gpu-notes.md``, session 52)
+#: the one it validated (a final CG that did not solve its system: on an H200 one stopped at a relative residual of
+#: 0.6, its model tested 1.27 NRMSE against 0.98 validated; ``benchmarks/results/gpu-notes.md``, session 52)
 FINAL_CHECK_RATIO = 1.5
 #: the final check fires only where the final model's error is also above the selection fit's by more than this many
 #: standard errors of the paired difference of the two fits' squared errors there
@@ -2314,9 +2313,14 @@ def auto_fit(
         sel_key = score_key(best_level["M"], best_level["noise"], best_level["multiplier"], centers_kind)
         if checked is None and sel_key in cal_residuals:
             n_chk = int(cal_residuals[sel_key].shape[0])
-            with torch.no_grad():
-                pred = final.posterior_mean(xv[cal_idx[:n_chk]].to(dtype)).to(torch.float64)
-            res_fin = yv_cal[:n_chk] - (pred - y_mu) / y_sd
+            x_chk = xv[cal_idx[:n_chk]].to(dtype)
+
+            def check_residuals(model: FalkonGP) -> Tensor:
+                """``model``'s standardised residuals on the check rows (a raw-unit model: ``f = y_mu + y_sd f_z``)."""
+                with torch.no_grad():
+                    return yv_cal[:n_chk] - (model.posterior_mean(x_chk).to(torch.float64) - y_mu) / y_sd
+
+            res_fin = check_residuals(final)
             mse_fin = float(res_fin.square().mean())
             mse_sel = float(cal_residuals[sel_key].square().mean())
             final_check = (mse_fin, mse_sel)
@@ -2340,9 +2344,7 @@ def auto_fit(
                         kept_factors, keeper.last = keeper.last, None
                     fb, conv_fb = build_final(best_level, centers=lev_centers, weights=lev_weights, rows=rows_fb,
                                               keeper=keeper, start=lev_alpha)
-                    with torch.no_grad():
-                        pred_fb = fb.posterior_mean(xv[cal_idx[:n_chk]].to(dtype)).to(torch.float64)
-                    mse_fb = float((yv_cal[:n_chk] - (pred_fb - y_mu) / y_sd).square().mean())
+                    mse_fb = float(check_residuals(fb).square().mean())
                     if mse_fb < mse_fin or math.isnan(mse_fin):
                         final, converged, rows_final, final_level = fb, conv_fb, rows_fb, best_level
                         final_check, refit = (mse_fb, mse_sel), mse_fb

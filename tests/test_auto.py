@@ -2065,6 +2065,39 @@ def test_a_float32_fit_on_nearly_noiseless_data_suggests_float64():
             auto_fit(data[0], data[1], **dict(SMALL, dtype=dtype))
 
 
+def _break_final_fit(monkeypatch, rows: int, failure: str = "scaled", leave_factors: bool = False) -> list:
+    """Make auto_fit's fits on ``rows`` training rows (its final fit) broken, as a CG that did not solve its system
+    might leave them: coefficients scaled by 3 (``"scaled"``) or one of them NaN (``"nan"``); ``leave_factors``:
+    the fit also leaves factors built for its ``rows`` in the calibration's keeper, as a CG fit does. Returns the
+    list the broken fits are appended to."""
+    import gpfalkon.auto as auto_module
+
+    real = auto_module._fit_quiet
+    broken: list = []
+
+    def fit_quiet(model, time_limit=None, initial_alpha=None):
+        model, converged = real(model, time_limit=time_limit, initial_alpha=initial_alpha)
+        if model.train_inputs[0].shape[0] == rows:
+            with torch.no_grad():
+                if failure == "nan":
+                    model.alpha[0] = float("nan")
+                else:
+                    model.alpha.mul_(3.0)
+            keeper = model.options.preconditioner
+            if leave_factors and isinstance(keeper, auto_module._KeptPreconditioner):
+                c = model.centers.detach()
+                keeper(model.kernel(c, c).to_dense().detach(), model.penalty.detach(), rows)
+            broken.append(model)
+        return model, converged
+
+    monkeypatch.setattr(auto_module, "_fit_quiet", fit_quiet)
+    return broken
+
+
+def _final_check_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "the final fit's error" in str(w.message)]
+
+
 def test_the_final_check_consults_its_paired_z(monkeypatch):
     """With ``FINAL_CHECK_Z`` out of reach, the final fit of the broken case below (coefficients scaled by 3: its
     error far above the ratio) is returned as it is, without a refit or a warning: the ratio alone does not fire."""
@@ -2073,22 +2106,13 @@ def test_the_final_check_consults_its_paired_z(monkeypatch):
     import gpfalkon.auto as auto_module
 
     x, y, _ = _data(2000)
-    real = auto_module._fit_quiet
-
-    def fit_quiet(model, time_limit=None, initial_alpha=None):
-        model, converged = real(model, time_limit=time_limit, initial_alpha=initial_alpha)
-        if model.train_inputs[0].shape[0] == 1600:
-            with torch.no_grad():
-                model.alpha.mul_(3.0)
-        return model, converged
-
-    monkeypatch.setattr(auto_module, "_fit_quiet", fit_quiet)
+    _break_final_fit(monkeypatch, 1600)
     monkeypatch.setattr(auto_module, "FINAL_CHECK_Z", math.inf)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = auto_fit(x[:1600], y[:1600], val_x=x[1600:], val_y=y[1600:], **dict(SMALL, final_growth=False))
     c = model.auto_report.chosen
-    assert not [w for w in caught if "the final fit's error" in str(w.message)]
+    assert not _final_check_warnings(caught)
     assert model.train_inputs[0].shape[0] == 1600 and "final check refit" not in model.auto_report.stages
     assert c["final_check_error"] > auto_module.FINAL_CHECK_RATIO * c["final_check_selection_error"]
 
@@ -2110,22 +2134,12 @@ def test_auto_fit_checks_its_final_model_against_the_selection_fit(monkeypatch, 
 
     x, y, _ = _data(2000)
     xt, yt, xv, yv = x[:1600], y[:1600], x[1600:], y[1600:]
-    real = auto_module._fit_quiet
-    broken_fits = []
-
-    def fit_quiet(model, time_limit=None, initial_alpha=None):
-        model, converged = real(model, time_limit=time_limit, initial_alpha=initial_alpha)
-        if broken and model.train_inputs[0].shape[0] == 1600:  # the final fit (the selection fits: 400 rows)
-            with torch.no_grad():
-                model.alpha.mul_(3.0)
-            broken_fits.append(model)
-        return model, converged
-
-    monkeypatch.setattr(auto_module, "_fit_quiet", fit_quiet)
+    # the final fit (the selection fits: 400 rows)
+    broken_fits = _break_final_fit(monkeypatch, 1600) if broken else []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = auto_fit(xt, yt, val_x=xv, val_y=yv, **dict(SMALL, final_growth=False))
-    msgs = [str(w.message) for w in caught if "the final fit's error" in str(w.message)]
+    msgs = _final_check_warnings(caught)
     c = model.auto_report.chosen
     fin, sel = c["final_check_error"], c["final_check_selection_error"]
     with torch.no_grad():
@@ -2163,22 +2177,7 @@ def test_auto_fit_final_check_refit_keeps_its_own_calibration(monkeypatch, failu
     import gpfalkon.auto as auto_module
 
     x, y, _ = _data(2000)
-    real = auto_module._fit_quiet
-
-    def fit_quiet(model, time_limit=None, initial_alpha=None):
-        model, converged = real(model, time_limit=time_limit, initial_alpha=initial_alpha)
-        if model.train_inputs[0].shape[0] == 2000:  # the final fit on every row
-            with torch.no_grad():
-                if failure == "nan":
-                    model.alpha[0] = float("nan")
-                else:
-                    model.alpha.mul_(3.0)
-            keeper = model.options.preconditioner
-            if isinstance(keeper, auto_module._KeptPreconditioner):  # factors as a CG final fit leaves them
-                c = model.centers.detach()
-                keeper(model.kernel(c, c).to_dense().detach(), model.penalty.detach(), 2000)
-        return model, converged
-
+    broken_fits = _break_final_fit(monkeypatch, 2000, failure, leave_factors=True)  # the final fit on every row
     seen = []
     real_var = auto_module.preconditioned_variances
 
@@ -2186,13 +2185,13 @@ def test_auto_fit_final_check_refit_keeps_its_own_calibration(monkeypatch, failu
         seen.append((precond.n, centers.shape[0]))
         return real_var(kernel, x_c, centers, precond, noise)
 
-    monkeypatch.setattr(auto_module, "_fit_quiet", fit_quiet)
     monkeypatch.setattr(auto_module, "preconditioned_variances", variances)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = auto_fit(x, y, **dict(SMALL, final_growth=False))
     rep = model.auto_report
-    msgs = [str(w.message) for w in caught if "the final fit's error" in str(w.message)]
+    msgs = _final_check_warnings(caught)
+    assert len(broken_fits) == 1 and model is not broken_fits[0]
     assert len(msgs) == 1 and "(M=120) refitted on 1,200 rows, its selection rows and the held-out ones" in msgs[0]
     assert model.train_inputs[0].shape[0] == 1200 == rep.chosen["final_rows"]
     assert seen == [(1200, 120)], seen
