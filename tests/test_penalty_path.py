@@ -121,6 +121,26 @@ def test_operator_path_solve_matches_a_dense_solve_at_every_penalty(method, thro
     assert info.converged and info.extra["preconditioner_seconds"] >= 0
 
 
+def test_operator_path_solve_with_float32_factors_matches_a_dense_solve():
+    """``precond_dtype=float32`` (the factors stored in float32: their blocks come back in float32) gives every
+    column the fitted values of its own penalty's dense solution (to the float32 factors' accuracy: the
+    coefficients themselves carry its rounding times the system's condition), in float64 as documented."""
+    x, y, k, c = _problem()
+    lams = [1e-6, 1e-4, 1e-2]
+    opts = FalkonOptions(precond_dtype=torch.float32, solve_method="cg")
+    model = FalkonGP(x, y, kernel=k, centers=c, penalty=1e-4, options=opts)
+    op = model.nystrom_operator()
+    rhs = op.kmn_y(model.centered_targets()).detach()
+    alpha, _info, precond = op.solve_path(rhs, lams, tol=1e-9, max_iter=400)
+    assert precond.parts[0].chol_a.dtype == torch.float32 and alpha.dtype == torch.float64
+    knm = _dense(k, x, c)
+    for j, lam in enumerate(lams):
+        ref = knm @ torch.linalg.solve(_h(k, x, c, lam), rhs)  # the fitted values: float32 factors' accuracy
+        torch.testing.assert_close(knm @ alpha[:, j:j + 1], ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max()))
+    single, _ = op.falkon_solve(rhs, tol=1e-9, max_iter=400)  # one penalty's solve returns float64 as well
+    assert single.dtype == torch.float64
+
+
 def _h(k, x, c, lam):
     knm, kmm = _dense(k, x, c), _dense(k, c, c)
     return knm.T @ knm + x.shape[0] * lam * kmm

@@ -132,6 +132,6 @@ def falkon_solve(
             CGNotConvergedWarning,
             stacklevel=3,
         )
-    alpha = timed_apply(precond.apply_b, beta)
+    alpha = timed_apply(precond.apply_b, beta).to(torch.float64)  # (float32 factors give a float32 block)
     info.extra.update(cg_seconds=time.perf_counter() - t_start, precond_apply_seconds=clock[0] - clock[1])
     return alpha, info
