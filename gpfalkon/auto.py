@@ -639,34 +639,56 @@ def _positive_number(value: Any) -> float | None:
     return rate if math.isfinite(rate) and rate > 0 else None
 
 
-def _racers(objectives: Any, lr: float) -> list[tuple[str, float, str]]:
-    """``objectives=`` as ``(name, lr, label)`` racers: a name runs at ``lr`` (label: the name), a
-    ``(name, lr)`` pair (any two-item sequence) at its own learning rate (label ``"name@lr"``); ``None``:
-    the default, the SGPR bound and GCV at ``lr`` and GCV at ``2 lr``."""
+#: the kernel family of the extra racer in :func:`auto_fit`'s default race (GCV at twice the learning rate in it)
+RACE_FAMILY = "rbf"
+
+
+def _racers(objectives: Any, lr: float, family: str | None) -> list[tuple[str, float, str, str | None]]:
+    """``objectives=`` as ``(name, lr, label, family)`` racers: a name runs at ``lr`` (label: the name), a
+    ``(name, lr)`` pair (any two-item sequence) at its own learning rate (label ``"name@lr"``), both in ``family``
+    (``kernel=``'s family; ``None``: a given ``Kernel``); a ``(name, lr, family)`` triple in that kernel family of
+    :data:`KERNEL_FAMILIES` (label ``"name@lr/family"`` where it is not ``kernel=``'s). ``None``: the default, the
+    SGPR bound and GCV at ``lr`` and GCV at ``2 lr`` in ``family``, and where ``family`` is a family other than
+    :data:`RACE_FAMILY`, GCV at ``2 lr`` in that one too."""
     if objectives is None:
-        objectives = ("sgpr", "gcv", ("gcv", 2.0 * lr))
+        objectives = ["sgpr", "gcv", ("gcv", 2.0 * lr)]
+        if family is not None and family != RACE_FAMILY:
+            objectives.append(("gcv", 2.0 * lr, RACE_FAMILY))
     if isinstance(objectives, str) or not isinstance(objectives, Sequence) or not objectives:
         raise ValueError("objectives must be a non-empty sequence of names from "
-                         f"{sorted(OBJECTIVES)} or (name, lr) pairs, got {objectives!r}")
-    out: list[tuple[str, float, str]] = []
+                         f"{sorted(OBJECTIVES)}, (name, lr) pairs or (name, lr, family) triples, got {objectives!r}")
+    out: list[tuple[str, float, str, str | None]] = []
     for spec in objectives:
+        fam = family
         if isinstance(spec, str):
             name, rate, label = spec, lr, spec
-        elif isinstance(spec, Sequence) and len(spec) == 2 and isinstance(spec[0], str):  # (str: branch above)
-            name, given = spec
+        elif isinstance(spec, Sequence) and len(spec) in (2, 3) and isinstance(spec[0], str):  # (str: branch above)
+            name, given = spec[0], spec[1]
             rate = _positive_number(given)  # type: ignore[assignment]
             if rate is None:
                 raise ValueError(f"objectives: the learning rate of {spec!r} must be a finite number > 0")
             label = f"{name}@{rate:g}"
+            if len(spec) == 3:
+                fam = spec[2]
+                if not isinstance(fam, str) or fam not in KERNEL_FAMILIES:
+                    raise ValueError(f"objectives: the kernel family of {spec!r} must be one of "
+                                     f"{sorted(KERNEL_FAMILIES)}")
+                if family is None:
+                    raise ValueError(f"objectives: {spec!r} names a kernel family, which needs kernel= to be a family "
+                                     "name (a given Kernel sees the raw inputs, a family the standardised ones)")
+                if fam != family:
+                    label = f"{label}/{fam}"
         else:
-            raise ValueError(f"objectives: each entry must be a name or a (name, lr) pair, got {spec!r}")
+            raise ValueError(f"objectives: each entry must be a name, a (name, lr) pair or a (name, lr, family) "
+                             f"triple, got {spec!r}")
         if name not in OBJECTIVES:
             raise ValueError(f"objectives: unknown {name!r}; known: {sorted(OBJECTIVES)}")
-        if any(o[0] == name and o[1] == rate for o in out):
-            raise ValueError(f"objectives: {name!r} at learning rate {rate:g} is named twice")
+        if any(o[0] == name and o[1] == rate and o[3] == fam for o in out):
+            raise ValueError(f"objectives: {name!r} at learning rate {rate:g}"
+                             + ("" if fam is None else f" in the {fam!r} family") + " is named twice")
         if any(o[2] == label for o in out):
-            label = f"{name}@{rate!r}"  # two rates that print alike: the exact one tells them apart
-        out.append((name, rate, label))
+            label = f"{name}@{rate!r}" + ("" if fam == family else f"/{fam}")  # two rates that print alike
+        out.append((name, rate, label, fam))
     return out
 
 
@@ -688,9 +710,10 @@ class _ObjectiveRun:
 
     def __init__(self, name: str, model: FalkonGP, lr: float, eval_every: int,
                  start_error: float, score_pool: Tensor | None = None, lengthscale_step: str = "shared",
-                 label: str | None = None, start_score: float | None = None) -> None:
+                 label: str | None = None, start_score: float | None = None, family: str | None = None) -> None:
         rows = model.n
         self.name = name
+        self.family = family  # the kernel family (None: a given Kernel)
         self.lr = float(lr)
         self.label = name if label is None else label  # the racer's name: the objective, and its lr if given
         self.model = model
@@ -709,7 +732,7 @@ class _ObjectiveRun:
         self.active = True
         self.failed: str | None = None
         self.best: dict[str, Any] | None = None
-        self.rec: dict[str, Any] = dict(objective=name, racer=self.label, lr=self.lr, rows=rows,
+        self.rec: dict[str, Any] = dict(objective=name, racer=self.label, lr=self.lr, kernel=family, rows=rows,
                                         centers=int(model.centers.shape[0]),
                                         score_centers=int(model.centers.shape[0])
                                         + (0 if score_pool is None else int(score_pool.shape[0])), steps=0,
@@ -781,7 +804,7 @@ class _ObjectiveRun:
             m = self.model
             self.best = dict(kernel=copy.deepcopy(m.kernel), noise=float(m.noise.detach()),
                              centers=m.centers.detach().clone(), objective=self.name, racer=self.label,
-                             lr=self.lr, step=self.step, error=err, rows=self.rec["rows"])
+                             lr=self.lr, step=self.step, error=err, rows=self.rec["rows"], family=self.family)
         else:
             self.since_best += 1
         if self.since_best >= patience:
@@ -876,7 +899,9 @@ def auto_fit(
             standardised and the scaling folded into the lengthscales), or any GPyTorch kernel
             (used on the inputs as given, its own initial values; lengthscales found through
             ``has_lengthscale`` are what the multiplier scales; a kernel that is not a
-            ``ScaleKernel`` is wrapped in one to carry the target scale).
+            ``ScaleKernel`` is wrapped in one to carry the target scale). A family is the racers' family, and the
+            default race adds a racer in :data:`RACE_FAMILY` (``objectives``): the family of the winning racer is
+            the model's (``report.kernel``, ``report.chosen["kernel"]``).
         objectives: the racers of stage 1 (together within ``learn_share * budget``; each stops early
             after ``patience`` evaluations without a better validation error): names in
             :data:`OBJECTIVES`, each learned by Adam at ``lr``, or ``(name, lr)`` pairs, an objective at
@@ -890,7 +915,16 @@ def auto_fit(
             learning-rate racer"). ``"nystrom-compreg"``
             was in the race up to 0.2.0 and supplied the chosen hyperparameters in none of 266
             recorded runs on 12 datasets (GCV 211, SGPR 44, the initial point 11), while taking a third
-            of the race's steps (round 13). Every name stays available.
+            of the race's steps (round 13). Every name stays available. A ``(name, lr, family)`` triple races
+            the objective at its rate in a family of :data:`KERNEL_FAMILIES` (from the median heuristic in that
+            family; label ``"name@lr/family"`` where it is not ``kernel``'s; a family name in ``kernel`` only), so
+            the race chooses the kernel family as it chooses the objective. Where ``kernel`` is a family other
+            than :data:`RACE_FAMILY` (``"rbf"``), the default race adds GCV at ``2 lr`` in that family: which family
+            predicts better is a property of the target that the validation scores of the race show (after the
+            race's first rounds they ranked Matern 5/2 and RBF as the test errors did in 15 of 18 runs on 13
+            sets, the others near ties; with the RBF kernel kin40k's test error was 0.86-0.88 of Matern 5/2's, bike's
+            2.1x and pol's 1.5x: ``benchmarks/results/auto-notes.md``, "Session 53"), at the price of one more
+            racer's steps until it is dropped.
         learn_centers: also learn the ``hyper_centers`` centers in stage 1 (used as the first
             centers of stages 2-3).
         lengthscale_transform: how the kernel's lengthscales are parametrised for Adam
@@ -1144,7 +1178,7 @@ def auto_fit(
         raise TypeError(f"kernel must be a family name or a gpytorch.kernels.Kernel, got {type(kernel).__name__}")
     if _positive_number(lr) is None:
         raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
-    racers = _racers(objectives, float(lr))
+    racers = _racers(objectives, float(lr), kernel if isinstance(kernel, str) else None)
     if not (isinstance(val_fraction, float) and 0.0 < val_fraction < 1.0):
         raise ValueError(f"val_fraction must be a float in (0, 1), got {val_fraction!r}")
     if not (isinstance(learn_share, (int, float)) and 0.0 <= learn_share < 1.0):
@@ -1290,9 +1324,9 @@ def auto_fit(
                 )
         report = AutoFitReport(budget=budget, n_train=n_tr, n_val=xv.shape[0], val_source=val_source, kernel=family)
 
-        def new_kernel() -> Kernel:
+        def new_kernel(fam: str | None = None) -> Kernel:
             if isinstance(kernel, str):
-                k = KERNEL_FAMILIES[kernel](d)
+                k = KERNEL_FAMILIES[kernel if fam is None else fam](d)
             else:
                 k = copy.deepcopy(kernel)
             return k.to(dtype=dtype, device=dev)
@@ -1318,23 +1352,35 @@ def auto_fit(
             k = min(score_target, n_h) - m_obj
             return score_pool[:k] if k > 0 else None
 
-        k0 = new_kernel()
+        def start_kernel(fam: str | None) -> Kernel:
+            """A racer's starting kernel: ``fam``'s (``None``: the given ``Kernel``) at the median heuristic's
+            lengthscale and unit outputscale (a family's), its lengthscales parametrised by
+            ``lengthscale_transform``."""
+            k = new_kernel(fam)
+            if isinstance(kernel, str):
+                with torch.no_grad():
+                    k.base_kernel.lengthscale = torch.full((1, d), ls0, dtype=dtype, device=dev)
+                    k.outputscale = torch.tensor(1.0, dtype=dtype, device=dev)
+            if lengthscale_transform == "log":
+                kept = _log_lengthscales(k)
+                if kept:
+                    report.notes.append("lengthscale_transform='log' kept the kernel's own lengthscale constraint "
+                                        "on " + ", ".join(kept) + " (not GPyTorch's default Positive)")
+            return k
+
         if isinstance(kernel, str):
             from .heuristics import median_lengthscale
 
             ls0 = float(median_lengthscale(xh))
-            with torch.no_grad():
-                k0.base_kernel.lengthscale = torch.full((1, d), ls0, dtype=dtype, device=dev)
-                k0.outputscale = torch.tensor(1.0, dtype=dtype, device=dev)
-        if lengthscale_transform == "log":
-            kept = _log_lengthscales(k0)
-            if kept:
-                report.notes.append("lengthscale_transform='log' kept the kernel's own lengthscale constraint on "
-                                    + ", ".join(kept) + " (not GPyTorch's default Positive)")
+        k0 = start_kernel(kernel if isinstance(kernel, str) else None)
+        family_k0 = {kernel if isinstance(kernel, str) else None: k0}
+        for fam in dict.fromkeys(r[3] for r in racers):
+            if fam not in family_k0:
+                family_k0[fam] = start_kernel(fam)
         noise0 = 0.1
         best_state: dict[str, Any] = dict(
             kernel=copy.deepcopy(k0), noise=noise0, centers=centers0, objective="initial", racer="initial", lr=None,
-            step=0, error=math.inf, rows=n_h,
+            step=0, error=math.inf, rows=n_h, family=kernel if isinstance(kernel, str) else None,
         )
 
         def h_model(k: Kernel, noise: float, centers: Tensor, learn: bool, rows: int | None = None) -> FalkonGP:
@@ -1350,8 +1396,8 @@ def auto_fit(
             del m0
         except Exception as exc:
             report.notes.append(f"initial hyperparameters failed to fit: {type(exc).__name__}: {exc}")
-        report.learn.append(dict(objective="initial", racer="initial", lr=None, rows=n_h, steps=0, best_step=0,
-                                 best_error=best_state["error"],
+        report.learn.append(dict(objective="initial", racer="initial", lr=None, kernel=best_state["family"], rows=n_h,
+                                 steps=0, best_step=0, best_error=best_state["error"],
                                  curve=[]))
 
         learn_deadline = clock.t0 + learn_share * budget
@@ -1385,9 +1431,9 @@ def auto_fit(
                                     f"{n_final:,} rows is predicted at >= {final_floor:.0f} s "
                                     f"({n_final - head_first:,} rows of K_nM recomputed at every iteration)")
         runners = [
-            _ObjectiveRun(name, h_model(copy.deepcopy(k0), noise0, centers0.clone(), learn_centers), lr_r,
-                          eval_every, best_state["error"], score_extra(m_h), lengthscale_step, label)
-            for name, lr_r, label in racers
+            _ObjectiveRun(name, h_model(copy.deepcopy(family_k0[fam]), noise0, centers0.clone(), learn_centers), lr_r,
+                          eval_every, best_state["error"], score_extra(m_h), lengthscale_step, label, family=fam)
+            for name, lr_r, label, fam in racers
         ]
         rounds = 0
         # the continuations' center draws: how many there are depends on the clock, which must not shift gen's
@@ -1497,7 +1543,8 @@ def auto_fit(
                                             f"{type(exc).__name__}: {exc}")
                 runners.append(_ObjectiveRun(old.name, nxt, old.lr, eval_every, best_state["error"], extra_next,
                                              lengthscale_step, old.label,
-                                             start_score=start_score if math.isfinite(start_score) else None))
+                                             start_score=start_score if math.isfinite(start_score) else None,
+                                             family=start.get("family", old.family)))
         for r in runners:
             r.rec["steps"] = r.step
             if r.failed:
@@ -1505,6 +1552,8 @@ def auto_fit(
             report.learn.append(r.rec)
         del runners
         report.stages["learn"] = time.perf_counter() - t_stage
+        if best_state.get("family") is not None:
+            report.kernel = best_state["family"]  # the race's kernel family (kernel= or a racer's)
 
         # ------------------------------------------------------------ stage 2: select
         t_stage = time.perf_counter()
@@ -2392,6 +2441,7 @@ def auto_fit(
             objective=best_state["objective"],
             racer=best_state["racer"],
             lr=best_state["lr"],
+            kernel=report.kernel,
             step=best_state["step"],
             learn_error=best_state["error"],
             objective_steps=best_obj.get("steps"),
