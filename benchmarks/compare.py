@@ -963,8 +963,9 @@ def run_auto(data: dict, budget: float, label: str = "gpfalkon auto_fit",
     if g and not g.get("kept"):
         grown = f", growth to {g['M']} rejected"
     rate = f"lr {c['lr']:g}, " if c.get("lr") is not None else ""
-    info = (f"objective {c['objective']} ({rate}step {c['step']}), M {c['num_centers']} ({c['centers']}{grown}), "
-            f"noise {c['noise']:.3g}, multiplier {c['multiplier']:.3g}; "
+    kernel = f"kernel {c['kernel']}, " if c.get("kernel") else ""
+    info = (f"{kernel}objective {c['objective']} ({rate}step {c['step']}), "
+            f"M {c['num_centers']} ({c['centers']}{grown}), noise {c['noise']:.3g}, multiplier {c['multiplier']:.3g}; "
             + ", ".join(f"{k} {v:.1f} s" for k, v in rep.stages.items()))
     return [dict(method=label, budget=budget, M=c["num_centers"], n_used=len(xtr), fit_s=fit_s,
                  predict_s=predict_s, scores=scores, info=info, curve=curve, **var,

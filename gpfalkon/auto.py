@@ -688,6 +688,9 @@ def _racers(objectives: Any, lr: float, family: str | None) -> list[tuple[str, f
                              + ("" if fam is None else f" in the {fam!r} family") + " is named twice")
         if any(o[2] == label for o in out):
             label = f"{name}@{rate!r}" + ("" if fam == family else f"/{fam}")  # two rates that print alike
+        base, k = label, 2
+        while any(o[2] == label for o in out):  # (the exact rate printed alike too: the racers' labels stay distinct)
+            label, k = f"{base}#{k}", k + 1
         out.append((name, rate, label, fam))
     return out
 
@@ -822,7 +825,7 @@ def auto_fit(
     val_x: Tensor | None = None,
     val_y: Tensor | None = None,
     kernel: str | Kernel = "matern52",
-    objectives: Sequence[str | tuple[str, float]] | None = None,
+    objectives: Sequence[str | tuple[str, float] | tuple[str, float, str]] | None = None,
     learn_centers: bool = False,
     lengthscale_transform: str = "log",
     lengthscale_step: str = "shared",
@@ -919,12 +922,13 @@ def auto_fit(
             the objective at its rate in a family of :data:`KERNEL_FAMILIES` (from the median heuristic in that
             family; label ``"name@lr/family"`` where it is not ``kernel``'s; a family name in ``kernel`` only), so
             the race chooses the kernel family as it chooses the objective. Where ``kernel`` is a family other
-            than :data:`RACE_FAMILY` (``"rbf"``), the default race adds GCV at ``2 lr`` in that family: which family
-            predicts better is a property of the target that the validation scores of the race show (after the
-            race's first rounds they ranked Matern 5/2 and RBF as the test errors did in 15 of 18 runs on 13
-            sets, the others near ties; with the RBF kernel kin40k's test error was 0.86-0.88 of Matern 5/2's, bike's
-            2.1x and pol's 1.5x: ``benchmarks/results/auto-notes.md``, "Session 53"), at the price of one more
-            racer's steps until it is dropped.
+            than :data:`RACE_FAMILY` (``"rbf"``), the default race adds GCV at ``2 lr`` in :data:`RACE_FAMILY`:
+            which family predicts better is a property of the target that the validation scores of the race show
+            (after the race's first rounds they ranked Matern 5/2 and RBF as the test errors did in 15 of 18 runs
+            on 12 sets, the others near ties; with the RBF kernel kin40k's test error was 0.86-0.88 of Matern
+            5/2's, bike's 2.1x and pol's 1.5x: ``benchmarks/results/auto-notes.md``, "Session 53"), at the price of
+            one more racer's steps until it is dropped. The learning records' ``kernel`` is each racer's family
+            (``None`` with a given ``Kernel``).
         learn_centers: also learn the ``hyper_centers`` centers in stage 1 (used as the first
             centers of stages 2-3).
         lengthscale_transform: how the kernel's lengthscales are parametrised for Adam
@@ -1541,10 +1545,14 @@ def auto_fit(
                     except Exception as exc:
                         report.notes.append(f"the start of the continuation on {rows_h:,} rows failed to fit: "
                                             f"{type(exc).__name__}: {exc}")
+                fam_next = start.get("family", old.family)
+                # (the leader's own label, unless its start is another family's point: the best point so far where
+                # the leader never beat it)
+                label_next = old.label if fam_next == old.family else f"{old.name}@{old.lr:g}/{fam_next}"
                 runners.append(_ObjectiveRun(old.name, nxt, old.lr, eval_every, best_state["error"], extra_next,
-                                             lengthscale_step, old.label,
+                                             lengthscale_step, label_next,
                                              start_score=start_score if math.isfinite(start_score) else None,
-                                             family=start.get("family", old.family)))
+                                             family=fam_next))
         for r in runners:
             r.rec["steps"] = r.step
             if r.failed:

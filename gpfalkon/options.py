@@ -51,7 +51,12 @@ class FalkonOptions:
             ``tol=0`` runs exactly ``max_iter`` iterations.
         verbose: tqdm progress bar for CG.
         precond_dtype: storage dtype of the preconditioner's factors (float64 default;
-            ``None`` means float64; float32 halves their memory at large ``M``).
+            ``None`` means float64; float32 halves their memory at large ``M``, but its triangular
+            solves' rounding, amplified by the factors' condition, bounds what CG reaches: at the small
+            penalties auto_fit chooses on bike CG stalled at relative residuals of 0.07-0.14 where float64
+            factors reached 0.001-0.0015 in 45 iterations (test NRMSE 0.16-0.34 against 0.04), on kin40k at
+            0.008-0.01 against 0.005, and the whole path was no faster,
+            ``benchmarks/results/precond-float32-path.md``).
         solver: a :class:`~gpfalkon.solvers.Solver` (default
             :func:`~gpfalkon.solvers.falkon_solve`).
         preconditioner: a :class:`~gpfalkon.solvers.PreconditionerBuilder` (default
