@@ -122,7 +122,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args(argv)
     env = environment_lines()
-    files = args.files or sorted([*RESULTS.glob("auto-r4[1-9]*.md"), *RESULTS.glob("auto-r5[0-9]*.md")])
+    # every round from 41 on (the run at budget / 12 fixed before the run since then)
+    files = args.files or sorted(p for p in RESULTS.glob("auto-r*.md")
+                                 if (m := FILE_RE.search(p.name)) is not None and int(m.group(1)) >= 41)
     rounds = collect(files)
     if not rounds:
         raise SystemExit("no time-to-error table in the files given")
