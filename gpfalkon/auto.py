@@ -1376,15 +1376,13 @@ def auto_fit(
             from .heuristics import median_lengthscale
 
             ls0 = float(median_lengthscale(xh))
-        k0 = start_kernel(kernel if isinstance(kernel, str) else None)
-        family_k0 = {kernel if isinstance(kernel, str) else None: k0}
-        for fam in dict.fromkeys(r[3] for r in racers):
-            if fam not in family_k0:
-                family_k0[fam] = start_kernel(fam)
+        primary = kernel if isinstance(kernel, str) else None  # kernel='s family (None: a given Kernel)
+        family_k0 = {fam: start_kernel(fam) for fam in dict.fromkeys([primary, *(r[3] for r in racers)])}
+        k0 = family_k0[primary]
         noise0 = 0.1
         best_state: dict[str, Any] = dict(
             kernel=copy.deepcopy(k0), noise=noise0, centers=centers0, objective="initial", racer="initial", lr=None,
-            step=0, error=math.inf, rows=n_h, family=kernel if isinstance(kernel, str) else None,
+            step=0, error=math.inf, rows=n_h, family=primary,
         )
 
         def h_model(k: Kernel, noise: float, centers: Tensor, learn: bool, rows: int | None = None) -> FalkonGP:
