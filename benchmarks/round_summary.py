@@ -48,8 +48,11 @@ def parse_round(text: str) -> dict[str, dict]:
         if len(cells) < 12:
             continue
         ds, _, base_err, _, _, prim_err, _, speed, verdict, monotone, _, mono_speed = cells[:12]
+        # the verdict's "error x % higher" is computed from unrounded errors; the table's errors have 3 digits
+        higher = re.search(r"error ([\d.]+) % higher", verdict)
         try:
-            row = dict(speed=float(speed), ratio=float(prim_err) / float(base_err), verdict=verdict,
+            ratio = 1.0 + float(higher.group(1)) / 100.0 if higher else float(prim_err) / float(base_err)
+            row = dict(speed=float(speed), ratio=ratio, verdict=verdict,
                        base_error=float(base_err),
                        monotone=monotone, mono_speed=float(mono_speed) if monotone != "none" else None,
                        split=splits.get(ds, "?"))
