@@ -5,6 +5,7 @@ timing helpers and writing a result file that records how it was produced.
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import pathlib
@@ -198,6 +199,18 @@ def exp_rate(dtype: torch.dtype, block_bytes: int = 2**19, total: int = 2**26, r
 
     med, _ = median_time(run, repeats=repeats, warmup=1)
     return rounds * block.numel() / med
+
+
+def dataset_run_arguments(description: str, budget: float) -> argparse.ArgumentParser:
+    """The command line of a per-dataset ``auto_fit`` study: ``--datasets`` (``compare.py``'s built-in names),
+    ``--budget`` seconds, ``--split`` (``compare.py``'s), ``--seed`` and ``--out``."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--datasets", nargs="+", required=True)
+    p.add_argument("--budget", type=float, default=budget)
+    p.add_argument("--split", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    return p
 
 
 def log(msg: str) -> None:

@@ -29,7 +29,7 @@ import warnings
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import environment_lines, log, markdown_table, timed, write_result  # noqa: E402
+from _common import dataset_run_arguments, environment_lines, log, markdown_table, timed, write_result  # noqa: E402
 
 
 def _one(name: str, args: argparse.Namespace, it_rows: list[list[object]], br_rows: list[list[object]]) -> None:
@@ -87,15 +87,10 @@ def _one(name: str, args: argparse.Namespace, it_rows: list[list[object]], br_ro
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--datasets", nargs="+", required=True)
-    p.add_argument("--budget", type=float, default=10.0)
-    p.add_argument("--split", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p = dataset_run_arguments((__doc__ or "").split("\n")[0], budget=10.0)
     p.add_argument("--iters", type=int, nargs="+", default=[5, 10, 20, 30, 50, 100])
     p.add_argument("--no-iterations", dest="iterations", action="store_false")
     p.add_argument("--no-breakdown", dest="breakdown", action="store_false")
-    p.add_argument("--out", required=True)
     args = p.parse_args()
     env = environment_lines()
     import compare

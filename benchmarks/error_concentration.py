@@ -16,14 +16,13 @@ Usage (from the repository root; data from ``GPFALKON_DATA``, as ``compare.py``)
 """
 from __future__ import annotations
 
-import argparse
 import pathlib
 import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import environment_lines, log, markdown_table, write_result  # noqa: E402
+from _common import dataset_run_arguments, environment_lines, log, markdown_table, write_result  # noqa: E402
 
 
 def concentration(residuals, x_test, x_train) -> dict:  # type: ignore[no-untyped-def]
@@ -46,13 +45,7 @@ def concentration(residuals, x_test, x_train) -> dict:  # type: ignore[no-untype
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--datasets", nargs="+", required=True)
-    p.add_argument("--budget", type=float, default=30.0, help="seconds for auto_fit and for SGPR")
-    p.add_argument("--split", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
+    args = dataset_run_arguments((__doc__ or "").split("\n")[0], budget=30.0).parse_args()
     env = environment_lines()
     import torch
 
