@@ -548,8 +548,6 @@ class NystromKRROperator(LinearOperator):
                         extra.update(data_matmul=lambda v: self.engine.kmn_k(v), kmm_weight=weight)
 
                     def h_matmul(u: Tensor, c: Tensor = weight) -> Tensor:
-                        # (u in the factors' dtype: float32 factors, precond_dtype, give float32 blocks)
-                        u = u.to(torch.float64)
                         return self.engine.kmn_k(u).add_((self.kmm.to(torch.float64) @ u) * c)
 
                     sol, info = falkon_solve(h_matmul, precond, block, None if x0 is None else x0.detach(),

@@ -79,7 +79,9 @@ def falkon_solve(
         return out
 
     def timed_apply(fn: Callable[[Tensor], Tensor], u: Tensor) -> Tensor:
-        return timed(0, fn, u)
+        # float64 out: CG's vectors and h_matmul's input are float64 whatever dtype a preconditioner stores its
+        # factors in (FalkonOptions.precond_dtype=float32 applies them in float32)
+        return timed(0, fn, u).to(torch.float64)
 
     # (precond.w_matmul, data_matmul, kmm_weight) where W is applied by the preconditioner
     split: tuple[Callable[..., Tensor], Callable[[Tensor], Tensor], float | Tensor] | None = None
@@ -106,7 +108,8 @@ def falkon_solve(
         beta0,
         tol=tol,
         max_iter=max_iter,
-        callback=None if callback is None else (lambda i, bt, rel: callback(i, precond.apply_b(bt), rel)),
+        callback=None if callback is None else (lambda i, bt, rel: callback(i, precond.apply_b(bt).to(torch.float64),
+                                                                             rel)),
         verbose=verbose,
         stagnation_window=stagnation_window,
         data_dtype=data_dtype,
@@ -132,6 +135,6 @@ def falkon_solve(
             CGNotConvergedWarning,
             stacklevel=3,
         )
-    alpha = timed_apply(precond.apply_b, beta).to(torch.float64)  # (float32 factors give a float32 block)
+    alpha = timed_apply(precond.apply_b, beta)
     info.extra.update(cg_seconds=time.perf_counter() - t_start, precond_apply_seconds=clock[0] - clock[1])
     return alpha, info
