@@ -14,7 +14,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -211,6 +211,25 @@ def dataset_run_arguments(description: str, budget: float) -> argparse.ArgumentP
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     return p
+
+
+def split_datasets(names: Sequence[str], split: int, *, max_rows: int | None = None,
+                   task: str | None = None) -> Iterator[tuple[str, dict]]:
+    """``(name, data)`` of each of ``compare.py``'s datasets ``names`` on its split ``split``
+    (``compare.load_dataset``); ``SystemExit`` naming ``--datasets`` where a set has more than ``max_rows`` training
+    rows or is not a ``task`` task."""
+    import compare
+
+    compare.SPLIT["k"] = split
+    for name in names:
+        data = compare.load_dataset(name)
+        n = data["xtr"].shape[0]
+        if max_rows is not None and n > max_rows:
+            raise SystemExit(f"--datasets: {name} has {n:,} training rows; this study's exact solves allow "
+                             f"{max_rows:,}")
+        if task is not None and data["task"] != task:
+            raise SystemExit(f"--datasets: {name} is a {data['task']} task; this study is for {task}")
+        yield name, data
 
 
 def log(msg: str) -> None:

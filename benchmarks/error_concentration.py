@@ -22,7 +22,14 @@ import sys
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import dataset_run_arguments, environment_lines, log, markdown_table, write_result  # noqa: E402
+from _common import (  # noqa: E402
+    dataset_run_arguments,
+    environment_lines,
+    log,
+    markdown_table,
+    split_datasets,
+    write_result,
+)
 
 
 def concentration(residuals, x_test, x_train) -> dict:  # type: ignore[no-untyped-def]
@@ -53,12 +60,8 @@ def main() -> None:
 
     import compare
 
-    compare.SPLIT["k"] = args.split
     rows: list[list[object]] = []
-    for name in args.datasets:
-        data = compare.load_dataset(name)
-        if data["task"] != "regression":
-            raise SystemExit(f"--datasets: {name} is a {data['task']} task; this table is for regression")
+    for name, data in split_datasets(args.datasets, args.split, task="regression"):
         yte, sd = data["yte"].double(), float(data["yte"].double().std())
         model = gpfalkon.auto_fit(data["xtr"], data["ytr"].double(), budget=args.budget, seed=args.seed)
         model.eval()

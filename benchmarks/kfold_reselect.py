@@ -24,7 +24,14 @@ import sys
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import dataset_run_arguments, environment_lines, log, markdown_table, write_result  # noqa: E402
+from _common import (  # noqa: E402
+    dataset_run_arguments,
+    environment_lines,
+    log,
+    markdown_table,
+    split_datasets,
+    write_result,
+)
 
 MAX_ROWS = 5_000  # every candidate is an exact fit on all of its rows
 
@@ -64,17 +71,11 @@ def main() -> None:
     import gpfalkon
     from gpfalkon.auto import _scale_lengthscales
 
-    import compare
-
-    compare.SPLIT["k"] = args.split
     rows: list[list[object]] = []
-    for name in args.datasets:
-        data = compare.load_dataset(name)
+    for name, data in split_datasets(args.datasets, args.split, max_rows=MAX_ROWS):
         xtr, ytr = data["xtr"].double(), data["ytr"].double()
         xte, yte = data["xte"].double(), data["yte"].double()
         n = xtr.shape[0]
-        if n > MAX_ROWS:
-            raise SystemExit(f"--datasets: {name} has {n:,} training rows; the exact candidate fits allow {MAX_ROWS:,}")
         model = gpfalkon.auto_fit(data["xtr"], ytr, budget=args.budget, seed=args.seed)
         kernel0 = copy.deepcopy(model.kernel).double()
         noise0 = float(model.penalty) * model.train_inputs[0].shape[0]
