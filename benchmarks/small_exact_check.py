@@ -28,6 +28,7 @@ Usage (from the repository root; data from ``GPFALKON_DATA``, as ``compare.py``)
 """
 from __future__ import annotations
 
+import copy
 import pathlib
 import sys
 import time
@@ -76,8 +77,6 @@ def nystrom_solve(kernel, penalty: float, x, y, centers, at):  # type: ignore[no
 def type2_ml(x, y, max_iters: int, kernel=None, noise: float | None = None):  # type: ignore[no-untyped-def]
     """``(kernel, noise, seconds)`` of the exact GP fitted by BoTorch's ``fit_gpytorch_mll``; started from ``kernel``
     (a copy) and ``noise`` where given, else from the median heuristic."""
-    import copy
-
     import gpytorch
     import torch
     from botorch.fit import fit_gpytorch_mll
@@ -131,7 +130,7 @@ def main() -> None:
         t_auto = time.perf_counter() - t0
         model.eval()
         xf, yf = model.train_inputs[0].double(), model.train_targets.double().reshape(-1)
-        kern = model.kernel.double()
+        kern = copy.deepcopy(model.kernel).double()  # the model keeps its float32 kernel
         penalty = float(model.penalty.detach())
         with torch.no_grad():
             e_auto = err(model.posterior_mean(data["xte"]).double())
