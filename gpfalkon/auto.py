@@ -159,7 +159,10 @@ class AutoFitReport:
     against the uniform centers', the distinct centers drawn, its seconds); ``sampling`` the choice of
     the center pool at the first size (``center_sampling``: the scores' ``uniformity``, ``uniform_error``,
     ``leverage_error``, the estimated ``d_eff``, the ``distinct`` leverage draws, ``seconds``, the pool ``chosen``;
-    where the scores were nearly uniform, no errors: the try stopped there).
+    where the scores were nearly uniform, no errors: the try stopped there); ``loo`` the leave-one-out choice on every
+    row (``loo_rows``: the candidate ``points``, the ``scored`` ones ``(racer, step, noise, error)``, the
+    ``chosen_error`` of the validation rows' choice, the ``winner``, its refined ``noise``, ``error`` and
+    ``variance_scale``, whether it was ``refit``, ``seconds``).
     """
 
     budget: float
@@ -175,6 +178,7 @@ class AutoFitReport:
     leverage: dict[str, Any] = field(default_factory=dict)
     sampling: dict[str, Any] = field(default_factory=dict)
     growth: dict[str, Any] = field(default_factory=dict)
+    loo: dict[str, Any] = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
@@ -372,6 +376,11 @@ FINAL_CHECK_RATIO = 1.5
 #: (:func:`_paired_z`): a few calibration rows (small given validation data) do not trigger it by chance (the ratio's
 #: margin absorbs the selection fit's optimism on the rows its level was chosen on)
 FINAL_CHECK_Z = 2.0
+
+#: the leave-one-out stage (``loo_rows``) scores points for at most this fraction of the budget (its first score
+#: aside): at 3,000-3,700 rows a score takes 1-2 s here, and the points after the first few changed the test error of
+#: those sets by under 1 % while doubling the run's time (``benchmarks/results/loo-choice-ab-s56.md``)
+LOO_SHARE = 0.25
 
 
 def _val_mse(model: FalkonGP, xv: Tensor, yv: Tensor) -> float:
@@ -708,6 +717,105 @@ def _check_count(name: str, value: Any, minimum: int = 1) -> int:
     return int(value)
 
 
+def _loo_score(kernel: Kernel, multiplier: float, noise: float, x: Tensor, y: Tensor) -> tuple[float, Tensor, Tensor]:
+    """``(mean squared leave-one-out residual, residuals r, S_ii)`` of kernel ridge regression with every row of
+    ``x`` a center, at ``kernel`` (its lengthscales times ``multiplier``) and noise ``v`` (``x``, ``y`` float64,
+    standardised): with ``A = K + v I``, ``r = A^{-1} y / diag(A^{-1})`` and ``S_ii = 1 - v [A^{-1}]_ii``.
+    :meth:`LOOCV.residuals <gpfalkon.objectives.LOOCV.residuals>` at ``M = n`` gives the same through the Nystrom
+    route's blockwise passes, several times slower where ``M = n``; this is one dense Cholesky factorisation
+    and its inverse (``n^3`` flops, three ``n x n`` float64 matrices)."""
+    k = copy.deepcopy(kernel).to(dtype=x.dtype, device=x.device)
+    _scale_lengthscales(k, multiplier)
+    with torch.no_grad():
+        a = k(x).to_dense()
+        a.diagonal().add_(noise)
+        chol, info = torch.linalg.cholesky_ex(a)
+        del a
+        if int(info) != 0:
+            raise RuntimeError(f"K + {noise:.3g} I is not positive definite (order {int(info)})")
+        inv = torch.cholesky_inverse(chol)
+        del chol
+        diag = inv.diagonal().clone()
+        r = (inv @ y.reshape(-1)) / diag
+    return float(r.square().mean()), r, 1 - noise * diag
+
+
+@dataclass
+class _LooChoice:
+    """What :func:`_loo_choice` found: the ``winner`` candidate (``None`` where no score was finite), its ``noise``
+    after the refinement and leave-one-out ``error``, the variance scale of its residuals, the longest score's
+    seconds, and the ``record`` for ``report.loo``."""
+
+    chosen: dict[str, Any]
+    winner: dict[str, Any] | None
+    noise: float
+    error: float
+    variance_scale: float
+    score_seconds: float
+    record: dict[str, Any]
+
+
+def _loo_choice(chosen: dict[str, Any], points: Sequence[dict[str, Any]], x: Tensor, y: Tensor,
+                left: Callable[[], float], max_noise_steps: int = 4) -> _LooChoice:
+    """``auto_fit``'s ``loo_rows`` stage: score ``chosen`` (the validation rows' choice), then ``points`` in the
+    order of their validation errors, by :func:`_loo_score` on every row of ``x`` (float64), while ``left()`` (the
+    stage's seconds left) leaves two scores' time (one more and the refit); then double or halve the best one's
+    noise while that lowers the error (at most ``max_noise_steps`` scores). The variance scale
+    ``c = mean(r_i^2 (1 - S_ii) / v)`` is the closed-form maximiser of the leave-one-out likelihood over a factor on
+    the GP's covariance (its leave-one-out predictive variance of ``y_i`` is ``v / (1 - S_ii)``)."""
+    x = x.to(torch.float64)
+    y = y.to(torch.float64)
+    t0 = time.perf_counter()
+    per = 0.0
+    scored: list[tuple[float, dict[str, Any], float, Tensor, Tensor]] = []
+    failed: list[str] = []
+    order = [chosen, *sorted(points, key=lambda p: p["error"] if math.isfinite(p["error"]) else math.inf)]
+
+    def score(c: dict[str, Any], noise: float) -> tuple[float, Tensor, Tensor] | None:
+        nonlocal per
+        t = time.perf_counter()
+        try:
+            out = _loo_score(c["kernel"], c["multiplier"], noise, x, y)
+        except (RuntimeError, ValueError) as exc:  # a singular system, a non-finite kernel
+            failed.append(f"{c['racer']} step {c['step']}: {type(exc).__name__}: {exc}")
+            return None
+        finally:
+            per = max(per, time.perf_counter() - t)
+        return out if math.isfinite(out[0]) else None
+
+    for i, c in enumerate(order):
+        if i > 0 and left() < 2 * per:
+            break
+        got = score(c, c["noise"])
+        if got is not None:
+            scored.append((got[0], c, c["noise"], got[1], got[2]))
+    record: dict[str, Any] = dict(points=len(order), failed=failed,
+                                  scored=[(c["racer"], c["step"], nz, e) for e, c, nz, _, _ in scored],
+                                  chosen_error=next((e for e, c, *_ in scored if c is chosen), math.nan))
+    if not scored:
+        record["seconds"] = time.perf_counter() - t0
+        return _LooChoice(chosen, None, math.nan, math.nan, 1.0, per, record)
+    best = min(scored, key=lambda t: t[0])
+    err, win, noise, r, s = best
+    for factor in (2.0, 0.5):  # the noise: one direction, while it lowers the error
+        moved = False
+        for _ in range(max_noise_steps):
+            if left() < 2 * per:
+                break
+            got = score(win, noise * factor)
+            if got is None or not got[0] < err:
+                break
+            err, r, s = got
+            noise *= factor
+            moved = True
+        if moved:
+            break
+    c_var = float((r.square() * (1 - s) / noise).mean())
+    record.update(winner=(win["racer"], win["step"]), noise=noise, noise_factor=noise / win["noise"], error=err,
+                  variance_scale=c_var, refit=False, seconds=time.perf_counter() - t0)
+    return _LooChoice(chosen, win, noise, err, c_var if math.isfinite(c_var) and c_var > 0 else 1.0, per, record)
+
+
 class _ObjectiveRun:
     """One objective of stage 1: its model (on the subsample), optimiser and validation record."""
 
@@ -743,6 +851,7 @@ class _ObjectiveRun:
                                         curve=[(0, 0.0, start_error)], stopped="")
         if start_score is not None:  # a continuation's start scored on its own rows (start_error: on fewer rows)
             self.rec["start_score"] = start_score
+        self.points: list[dict[str, Any]] | None = None  # where given, every scored point is appended (loo_rows)
 
     def stalled(self, evals: int = 5, rel: float = 0.01) -> bool:
         """No new best in the last 3 evaluations, or less than ``rel`` relative gain over the last ``evals``."""
@@ -801,6 +910,10 @@ class _ObjectiveRun:
             self.stop(self.failed)
             return
         self.rec["curve"].append((self.step, time.perf_counter() - self.t0, err))
+        if self.points is not None:
+            self.points.append(dict(kernel=copy.deepcopy(self.model.kernel), noise=float(self.model.noise.detach()),
+                                    multiplier=1.0, objective=self.name, racer=self.label, lr=self.lr,
+                                    step=self.step, error=err, rows=self.rec["rows"], family=self.family))
         if err < self.rec["best_error"]:
             self.rec["best_error"], self.rec["best_step"] = err, self.step
             self.since_best = 0
@@ -864,6 +977,7 @@ def auto_fit(
     score_max_iter: int | None = None,
     tol: float = 1e-4,
     refit_on_all: bool = True,
+    loo_rows: int = 4_000,
     calibrate_variance: bool = True,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
@@ -893,8 +1007,9 @@ def auto_fit(
             the grace, the final fit's ``K_Mn y`` pass and its last CG iteration (after a rejected growth
             check, ``check_growth``, the level's final fit's passes, preconditioner and first iteration), the variance
             calibration after it (``calibrate_variance``: at most ``max(2e9, 512 M^2)`` flops, about
-            0.05 s up to ``M`` = 2,000 and 0.1-0.2 s at ``M`` = 4,000 on 2 CPU cores), or where the first number
-            of centers alone does not fit (the first level is always returned).
+            0.05 s up to ``M`` = 2,000 and 0.1-0.2 s at ``M`` = 4,000 on 2 CPU cores), the first score of the
+            leave-one-out stage (``loo_rows``: ``n^3`` float64 flops, about 1 s at 3,300 rows here), or
+            where the first number of centers alone does not fit (the first level is always returned).
         val_x, val_y: validation data for every choice; default: ``val_fraction`` of the rows
             (at most ``max_val_rows``) are held out, and put back for the final fit when
             ``refit_on_all``.
@@ -1102,6 +1217,20 @@ def auto_fit(
             2's selection fits), which only rank hyperparameters and sizes; default ``max(10, max_iter // 2)``.
             The final fit keeps ``max_iter``.
         refit_on_all: fit the final model on training plus held-out rows.
+        loo_rows: where the training rows number at most this many (and the validation rows are held out of them,
+            with ``refit_on_all``), the last stage chooses again on every row. The candidates: the point the
+            validation rows chose (its kernel, multiplier and noise) and every point stage 1 scored (each racer's
+            every evaluation, and the starting point). Each is scored by the closed-form leave-one-out error of
+            kernel ridge regression with every training row a center (:meth:`LOOCV.residuals
+            <gpfalkon.objectives.LOOCV.residuals>`, ``M = n``, float64, ``O(n^3)``), the chosen point first and
+            the others in the order of their validation errors, while the budget lasts (at most :data:`LOO_SHARE` of
+            it, the first score aside); the noise of the best is then doubled or halved while that lowers the
+            error. The returned model is that point's, with every
+            training row a center (exact kernel ridge regression, the GP posterior), its variances calibrated by
+            the same residuals (``c = mean(r_i^2 (1 - S_ii) / v)``: a GP's leave-one-out predictive variance is
+            ``v / (1 - S_ii)``). On a few hundred to a few thousand rows the validation split has 70-800 rows,
+            too few to rank points whose errors differ by a few percent; the leave-one-out error uses all ``n``
+            (``report.loo``; ``benchmarks/results/auto-notes.md``, "Session 56"). ``0``: off.
         calibrate_variance: multiply the returned model's outputscale and noise by one factor
             ``c = mean(r^2 / v)`` over up to :data:`CALIBRATION_ROWS` held-out rows
             (:meth:`FalkonGP.scale_prior <gpfalkon.FalkonGP.scale_prior>`: the posterior mean is unchanged,
@@ -1252,6 +1381,7 @@ def auto_fit(
             raise ValueError(f"race_share must be a number in (0, 1] or None, got {race_share!r}")
         race_share = float(race_share)
     max_iter = _check_count("max_iter", max_iter)
+    loo_rows = _check_count("loo_rows", loo_rows, 0)
     score_iter = (max(10, max_iter // 2) if score_max_iter is None
                   else _check_count("score_max_iter", score_max_iter))
     if val_x is None and n_all < 10:
@@ -1409,6 +1539,15 @@ def auto_fit(
         # leave 1.5x its predicted time
         m_first = min(n_tr, max(min_centers, hyper_centers), max_centers)
         free_bytes = available_memory(dev)  # read once: every prediction of this call sees it
+        # the leave-one-out choice on every row (loo_rows): its n x n float64 matrices (a few live at once) must fit
+        loo_points: list[dict[str, Any]] | None = None
+        if (val_x is None and refit_on_all and 0 < n_final <= loo_rows
+                and (free_bytes is None or 64 * n_final ** 2 <= free_bytes)):
+            loo_points = [dict(kernel=copy.deepcopy(family_k0[fam]), noise=noise0, multiplier=1.0,
+                               objective="initial", racer="initial" if fam == primary else f"initial/{fam}", lr=None,
+                               step=0, error=best_state["error"] if fam == primary else math.inf, rows=n_h,
+                               family=fam)
+                          for fam in family_k0]
 
         def budget_at(m: int) -> int:
             """The memory budget of the final fit's engine at ``m`` centers (the automatic one leaves the
@@ -1437,6 +1576,8 @@ def auto_fit(
                           eval_every, best_state["error"], score_extra(m_h), lengthscale_step, label, family=fam)
             for name, lr_r, label, fam in racers
         ]
+        for r in runners:
+            r.points = loo_points
         rounds = 0
         # the continuations' center draws: how many there are depends on the clock, which must not shift gen's
         # later draws (the selection rows, the center pool, the calibration rows)
@@ -1551,6 +1692,7 @@ def auto_fit(
                                              lengthscale_step, label_next,
                                              start_score=start_score if math.isfinite(start_score) else None,
                                              family=fam_next))
+                runners[-1].points = loo_points
         for r in runners:
             r.rec["steps"] = r.step
             if r.failed:
@@ -1790,18 +1932,19 @@ def auto_fit(
         def build_final(level: dict[str, Any], time_limit: float | None = None,
                         centers: Tensor | None = None, weights: Tensor | None = None,
                         rows: int | None = None, keeper: _KeptPreconditioner | None = None,
-                        start: Tensor | None = None, leave_out: Tensor | None = None) -> tuple[FalkonGP, bool]:
+                        start: Tensor | None = None, leave_out: Tensor | None = None,
+                        kernel_z: Kernel | None = None) -> tuple[FalkonGP, bool]:
             """The model of a selection level on the final rows, in raw units (:func:`final_model`), fitted;
             (model, converged). ``time_limit`` bounds the fit's wall time (CG stops at the clock, see
             ``FalkonGP.fit``)."""
             model, initial = final_model(level, centers=centers, weights=weights, rows=rows, keeper=keeper,
-                                         start=start, leave_out=leave_out)
+                                         start=start, leave_out=leave_out, kernel_z=kernel_z)
             return _fit_quiet(model, time_limit=time_limit, initial_alpha=initial)
 
         def final_model(level: dict[str, Any], centers: Tensor | None = None, weights: Tensor | None = None,
                         rows: int | None = None, keeper: _KeptPreconditioner | None = None,
-                        start: Tensor | None = None, leave_out: Tensor | None = None
-                        ) -> tuple[FalkonGP, Tensor | None]:
+                        start: Tensor | None = None, leave_out: Tensor | None = None,
+                        kernel_z: Kernel | None = None) -> tuple[FalkonGP, Tensor | None]:
             """The model of a selection level on the final rows, in raw units, not fitted, and the coefficients
             its CG starts from (raw units, or ``None``). ``centers`` (standardised units) and their preconditioner
             ``weights`` replace the level's, ``start`` (standardised units) their coefficients CG starts from;
@@ -1810,7 +1953,7 @@ def auto_fit(
             ``rows`` (default: all final rows) takes the first ``rows - n_back`` selection-order training rows (every
             size's selection rows come first) and the held-out rows put back; ``leave_out`` (indices of held-out rows,
             with ``rows`` all final rows) keeps those held-out rows out of the fit; ``keeper`` builds the fit's
-            preconditioner and keeps it."""
+            preconditioner and keeps it; ``kernel_z`` (standardised units) replaces the chosen kernel."""
             x_use, y_use = x_fin_t, y_fin_t
             if leave_out is not None and n_back > 0:
                 back = torch.ones(n_back, dtype=torch.bool, device=dev)
@@ -1821,7 +1964,7 @@ def auto_fit(
                 idx = torch.cat([s_order[: rows - n_back], torch.arange(n_tr, n_tr + n_back, device=dev)])
                 x_use, y_use = x_fin_t[idx], y_fin_t[idx]
             m_fin = min(level["M"], x_use.shape[0])
-            fin_kernel = copy.deepcopy(base_kernel)
+            fin_kernel = copy.deepcopy(base_kernel if kernel_z is None else kernel_z)
             _scale_lengthscales(fin_kernel, level["multiplier"])
             # back to raw units: x = mu + sd * z, so an ARD lengthscale l on z is l * sd on x; y = y_mu + y_sd * z
             if isinstance(kernel, str):
@@ -2417,8 +2560,51 @@ def auto_fit(
                             "max_iter or a larger budget may solve it")
                 report.notes.append(msg)
                 warnings.warn(f"auto_fit: {msg}", RuntimeWarning, stacklevel=2)
+        loo_c: float | None = None  # the variance scale from the leave-one-out residuals, where that stage refit
+        if loo_points is not None and clock.left() > 0:
+            t_loo = time.perf_counter()
+            loo_end = min(clock.t0 + budget, t_loo + LOO_SHARE * budget)
+            loo = _loo_choice(
+                dict(kernel=base_kernel, multiplier=best_level["multiplier"], noise=final_level["noise"],
+                     objective=best_state["objective"], racer=best_state["racer"], lr=best_state["lr"],
+                     step=best_state["step"], error=chosen_error, rows=best_state["rows"],
+                     family=best_state.get("family")),
+                loo_points, (x_fin - x_mu) / x_sd, (y_fin - y_mu) / y_sd, lambda: loo_end - time.perf_counter())
+            report.loo = loo.record
+            win = loo.winner
+            if win is not None and (win is not loo.chosen or loo.noise != win["noise"]
+                                    or int(final.centers.shape[0]) < n_final):
+                if loo_end - time.perf_counter() >= loo.score_seconds:
+                    level_w = dict(final_level, M=n_final, noise=loo.noise, multiplier=win["multiplier"])
+                    refit, conv_w = build_final(level_w, centers=((x_fin - x_mu) / x_sd).to(dtype),
+                                                kernel_z=win["kernel"])
+                    final, converged, rows_final = refit, conv_w, n_final
+                    final_level, best_level = level_w, dict(best_level, multiplier=win["multiplier"])
+                    best_state = dict(best_state, **{k: win[k] for k in ("objective", "racer", "lr", "step", "rows")},
+                                      error=win["error"], kernel=win["kernel"], family=win.get("family"))
+                    if win.get("family") is not None:
+                        report.kernel = win["family"]
+                    loo.record["refit"] = True
+                    if calibrate_variance:
+                        loo_c = loo.variance_scale
+                    if keeper is not None:
+                        keeper.last = None
+                    report.notes.append(
+                        f"leave-one-out choice on all {n_final:,} rows: {win['racer']} (step {win['step']}, noise "
+                        f"{loo.noise:.3g}) of {len(loo.record['scored'])} points, error {loo.error:.4g} against the "
+                        f"validation choice's {loo.record['chosen_error']:.4g}; refit with every row a center")
+                else:
+                    report.notes.append("leave-one-out choice: no time left for its refit; the validation choice "
+                                        "is returned")
+            report.stages["loo"] = time.perf_counter() - t_loo
         variance_c = 1.0
-        if keeper is not None:
+        if loo_c is not None:
+            try:
+                final.scale_prior(loo_c)
+                variance_c = loo_c
+            except (ValueError, RuntimeError) as exc:  # a user's bound on the outputscale or the noise
+                report.notes.append(f"variance calibration skipped: {type(exc).__name__}: {exc}")
+        elif keeper is not None:
             t_cal = time.perf_counter()
             try:
                 c_cal = calibration_scale(final, keeper.last)

@@ -29,7 +29,7 @@ def _data(n: int = 500, seed: int = 0, noise: float = 0.05):
 
 # deterministic settings: every stop is by a count, never by the clock
 SMALL = dict(budget=1e4, hyper_rows=300, hyper_centers=40, select_rows=400, min_centers=60, max_centers=120,
-             max_steps=20, eval_every=5, dtype=torch.float64, seed=0)
+             max_steps=20, eval_every=5, dtype=torch.float64, seed=0, loo_rows=0)
 
 
 # ------------------------------------------------------------------ constant mean
@@ -517,6 +517,8 @@ def test_auto_fit_respects_a_small_budget():
         (dict(race_margin=float("nan")), "race_margin"),
         (dict(race_margin=True), "race_margin"),
         (dict(calibrate_variance=1), "calibrate_variance"),
+        (dict(loo_rows=-1), "loo_rows"),
+        (dict(loo_rows=2.5), "loo_rows"),
     ],
 )
 def test_auto_fit_bad_arguments(kwargs, match):
@@ -1981,7 +1983,7 @@ def test_auto_fit_draws_do_not_depend_on_free_memory():
     x = torch.rand(3000, 3, generator=g, dtype=torch.float64) * 4 - 2
     y = torch.sin(2 * x[:, 0]) + 0.5 * x[:, 1] ** 2 + 0.1 * torch.randn(3000, generator=g, dtype=torch.float64)
     kw = dict(budget=20.0, max_steps=0, min_centers=200, max_centers=200, final_growth=False,
-              center_sampling="uniform", dtype=torch.float64, calibrate_variance=False)
+              center_sampling="uniform", dtype=torch.float64, calibrate_variance=False, loo_rows=0)
     import gpfalkon.auto as auto_module
 
     probes = []
@@ -2041,7 +2043,7 @@ def test_the_report_gives_the_validation_error_of_the_centers_returned():
     swapped = 0
     for seed in range(4):
         r = auto_fit(x, y, budget=4.0, center_sampling="uniform", leverage_check=True, seed=seed,
-                     dtype=torch.float64).auto_report
+                     dtype=torch.float64, loo_rows=0).auto_report
         if r.chosen["centers"] == "leverage (check)":
             swapped += 1
             assert r.chosen["val_error"] == r.leverage["error"] < r.leverage["uniform_error"]
@@ -2266,3 +2268,128 @@ def test_the_final_checks_paired_z_ignores_a_few_noisy_rows():
     assert auto_module._paired_z(r_fin, r_sel) < auto_module.FINAL_CHECK_Z
     r_sel = torch.randn(1000, generator=g, dtype=torch.float64)
     assert auto_module._paired_z(3.0 * r_sel, r_sel) > 10 * auto_module.FINAL_CHECK_Z
+
+
+# ------------------------------------------------------------------ the leave-one-out choice (loo_rows)
+def _dense_loo(kernel, noise, x, y):
+    """Explicit leave-one-out refits of exact kernel ridge regression: ``n`` dense solves (the reference)."""
+    n = x.shape[0]
+    with torch.no_grad():
+        k = dense_kernel(kernel, x, x)
+        out = torch.empty(n, dtype=torch.float64)
+        for i in range(n):
+            keep = torch.arange(n) != i
+            kk = k[keep][:, keep] + noise * torch.eye(n - 1, dtype=torch.float64)
+            out[i] = y[i] - k[i, keep] @ torch.linalg.solve(kk, y[keep])
+    return out
+
+
+def test_loo_score_is_exact_krr_leave_one_out():
+    from gpfalkon.auto import _loo_score
+    from gpfalkon.objectives import LOOCV
+
+    x, y, _ = _data(80)
+    x = (x - x.mean(0)) / x.std(0)
+    y = (y - y.mean()) / y.std()
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5, ard_num_dims=3)).double()
+    k.base_kernel.lengthscale = torch.tensor([[0.7, 1.5, 3.0]], dtype=torch.float64)
+    err, r, s_ii = _loo_score(k, 0.5, 0.03, x, y)
+    k_half = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5, ard_num_dims=3)).double()
+    k_half.base_kernel.lengthscale = k.base_kernel.lengthscale * 0.5  # the multiplier
+    ref = _dense_loo(k_half, 0.03, x, y)
+    torch.testing.assert_close(r, ref, rtol=1e-7, atol=1e-9)
+    assert math.isclose(err, float(ref.square().mean()), rel_tol=1e-9)
+    # the Nystrom route with every row a center gives the same residuals and smoother diagonal
+    model = FalkonGP(x, y, kernel=k_half, centers=x, penalty=0.03 / (x.shape[0] - 1))
+    r2, s2 = LOOCV(model).residuals()
+    torch.testing.assert_close(r2.reshape(-1), r, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(s2, s_ii, rtol=1e-6, atol=1e-8)
+    # the kernel passed in is not changed
+    torch.testing.assert_close(k.base_kernel.lengthscale, torch.tensor([[0.7, 1.5, 3.0]], dtype=torch.float64))
+
+
+@pytest.fixture(scope="module")
+def loo_fitted():
+    x, y, _ = _data(300)
+    kw = dict(SMALL, loo_rows=4_000)
+    return auto_fit(x, y, **kw), (x, y)
+
+
+def test_auto_fit_loo_choice_is_the_leave_one_out_minimum_refit_on_every_row(loo_fitted):
+    """The returned model: the scored point of least leave-one-out error, its noise refined, fitted with every row a
+    center (the dense exact KRR); its reported error is the explicit leave-one-out refits' at the returned
+    kernel and noise; its variances calibrated by those residuals."""
+    model, (x, y) = loo_fitted
+    rep = model.auto_report
+    loo = rep.loo
+    assert loo["refit"] is True and loo["points"] >= len(loo["scored"]) > 1
+    assert loo["error"] <= min(e for *_, e in loo["scored"]) + 1e-15
+    assert loo["error"] <= loo["chosen_error"]
+    # every row a center; the hyperparameters are the winner's
+    assert model.centers.shape[0] == 300 and rep.chosen["num_centers"] == 300
+    assert (rep.chosen["racer"], rep.chosen["step"]) == tuple(loo["winner"])
+    c = rep.chosen["variance_scale"]
+    assert math.isclose(c, loo["variance_scale"]) and rep.chosen["noise"] == loo["noise"]
+    y_sd = rep.chosen["y_scale"]
+    noise_z = float(model.noise.detach()) / (c * y_sd ** 2)
+    assert math.isclose(noise_z, loo["noise"], rel_tol=1e-6)
+    # the mean: exact KRR, K (K + sigma^2 I)^{-1} (y - mu) + mu, at the returned kernel and (uncalibrated) noise
+    xt, _, _ = _data(50, seed=3)
+    with torch.no_grad():
+        kxx = dense_kernel(model.kernel, x, x) / c  # the outputscale carries c too
+        ref = model.mean_constant + dense_kernel(model.kernel, xt, x) / c @ torch.linalg.solve(
+            kxx + noise_z * y_sd ** 2 * torch.eye(300, dtype=torch.float64), y - model.mean_constant)
+    model.eval()
+    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
+        pred = model(xt).mean
+    assert float((pred - ref).abs().max()) < 1e-3 * float(ref.std())
+    # the reported error: explicit leave-one-out refits in standardised units
+    r = _dense_loo(model.kernel, float(model.noise.detach()), x, y - model.mean_constant) / y_sd
+    assert math.isclose(loo["error"], float(r.square().mean()), rel_tol=1e-5)
+    # c = mean(r_i^2 / v_i), v_i the leave-one-out predictive variance (sigma^2 + the latent variance) at c = 1
+    with torch.no_grad():
+        k1 = dense_kernel(model.kernel, x, x) / (c * y_sd ** 2)
+        a_inv = torch.linalg.inv(k1 + noise_z * torch.eye(300, dtype=torch.float64))
+    assert math.isclose(c, float((r.square() * a_inv.diagonal()).mean()), rel_tol=1e-5)
+    assert "leave-one-out choice" in " ".join(rep.notes)
+
+
+def test_auto_fit_loo_choice_is_skipped_where_it_does_not_apply():
+    x, y, _ = _data(300)
+    xv, yv, _ = _data(60, seed=2)
+    for kw in (dict(loo_rows=0), dict(loo_rows=299), dict(loo_rows=4_000, val_x=xv, val_y=yv),
+               dict(loo_rows=4_000, refit_on_all=False)):
+        model = auto_fit(x, y, **dict(SMALL, **kw))
+        assert model.auto_report.loo == {} and "loo" not in model.auto_report.stages
+        assert model.centers.shape[0] <= SMALL["max_centers"]
+
+
+def test_loo_choice_scores_while_the_clock_leaves_time():
+    """With no time left only the validation choice is scored (no noise steps); with time, every point, the best
+    first by its validation error, and the noise is then moved while that lowers the error."""
+    from gpfalkon.auto import _loo_choice
+
+    x, y, _ = _data(120)
+    x = (x - x.mean(0)) / x.std(0)
+    y = (y - y.mean()) / y.std()
+
+    def point(ls, noise, err, name):
+        k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5, ard_num_dims=3)).double()
+        k.base_kernel.lengthscale = torch.full((1, 3), ls, dtype=torch.float64)
+        return dict(kernel=k, multiplier=1.0, noise=noise, objective=name, racer=name, lr=0.1, step=0, error=err,
+                    rows=120, family="matern52")
+
+    chosen = point(3.0, 0.3, 0.2, "chosen")
+    points = [point(5.0, 0.5, 0.3, "far"), point(0.8, 0.3, 0.1, "near")]
+
+    none = _loo_choice(chosen, points, x, y, lambda: 0.0)
+    assert [s[0] for s in none.record["scored"]] == ["chosen"] and none.winner is chosen
+    assert none.noise == chosen["noise"]
+    full = _loo_choice(chosen, points, x, y, lambda: 1e9)
+    assert [s[0] for s in full.record["scored"]] == ["chosen", "near", "far"]
+    errors = {s[0]: s[3] for s in full.record["scored"]}
+    assert full.winner["racer"] == min(errors, key=errors.get)
+    # the noise refinement only lowers the error, by factors of 2
+    assert full.error <= errors[full.winner["racer"]]
+    factor = full.noise / full.winner["noise"]
+    assert math.isclose(math.log2(factor), round(math.log2(factor)))

@@ -92,6 +92,35 @@ def test_value_and_gradients_match_naive_dense(name, t, route):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.parametrize("t", [None, 2])
+@pytest.mark.parametrize("m", [12, 120])
+def test_loocv_residuals_are_those_of_explicit_leave_one_out_refits(t, m):
+    """Each residual is that of the Nystrom KRR refitted without its row (the centers kept, noise
+    ``v = (n - 1) lambda``): ``n`` dense solves; ``S_ii`` is the dense smoother's diagonal, and the objective the
+    residuals' mean square (``m = n``: every row a center, exact kernel ridge regression)."""
+    model = _model(t=t, m=m, learn_centers=False)
+    obj = LOOCV(model, block_rows=37)
+    r, s_ii = obj.residuals()
+    x, c, k = model.train_inputs[0], model.centers, model.kernel
+    y = model.train_targets
+    y = y.unsqueeze(-1) if y.dim() == 1 else y
+    n = x.shape[0]
+    v = float((n - 1) * model.penalty.detach())
+    with torch.no_grad():
+        knm, kmm = dense_kernel(k, x, c), dense_kernel(k, c, c)
+        ref = torch.empty_like(y)
+        for i in range(n):
+            keep = torch.arange(n) != i
+            a = knm[keep]
+            alpha = torch.linalg.solve(a.T @ a + v * kmm, a.T @ y[keep])
+            ref[i] = y[i] - knm[i] @ alpha
+        S, _, _ = _smoother(model, (n - 1) * model.penalty.detach())
+    assert r.shape == y.shape and s_ii.shape == (n,) and not r.requires_grad
+    torch.testing.assert_close(r, ref, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(s_ii, S.diagonal(), rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(r.square().mean(0).sum(), obj().detach(), rtol=1e-10, atol=0)
+
+
 @pytest.mark.parametrize("name", ["NystromCompReg", "LOOCV", "SGPRBound"])
 def test_gradients_match_finite_differences(name):
     model = _model(n=40, m=5)

@@ -86,9 +86,7 @@ class LOOCV(NystromObjective):
     def objective(self) -> Tensor:
         x, y = self._data()
         n = self.model.n
-        if n < 2:  # v = (n - 1) lambda vanishes: the criterion is undefined
-            raise ValueError(f"{type(self).__name__} needs at least 2 training rows (train_x has {n}): its noise "
-                             "is (n - 1) * penalty")
+        self._check_rows(n)
         v = (n - 1) * self.model.penalty
         L = self.cholesky_kmm()
         agg = self.aggregates(x, y, L)
@@ -110,6 +108,38 @@ class LOOCV(NystromObjective):
     def observation_total(self, value: Tensor) -> Tensor:
         """A mean over the rows (summed over outputs): times ``n``."""
         return value * self.model.n
+
+    def residuals(self) -> tuple[Tensor, Tensor]:
+        """The terms :meth:`objective` averages, without a graph: the leave-one-out residuals
+        ``r_i = ((I - S) y)_i / (1 - S_ii)`` (``(rows, t)``) and the smoother's diagonal ``S_ii`` (``(rows,)``) of
+        this process's rows, in their order. With every training row a center (``M = n``) they are those of exact
+        kernel ridge regression at noise ``v = (n - 1) lambda``, where a GP's leave-one-out predictive variance of
+        ``y_i`` is ``v / (1 - S_ii)`` (``S = I - v (K + v I)^{-1}``). Cost as :meth:`objective`."""
+        with torch.no_grad():
+            x, y = self._data()
+            n = self.model.n
+            self._check_rows(n)
+            v = (n - 1) * self.model.penalty
+            L = self.cholesky_kmm()
+            agg = self.aggregates(x, y, L)
+            lb = self.cholesky_b(agg, v)
+            w = self.smoother_terms(agg, lb, v)["w"]
+
+            def block(ab: Tensor, s: int, e: int) -> Tensor:
+                s_ii = torch.linalg.solve_triangular(lb, ab, upper=False).square().sum(0) / v
+                r = (y[s:e] - ab.mT @ w) / (1 - s_ii).unsqueeze(-1)
+                return torch.cat([r, s_ii.unsqueeze(-1)], -1)
+
+            local = self.for_each_block(x, L, block)
+            if not local:
+                return y.new_zeros(0, y.shape[-1]), y.new_zeros(0)
+            out = torch.cat(local, 0)
+            return out[:, :-1], out[:, -1]
+
+    def _check_rows(self, n: int) -> None:
+        if n < 2:  # v = (n - 1) lambda vanishes: the criterion is undefined
+            raise ValueError(f"{type(self).__name__} needs at least 2 training rows (train_x has {n}): its noise "
+                             "is (n - 1) * penalty")
 
 
 class HoldOut(NystromObjective):
