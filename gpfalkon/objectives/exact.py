@@ -18,6 +18,16 @@ from .base import NystromObjective
 __all__ = ["GCV", "LOOCV", "CompReg", "HoldOut", "NystromCompReg", "SGPRBound"]
 
 
+def _leave_one_out_noise(objective: NystromObjective) -> Tensor:
+    """``v = (n - 1) lambda`` of GCV and LOOCV (the noise of a fit without one row); ``ValueError`` naming the
+    objective where ``n < 2`` (``v`` vanishes: the criterion is undefined)."""
+    n = objective.model.n
+    if n < 2:
+        raise ValueError(f"{type(objective).__name__} needs at least 2 training rows (train_x has {n}): its noise "
+                         "is (n - 1) * penalty")
+    return (n - 1) * objective.model.penalty
+
+
 class CompReg(NystromObjective):
     """C-Reg: ``tr(S) + y^T (I - S) y`` (summed over output columns). Cost ``O(n M^2)``."""
 
@@ -61,10 +71,7 @@ class GCV(NystromObjective):
     def objective(self) -> Tensor:
         x, y = self._data()
         n = self.model.n
-        if n < 2:  # v = (n - 1) lambda vanishes: the criterion is undefined
-            raise ValueError(f"{type(self).__name__} needs at least 2 training rows (train_x has {n}): its noise "
-                             "is (n - 1) * penalty")
-        v = (n - 1) * self.model.penalty
+        v = _leave_one_out_noise(self)
         agg = self.aggregates(x, y, self.cholesky_kmm())
         t = self.smoother_terms(agg, self.cholesky_b(agg, v), v)
         res = agg.yy - 2 * t["ysy"] + t["sy_sq"]
@@ -84,26 +91,18 @@ class LOOCV(NystromObjective):
     """
 
     def objective(self) -> Tensor:
-        x, y = self._data()
-        n = self.model.n
-        self._check_rows(n)
-        v = (n - 1) * self.model.penalty
-        L = self.cholesky_kmm()
-        agg = self.aggregates(x, y, L)
-        LB = self.cholesky_b(agg, v)
-        w = self.smoother_terms(agg, LB, v)["w"]
+        x, y, L, LB, w, v = self._factors()
 
         def block(ab: Tensor, s: int, e: int) -> Tensor:
-            s_ii = torch.linalg.solve_triangular(LB, ab, upper=False).square().sum(0) / v  # (rows,)
-            r = y[s:e] - ab.mT @ w  # ((I - S) y) on the block
-            return (r / (1 - s_ii).unsqueeze(-1)).square().sum(0)
+            r, _ = self._block_residuals(ab, y[s:e], LB, w, v)
+            return r.square().sum(0)
 
         local = self.for_each_block(x, L, block)
         total = cast(Tensor, sum(local)) if local else torch.zeros(y.shape[-1], dtype=L.dtype, device=L.device)
         # an empty shard ties its zero to everything the blocks would have used, so that its
         # backward pass reaches the same collectives as the other ranks'
         (total,) = self.reduce(total, anchor=None if local else (L.sum() + LB.sum() + w.sum()) * 0.0)
-        return (total / n).sum()
+        return (total / self.model.n).sum()
 
     def observation_total(self, value: Tensor) -> Tensor:
         """A mean over the rows (summed over outputs): times ``n``."""
@@ -116,18 +115,10 @@ class LOOCV(NystromObjective):
         kernel ridge regression at noise ``v = (n - 1) lambda``, where a GP's leave-one-out predictive variance of
         ``y_i`` is ``v / (1 - S_ii)`` (``S = I - v (K + v I)^{-1}``). Cost as :meth:`objective`."""
         with torch.no_grad():
-            x, y = self._data()
-            n = self.model.n
-            self._check_rows(n)
-            v = (n - 1) * self.model.penalty
-            L = self.cholesky_kmm()
-            agg = self.aggregates(x, y, L)
-            lb = self.cholesky_b(agg, v)
-            w = self.smoother_terms(agg, lb, v)["w"]
+            x, y, L, LB, w, v = self._factors()
 
             def block(ab: Tensor, s: int, e: int) -> Tensor:
-                s_ii = torch.linalg.solve_triangular(lb, ab, upper=False).square().sum(0) / v
-                r = (y[s:e] - ab.mT @ w) / (1 - s_ii).unsqueeze(-1)
+                r, s_ii = self._block_residuals(ab, y[s:e], LB, w, v)
                 return torch.cat([r, s_ii.unsqueeze(-1)], -1)
 
             local = self.for_each_block(x, L, block)
@@ -136,10 +127,21 @@ class LOOCV(NystromObjective):
             out = torch.cat(local, 0)
             return out[:, :-1], out[:, -1]
 
-    def _check_rows(self, n: int) -> None:
-        if n < 2:  # v = (n - 1) lambda vanishes: the criterion is undefined
-            raise ValueError(f"{type(self).__name__} needs at least 2 training rows (train_x has {n}): its noise "
-                             "is (n - 1) * penalty")
+    def _factors(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """``(x, y, L, L_B, W, v)``: the data, the factors of ``K_MM`` and ``B`` at ``v = (n - 1) lambda``, and
+        ``W`` with ``S y = A^T W``."""
+        x, y = self._data()
+        v = _leave_one_out_noise(self)
+        L = self.cholesky_kmm()
+        agg = self.aggregates(x, y, L)
+        LB = self.cholesky_b(agg, v)
+        return x, y, L, LB, self.smoother_terms(agg, LB, v)["w"], v
+
+    @staticmethod
+    def _block_residuals(ab: Tensor, y_b: Tensor, LB: Tensor, w: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """A block's leave-one-out residuals ``((I - S) y)_i / (1 - S_ii)`` and ``S_ii = ||L_B^{-1} a_i||^2 / v``."""
+        s_ii = torch.linalg.solve_triangular(LB, ab, upper=False).square().sum(0) / v  # (rows,)
+        return (y_b - ab.mT @ w) / (1 - s_ii).unsqueeze(-1), s_ii
 
 
 class HoldOut(NystromObjective):
