@@ -724,10 +724,21 @@ def _loo_score(kernel: Kernel, multiplier: float, noise: float, x: Tensor, y: Te
     :meth:`LOOCV.residuals <gpfalkon.objectives.LOOCV.residuals>` at ``M = n`` gives the same through the Nystrom
     route's blockwise passes, several times slower where ``M = n``; this is one dense Cholesky factorisation
     and its inverse (``n^3`` flops, three ``n x n`` float64 matrices)."""
+    return _loo_from_gram(_loo_gram(kernel, multiplier, x), noise, y)
+
+
+def _loo_gram(kernel: Kernel, multiplier: float, x: Tensor) -> Tensor:
+    """``K`` (dense, ``x``'s dtype) of a copy of ``kernel`` with its lengthscales times ``multiplier``."""
     k = copy.deepcopy(kernel).to(dtype=x.dtype, device=x.device)
     _scale_lengthscales(k, multiplier)
     with torch.no_grad():
-        a = k(x).to_dense()
+        return k(x).to_dense()
+
+
+def _loo_from_gram(gram: Tensor, noise: float, y: Tensor) -> tuple[float, Tensor, Tensor]:
+    """:func:`_loo_score` from the kernel matrix ``gram`` (not changed)."""
+    with torch.no_grad():
+        a = gram.clone()
         a.diagonal().add_(noise)
         chol, info = torch.linalg.cholesky_ex(a)
         del a
@@ -771,11 +782,12 @@ def _loo_choice(chosen: dict[str, Any], points: Sequence[dict[str, Any]], x: Ten
     failed: list[str] = []
     order = [chosen, *sorted(points, key=lambda p: p["error"] if math.isfinite(p["error"]) else math.inf)]
 
-    def score(c: dict[str, Any], noise: float) -> tuple[float, Tensor, Tensor] | None:
+    def score(c: dict[str, Any], noise: float, gram: Tensor | None = None) -> tuple[float, Tensor, Tensor] | None:
         nonlocal per
         t = time.perf_counter()
         try:
-            out = _loo_score(c["kernel"], c["multiplier"], noise, x, y)
+            out = (_loo_score(c["kernel"], c["multiplier"], noise, x, y) if gram is None
+                   else _loo_from_gram(gram, noise, y))
         except (RuntimeError, ValueError) as exc:  # a singular system, a non-finite kernel
             failed.append(f"{c['racer']} step {c['step']}: {type(exc).__name__}: {exc}")
             return None
@@ -797,12 +809,13 @@ def _loo_choice(chosen: dict[str, Any], points: Sequence[dict[str, Any]], x: Ten
         return _LooChoice(chosen, None, math.nan, math.nan, 1.0, per, record)
     best = min(scored, key=lambda t: t[0])
     err, win, noise, r, s = best
+    gram = _loo_gram(win["kernel"], win["multiplier"], x) if left() >= 2 * per else None  # the noise steps' K
     for factor in (2.0, 0.5):  # the noise: one direction, while it lowers the error
         moved = False
         for _ in range(max_noise_steps):
             if left() < 2 * per:
                 break
-            got = score(win, noise * factor)
+            got = score(win, noise * factor, gram)
             if got is None or not got[0] < err:
                 break
             err, r, s = got
@@ -2564,19 +2577,20 @@ def auto_fit(
         if loo_points is not None and clock.left() > 0:
             t_loo = time.perf_counter()
             loo_end = min(clock.t0 + budget, t_loo + LOO_SHARE * budget)
+            x_fin_z = (x_fin - x_mu) / x_sd
             loo = _loo_choice(
                 dict(kernel=base_kernel, multiplier=best_level["multiplier"], noise=final_level["noise"],
                      objective=best_state["objective"], racer=best_state["racer"], lr=best_state["lr"],
                      step=best_state["step"], error=chosen_error, rows=best_state["rows"],
                      family=best_state.get("family")),
-                loo_points, (x_fin - x_mu) / x_sd, (y_fin - y_mu) / y_sd, lambda: loo_end - time.perf_counter())
+                loo_points, x_fin_z, (y_fin - y_mu) / y_sd, lambda: loo_end - time.perf_counter())
             report.loo = loo.record
             win = loo.winner
             if win is not None and (win is not loo.chosen or loo.noise != win["noise"]
                                     or int(final.centers.shape[0]) < n_final):
                 if loo_end - time.perf_counter() >= loo.score_seconds:
                     level_w = dict(final_level, M=n_final, noise=loo.noise, multiplier=win["multiplier"])
-                    refit, conv_w = build_final(level_w, centers=((x_fin - x_mu) / x_sd).to(dtype),
+                    refit, conv_w = build_final(level_w, centers=x_fin_z.to(dtype),
                                                 kernel_z=win["kernel"])
                     final, converged, rows_final = refit, conv_w, n_final
                     final_level, best_level = level_w, dict(best_level, multiplier=win["multiplier"])
