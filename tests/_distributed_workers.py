@@ -357,6 +357,23 @@ def _entry(rank: int, world: int, port: int, job: Callable[..., None], args: tup
             dist.destroy_process_group()
 
 
+_CONTEXT: list = []
+
+
+def _context() -> Any:
+    """The ``forkserver`` start method, its server importing torch, gpytorch and gpfalkon once: each rank is forked
+    from it (a fresh interpreter with the job's module imported, as under ``spawn``, without paying those imports in
+    every process of every test). Where the platform has no forkserver, ``spawn``."""
+    if not _CONTEXT:
+        try:
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(["torch", "gpytorch", "gpfalkon"])
+        except ValueError:
+            ctx = mp.get_context("spawn")
+        _CONTEXT.append(ctx)
+    return _CONTEXT[0]
+
+
 def run(world: int, job: Callable[..., None], args: tuple, out_dir: str, timeout_s: float = 60.0,
         deadline_s: float = 300.0, allow_exit: Sequence[int] = (), final_barrier: bool = True) -> list[int]:
     """``job(rank, world, *args)`` in ``world`` spawned processes (gloo on loopback, collective
@@ -364,7 +381,7 @@ def run(world: int, job: Callable[..., None], args: tuple, out_dir: str, timeout
     not in ``allow_exit`` failed, or if any is still running after ``deadline_s``. ``final_barrier``:
     the ranks meet in a barrier after the job (off for jobs where a rank dies on purpose)."""
     port = free_port()
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     procs = [
         ctx.Process(target=_entry, args=(r, world, port, job, args, out_dir, timeout_s, final_barrier))
         for r in range(world)
