@@ -727,6 +727,25 @@ def _loo_score(kernel: Kernel, multiplier: float, noise: float, x: Tensor, y: Te
     return _loo_from_gram(_loo_gram(kernel, multiplier, x), noise, y)
 
 
+def _loo_score_seconds(n: int, device: torch.device, probe: int = 1024) -> float:
+    """Predicted seconds of one :func:`_loo_score` at ``n`` rows on ``device``: its two ``O(n^3)`` parts, a float64
+    Cholesky factorisation and the inverse from it (``n^3 / 3 + 2 n^3 / 3`` flops), timed at order
+    ``s = min(n, probe)`` (the faster of two) and scaled by ``(n / s)^3``. The kernel matrix (``n^2 d``) is left
+    out. Cost: two factorisations and inverses of order ``s`` (about 0.1 s at 1,024 here)."""
+    s = max(1, min(int(n), probe))
+    a = torch.full((s, s), 0.5, dtype=torch.float64, device=device)
+    a.diagonal().add_(float(s))
+    best = math.inf
+    for _ in range(2):
+        _wait(device)
+        t = time.perf_counter()
+        chol, _ = torch.linalg.cholesky_ex(a)
+        torch.cholesky_inverse(chol)
+        _wait(device)
+        best = min(best, time.perf_counter() - t)
+    return best * (n / s) ** 3
+
+
 def _loo_gram(kernel: Kernel, multiplier: float, x: Tensor) -> Tensor:
     """``K`` (dense, ``x``'s dtype) of a copy of ``kernel`` with its lengthscales times ``multiplier``."""
     k = copy.deepcopy(kernel).to(dtype=x.dtype, device=x.device)
@@ -1020,8 +1039,8 @@ def auto_fit(
             the grace, the final fit's ``K_Mn y`` pass and its last CG iteration (after a rejected growth
             check, ``check_growth``, the level's final fit's passes, preconditioner and first iteration), the variance
             calibration after it (``calibrate_variance``: at most ``max(2e9, 512 M^2)`` flops, about
-            0.05 s up to ``M`` = 2,000 and 0.1-0.2 s at ``M`` = 4,000 on 2 CPU cores), the first score of the
-            leave-one-out stage (``loo_rows``: ``n^3`` float64 flops, about 1 s at 3,300 rows here), or
+            0.05 s up to ``M`` = 2,000 and 0.1-0.2 s at ``M`` = 4,000 on 2 CPU cores), a leave-one-out score
+            longer than predicted (``loo_rows``: ``n^3`` float64 flops, about 1 s at 3,300 rows here), or
             where the first number of centers alone does not fit (the first level is always returned).
         val_x, val_y: validation data for every choice; default: ``val_fraction`` of the rows
             (at most ``max_val_rows``) are held out, and put back for the final fit when
@@ -1237,8 +1256,11 @@ def auto_fit(
             kernel ridge regression with every training row a center (:meth:`LOOCV.residuals
             <gpfalkon.objectives.LOOCV.residuals>`, ``M = n``, float64, ``O(n^3)``), the chosen point first and
             the others in the order of their validation errors, while the budget lasts (at most :data:`LOO_SHARE` of
-            it, the first score aside); the noise of the best is then doubled or halved while that lowers the
-            error. The returned model is that point's, with every
+            it); the noise of the best is then doubled or halved while that lowers the error. The stage starts only
+            where three scores (the chosen point, another, the refit) are predicted to fit that share, from a
+            timed float64 factorisation and inverse of order 1,024 (``report.loo["skipped"]`` and a note
+            otherwise). The
+            returned model is that point's, with every
             training row a center (exact kernel ridge regression, the GP posterior), its variances calibrated by
             the same residuals (``c = mean(r_i^2 (1 - S_ii) / v)``: a GP's leave-one-out predictive variance is
             ``v / (1 - S_ii)``). On a few hundred to a few thousand rows the validation split has 70-800 rows,
@@ -2574,9 +2596,20 @@ def auto_fit(
                 report.notes.append(msg)
                 warnings.warn(f"auto_fit: {msg}", RuntimeWarning, stacklevel=2)
         loo_c: float | None = None  # the variance scale from the leave-one-out residuals, where that stage refit
-        if loo_points is not None and clock.left() > 0:
-            t_loo = time.perf_counter()
-            loo_end = min(clock.t0 + budget, t_loo + LOO_SHARE * budget)
+        t_loo = time.perf_counter()
+        loo_end = min(clock.t0 + budget, t_loo + LOO_SHARE * budget)
+        loo_per = _loo_score_seconds(n_final, dev) if loo_points is not None and clock.left() > 0 else math.inf
+        if loo_points is not None and math.isfinite(loo_per) and loo_end - time.perf_counter() < 3 * loo_per:
+            # three scores' time (the validation choice, another point, the refit): fewer cannot change the model
+            left_loo = max(0.0, loo_end - time.perf_counter())
+            report.loo = dict(points=len(loo_points) + 1, skipped=True, predicted_score_seconds=loo_per,
+                              seconds_left=left_loo)
+            report.notes.append(
+                f"leave-one-out stage skipped: a score on {n_final:,} rows is predicted to take {loo_per:.2g} s and "
+                f"{left_loo:.2g} s are left of its share (it needs three: the validation choice, another point and "
+                "the refit)")
+            report.stages["loo"] = time.perf_counter() - t_loo
+        elif loo_points is not None and math.isfinite(loo_per):
             x_fin_z = (x_fin - x_mu) / x_sd
             loo = _loo_choice(
                 dict(kernel=base_kernel, multiplier=best_level["multiplier"], noise=final_level["noise"],

@@ -2364,6 +2364,48 @@ def test_auto_fit_loo_choice_is_skipped_where_it_does_not_apply():
         assert model.centers.shape[0] <= SMALL["max_centers"]
 
 
+def test_auto_fit_loo_stage_starts_only_where_three_scores_are_predicted_to_fit(monkeypatch):
+    """Where three leave-one-out scores are not predicted to fit the stage's share of the budget, the stage scores
+    nothing: the returned model is the one without the stage (loo_rows=0), and the report says why."""
+    import gpfalkon.auto as auto_mod
+
+    x, y, _ = _data(300)
+    xt, _, _ = _data(40, seed=3)
+    kw = dict(SMALL, loo_rows=4_000)
+    share = auto_mod.LOO_SHARE * kw["budget"]
+    monkeypatch.setattr(auto_mod, "_loo_score_seconds", lambda n, device: share / 2.9)
+    skipped = auto_fit(x, y, **kw)
+    monkeypatch.undo()
+    plain = auto_fit(x, y, **dict(kw, loo_rows=0))
+    loo = skipped.auto_report.loo
+    assert loo["skipped"] is True and "scored" not in loo and loo["points"] > 1
+    assert math.isclose(loo["predicted_score_seconds"], share / 2.9) and loo["seconds_left"] <= share
+    assert "leave-one-out stage skipped" in " ".join(skipped.auto_report.notes)
+    assert skipped.centers.shape[0] == plain.centers.shape[0] < 300
+    for m in (skipped, plain):
+        m.eval()
+    with torch.no_grad():
+        a, b = skipped(xt), plain(xt)
+    torch.testing.assert_close(a.mean, b.mean, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(a.variance, b.variance, rtol=1e-10, atol=1e-10)
+    # at a third of the share per score the stage runs
+    monkeypatch.setattr(auto_mod, "_loo_score_seconds", lambda n, device: share / 3.1)
+    ran = auto_fit(x, y, **kw).auto_report.loo
+    assert "skipped" not in ran and len(ran["scored"]) > 1
+
+
+def test_loo_score_seconds_scales_a_timed_factorisation_by_the_cube_of_the_order(monkeypatch):
+    """The prediction is the faster of two timed factorisations and inverses of order s = min(n, probe), times
+    (n / s)^3: with a clock that advances one second per read, (n / s)^3."""
+    import gpfalkon.auto as auto_mod
+
+    reads = iter(range(100))
+    monkeypatch.setattr(auto_mod.time, "perf_counter", lambda: float(next(reads)))
+    assert auto_mod._loo_score_seconds(2048, torch.device("cpu"), probe=64) == 32.0 ** 3
+    reads = iter(range(100))
+    assert auto_mod._loo_score_seconds(50, torch.device("cpu"), probe=64) == 1.0
+
+
 def test_loo_choice_scores_while_the_clock_leaves_time():
     """With no time left only the validation choice is scored (no noise steps); with time, every point, the best
     first by its validation error, and the noise is then moved while that lowers the error."""
