@@ -232,6 +232,15 @@ def split_datasets(names: Sequence[str], split: int, *, max_rows: int | None = N
         yield name, data
 
 
+def empty_jsonl(out: str | pathlib.Path) -> pathlib.Path:
+    """``out`` with the suffix ``.jsonl``, its folder made and the file emptied: a study appends a line per run
+    as it ends, so a run stopped part-way leaves its finished rows."""
+    jsonl = pathlib.Path(out).with_suffix(".jsonl")
+    jsonl.parent.mkdir(parents=True, exist_ok=True)
+    jsonl.write_text("")
+    return jsonl
+
+
 def log(msg: str) -> None:
     print(msg, flush=True)
 

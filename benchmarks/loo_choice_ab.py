@@ -27,7 +27,7 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import environment_lines, log, markdown_table, split_datasets, write_result  # noqa: E402
+from _common import empty_jsonl, environment_lines, log, markdown_table, split_datasets, write_result  # noqa: E402
 
 
 def run(data: dict, budget: float, seed: int, loo: bool) -> dict:
@@ -63,9 +63,7 @@ def main() -> None:
     args = p.parse_args()
     env = environment_lines()
     out = pathlib.Path(args.out)
-    jsonl = out.with_suffix(".jsonl")
-    jsonl.parent.mkdir(parents=True, exist_ok=True)
-    jsonl.write_text("")
+    jsonl = empty_jsonl(out)
     rows, ratios, k = [], [], 0
     t_all = time.perf_counter()
     for split in args.splits:

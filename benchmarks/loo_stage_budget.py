@@ -30,7 +30,7 @@ import warnings
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import environment_lines, log, markdown_table, split_datasets, write_result  # noqa: E402
+from _common import empty_jsonl, environment_lines, log, markdown_table, split_datasets, write_result  # noqa: E402
 
 
 def predictor_rows(rows: list[int]) -> list[list[str]]:
@@ -97,9 +97,7 @@ def main() -> None:
 
     env = environment_lines()
     out = pathlib.Path(args.out)
-    jsonl = out.with_suffix(".jsonl")
-    jsonl.parent.mkdir(parents=True, exist_ok=True)
-    jsonl.write_text("")
+    jsonl = empty_jsonl(out)
     t_all = time.perf_counter()
     pred_rows = predictor_rows(args.rows)
 
