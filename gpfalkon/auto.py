@@ -1249,22 +1249,20 @@ def auto_fit(
             2's selection fits), which only rank hyperparameters and sizes; default ``max(10, max_iter // 2)``.
             The final fit keeps ``max_iter``.
         refit_on_all: fit the final model on training plus held-out rows.
-        loo_rows: where the training rows number at most this many (and the validation rows are held out of them,
-            with ``refit_on_all``), the last stage chooses again on every row. The candidates: the point the
-            validation rows chose (its kernel, multiplier and noise) and every point stage 1 scored (each racer's
-            every evaluation, and the starting point). Each is scored by the closed-form leave-one-out error of
-            kernel ridge regression with every training row a center (:meth:`LOOCV.residuals
-            <gpfalkon.objectives.LOOCV.residuals>`, ``M = n``, float64, ``O(n^3)``), the chosen point first and
-            the others in the order of their validation errors, while the budget lasts (at most :data:`LOO_SHARE` of
-            it); the noise of the best is then doubled or halved while that lowers the error. The stage starts only
-            where three scores (the chosen point, another, the refit) are predicted to fit that share, from a
-            timed float64 factorisation and inverse of order 1,024 (``report.loo["skipped"]`` and a note
-            otherwise). The
-            returned model is that point's, with every
-            training row a center (exact kernel ridge regression, the GP posterior), its variances calibrated by
-            the same residuals (``c = mean(r_i^2 (1 - S_ii) / v)``: a GP's leave-one-out predictive variance is
-            ``v / (1 - S_ii)``). On a few hundred to a few thousand rows the validation split has 70-800 rows,
-            too few to rank points whose errors differ by a few percent; the leave-one-out error uses all ``n``
+        loo_rows: where the training rows number at most this many (and the validation rows are held out of them, with
+            ``refit_on_all``), the last stage chooses again on every row. The candidates: the point the validation rows
+            chose (its kernel, multiplier and noise) and every point stage 1 scored (each racer's every evaluation, and
+            the starting point). Each is scored by the closed-form leave-one-out error of kernel ridge regression with
+            every training row a center (:meth:`LOOCV.residuals <gpfalkon.objectives.LOOCV.residuals>`, ``M = n``,
+            float64, ``O(n^3)``), the chosen point first and the others in the order of their validation errors, while
+            the budget lasts (at most :data:`LOO_SHARE` of it); the noise of the best is then doubled or halved while
+            that lowers the error. The stage starts only where three scores (the chosen point, another, the refit) are
+            predicted to fit that share, from a timed float64 factorisation and inverse of order 1,024
+            (``report.loo["skipped"]`` and a note otherwise). The returned model is that point's, with every training
+            row a center (exact kernel ridge regression, the GP posterior), its variances calibrated by the same
+            residuals (``c = mean(r_i^2 (1 - S_ii) / v)``: a GP's leave-one-out predictive variance is
+            ``v / (1 - S_ii)``). On a few hundred to a few thousand rows the validation split has 70-800 rows, too
+            few to rank points whose errors differ by a few percent; the leave-one-out error uses all ``n``
             (``report.loo``; ``benchmarks/results/auto-notes.md``, "Session 56"). ``0``: off.
         calibrate_variance: multiply the returned model's outputscale and noise by one factor
             ``c = mean(r^2 / v)`` over up to :data:`CALIBRATION_ROWS` held-out rows

@@ -357,7 +357,7 @@ def _entry(rank: int, world: int, port: int, job: Callable[..., None], args: tup
             dist.destroy_process_group()
 
 
-_CONTEXT: list = []
+_CONTEXT: list[Any] = []
 
 
 def _context() -> Any:
