@@ -2597,50 +2597,52 @@ def auto_fit(
         t_loo = time.perf_counter()
         loo_end = min(clock.t0 + budget, t_loo + LOO_SHARE * budget)
         loo_per = _loo_score_seconds(n_final, dev) if loo_points is not None and clock.left() > 0 else math.inf
-        if loo_points is not None and math.isfinite(loo_per) and loo_end - time.perf_counter() < 3 * loo_per:
-            # three scores' time (the validation choice, another point, the refit): fewer cannot change the model
+        if loo_points is not None and math.isfinite(loo_per):
             left_loo = max(0.0, loo_end - time.perf_counter())
-            report.loo = dict(points=len(loo_points) + 1, skipped=True, predicted_score_seconds=loo_per,
-                              seconds_left=left_loo)
-            report.notes.append(
-                f"leave-one-out stage skipped: a score on {n_final:,} rows is predicted to take {loo_per:.2g} s and "
-                f"{left_loo:.2g} s are left of its share (it needs three: the validation choice, another point and "
-                "the refit)")
-            report.stages["loo"] = time.perf_counter() - t_loo
-        elif loo_points is not None and math.isfinite(loo_per):
-            x_fin_z = (x_fin - x_mu) / x_sd
-            loo = _loo_choice(
-                dict(kernel=base_kernel, multiplier=best_level["multiplier"], noise=final_level["noise"],
-                     objective=best_state["objective"], racer=best_state["racer"], lr=best_state["lr"],
-                     step=best_state["step"], error=chosen_error, rows=best_state["rows"],
-                     family=best_state.get("family")),
-                loo_points, x_fin_z, (y_fin - y_mu) / y_sd, lambda: loo_end - time.perf_counter())
-            report.loo = loo.record
-            win = loo.winner
-            if win is not None and (win is not loo.chosen or loo.noise != win["noise"]
-                                    or int(final.centers.shape[0]) < n_final):
-                if loo_end - time.perf_counter() >= loo.score_seconds:
-                    level_w = dict(final_level, M=n_final, noise=loo.noise, multiplier=win["multiplier"])
-                    refit, conv_w = build_final(level_w, centers=x_fin_z.to(dtype),
-                                                kernel_z=win["kernel"])
-                    final, converged, rows_final = refit, conv_w, n_final
-                    final_level, best_level = level_w, dict(best_level, multiplier=win["multiplier"])
-                    best_state = dict(best_state, **{k: win[k] for k in ("objective", "racer", "lr", "step", "rows")},
-                                      error=win["error"], kernel=win["kernel"], family=win.get("family"))
-                    if win.get("family") is not None:
-                        report.kernel = win["family"]
-                    loo.record["refit"] = True
-                    if calibrate_variance:
-                        loo_c = loo.variance_scale
-                    if keeper is not None:
-                        keeper.last = None
-                    report.notes.append(
-                        f"leave-one-out choice on all {n_final:,} rows: {win['racer']} (step {win['step']}, noise "
-                        f"{loo.noise:.3g}) of {len(loo.record['scored'])} points, error {loo.error:.4g} against the "
-                        f"validation choice's {loo.record['chosen_error']:.4g}; refit with every row a center")
-                else:
-                    report.notes.append("leave-one-out choice: no time left for its refit; the validation choice "
-                                        "is returned")
+            if left_loo < 3 * loo_per:
+                # three scores' time (the validation choice, another point, the refit): fewer cannot change the model
+                report.loo = dict(points=len(loo_points) + 1, skipped=True, predicted_score_seconds=loo_per,
+                                  seconds_left=left_loo)
+                report.notes.append(
+                    f"leave-one-out stage skipped: a score on {n_final:,} rows is predicted to take {loo_per:.2g} s "
+                    f"and {left_loo:.2g} s are left of its share (it needs three: the validation choice, another point "
+                    "and the refit)")
+            else:
+                x_fin_z = (x_fin - x_mu) / x_sd
+                loo = _loo_choice(
+                    dict(kernel=base_kernel, multiplier=best_level["multiplier"], noise=final_level["noise"],
+                         objective=best_state["objective"], racer=best_state["racer"], lr=best_state["lr"],
+                         step=best_state["step"], error=chosen_error, rows=best_state["rows"],
+                         family=best_state.get("family")),
+                    loo_points, x_fin_z, (y_fin - y_mu) / y_sd, lambda: loo_end - time.perf_counter())
+                report.loo = loo.record
+                win = loo.winner
+                if win is not None and (win is not loo.chosen or loo.noise != win["noise"]
+                                        or int(final.centers.shape[0]) < n_final):
+                    if loo_end - time.perf_counter() >= loo.score_seconds:
+                        level_w = dict(final_level, M=n_final, noise=loo.noise, multiplier=win["multiplier"])
+                        refit, conv_w = build_final(level_w, centers=x_fin_z.to(dtype),
+                                                    kernel_z=win["kernel"])
+                        final, converged, rows_final = refit, conv_w, n_final
+                        final_level, best_level = level_w, dict(best_level, multiplier=win["multiplier"])
+                        win_state = {k: win[k] for k in ("objective", "racer", "lr", "step", "rows")}
+                        best_state = dict(best_state, **win_state, error=win["error"], kernel=win["kernel"],
+                                          family=win.get("family"))
+                        if win.get("family") is not None:
+                            report.kernel = win["family"]
+                        loo.record["refit"] = True
+                        if calibrate_variance:
+                            loo_c = loo.variance_scale
+                        if keeper is not None:
+                            keeper.last = None
+                        report.notes.append(
+                            f"leave-one-out choice on all {n_final:,} rows: {win['racer']} (step {win['step']}, "
+                            f"noise {loo.noise:.3g}) of {len(loo.record['scored'])} points, error {loo.error:.4g} "
+                            f"against the validation choice's {loo.record['chosen_error']:.4g}; refit with every row a "
+                            "center")
+                    else:
+                        report.notes.append("leave-one-out choice: no time left for its refit; the validation choice "
+                                            "is returned")
             report.stages["loo"] = time.perf_counter() - t_loo
         variance_c = 1.0
         if loo_c is not None:
