@@ -2354,6 +2354,32 @@ def test_auto_fit_loo_choice_is_the_leave_one_out_minimum_refit_on_every_row(loo
     assert "leave-one-out choice" in " ".join(rep.notes)
 
 
+def test_auto_fit_loo_refit_is_the_exact_solve_with_float32_data():
+    """With float32 data passes (the default dtype) the stage's refit still runs its passes in float64
+    (LOO_REFIT_DTYPE) and starts at the exact coefficients: on near-noiseless data, where FALKON's system at M = n
+    squares K's condition number, the returned mean is exact float64 KRR at the returned kernel and noise."""
+    g = torch.Generator().manual_seed(7)
+    z = torch.rand(260, 2, generator=g, dtype=torch.float64) * 2 - 1
+    y = torch.sin(3 * z[:, 0]) * torch.cos(2 * z[:, 1]) + 1e-4 * torch.randn(260, generator=g, dtype=torch.float64)
+    x, y = z.float(), y.float()
+    model = auto_fit(x, y, budget=1e4, hyper_rows=200, hyper_centers=30, select_rows=200, min_centers=40,
+                     max_centers=80, max_steps=20, eval_every=5, seed=0)
+    rep = model.auto_report
+    assert rep.loo["refit"] is True and model.centers.shape[0] == 260
+    assert model.centers.dtype == torch.float64 and model.kernel.outputscale.dtype == torch.float64
+    assert model.fit_info.iterations == 0  # its CG starts at the exact coefficients (1e-14 relative residual)
+    xt = torch.rand(40, 2, generator=g, dtype=torch.float64) * 2 - 1
+    x64, y64 = x.double(), y.double()
+    with torch.no_grad():
+        a = dense_kernel(model.kernel, x64, x64) + float(model.noise) * torch.eye(260, dtype=torch.float64)
+        alpha = torch.linalg.solve(a, y64 - model.mean_constant)
+        ref = model.mean_constant + dense_kernel(model.kernel, xt, x64) @ alpha
+    model.eval()
+    with torch.no_grad(), gpytorch.settings.skip_posterior_variances():
+        pred = model(xt.float()).mean.double()
+    assert float((pred - ref).abs().max()) < 1e-6 * float(ref.std())
+
+
 def test_auto_fit_loo_choice_is_skipped_where_it_does_not_apply():
     x, y, _ = _data(300)
     xv, yv, _ = _data(60, seed=2)
@@ -2409,7 +2435,7 @@ def test_loo_score_seconds_scales_a_timed_factorisation_by_the_cube_of_the_order
 def test_loo_choice_scores_while_the_clock_leaves_time():
     """With no time left only the validation choice is scored (no noise steps); with time, every point, the best
     first by its validation error, and the noise is then moved while that lowers the error."""
-    from gpfalkon.auto import _loo_choice
+    from gpfalkon.auto import _loo_choice, _loo_score
 
     x, y, _ = _data(120)
     x = (x - x.mean(0)) / x.std(0)
@@ -2427,7 +2453,7 @@ def test_loo_choice_scores_while_the_clock_leaves_time():
     none = _loo_choice(chosen, points, x, y, lambda: 0.0)
     assert [s[0] for s in none.record["scored"]] == ["chosen"] and none.winner is chosen
     assert none.noise == chosen["noise"]
-    full = _loo_choice(chosen, points, x, y, lambda: 1e9)
+    full = _loo_choice(chosen, points, x, y, lambda: 1e9, descent=False)
     assert [s[0] for s in full.record["scored"]] == ["chosen", "near", "far"]
     errors = {s[0]: s[3] for s in full.record["scored"]}
     assert full.winner["racer"] == min(errors, key=errors.get)
@@ -2435,3 +2461,114 @@ def test_loo_choice_scores_while_the_clock_leaves_time():
     assert full.error <= errors[full.winner["racer"]]
     factor = full.noise / full.winner["noise"]
     assert math.isclose(math.log2(factor), round(math.log2(factor)))
+    assert "descent" not in full.record
+    # the descent then goes on from that point: a lower error, its reported residuals those of the returned kernel
+    down = _loo_choice(chosen, points, x, y, lambda: 1e9)
+    assert down.record["descent"]["evaluations"] > 1 and down.error < full.error
+    assert down.winner["racer"] == full.winner["racer"] and down.winner["multiplier"] == 1.0
+    err, _, _ = _loo_score(down.winner["kernel"], 1.0, down.noise, x, y)
+    assert math.isclose(down.error, err, rel_tol=1e-9)
+    assert down.record["descent"]["kept"] is True
+    assert down.record["descent"]["overshoot"] <= down.record["descent"]["overshoot_start"] + 0.5
+    # a descent that overshoots (any, at a margin of -1) is dropped: the result is the start's
+    import gpfalkon.auto as auto_mod
+
+    margin = auto_mod.LOO_OVERSHOOT_MARGIN
+    try:
+        auto_mod.LOO_OVERSHOOT_MARGIN = -1.0
+        dropped = _loo_choice(chosen, points, x, y, lambda: 1e9)
+    finally:
+        auto_mod.LOO_OVERSHOOT_MARGIN = margin
+    assert dropped.record["descent"]["kept"] is False
+    assert dropped.winner is full.winner and dropped.noise == full.noise and dropped.error == full.error
+    # no descent without time for LOO_DESCENT_EVALS evaluations in half the stage, nor for a kernel of no family
+    assert "descent" not in _loo_choice(chosen, points, x, y, lambda: 0.0).record
+    plain = [dict(p, family=None) for p in (chosen, *points)]
+    assert "descent" not in _loo_choice(plain[0], plain[1:], x, y, lambda: 1e9).record
+
+
+@pytest.mark.parametrize("criterion", ["mse", "pseudo-likelihood"])
+def test_loo_criterion_gradient_is_autograd_of_its_formula(criterion):
+    """G = dE/dA of the hand-written gradient against autograd through a dense inverse of A = K + v I, for
+    E = mean(r^2) and E = log mean(r^2 c) - mean(log c) (c = diag A^{-1}, r = A^{-1} y / c); dE/dv = tr G."""
+    from gpfalkon.auto import _loo_value_and_gram_grad
+
+    x, y, _ = _data(90)
+    x = (x - x.mean(0)) / x.std(0)
+    y = (y - y.mean()) / y.std()
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5, ard_num_dims=3)).double()
+    k.base_kernel.lengthscale = torch.tensor([[0.6, 1.2, 2.5]], dtype=torch.float64)
+    with torch.no_grad():
+        gram = dense_kernel(k, x, x)
+    v = torch.tensor(0.04, dtype=torch.float64, requires_grad=True)
+    a = gram.clone().requires_grad_(True)
+    inv = torch.linalg.inv(a + v * torch.eye(90, dtype=torch.float64))
+    c = inv.diagonal()
+    r = inv @ y / c
+    ref = r.square().mean() if criterion == "mse" else torch.log((r.square() * c).mean()) - c.log().mean()
+    ref.backward()
+    value, grad, r2, s = _loo_value_and_gram_grad(gram, 0.04, y, criterion)
+    assert math.isclose(value, float(ref.detach()), rel_tol=1e-10)
+    torch.testing.assert_close(grad, 0.5 * (a.grad + a.grad.T), rtol=1e-8, atol=1e-12 * float(a.grad.abs().max()))
+    assert math.isclose(float(grad.diagonal().sum()), float(v.grad), rel_tol=1e-8)
+    torch.testing.assert_close(r2, r.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(s, 1 - 0.04 * c.detach(), rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="criterion"):
+        _loo_value_and_gram_grad(gram, 0.04, y, "likelihood")
+
+
+def test_midpoint_overshoot_is_the_dense_predictions_distance_outside_the_targets_range():
+    from gpfalkon.auto import _midpoint_overshoot
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.rand(60, 2, generator=g, dtype=torch.float64)
+    y = torch.randn(60, generator=g, dtype=torch.float64)
+    pairs = torch.randint(60, (300, 2), generator=g)
+    k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=2)).double()
+    k.base_kernel.lengthscale = torch.tensor([[0.2, 0.4]], dtype=torch.float64)
+    for noise in (1e-6, 1e-2, 10.0):
+        with torch.no_grad():
+            k2 = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=2)).double()
+            k2.base_kernel.lengthscale = torch.tensor([[0.1, 0.2]], dtype=torch.float64)
+            kk = dense_kernel(k2, x, x)
+            q = 0.5 * (x[pairs[:, 0]] + x[pairs[:, 1]])
+            f = dense_kernel(k2, q, x) @ torch.linalg.solve(kk + noise * torch.eye(60, dtype=torch.float64), y)
+        ref = max(0.0, float(f.max() - y.max()), float(y.min() - f.min()))
+        got = _midpoint_overshoot(k, 0.5, noise, x, y, pairs)
+        assert math.isclose(got, ref, rel_tol=1e-7, abs_tol=1e-10)
+    assert _midpoint_overshoot(k, 0.5, 10.0, x, y, pairs) == 0.0  # a heavily smoothed fit stays inside
+    assert _midpoint_overshoot(k, 0.5, 1e-6, x, y, pairs) > 0.0  # an interpolant of noise overshoots between rows
+
+
+def test_loo_descent_reaches_the_grid_minimum_of_a_one_dimensional_problem():
+    """On one feature the criterion is a function of (lengthscale, noise): the descent reaches the minimum of a 60 x 60
+    log grid of exact leave-one-out scores over its box (LOO_DESCENT_BOX around the start), or lower between the
+    grid's points; its error is the closed form's at the kernel and noise it returns, both inside the box; the
+    kernel passed in is not changed; with no time it evaluates once and returns the start."""
+    from gpfalkon.auto import LOO_DESCENT_BOX, _loo_descent, _loo_score
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.rand(150, 1, generator=g, dtype=torch.float64) * 4 - 2
+    y = torch.sin(2.5 * x[:, 0]) + 0.1 * torch.randn(150, generator=g, dtype=torch.float64)
+    y = (y - y.mean()) / y.std()
+
+    def kernel(ls):
+        k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5, ard_num_dims=1)).double()
+        k.base_kernel.lengthscale = torch.tensor([[ls]], dtype=torch.float64)
+        return k
+
+    ls0, v0, (bl, bv) = 2.0, 0.2, LOO_DESCENT_BOX
+    lss = torch.logspace(math.log10(ls0 / bl), math.log10(ls0 * bl), 60).tolist()
+    vs = torch.logspace(math.log10(v0 / bv), math.log10(v0 * bv), 60).tolist()
+    grid = min(_loo_score(kernel(ls), 1.0, v, x, y)[0] for ls in lss for v in vs)
+    start = kernel(ls0 / 2)  # the multiplier 2 gives ls0
+    kern, noise, err, _, _, rec = _loo_descent(start, 2.0, v0, x, y, lambda: 1e9, 0.01)
+    assert rec["after"] < rec["before"] and err <= grid * (1 + 1e-3)
+    assert math.isclose(err, _loo_score(kern, 1.0, noise, x, y)[0], rel_tol=1e-9)
+    assert ls0 / bl <= float(kern.base_kernel.lengthscale.detach()) <= ls0 * bl
+    assert v0 / bv <= noise <= v0 * bv * (1 + 1e-9)
+    assert float(start.base_kernel.lengthscale.detach()) == ls0 / 2
+    kern0, noise0, err0, *_, rec0 = _loo_descent(start, 2.0, v0, x, y, lambda: 0.0, 0.01)
+    assert rec0["evaluations"] == 1 and math.isclose(noise0, v0, rel_tol=1e-12)
+    assert math.isclose(float(kern0.base_kernel.lengthscale.detach()), ls0, rel_tol=1e-12)
+    assert math.isclose(err0, _loo_score(kernel(ls0), 1.0, v0, x, y)[0], rel_tol=1e-9)
