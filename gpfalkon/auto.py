@@ -905,7 +905,7 @@ def _loo_descent(kernel: Kernel, multiplier: float, noise: float, x: Tensor, y: 
     evals, per = 0, eval_seconds
 
     class _OutOfTime(Exception):
-        pass
+        """Raised by ``fun`` when ``left()`` no longer pays for an evaluation: SciPy's loop has no clock."""
 
     def fun(z: Any) -> tuple[float, Any]:
         """The criterion and its gradient at ``z = (u, w)``."""
@@ -935,19 +935,20 @@ def _loo_descent(kernel: Kernel, multiplier: float, noise: float, x: Tensor, y: 
 
     z0 = np.zeros(d + 1)
     first = fun(z0)[0]
-    iterations = 0
-    if math.isfinite(first) and first < 1e300:
+    iterations, stop = 0, "start not factorisable"
+    if first < 1e300:
         bounds = [(-b_l, b_l)] * d + [(-b_v, b_v)]
         try:
             res = minimize(fun, z0, jac=True, method="L-BFGS-B", bounds=bounds,
                            options=dict(maxiter=max_iterations, maxfun=3 * max_iterations,
                                         ftol=1e-6 * min(abs(first), 1.0), gtol=1e-12))
-            iterations = int(res.nit)
+            iterations, stop = int(res.nit), "converged" if res.success else str(res.message)
         except _OutOfTime:
-            pass
+            stop = "time"
     for p, flag in zip(kern.parameters(), grads, strict=True):
         p.requires_grad_(flag)
-    record = dict(criterion=criterion, evaluations=evals, iterations=iterations, before=first, after=best["error"],
+    record = dict(criterion=criterion, evaluations=evals, iterations=iterations, stop=stop, before=first,
+                  after=best["error"],
                   noise_factor=best.get("noise", noise) / noise)
     if not math.isfinite(best["error"]):
         return kern, noise, math.inf, torch.empty(0), torch.empty(0), record

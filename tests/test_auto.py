@@ -2569,6 +2569,6 @@ def test_loo_descent_reaches_the_grid_minimum_of_a_one_dimensional_problem():
     assert v0 / bv <= noise <= v0 * bv * (1 + 1e-9)
     assert float(start.base_kernel.lengthscale.detach()) == ls0 / 2
     kern0, noise0, err0, *_, rec0 = _loo_descent(start, 2.0, v0, x, y, lambda: 0.0, 0.01)
-    assert rec0["evaluations"] == 1 and math.isclose(noise0, v0, rel_tol=1e-12)
+    assert rec0["evaluations"] == 1 and rec0["stop"] == "time" and math.isclose(noise0, v0, rel_tol=1e-12)
     assert math.isclose(float(kern0.base_kernel.lengthscale.detach()), ls0, rel_tol=1e-12)
     assert math.isclose(err0, _loo_score(kernel(ls0), 1.0, v0, x, y)[0], rel_tol=1e-9)
