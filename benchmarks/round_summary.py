@@ -8,7 +8,9 @@ merged by its number) and prints, for each dataset and round:
   baseline's time to its own error, and ``Y`` where it is at least 10 at no worse error, ``t`` where the error
   is no worse but the speed-up short of 10, ``e`` where the error is higher (how much higher, in %);
 * the monotone rule (the smallest-budget auto_fit run of the unbroken sequence, from the largest budget down,
-  that all reach the baseline's error): its speed-up, ``Y`` at 10 or more, ``-`` where no run qualifies.
+  that all reach the baseline's error): its speed-up, ``Y`` at 10 or more, ``-`` where no run qualifies;
+* the baseline-relative rule (rounds from 62 on, where ``falkon-auto-rel-12`` ran: auto_fit with the budget the
+  best baseline's time to its error / 12): cells as the primary rule's.
 
 Then, per dataset, how many rounds met each rule. Nothing is re-run: the numbers are the files'. Rounds differ in
 their code, split and host (each file's header says which), so a column is one round, not a repeat of another.
@@ -58,6 +60,12 @@ def parse_round(text: str) -> dict[str, dict]:
                        split=splits.get(ds, "?"))
         except ValueError:  # a primary that did not run ("/12 not run", "-")
             continue
+        if len(cells) >= 18 and cells[13] != "-":
+            rel_err, rel_speed, rel_verdict = cells[14], cells[16], cells[17]
+            higher = re.search(r"error ([\d.]+) % higher", rel_verdict)
+            row["rel"] = dict(speed=float(rel_speed), verdict=rel_verdict, base_error=row["base_error"],
+                              ratio=1.0 + float(higher.group(1)) / 100.0 if higher
+                              else float(rel_err) / float(base_err))
         rows[ds] = row
     return rows
 
@@ -97,19 +105,29 @@ def monotone_cell(row: dict | None) -> str:
     return f"{row['mono_speed']:.1f} {row['monotone']}" + (" Y" if row["mono_speed"] >= 10 else "") + _mark(row)
 
 
+def _rel_rounds(rounds: dict[int, dict[str, dict]]) -> dict[int, dict[str, dict]]:
+    """The rounds and rows with a baseline-relative run (``row["rel"]``), that run's row in place of the primary's."""
+    out = {k: {ds: r["rel"] for ds, r in rr.items() if "rel" in r} for k, rr in rounds.items()}
+    return {k: v for k, v in out.items() if v}
+
+
 def summary(rounds: dict[int, dict[str, dict]]) -> str:
-    datasets = sorted({ds for r in rounds.values() for ds in r})
-    cols = [f"r{k}" for k in rounds]
     out = []
-    for title, cell, met in (
-        ("Primary rule (budget / 12)", primary_cell, lambda r: r["verdict"] == "yes"),
-        ("Monotone rule", monotone_cell, lambda r: r["mono_speed"] is not None and r["mono_speed"] >= 10),
-    ):
-        table = [[ds, *(cell(rounds[k].get(ds)) for k in rounds),
-                  f"{sum(met(r[ds]) for r in rounds.values() if ds in r)} of {sum(ds in r for r in rounds.values())}"]
+    tables = [("Primary rule (budget / 12)", rounds, primary_cell, lambda r: r["verdict"] == "yes"),
+              ("Monotone rule", rounds, monotone_cell,
+               lambda r: r["mono_speed"] is not None and r["mono_speed"] >= 10)]
+    rel = _rel_rounds(rounds)
+    if rel:
+        tables.append(("Baseline-relative rule (budget: the best baseline's time to its error / 12)", rel,
+                       primary_cell, lambda r: r["verdict"] == "yes"))
+    for title, sub, cell, met in tables:
+        datasets = sorted({ds for r in sub.values() for ds in r})
+        cols = [f"r{k}" for k in sub]
+        table = [[ds, *(cell(sub[k].get(ds)) for k in sub),
+                  f"{sum(met(r[ds]) for r in sub.values() if ds in r)} of {sum(ds in r for r in sub.values())}"]
                  for ds in datasets]
-        met_per_round = ["rounds met", *(f"{sum(met(r) for r in rounds[k].values())} of {len(rounds[k])}"
-                                         for k in rounds), ""]
+        met_per_round = ["rounds met", *(f"{sum(met(r) for r in sub[k].values())} of {len(sub[k])}"
+                                         for k in sub), ""]
         out.append(f"## {title}\n\n" + markdown_table(["dataset", *cols, "met"], [*table, met_per_round],
                                                       align="l" + "r" * (len(cols) + 1)))
     splits = [[f"r{k}", "; ".join(sorted({row["split"] for row in r.values()})), ", ".join(sorted(r))]
@@ -135,7 +153,9 @@ def main(argv: Sequence[str] | None = None) -> None:
               "`Y` at least 10 at no worse error, `t` no worse error but under 10, `e +x%`: its error x % above "
               "the baseline's. Monotone cell: the speed-up of the rule's run and its fraction (`Y` at 10 or "
               "more), `-` where no run reached the error. `!`: the best baseline's NRMSE above 1 (no better "
-              "than predicting the training mean: no signal in the set, or a failed baseline). Each round: its "
+              "than predicting the training mean: no signal in the set, or a failed baseline). Baseline-relative "
+              "cell (rounds where `falkon-auto-rel-12` ran): as the primary cell, for the run whose budget was the "
+              "best baseline's time to its own error / 12. Each round: its "
               "own code, split and host (its file's header); the rounds of one number are merged. Files: "
               + ", ".join(f"`{p.name}`" for p in files) + ".")
     body = legend + "\n\n" + summary(rounds)

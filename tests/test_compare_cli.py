@@ -162,9 +162,41 @@ def test_the_10x_table_picks_no_run_by_its_test_error(monkeypatch):
     assert row[3] == 60.0  # first reached its final curve error at 60 s
     assert row[4:9] == ["/12", 0.095, 10.0, 6.0, "no (time)"]
     assert row[9:12] == ["/8", 15.0, 4.0]  # /10 missed: /12 and /24 do not count
+    assert row[13:] == ["-", None, None, None, "-"]  # no baseline-relative run
     row = compare.time_to_baseline("set", [base, *runs], primary=10)
     assert row[4] == "/10" and row[8].startswith("no (error 10.00 % higher")
     assert "/24 Y" in row[12] and "auto16" not in row[12]
+    # the baseline-relative run (budget 60 / 12 = 5 s): met at 5.5 s and the baseline's error; its rows are in
+    # neither the primary nor the monotone rule
+    rel = _row("falkon-auto-rel-12", 0.1, 5.5)
+    row = compare.time_to_baseline("set", [base, *runs, rel], primary=12)
+    assert row[4:12] == ["/12", 0.095, 10.0, 6.0, "no (time)", "/8", 15.0, 4.0] and "rel" not in row[12]
+    assert row[13:] == ["5 s (/12)", 0.1, 5.5, pytest.approx(60 / 5.5), "yes"]
+    row = compare.time_to_baseline("set", [base, *runs, dict(rel, error=0.1005)], primary=12)
+    assert row[17] == "no (error 0.50 % higher)"
+    row = compare.time_to_baseline("set", [base, *runs, dict(rel, fit_s=6.5)], primary=12)
+    assert row[17] == "no (time)"
+
+
+def test_a_baseline_relative_budget_is_the_better_baselines_time_over_k(monkeypatch):
+    """``falkon-auto-rel-12``'s budget: the lower-error baseline's time to its own error / 12, from the set's
+    finished runs only (a failed run, another method, no baseline: not used)."""
+    compare = _compare_module(monkeypatch)
+    sgpr = _row("sgpr", 0.100, 120.0, curve=[[10.0, 0.2, 1], [60.0, 0.1, 2], [120.0, 0.1, 3]])
+    svgp = _row("svgp", 0.120, 120.0, curve=[[30.0, 0.12, 1], [120.0, 0.12, 2]])
+    assert compare.relative_budget([sgpr, svgp], 12) == pytest.approx(5.0)
+    assert compare.relative_budget([dict(sgpr, error=0.13), svgp], 12) == pytest.approx(2.5)
+    assert compare.relative_budget([dict(key="sgpr", method="sgpr", failed="x"), svgp], 10) == pytest.approx(3.0)
+    assert compare.relative_budget([_row("falkon-auto-12", 0.05, 9.0)], 12) is None
+
+
+def test_a_baseline_relative_run_needs_a_baseline_before_it(monkeypatch, capsys):
+    """``--methods falkon-auto-rel-12 sgpr`` is refused, naming the argument: its budget comes from the baseline."""
+    compare = _compare_module(monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["compare.py", "--datasets", "wine", "--methods", "falkon-auto-rel-12", "sgpr"])
+    with pytest.raises(SystemExit):
+        compare.main()
+    assert "--methods: falkon-auto-rel-12" in capsys.readouterr().err
 
 
 def test_a_baseline_is_reached_on_its_own_curve_scale(monkeypatch):
@@ -198,13 +230,11 @@ def test_round_summary_reads_compares_10x_table(monkeypatch, tmp_path):
     met = [_row("falkon-auto-12", 0.095, 5.0), _row("falkon-auto-24", 0.09, 2.0)]
     short = [_row("falkon-auto-12", 0.095, 10.0), _row("falkon-auto-24", 0.08, 5.0)]
     above = [_row("falkon-auto-12", 0.104, 5.0), _row("falkon-auto-24", 0.09, 2.0)]
-    headers = ["dataset", "best baseline", "its error", "reached at s", "primary", "its error", "its s", "speed-up",
-               ">= 10x at no worse error?", "monotone", "its s", "its speed-up", "runs"]
 
     def round_file(name: str, sets: dict[str, list[dict]], baseline: dict = base) -> pathlib.Path:
         rows = [compare.time_to_baseline(ds, [baseline, *runs], primary=12) for ds, runs in sets.items()]
         text = "\n".join(["# title", "", round_summary.SECTION + " (issue 17: 10x)", "", "legend (a, b)", "",
-                          compare.markdown_table(headers, rows, align="llrrlrrrllrrl"), "",
+                          compare.markdown_table(compare.SPEED_HEADERS, rows, align=compare.SPEED_ALIGN), "",
                           "Datasets: " + "; ".join(f"{ds} (treforevans split 3, n_train 100, n_test 10, d 2)"
                                                    for ds in sets) + "."])
         path = tmp_path / name
@@ -238,4 +268,13 @@ def test_round_summary_reads_compares_10x_table(monkeypatch, tmp_path):
     assert "| a | 12.0 Y | 6.0 t | 1 of 2 |" in squeeze(primary)
     assert "| rounds met | 1 of 3 | 1 of 2 |" in squeeze(primary)
     assert "| b | 12.0 /24 Y | | 1 of 1 |" in squeeze(monotone)
+    assert "Baseline-relative" not in monotone  # no round ran it
+    # a round with baseline-relative runs: its own table, of those rounds and sets only
+    fourth = round_file("auto-r10.md", {"a": [*short, _row("falkon-auto-rel-12", 0.099, 5.0)],
+                                        "b": [*met, _row("falkon-auto-rel-12", 0.105, 4.0)], "c": short})
+    rounds = round_summary.collect([first, second, third, fourth])
+    assert rounds[10]["a"]["rel"]["verdict"] == "yes" and "rel" not in rounds[10]["c"]
+    rel = squeeze(round_summary.summary(rounds).split("## Baseline-relative rule")[1].split("## Splits")[0])
+    assert "| r10 | met |" in rel and "| a | 12.0 Y | 1 of 1 |" in rel and "| b | e +5.0% | 0 of 1 |" in rel
+    assert "| c |" not in rel and "| rounds met | 1 of 2 | |" in rel
     assert "| rounds met | 2 of 3 | 2 of 2 |" in squeeze(monotone.split("## Splits")[0])
