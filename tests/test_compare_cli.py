@@ -210,6 +210,29 @@ def test_a_baseline_is_reached_on_its_own_curve_scale(monkeypatch):
     assert not compare.curve_on_subset(dict(base, n_test=5_000))
 
 
+def test_a_warm_process_imports_nothing_at_a_gpytorch_kernels_first_call():
+    """compare.py's workers pay a process's one-time imports before a method's clock starts: after
+    ``warm_process``, a GPyTorch kernel's first evaluation (and its ``batch_shape``) imports no further module.
+    Without it the first call imports SymPy (``torch.broadcast_shapes``); the check without the warm-up says so."""
+    code = (
+        "import sys; sys.path.insert(0, {bench!r})\n"
+        "import torch, gpytorch, compare\n"
+        "if {warm}: compare.warm_process()\n"
+        "before = set(sys.modules)\n"
+        "k = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5, ard_num_dims=3))\n"
+        "x = torch.randn(20, 3)\n"
+        "k(x, x[:5]).to_dense(); k.batch_shape\n"
+        "print(sorted(n for n in set(sys.modules) - before if not n.startswith('gpytorch')))\n")
+    got = {}
+    for warm in (True, False):
+        proc = subprocess.run([sys.executable, "-c", code.format(bench=str(ROOT / "benchmarks"), warm=warm)],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        got[warm] = proc.stdout.strip().splitlines()[-1]
+    assert got[True] == "[]"
+    assert "sympy" in got[False]
+
+
 def test_a_loss_that_jumps_about_is_not_converged(monkeypatch):
     compare = _compare_module(monkeypatch)
     flat = [1.0 - 1e-3 * i for i in range(10)] + [0.99] * 60
