@@ -11,7 +11,8 @@
    current hyperparameters are scored by the validation error of a FALKON fit on the subsample; after
    ``race_rounds`` such rounds only the leading objective goes on (sooner where the others' best errors
    exceed ``1 + race_margin`` times the leader's from the second round on, or once the race has used
-   ``race_share`` of the learning time), and whenever it stalls, or has used ``level_share`` of the learning
+   ``race_share`` of the learning time; at small budgets only the first racers whose first round fits that share
+   race), and whenever it stalls, or has used ``level_share`` of the learning
    time left when it started on its rows, it continues from its best point on twice
    the rows (nested subsamples; optionally more centers, ``hyper_centers_growth``), within the
    memory budget ``hyper_entries``; stalled on all the rows it may use, or stalled on more rows
@@ -682,9 +683,11 @@ def _racers(objectives: Any, lr: float, family: str | None) -> list[tuple[str, f
     SGPR bound and GCV at ``lr`` and GCV at ``2 lr`` in ``family``, and where ``family`` is a family other than
     :data:`RACE_FAMILY`, GCV at ``2 lr`` in that one too."""
     if objectives is None:
-        objectives = ["sgpr", "gcv", ("gcv", 2.0 * lr)]
+        # in the order they won the race (the first to go when the race is cut: _racers_within)
+        objectives = [("gcv", 2.0 * lr)]
         if family is not None and family != RACE_FAMILY:
             objectives.append(("gcv", 2.0 * lr, RACE_FAMILY))
+        objectives += ["gcv", "sgpr"]
     if isinstance(objectives, str) or not isinstance(objectives, Sequence) or not objectives:
         raise ValueError("objectives must be a non-empty sequence of names from "
                          f"{sorted(OBJECTIVES)}, (name, lr) pairs or (name, lr, family) triples, got {objectives!r}")
@@ -724,6 +727,19 @@ def _racers(objectives: Any, lr: float, family: str | None) -> list[tuple[str, f
             label, k = f"{base}#{k}", k + 1
         out.append((name, rate, label, fam))
     return out
+
+
+def _racers_within(first_round: float, racers: int, seconds: float) -> int:
+    """How many of ``racers`` objectives race in stage 1, where the first racer's first round (its steps and its
+    validation score) took ``first_round`` seconds and the race may take ``seconds`` (its ``race_share`` of the
+    learning stage, less what went before it): as many rounds as fit, at least one and at most ``racers``.
+    A race whose first round takes the whole learning share chooses among points none of which had time to
+    learn: at a 5-second budget on two of the report sets four racers of 7-10 steps each left a test error
+    1.6-2.6 times that of the first racer alone with the whole share (``benchmarks/results/auto-notes.md``,
+    "Session 59")."""
+    if first_round <= 0 or not math.isfinite(seconds):
+        return racers
+    return max(1, min(racers, int(seconds / first_round)))
 
 
 def _check_budget(name: str, value: Any) -> float:
@@ -1269,7 +1285,10 @@ def auto_fit(
             its own learning rate (the report's ``racer`` is then ``"name@lr"``). The race is won on
             validation error, so it chooses the learning rate as it chooses the objective, and the
             winner keeps its rate on the larger subsamples (``report.chosen["lr"]``). ``None`` (the
-            default): the SGPR bound and GCV at ``lr``, and GCV at ``2 lr`` (0.2): a larger step reaches a
+            default): GCV at ``2 lr`` (0.2), in :data:`RACE_FAMILY` too (below), GCV at ``lr`` and the SGPR bound, in
+            that order, the order in which they won the race in rounds 50-63 and the held-out runs (GCV at ``2 lr``
+            122 of 236 runs, GCV at ``lr`` 68, RBF 25, SGPR 16): where one round of every racer does not fit
+            ``race_share`` of the learning stage, the last ones do not race (``race_share``). A larger step reaches a
             lengthscale that must shrink tenfold (one dominant feature) in half the steps but overshoots
             where all features are relevant, and which case holds shows in the race's validation errors
             (at small budgets the first round's: ``race_share``; ``benchmarks/results/auto-notes.md``, "A
@@ -1375,7 +1394,10 @@ def auto_fit(
         race_share: the race ends, and the leader goes on alone, after the first round that ends past this
             share of the learning stage's time (``None``: only ``race_rounds`` and ``race_margin`` end it). At
             small budgets ``race_rounds`` rounds of every objective would take the whole learning share on
-            the first subsample.
+            the first subsample. Where, after the first racer's first round, one round of every racer at that
+            round's time does not fit this share of the stage, only as many racers as fit race (at least the
+            first; the others are recorded as not raced): at budgets of about 5 seconds one round of four racers
+            took the whole learning share, and the racer that won it had had 7-10 steps.
         min_gain: relative validation-error gain per doubling of the centers needed to keep growing
             them; a step by a factor ``f`` (less than 2 where the budget allows no doubling) needs
             ``min_gain * log2(f)``.
@@ -1834,11 +1856,14 @@ def auto_fit(
         race_decided = False  # the race ended before race_rounds (race_margin)
         rows_h = n_h
         rows_cap = n_tr if max_hyper_rows is None else min(n_tr, max_hyper_rows)
+        t_race = time.perf_counter()
         while True:
             active = [r for r in runners if r.active]
             if not active:
                 break
-            for r in active:
+            for i, r in enumerate(active):
+                if not r.active:  # cut from the race below
+                    continue
                 clock.tick(f"learn {r.label}", step=r.step)
                 r.advance(max_steps, learn_deadline)
                 if r.active:
@@ -1848,6 +1873,14 @@ def auto_fit(
                 if r.rec["curve"]:
                     err = r.rec["curve"][-1][2]
                     clock.tick(f"learn {r.label}", step=r.step, val_rmse=f"{math.sqrt(err):.4f}")
+                if rounds == 0 and i == 0 and len(active) > 1 and race_share is not None:
+                    kept = _racers_within(time.perf_counter() - t_race, len(active),
+                                          t_stage + race_share * (learn_deadline - t_stage) - t_race)
+                    for cut in active[kept:]:
+                        cut.stop(f"not raced: a round of the first racer took {time.perf_counter() - t_race:.2g} s, "
+                                 f"and {kept} of the {len(active)} racers' first round fits in race_share "
+                                 f"({race_share:g}) of the learning stage")
+                    race_decided = race_decided or kept == 1
             rounds += 1
             if time.perf_counter() >= learn_deadline or clock.left() <= 0:
                 for r in runners:

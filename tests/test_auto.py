@@ -1733,10 +1733,14 @@ def _race(**race: object) -> tuple[int, dict, dict]:
 
 
 @pytest.mark.parametrize("share", [None, 1e-9])
-def test_auto_fit_race_share_ends_the_race_after_its_share_of_the_learning_time(share):
+def test_auto_fit_race_share_ends_the_race_after_its_share_of_the_learning_time(share, monkeypatch):
     """With race_share, the race ends after the first round that ends past that share of the learning stage's
     time (here: the first round) and the leader goes on alone, moving to more rows as after a full race; with
-    None (and no race_margin) the race runs its race_rounds."""
+    None (and no race_margin) the race runs its race_rounds. (Every racer races here: the cut of racers whose first
+    round does not fit the share, ``_racers_within``, is its own test below.)"""
+    import gpfalkon.auto as auto_module
+
+    monkeypatch.setattr(auto_module, "_racers_within", lambda first_round, racers, seconds: racers)
     every, loser, winner = _race(race_margin=None, race_share=share)
     assert loser["best_error"] >= winner["best_error"]
     if share is None:
@@ -1747,6 +1751,35 @@ def test_auto_fit_race_share_ends_the_race_after_its_share_of_the_learning_time(
                                     f"stage (leader: {winner['objective']})")
         assert loser["steps"] == every
         assert winner["steps"] < 5 * every and "continued on 200 rows" in winner["stopped"]
+
+
+def test_racers_within_counts_the_rounds_that_fit():
+    """As many racers as rounds of the first one's time fit the race's seconds: at least one, at most all."""
+    from gpfalkon.auto import _racers_within
+
+    assert _racers_within(0.5, 4, 2.1) == 4
+    assert _racers_within(0.6, 4, 2.1) == 3
+    assert _racers_within(0.6, 4, 1.19) == 1
+    assert _racers_within(0.6, 4, 0.1) == 1 and _racers_within(0.6, 4, -1.0) == 1
+    assert _racers_within(0.0, 3, 1.0) == 3 and _racers_within(0.5, 3, math.inf) == 3
+
+
+def test_auto_fit_races_only_the_racers_whose_first_round_fits_the_race_share():
+    """Where one round of every racer does not fit ``race_share`` of the learning stage (a share of 1e-9: none
+    does), only the first racer races: the others take no step, are recorded as not raced, and the first goes on
+    alone as a leader (on twice the rows at once: ``level_share``). Without a race (one objective) nothing is cut;
+    with ``race_share=None`` nothing is cut."""
+    x, y, _ = _data(1200, noise=0.3)
+    kw = dict(SMALL, hyper_rows=100, hyper_centers=20, max_steps=60, eval_every=2, race_rounds=5,
+              objectives=("gcv", "sgpr"), level_share=1e-9, race_margin=None)
+    learn = auto_fit(x, y, race_share=1e-9, **kw).auto_report.learn
+    first, second = learn[1], learn[2]
+    assert (first["objective"], second["objective"]) == ("gcv", "sgpr")
+    assert second["steps"] == 0 and second["stopped"].startswith("not raced: a round of the first racer took")
+    assert "1 of the 2 racers' first round fits in race_share (1e-09)" in second["stopped"]
+    assert first["steps"] == 2 and "continued on 200 rows" in first["stopped"]
+    learn = auto_fit(x, y, race_share=None, **kw).auto_report.learn
+    assert all(r["steps"] > 0 and not r["stopped"].startswith("not raced") for r in learn[1:3])
 
 
 @pytest.mark.parametrize("share", [0.0, 1.5, True, "half"])
@@ -1845,21 +1878,21 @@ def test_auto_fit_races_learning_rates_and_the_winner_keeps_its_rate():
 
 
 def test_auto_fit_default_racers_follow_lr():
-    """The default racers are the SGPR bound and GCV at ``lr`` and GCV at ``2 lr`` (``lr=0.2``: 0.2 and 0.4, no
-    clash with a fixed 0.2) in ``kernel``'s family, and GCV at ``2 lr`` in :data:`RACE_FAMILY` where that is another
-    family (none for a given ``Kernel``); a list works as a pair; a triple names its family (its label too, where
-    it is not ``kernel``'s); two rates that print alike get distinct labels; the starting point's record names
-    itself."""
+    """The default racers are GCV at ``2 lr`` (``lr=0.2``: 0.4, no clash with a fixed 0.2), GCV at ``2 lr`` in
+    :data:`RACE_FAMILY` where that is another family than ``kernel``'s (none for a given ``Kernel``), GCV at ``lr``
+    and the SGPR bound in ``kernel``'s family, in that order (a cut race keeps the first); a list works as a pair;
+    a triple names its family (its label too, where it is not ``kernel``'s); two rates that print alike get distinct
+    labels; the starting point's record names itself."""
     from gpfalkon.auto import RACE_FAMILY, _racers
 
     m52 = "matern52"
     assert RACE_FAMILY == "rbf"
-    assert _racers(None, 0.1, m52) == [("sgpr", 0.1, "sgpr", m52), ("gcv", 0.1, "gcv", m52),
-                                       ("gcv", 0.2, "gcv@0.2", m52), ("gcv", 0.2, "gcv@0.2/rbf", "rbf")]
-    assert _racers(None, 0.2, "rbf") == [("sgpr", 0.2, "sgpr", "rbf"), ("gcv", 0.2, "gcv", "rbf"),
-                                         ("gcv", 0.4, "gcv@0.4", "rbf")]
-    assert _racers(None, 0.1, None) == [("sgpr", 0.1, "sgpr", None), ("gcv", 0.1, "gcv", None),
-                                        ("gcv", 0.2, "gcv@0.2", None)]
+    assert _racers(None, 0.1, m52) == [("gcv", 0.2, "gcv@0.2", m52), ("gcv", 0.2, "gcv@0.2/rbf", "rbf"),
+                                       ("gcv", 0.1, "gcv", m52), ("sgpr", 0.1, "sgpr", m52)]
+    assert _racers(None, 0.2, "rbf") == [("gcv", 0.4, "gcv@0.4", "rbf"), ("gcv", 0.2, "gcv", "rbf"),
+                                         ("sgpr", 0.2, "sgpr", "rbf")]
+    assert _racers(None, 0.1, None) == [("gcv", 0.2, "gcv@0.2", None), ("gcv", 0.1, "gcv", None),
+                                        ("sgpr", 0.1, "sgpr", None)]
     assert _racers([["gcv", 0.3]], 0.1, m52) == [("gcv", 0.3, "gcv@0.3", m52)]
     assert _racers([("gcv", 0.3, m52), ("gcv", 0.3, "matern32")], 0.1, m52) == [
         ("gcv", 0.3, "gcv@0.3", m52), ("gcv", 0.3, "gcv@0.3/matern32", "matern32")]
@@ -1869,8 +1902,8 @@ def test_auto_fit_default_racers_follow_lr():
     x, y, _ = _data(400)
     rep = auto_fit(x, y, lr=0.2, **dict(SMALL, max_steps=4, eval_every=2, race_rounds=1)).auto_report
     assert [(r["racer"], r["lr"], r["kernel"]) for r in rep.learn[:5]] == [
-        ("initial", None, m52), ("sgpr", 0.2, m52), ("gcv", 0.2, m52), ("gcv@0.4", 0.4, m52),
-        ("gcv@0.4/rbf", 0.4, "rbf")]
+        ("initial", None, m52), ("gcv@0.4", 0.4, m52), ("gcv@0.4/rbf", 0.4, "rbf"), ("gcv", 0.2, m52),
+        ("sgpr", 0.2, m52)]
 
 
 def test_auto_fit_races_kernel_families_and_the_winner_s_family_is_the_model_s():
