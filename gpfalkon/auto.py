@@ -679,9 +679,10 @@ def _racers(objectives: Any, lr: float, family: str | None) -> list[tuple[str, f
     """``objectives=`` as ``(name, lr, label, family)`` racers: a name runs at ``lr`` (label: the name), a
     ``(name, lr)`` pair (any two-item sequence) at its own learning rate (label ``"name@lr"``), both in ``family``
     (``kernel=``'s family; ``None``: a given ``Kernel``); a ``(name, lr, family)`` triple in that kernel family of
-    :data:`KERNEL_FAMILIES` (label ``"name@lr/family"`` where it is not ``kernel=``'s). ``None``: the default, the
-    SGPR bound and GCV at ``lr`` and GCV at ``2 lr`` in ``family``, and where ``family`` is a family other than
-    :data:`RACE_FAMILY`, GCV at ``2 lr`` in that one too."""
+    :data:`KERNEL_FAMILIES` (label ``"name@lr/family"`` where it is not ``kernel=``'s). ``None``: the default, GCV at
+    ``2 lr`` in ``family``, GCV at ``2 lr`` in :data:`RACE_FAMILY` where ``family`` is another family, then GCV at
+    ``lr`` and the SGPR bound in ``family``: the order they won in, which is the order a cut race keeps them in
+    (:func:`_racers_within`)."""
     if objectives is None:
         # in the order they won the race (the first to go when the race is cut: _racers_within)
         objectives = [("gcv", 2.0 * lr)]
@@ -734,9 +735,8 @@ def _racers_within(first_round: float, racers: int, seconds: float) -> int:
     validation score) took ``first_round`` seconds and the race may take ``seconds`` (its ``race_share`` of the
     learning stage, less what went before it): as many rounds as fit, at least one and at most ``racers``.
     A race whose first round takes the whole learning share chooses among points none of which had time to
-    learn: at a 5-second budget on two of the report sets four racers of 7-10 steps each left a test error
-    1.6-2.6 times that of the first racer alone with the whole share (``benchmarks/results/auto-notes.md``,
-    "Session 59")."""
+    learn: at a 5-second budget four racers of 7-10 steps each left bike's test error 2.2 times and pol's 1.1 times
+    that of the first racer alone with the share (``benchmarks/results/race-cut-ab-s59.md``)."""
     if first_round <= 0 or not math.isfinite(seconds):
         return racers
     return max(1, min(racers, int(seconds / first_round)))
@@ -1874,10 +1874,11 @@ def auto_fit(
                     err = r.rec["curve"][-1][2]
                     clock.tick(f"learn {r.label}", step=r.step, val_rmse=f"{math.sqrt(err):.4f}")
                 if rounds == 0 and i == 0 and len(active) > 1 and race_share is not None:
-                    kept = _racers_within(time.perf_counter() - t_race, len(active),
+                    first_round = time.perf_counter() - t_race
+                    kept = _racers_within(first_round, len(active),
                                           t_stage + race_share * (learn_deadline - t_stage) - t_race)
                     for cut in active[kept:]:
-                        cut.stop(f"not raced: a round of the first racer took {time.perf_counter() - t_race:.2g} s, "
+                        cut.stop(f"not raced: a round of the first racer took {first_round:.2g} s, "
                                  f"and {kept} of the {len(active)} racers' first round fits in race_share "
                                  f"({race_share:g}) of the learning stage")
                     race_decided = race_decided or kept == 1
