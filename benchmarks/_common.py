@@ -201,16 +201,43 @@ def exp_rate(dtype: torch.dtype, block_bytes: int = 2**19, total: int = 2**26, r
     return rounds * block.numel() / med
 
 
-def dataset_run_arguments(description: str, budget: float) -> argparse.ArgumentParser:
+def dataset_run_arguments(description: str, budget: float, many_splits: bool = False) -> argparse.ArgumentParser:
     """The command line of a per-dataset ``auto_fit`` study: ``--datasets`` (``compare.py``'s built-in names),
-    ``--budget`` seconds, ``--split`` (``compare.py``'s), ``--seed`` and ``--out``."""
+    ``--budget`` seconds, ``--split`` (``compare.py``'s; ``--splits``, one or more, with ``many_splits``), ``--seed``
+    and ``--out``."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--datasets", nargs="+", required=True)
     p.add_argument("--budget", type=float, default=budget)
-    p.add_argument("--split", type=int, default=0)
+    if many_splits:
+        p.add_argument("--splits", nargs="+", type=int, default=[0])
+    else:
+        p.add_argument("--split", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     return p
+
+
+def predictive_scores(model, xte: torch.Tensor, yte: torch.Tensor) -> dict[str, float]:
+    """A fitted gpfalkon model's test NRMSE (RMSE / std of ``yte``) and NLPD (its predictive distribution, noise
+    included: the likelihood of its posterior), in float64."""
+    import math
+
+    model.eval()
+    with torch.no_grad():
+        pred = model.likelihood(model(xte))
+        mean, var = pred.mean.double(), pred.variance.double()
+    res = mean - yte.double()
+    return dict(nrmse=float(res.square().mean().sqrt() / yte.double().std()),
+                nlpd=float((0.5 * torch.log(2 * math.pi * var) + 0.5 * res.square() / var).mean()))
+
+
+def ratio_summary(ratios: Sequence[float], label: str = "on / off") -> str:
+    """``**Geometric mean of <label>: g** over N runs (L lower, H higher, largest R)`` of an A/B study's ratios."""
+    import math
+
+    geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else math.nan
+    return (f"**Geometric mean of {label}: {geo:.3f}** over {len(ratios)} runs ({sum(r < 1 for r in ratios)} lower, "
+            f"{sum(r > 1 for r in ratios)} higher, largest {max(ratios, default=math.nan):.3f})")
 
 
 def split_datasets(names: Sequence[str], split: int, *, max_rows: int | None = None,

@@ -1313,6 +1313,14 @@ SPEED_HEADERS = ["dataset", "best baseline", "its error", "reached at s", "prima
 SPEED_ALIGN = "llrrlrrrllrrllrrrl"
 
 
+def _verdict(error: float, target: float, speed: float) -> str:
+    """Issue 17's verdict on one run: ``"yes"`` at an error no worse than ``target`` and a speed-up of 10 or more,
+    else why not (``round_summary.py`` reads these strings)."""
+    if error > target:
+        return f"no (error {100 * (error / target - 1):.2f} % higher)"
+    return "yes" if speed >= 10 else "no (time)"
+
+
 def time_to_baseline(ds: str, ok: list[dict], primary: int = PRIMARY_FRACTION) -> list | None:
     """Issue 17's row for one dataset. Baseline: the lower final test error ``te`` of SGPR / SVGP, reached at
     :func:`baseline_reached`. gpfalkon, two rules that pick no run by its test error:
@@ -1338,10 +1346,7 @@ def time_to_baseline(ds: str, ok: list[dict], primary: int = PRIMARY_FRACTION) -
         row += [f"/{primary} not run", None, None, None, "-"]
     else:
         speed = ts / prim["fit_s"]
-        met = prim["error"] <= te and speed >= 10
-        why = "yes" if met else ("no (time)" if prim["error"] <= te else
-                                 f"no (error {100 * (prim['error'] / te - 1):.2f} % higher)")
-        row += [f"/{primary}", prim["error"], prim["fit_s"], speed, why]
+        row += [f"/{primary}", prim["error"], prim["fit_s"], speed, _verdict(prim["error"], te, speed)]
     chain = None
     for k, r in autos:
         if r["error"] > te:
@@ -1357,9 +1362,7 @@ def time_to_baseline(ds: str, ok: list[dict], primary: int = PRIMARY_FRACTION) -
     else:
         k, r = rel
         speed = ts / r["fit_s"]
-        why = "yes" if r["error"] <= te and speed >= 10 else (
-            "no (time)" if r["error"] <= te else f"no (error {100 * (r['error'] / te - 1):.2f} % higher)")
-        row += [f"{ts / k:.3g} s (/{k})", r["error"], r["fit_s"], speed, why]
+        row += [f"{ts / k:.3g} s (/{k})", r["error"], r["fit_s"], speed, _verdict(r["error"], te, speed)]
     return row
 
 

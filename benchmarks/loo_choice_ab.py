@@ -17,9 +17,7 @@ Usage (from the repository root; data from ``GPFALKON_DATA``, as ``compare.py``)
 """
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import pathlib
 import sys
 import time
@@ -27,7 +25,17 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import empty_jsonl, environment_lines, log, markdown_table, split_datasets, write_result  # noqa: E402
+from _common import (  # noqa: E402
+    dataset_run_arguments,
+    empty_jsonl,
+    environment_lines,
+    log,
+    markdown_table,
+    predictive_scores,
+    ratio_summary,
+    split_datasets,
+    write_result,
+)
 
 
 def run(data: dict, budget: float, seed: int, loo: bool) -> dict:
@@ -41,26 +49,14 @@ def run(data: dict, budget: float, seed: int, loo: bool) -> dict:
     t = time.perf_counter()
     model = gpfalkon.auto_fit(xtr, ytr, budget=budget, seed=seed, **({} if loo else {"loo_rows": 0}))
     seconds = time.perf_counter() - t
-    model.eval()
-    with torch.no_grad():
-        pred = model.likelihood(model(xte))
-        mean, var = pred.mean.double(), pred.variance.double()
-    res = mean - yte
     rep = model.auto_report
-    return dict(nrmse=float(res.square().mean().sqrt() / yte.std()), seconds=seconds,
-                nlpd=float((0.5 * torch.log(2 * math.pi * var) + 0.5 * res.square() / var).mean()),
+    return dict(**predictive_scores(model, xte, yte), seconds=seconds,
                 racer=rep.chosen["racer"], step=rep.chosen["step"], num_centers=rep.chosen["num_centers"],
                 loo={k: v for k, v in rep.loo.items() if k != "scored"}, scored=len(rep.loo.get("scored", [])))
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--datasets", nargs="+", required=True)
-    p.add_argument("--splits", nargs="+", type=int, default=[0])
-    p.add_argument("--budget", type=float, default=30.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
+    args = dataset_run_arguments((__doc__ or "").splitlines()[0], budget=30.0, many_splits=True).parse_args()
     env = environment_lines()
     out = pathlib.Path(args.out)
     jsonl = empty_jsonl(out)
@@ -86,16 +82,13 @@ def main() -> None:
                 f.write(json.dumps(dict(dataset=name, split=split, n_train=int(data["xtr"].shape[0]), off=off, on=on,
                                         ratio=ratio, order=arms), default=str) + "\n")
             log(f"{name} split {split}: off {off['nrmse']:.4f} on {on['nrmse']:.4f} ratio {ratio:.3f} ({did})")
-    geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else math.nan
     body = (f"`auto_fit(train_x, train_y, budget={args.budget:g}, seed={args.seed})` with `loo_rows=0` ('off') and "
             "with the default ('on'), one after the other in one process (order alternating by run); test NRMSE and "
             "NLPD (the predictive distribution with its noise); 'stage': candidates scored of those kept, the winner, "
             "its noise factor.\n\n"
             + markdown_table(["dataset", "training rows", "off NRMSE", "on NRMSE", "on / off", "off NLPD", "on NLPD",
                               "off s", "on s", "stage"], rows)
-            + f"\n\n**Geometric mean of on / off: {geo:.3f}** over {len(ratios)} runs ({sum(r < 1 for r in ratios)} "
-            f"lower, {sum(r > 1 for r in ratios)} higher, largest {max(ratios, default=math.nan):.3f}). Total "
-            f"{(time.perf_counter() - t_all) / 60:.1f} min.\n")
+            + f"\n\n{ratio_summary(ratios)}. Total {(time.perf_counter() - t_all) / 60:.1f} min.\n")
     write_result(out, "auto_fit's leave-one-out choice on small data: off against on", env, body)
 
 

@@ -16,7 +16,6 @@ Usage (from the repository root; data from ``GPFALKON_DATA``, as ``compare.py``)
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import pathlib
@@ -26,7 +25,17 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import empty_jsonl, environment_lines, log, markdown_table, split_datasets, write_result  # noqa: E402
+from _common import (  # noqa: E402
+    dataset_run_arguments,
+    empty_jsonl,
+    environment_lines,
+    log,
+    markdown_table,
+    predictive_scores,
+    ratio_summary,
+    split_datasets,
+    write_result,
+)
 
 
 def run(data: dict, budget: float, seed: int, descent: bool) -> dict:
@@ -46,14 +55,7 @@ def run(data: dict, budget: float, seed: int, descent: bool) -> dict:
     finally:
         auto_mod.LOO_DESCENT_EVALS = evals
     xte, yte = torch.as_tensor(data["xte"]).float(), torch.as_tensor(data["yte"]).double()
-    model.eval()
-    with torch.no_grad():
-        pred = model.likelihood(model(xte))
-        mean, var = pred.mean.double(), pred.variance.double()
-    res = mean - yte
-    return dict(nrmse=float(res.square().mean().sqrt() / yte.std()), seconds=seconds,
-                nlpd=float((0.5 * torch.log(2 * math.pi * var) + 0.5 * res.square() / var).mean()),
-                descent=model.auto_report.loo.get("descent"))
+    return dict(**predictive_scores(model, xte, yte), seconds=seconds, descent=model.auto_report.loo.get("descent"))
 
 
 def subsample(data: dict, rows: int, seed: int) -> dict:
@@ -69,13 +71,8 @@ def subsample(data: dict, rows: int, seed: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--datasets", nargs="+", required=True)
-    p.add_argument("--splits", nargs="+", type=int, default=[0])
-    p.add_argument("--budget", type=float, default=30.0)
+    p = dataset_run_arguments((__doc__ or "").splitlines()[0], budget=30.0, many_splits=True)
     p.add_argument("--rows", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
     args = p.parse_args()
     env = environment_lines()
     out = pathlib.Path(args.out)
@@ -104,7 +101,6 @@ def main() -> None:
                 f.write(json.dumps(dict(dataset=name, split=split, n_train=int(data["xtr"].shape[0]), off=off, on=on,
                                         ratio=ratio, order=arms), default=str) + "\n")
             log(f"{name} split {split}: off {off['nrmse']:.4f} on {on['nrmse']:.4f} ratio {ratio:.3f} ({did})")
-    geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else math.nan
     rows_note = f"; {args.rows:,} random training rows" if args.rows else ""
     body = (f"`auto_fit(train_x, train_y, budget={args.budget:g}, seed={args.seed})` with the leave-one-out "
             "descent off ('off': `LOO_DESCENT_EVALS` = inf) and on (the default), one after the other in one process "
@@ -112,9 +108,7 @@ def main() -> None:
             "NRMSE and NLPD (the predictive distribution with its noise).\n\n"
             + markdown_table(["dataset", "training rows", "off NRMSE", "on NRMSE", "on / off", "off NLPD", "on NLPD",
                               "off s", "on s", "descent"], rows)
-            + f"\n\n**Geometric mean of on / off: {geo:.3f}** over {len(ratios)} runs ({sum(r < 1 for r in ratios)} "
-            f"lower, {sum(r > 1 for r in ratios)} higher, largest {max(ratios, default=math.nan):.3f}); NLPD on - off: "
-            f"mean {sum(nlpd_diff) / max(len(nlpd_diff), 1):+.3f}. "
+            + f"\n\n{ratio_summary(ratios)}; NLPD on - off: mean {sum(nlpd_diff) / max(len(nlpd_diff), 1):+.3f}. "
             f"Total {(time.perf_counter() - t_all) / 60:.1f} min.\n")
     write_result(out, "auto_fit's leave-one-out descent: off against on", env, body)
 
