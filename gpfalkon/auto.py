@@ -412,6 +412,13 @@ def _val_mse(model: FalkonGP, xv: Tensor, yv: Tensor) -> float:
     return float((pred - yv.to(torch.float64)).square().mean())
 
 
+def _path_val_mse(model: FalkonGP, path: PenaltyPath, xv: Tensor, yv: Tensor) -> list[float]:
+    """:func:`_val_mse` of every penalty of ``path`` (``model``'s, from :meth:`FalkonGP.fit_penalty_path`): one kernel
+    pass over ``xv`` for all of them (:meth:`FalkonGP.path_means`)."""
+    pred = model.path_means(path, xv)
+    return [float(e) for e in (pred - yv.to(torch.float64).reshape(1, -1)).square().mean(1)]
+
+
 def _std_residuals(model: FalkonGP, xv: Tensor, yv: Tensor, y_sd: float) -> Tensor:
     """``(yv - f(xv)) / y_sd`` (float64) of a model in raw units: its residuals in standardised units; the model's
     train/eval mode is kept."""
@@ -740,6 +747,42 @@ def _racers_within(first_round: float, racers: int, seconds: float) -> int:
     if first_round <= 0 or not math.isfinite(seconds):
         return racers
     return max(1, min(racers, int(seconds / first_round)))
+
+
+def _path_steps(score: Callable[[list[int]], list[float]], start_error: float, width: int,
+                allowed: Callable[[int], bool], fits: Callable[[int], bool],
+                tol: float) -> tuple[int, dict[int, float]] | None:
+    """A log-spaced search over integer steps ``j`` (step 0, the start, has ``start_error``) in batches, each batch
+    scored at once by ``score`` (a penalty path: one CG for all its noises): first ``0 < |j| <= width`` (both
+    sides); then, while the best step so far is the outermost of its side and lower than its inner neighbour by
+    more than ``tol`` (relative), the next ``width`` steps on that side. Only ``allowed`` steps; a batch is scored
+    only where ``fits(len(batch))``, its outermost steps dropped until it does (both sides' at once in the first).
+    Returns ``(best step, {step: error})`` (ties: the step nearest 0), or ``None`` where not even the first
+    batch's nearest steps fit (the caller falls back to single fits). Cost: the scores (no fit here)."""
+    errors: dict[int, float] = {0: start_error}
+    batch = [j for j in range(-width, width + 1) if j != 0 and allowed(j)]
+    first = True
+    while batch:
+        while batch and not fits(len(batch)):
+            if first:
+                far = max(abs(j) for j in batch)
+                batch = [j for j in batch if abs(j) < far]
+            else:
+                batch = batch[:-1]  # an extension's steps are nearest first
+        if not batch:
+            if first:
+                return None
+            break
+        first = False
+        for j, e in zip(batch, score(batch), strict=True):
+            errors[j] = e
+        best = min(errors, key=lambda j: (errors[j], abs(j)))
+        batch = []
+        if best > 0 and best == max(errors) and errors[best] < errors[best - 1] * (1.0 - tol):
+            batch = [j for j in range(best + 1, best + width + 1) if allowed(j)]
+        elif best < 0 and best == min(errors) and errors[best] < errors[best + 1] * (1.0 - tol):
+            batch = [j for j in range(best - 1, best - width - 1, -1) if allowed(j)]
+    return min(errors, key=lambda j: (errors[j], abs(j))), errors
 
 
 def _check_budget(name: str, value: Any) -> float:
@@ -1224,6 +1267,7 @@ def auto_fit(
     race_share: float | None = 0.5,
     min_gain: float = 0.005,
     search_tol: float = 2e-3,
+    noise_paths: bool = True,
     final_growth: bool = True,
     final_growth_factor: float = 4.0,
     check_growth: bool = True,
@@ -1406,6 +1450,13 @@ def auto_fit(
             a smaller gain ends that search there (the error is flat at the resolution of the
             validation rows, and a further fit there costs what the next number of centers could use).
             ``0``: extend while the error falls at all (the behaviour before this option).
+        noise_paths: stage 2's noise searches score their steps by penalty paths, several noises in one CG
+            (``noise_search``: at the first size two steps of 4x on each side of the start, then one of 2x on each
+            side after the multiplier search; at each larger size one step of 2x on each side; a side whose
+            outermost step is best by more than ``search_tol`` extends by as many steps in one more path). Each
+            noise's fit is the one a separate fit gives; four noises in one path cost about two separate fits at
+            ``M`` = 1,000-2,000 here (``benchmarks/results/noise-path-s60.md``). ``False``: one fit per step,
+            down first, up only where the first step down did not gain (the behaviour before this option).
         final_growth: when stage 2 stopped growing the centers for time (not for lack of gain, nor at
             ``max_centers`` or the pool's size; with it, a next size short of doubling is not searched, its
             time goes to the grown final fit), and the chosen level is the largest one, the final
@@ -1601,6 +1652,8 @@ def auto_fit(
         raise TypeError(f"check_growth must be True or False, got {check_growth!r}")
     if not isinstance(growth_noises, bool):
         raise TypeError(f"growth_noises must be True or False, got {growth_noises!r}")
+    if not isinstance(noise_paths, bool):
+        raise TypeError(f"noise_paths must be True or False, got {noise_paths!r}")
     if not isinstance(growth_first, bool):
         raise TypeError(f"growth_first must be True or False, got {growth_first!r}")
     if not isinstance(rescore_continuations, bool):
@@ -2105,6 +2158,61 @@ def auto_fit(
             clock.tick(f"select M={m}", val_rmse=f"{math.sqrt(err):.4f}" if math.isfinite(err) else "inf")
             return err
 
+        def score_path(m: int, noises: Sequence[float], mult: float, kind: str | None = None) -> list[float]:
+            """The validation errors of selection fits at ``m`` centers of the pool ``kind`` at each of ``noises`` and
+            ``mult``, as :func:`score` gives one: those not scored yet from one penalty path, one CG for all of them
+            (:meth:`FalkonGP.fit_penalty_path <gpfalkon.FalkonGP.fit_penalty_path>`, each column the fit at its noise,
+            about one fit plus a factorisation and a preconditioner's solves per further noise) and scored by one
+            kernel pass over the validation rows for all (:func:`_path_val_mse`), recorded as :func:`score` records a
+            fit, with ``path`` (the noises solved together) and the path's ``seconds``; one noise left:
+            :func:`score`."""
+            kind = pool["kind"] if kind is None else kind
+            todo = [v for v in dict.fromkeys(noises) if score_key(m, v, mult, kind) not in cache]
+            if len(todo) == 1:
+                score(m, todo[0], mult, kind)
+            elif todo:
+                t = time.perf_counter()
+                errs = [math.inf] * len(todo)
+                conv, iters, direct, pre_s, apply_s = False, None, False, 0.0, 0.0
+                try:
+                    k = copy.deepcopy(base_kernel)
+                    _scale_lengthscales(k, mult)
+                    c_m, w_m = centers_at(m, kind)
+                    x_m, y_m = rows_of(m)
+                    rows = x_m.shape[0]
+                    mod = FalkonGP(x_m, y_m, kernel=k, centers=c_m, center_weights=w_m, penalty=todo[0] / rows,
+                                   max_iter=score_iter, tol=tol, options=select_options)
+                    path, conv = _path_quiet(mod, [v / rows for v in todo], None, None)
+                    errs = [e if math.isfinite(e) else math.inf for e in _path_val_mse(mod, path, xv_z, yv_z)]
+                    keep_cal = (calibrate_variance and n_back > 0) or check_growth
+                    cal = yv_cal.unsqueeze(0) - mod.path_means(path, xv_cal) if keep_cal else None
+                    for j, v in enumerate(todo):
+                        if math.isfinite(errs[j]):
+                            key = score_key(m, v, mult, kind)
+                            if cal is not None:
+                                cal_residuals[key] = cal[j]
+                            sel_alpha[key] = path.alphas[j].detach().reshape(-1).clone()
+                    info = path.info
+                    iters = info.iterations
+                    direct = info.extra.get("method") == "direct"
+                    pre_s = float(info.extra.get("preconditioner_seconds", 0.0))
+                    apply_s = float(info.extra.get("precond_apply_seconds", 0.0))
+                    del mod, path
+                except Exception as exc:
+                    errs = [math.inf] * len(todo)
+                    report.notes.append(f"selection path M={m} noises={', '.join(f'{v:.3g}' for v in todo)} "
+                                        f"mult={mult:.3g} failed: {exc}")
+                sec = time.perf_counter() - t
+                for v, err in zip(todo, errs, strict=True):
+                    cache[score_key(m, v, mult, kind)] = err
+                    report.search.append(dict(M=m, rows=rows_at(m), noise=v, multiplier=mult, error=err,
+                                              seconds=sec, converged=conv, iterations=iters, centers=kind,
+                                              precond_seconds=pre_s, apply_seconds=apply_s, direct=direct,
+                                              path=len(todo)))
+                best = min(errs)
+                clock.tick(f"select M={m}", val_rmse=f"{math.sqrt(best):.4f}" if math.isfinite(best) else "inf")
+            return [cache[score_key(m, v, mult, kind)] for v in noises]
+
         def line_search(m: int, point: dict[str, float], which: str, factor: float, lo: float, hi: float,
                         deadline: float) -> None:
             """Log-spaced 1-D search around ``v = point[which]``: steps of ``factor`` downwards while the error
@@ -2138,8 +2246,38 @@ def auto_fit(
                 if moved:
                     return  # went down: the first step up is not tried (one descent direction per search)
 
+        def noise_search(m: int, point: dict[str, float], factor: float, width: int, lo: float, hi: float,
+                         deadline: float) -> None:
+            """Log-spaced search of the noise around ``v = point["noise"]`` by penalty paths (:func:`_path_steps` on
+            the steps ``v factor^j``, each path scored by :func:`score_path`), within ``[lo, hi]`` and the deadline: a
+            path is started only when its prediction (:func:`predicted_fit_seconds` at its number of noises; one
+            noise: the slowest single fit at ``m``) ends by then. A start outside ``[lo, hi]``, or a deadline that
+            leaves no room for a path of the nearest step on each side: :func:`line_search`'s single fits."""
+            if not lo <= point["noise"] <= hi:
+                line_search(m, point, "noise", factor, lo, hi, deadline)
+                return
+            v0, mult = point["noise"], point["multiplier"]
+
+            def at(j: int) -> float:
+                return v0 * factor**j
+
+            def fits(columns: int) -> bool:
+                cost = predicted_fit_seconds(m, m, 1.0, columns=columns) if columns > 1 else last_fit_seconds(m)
+                return time.perf_counter() + cost < deadline
+
+            found = _path_steps(lambda steps: score_path(m, [at(j) for j in steps], mult), point["error"], width,
+                                lambda j: lo <= at(j) <= hi, fits, search_tol)
+            if found is None:
+                line_search(m, point, "noise", factor, lo, hi, deadline)
+            elif found[0] != 0:
+                point.update(noise=at(found[0]), error=found[1][found[0]])
+
+        def single_fits(m: int) -> list[dict[str, Any]]:
+            """The selection fits at ``m`` made one at a time (a path's records are not one fit's time)."""
+            return [r for r in report.search if r["M"] == m and not r.get("path")]
+
         def last_fit_seconds(m: int) -> float:
-            times = [r["seconds"] for r in report.search if r["M"] == m]
+            times = [r["seconds"] for r in single_fits(m)]
             return max(times) if times else 0.0
 
         pass_cache: dict[int, float] = {}
@@ -2164,7 +2302,7 @@ def auto_fit(
             ``m`` (default: on the selection rows of ``m_new``), at ``columns`` penalties at once, predicted from
             those fits by :func:`_scaled_fit_seconds`."""
             ratio = rows_at(m_new) / rows_at(m) if rows_ratio is None else rows_ratio
-            return _scaled_fit_seconds([r for r in report.search if r["M"] == m], m_new / m, ratio, columns,
+            return _scaled_fit_seconds(single_fits(m), m_new / m, ratio, columns,
                                        factor_growth_at(m))
 
         def fit_cost(m: int, base: int, rows: int, iterations: int, columns: int = 1) -> float:
@@ -2584,10 +2722,13 @@ def auto_fit(
         m_reserve = reserve_size(m)
         if m_reserve > m:
             report.notes.append(f"the searches at M={m} keep time for a final fit grown up to M={m_reserve}")
-        for which, factor, lo, hi in (("noise", 4.0, 1e-8, 1e2), ("multiplier", 1.5, 1e-3, 1e3),
-                                      ("noise", 2.0, 1e-8, 1e2)):
+        for which, factor, width, lo, hi in (("noise", 4.0, 2, 1e-8, 1e2), ("multiplier", 1.5, 1, 1e-3, 1e3),
+                                             ("noise", 2.0, 1, 1e-8, 1e2)):
             stage_deadline = search_deadline(m, m_reserve)
-            line_search(m, point, which, factor, lo, hi, stage_deadline)
+            if which == "noise" and noise_paths:
+                noise_search(m, point, factor, width, lo, hi, stage_deadline)
+            else:
+                line_search(m, point, which, factor, lo, hi, stage_deadline)
         levels: list[dict[str, Any]] = [dict(M=m, centers="uniform", **point)]
         if center_sampling != "uniform":
             try_leverage(m, levels[-1], stage_deadline)
@@ -2653,7 +2794,10 @@ def auto_fit(
             point = dict(noise=levels[-1]["noise"], multiplier=levels[-1]["multiplier"])
             point["error"] = score(m, point["noise"], point["multiplier"])
             # the best noise falls and the best lengthscales shorten as the Nystrom approximation improves
-            line_search(m, point, "noise", 2.0, 1e-8, 1e2, clock.t0 + budget - 1.2 * final_cost(m))
+            if noise_paths:
+                noise_search(m, point, 2.0, 1, 1e-8, 1e2, clock.t0 + budget - 1.2 * final_cost(m))
+            else:
+                line_search(m, point, "noise", 2.0, 1e-8, 1e2, clock.t0 + budget - 1.2 * final_cost(m))
             line_search(m, point, "multiplier", 1.25, 1e-3, 1e3, clock.t0 + budget - 1.2 * final_cost(m))
             levels.append(dict(M=m, centers=pool["kind"], **point))
             level_done(levels[-1])

@@ -497,6 +497,7 @@ def test_auto_fit_respects_a_small_budget():
         (dict(search_tol=1.0), "search_tol"),
         (dict(search_tol=-0.1), "search_tol"),
         (dict(search_tol=True), "search_tol"),
+        (dict(noise_paths=1), "noise_paths"),
         (dict(level_share=0.0), "level_share"),
         (dict(level_share=1.5), "level_share"),
         (dict(hyper_entries=0), "hyper_entries"),
@@ -681,6 +682,22 @@ def _assert_dense_nystrom(model: FalkonGP) -> None:
     assert float((pred - ref).abs().max()) < 1e-3 * float(ref.std())
 
 
+def _script_val_mse(monkeypatch, fn) -> None:
+    """Script ``auto_fit``'s validation errors: ``fn(model, xv, yv)`` for each fit, and for each noise of a
+    penalty path with the model made that noise's fit (:meth:`FalkonGP.select_penalty`)."""
+    import gpfalkon.auto as auto_module
+
+    def path_mse(model, path, xv, yv):
+        out = []
+        for j in range(path.penalties.numel()):
+            model.select_penalty(path, j)
+            out.append(fn(model, xv, yv))
+        return out
+
+    monkeypatch.setattr(auto_module, "_val_mse", fn)
+    monkeypatch.setattr(auto_module, "_path_val_mse", path_mse)
+
+
 def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int, **extra) -> tuple[FalkonGP, float]:
     """auto_fit on a fake clock that only data passes advance: ``1e-6 s x rows x M`` per pass, a
     twentieth of that where ``K_nM`` is stored (a memory read instead of kernel evaluations). Returns
@@ -735,10 +752,13 @@ def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int, **extra
     # (with the defaults this easy problem's M = 120 gains < min_gain over M = 60: nothing left to grow)
     # the growth check off: the budgets below are sized to a grown final fit on all rows (the check is covered by
     # test_auto_fit_checks_a_grown_final_fit_on_held_out_rows)
+    # the noise searches one fit per step: the budgets below are sized to those fits (a penalty path's columns cost
+    # this clock nothing: one data pass an iteration for all; the paths are covered by
+    # test_auto_fit_search_tol_ends_a_flat_search and test_auto_fit_noise_paths_score_each_noise_as_its_own_fit)
     kw = dict(SMALL, budget=budget, select_rows=400, min_centers=60, max_centers=120, search_tol=0.0,
               objectives=("sgpr", "gcv", "nystrom-compreg"), race_margin=None, race_share=None,
               grow_select_rows=False, lengthscale_transform="softplus", lengthscale_step="adam",
-              check_growth=False)
+              check_growth=False, noise_paths=False)
     kw.update(extra)
     with settings.memory_budget(memory_budget):
         model = auto_fit(x, y, **kw)
@@ -1247,7 +1267,7 @@ def test_auto_fit_leverage_check_keeps_the_better_centers_on_validation(monkeypa
             return forced[winner]
         return real(model, x, y)
 
-    monkeypatch.setattr(auto_module, "_val_mse", val_mse)
+    _script_val_mse(monkeypatch, val_mse)
     x, y, _ = _data(800)
     model = auto_fit(x, y, leverage_check=True, center_sampling="uniform", **SMALL)
     rep = model.auto_report
@@ -1290,8 +1310,7 @@ def test_auto_fit_final_cg_starts_from_the_chosen_selection_fit(monkeypatch, cas
     monkeypatch.setattr(nystrom_module, "choose_method", lambda *a, **k: "cg")
     if case == "leverage-check":
         real = auto_module._val_mse
-        monkeypatch.setattr(auto_module, "_val_mse",
-                            lambda model, x, y: 0.0 if model.center_weights is not None else real(model, x, y))
+        _script_val_mse(monkeypatch, lambda model, x, y: 0.0 if model.center_weights is not None else real(model, x, y))
     starts: list[tuple[FalkonGP, torch.Tensor]] = []
     real_fit = FalkonGP.fit
 
@@ -1346,7 +1365,7 @@ def test_auto_fit_center_sampling_pool_chosen_on_validation(monkeypatch, mode):
             return forced[mode]
         return real(model, x, y)
 
-    monkeypatch.setattr(auto_module, "_val_mse", val_mse)
+    _script_val_mse(monkeypatch, val_mse)
     pools = []
     real_nested = auto_module.nested_leverage_centers
 
@@ -1423,11 +1442,10 @@ def test_auto_fit_leverage_pool_skips_and_failures(monkeypatch, branch):
             return NestedLeverageCenters(full.indices[:keep], full.first_draw[:keep], stream, full.probabilities)
         monkeypatch.setattr(auto_module, "nested_leverage_centers", truncated)
         # and a leverage fit that would win on validation if it were allowed
-        monkeypatch.setattr(auto_module, "_val_mse",
-                            lambda m, xv, yv: 0.0 if m.center_weights is not None else real_val(m, xv, yv))
+        _script_val_mse(monkeypatch, lambda m, xv, yv: 0.0 if m.center_weights is not None else real_val(m, xv, yv))
     else:
-        monkeypatch.setattr(auto_module, "_val_mse",
-                            lambda m, xv, yv: math.inf if m.center_weights is not None else real_val(m, xv, yv))
+        _script_val_mse(monkeypatch,
+                        lambda m, xv, yv: math.inf if m.center_weights is not None else real_val(m, xv, yv))
     x, y, _ = _data(600)
     sampling = "leverage" if branch == "fit-fails" else "auto"
     model = auto_fit(x, y, center_sampling=sampling, **SMALL)
@@ -1581,10 +1599,9 @@ def test_auto_fit_min_gain_is_per_doubling(monkeypatch, gain, grows):
     """A budget- or cap-limited step by f = 1.5 needs min_gain * log2(1.5) = 5.85 % (min_gain 10 %):
     an 8 % gain keeps the level (the growth then ends at max_centers), a 3 % gain stops it with a note
     that states the scaled threshold. Validation errors are scripted per number of centers."""
-    import gpfalkon.auto as auto_module
 
     errors = {60: 1.0, 90: 1.0 - gain}
-    monkeypatch.setattr(auto_module, "_val_mse", lambda model, xv, yv: errors.get(int(model.centers.shape[0]), 2.0))
+    _script_val_mse(monkeypatch, lambda model, xv, yv: errors.get(int(model.centers.shape[0]), 2.0))
     x, y, _ = _data(500)
     kwargs = dict(SMALL, max_centers=90, min_gain=0.1, center_sampling="uniform")
     model = auto_fit(x, y, **kwargs)
@@ -1598,33 +1615,94 @@ def test_auto_fit_min_gain_is_per_doubling(monkeypatch, gain, grows):
         assert len(stop) == 1 and "gained less than 5.8% over M=60 (min_gain 10% per doubling)" in stop[0]
 
 
+@pytest.mark.parametrize("paths", [False, True])
 @pytest.mark.parametrize("tol", [0.0, 2e-3])
-def test_auto_fit_search_tol_ends_a_flat_search(monkeypatch, tol):
+def test_auto_fit_search_tol_ends_a_flat_search(monkeypatch, tol, paths):
     """Validation errors scripted by the noise alone: every halving of it lowers the error by
     1e-4 * log(2) relative (flat) and the multiplier changes nothing. With ``search_tol=0`` the noise
     search at the first size keeps stepping down (it extends while the error falls at all); with
-    ``search_tol=2e-3`` each noise search takes one step down, keeps that lower error, and ends there:
-    the first size tries exactly the start, start / 4 (first search) and start / 8 (the finer one)."""
-    import gpfalkon.auto as auto_module
+    ``search_tol=2e-3`` each noise search ends after its first steps and keeps their lower error. One fit per
+    step (``noise_paths=False``): the first size tries exactly the start, start / 4 (first search) and start / 8
+    (the finer one). By penalty paths: start / 16 ... 16 start in one path of four, then start / 32 and start / 8
+    in one of two (both sides at once), and keeps start / 32."""
 
     def scripted(model, xv, yv):
         noise = float(model.penalty.detach()) * model.n
         return 1.0 + 1e-4 * math.log(noise)
 
-    monkeypatch.setattr(auto_module, "_val_mse", scripted)
+    _script_val_mse(monkeypatch, scripted)
     x, y, _ = _data(500)
     model = auto_fit(x, y, **dict(SMALL, max_steps=0, objectives=("sgpr",), center_sampling="uniform",
-                                  max_centers=60, search_tol=tol))
+                                  max_centers=60, search_tol=tol, noise_paths=paths))
     rep = model.auto_report
     first = [r for r in rep.search if r["M"] == 60]
     start = first[0]["noise"]
     ratios = sorted({round(start / r["noise"], 6) for r in first})
     if tol == 0.0:
         assert max(ratios) > 1e3, ratios  # many steps down (to the deadline or the lower bound 1e-8)
-    else:
+    elif not paths:
         assert ratios == [1.0, 4.0, 8.0], ratios
         assert len(first) == 5  # start, one step down, multiplier down and up (no gain), one finer step down
         assert rep.chosen["noise"] == pytest.approx(start / 8, rel=1e-9)  # the lower error is kept
+    else:
+        assert ratios == [0.0625, 0.25, 1.0, 4.0, 8.0, 16.0, 32.0], ratios
+        assert [r.get("path") for r in first] == [None, 4, 4, 4, 4, None, None, 2, 2]
+        assert rep.chosen["noise"] == pytest.approx(start / 32, rel=1e-9)
+    assert all(r.get("path") is None for r in first) or paths
+
+
+def test_path_steps_scores_both_sides_then_extends_the_best_edge():
+    """The noise search's steps (:func:`gpfalkon.auto._path_steps`) on scripted errors: both sides first, then
+    ``width`` more steps beyond a best outermost step while it gains more than ``tol`` over its neighbour; only the
+    allowed steps; a batch that does not fit loses its outermost steps (both sides' in the first batch), and
+    ``None`` where not even the nearest steps of the first batch fit."""
+    from gpfalkon.auto import _path_steps
+
+    def run(err, width=2, allowed=lambda j: True, fits=lambda k: True, tol=0.0):
+        batches: list[list[int]] = []
+
+        def score(steps):
+            batches.append(list(steps))
+            return [err(j) for j in steps]
+
+        return _path_steps(score, err(0), width, allowed, fits, tol), batches
+
+    (best, errors), batches = run(lambda j: (j - 3) ** 2 + 1.0)
+    assert best == 3 and batches == [[-2, -1, 1, 2], [3, 4]] and sorted(errors) == [-2, -1, 0, 1, 2, 3, 4]
+    (best, _), batches = run(lambda j: (j + 5) ** 2 + 1.0)  # downwards, two extensions
+    assert best == -5 and batches == [[-2, -1, 1, 2], [-3, -4], [-5, -6]]
+    (best, _), batches = run(lambda j: 1.0 - 1e-4 * j, tol=2e-3)  # the edge is best by less than tol: it ends
+    assert best == 2 and batches == [[-2, -1, 1, 2]]
+    (best, _), batches = run(lambda j: 1.0 - 1e-4 * j, tol=0.0, allowed=lambda j: -1 <= j <= 5)
+    assert best == 5 and batches == [[-1, 1, 2], [3, 4], [5]]
+    (best, _), batches = run(lambda j: 1.0 + 0.1 * abs(j))  # the start is best: no extension
+    assert best == 0 and batches == [[-2, -1, 1, 2]]
+    (best, _), batches = run(lambda j: 1.0, width=1)  # ties go to the step nearest the start
+    assert best == 0 and batches == [[-1, 1]]
+    # the deadline: the first batch loses both sides' outermost steps, an extension its outermost
+    (best, _), batches = run(lambda j: (j - 3) ** 2 + 1.0, fits=lambda k: k <= 2)
+    assert best == 3 and batches == [[-1, 1], [2, 3], [4, 5]]
+    assert run(lambda j: float(j), fits=lambda k: k <= 1)[0] is None
+    calls = iter([False, True])  # the first batch fits at its nearest steps, then no extension fits at all
+    (best, _), batches = run(lambda j: (j - 3) ** 2 + 1.0, fits=lambda k: next(calls, False))
+    assert batches == [[-1, 1]] and best == 1
+
+
+def test_auto_fit_noise_paths_score_each_noise_as_its_own_fit():
+    """A noise scored in a penalty path has the validation error a fit of its own at that noise has: the same
+    deterministic call (a budget that no stage reaches) with and without ``noise_paths`` scores its start and its
+    first step down both ways; the errors agree to CG's tolerance, and the path's records carry their path."""
+    x, y, _ = _data(500)
+    kw = dict(SMALL, max_steps=5, objectives=("gcv",), center_sampling="uniform", max_centers=60, tol=1e-10)
+    reps = [auto_fit(x, y, noise_paths=paths, **kw).auto_report for paths in (False, True)]
+    errors = [{(round(math.log(r["noise"]), 6), round(math.log(r["multiplier"]), 6)): r for r in rep.search
+               if r["M"] == 60} for rep in reps]
+    common = set(errors[0]) & set(errors[1])
+    by_path = [k for k in common if errors[1][k].get("path")]
+    assert by_path, (sorted(errors[0]), sorted(errors[1]))
+    for k in common:
+        assert errors[1][k]["error"] == pytest.approx(errors[0][k]["error"], rel=1e-6), k
+    assert all(errors[1][k]["path"] >= 2 for k in by_path)
 
 
 def test_scaled_fit_seconds_scales_each_part_by_its_own_power():
@@ -2112,7 +2190,7 @@ def test_auto_fit_calibrates_with_the_residuals_of_the_centers_it_returns(monkey
         used.append(r.detach().clone())
         return real_scale(r, v)
 
-    monkeypatch.setattr(auto_module, "_val_mse", val_mse)
+    _script_val_mse(monkeypatch, val_mse)
     monkeypatch.setattr(auto_module, "variance_scale", spy)
     assert calibration_module.variance_scale is real_scale
     x, y, _ = _data(800)
