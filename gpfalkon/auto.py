@@ -518,7 +518,8 @@ def _factor_growth(m: int, device: torch.device, repeats: int = 2) -> float:
 def _scaled_fit_seconds(records: Sequence[dict[str, Any]], factor: float, rows_ratio: float = 1.0,
                         columns: int = 1, factor_growth: float = 8.0) -> float:
     """The seconds of a selection fit at ``factor`` times the centers, on ``rows_ratio`` times the rows,
-    predicted from ``records`` (the fits measured at one size: ``report.search`` entries); ``columns``: as a penalty
+    predicted from ``records`` (the single fits measured at one size: ``report.search`` entries without ``path``,
+    a penalty path's seconds being several noises'); ``columns``: as a penalty
     path of that many penalties (:meth:`FalkonGP.fit_penalty_path <gpfalkon.FalkonGP.fit_penalty_path>`).
 
     A FALKON fit with ``M`` centers on ``n`` rows spends its time in three parts that grow at different
@@ -779,9 +780,9 @@ def _path_steps(score: Callable[[list[int]], list[float]], start_error: float, w
         best = min(errors, key=lambda j: (errors[j], abs(j)))
         batch = []
         if best > 0 and best == max(errors) and errors[best] < errors[best - 1] * (1.0 - tol):
-            batch = [j for j in range(best + 1, best + width + 1) if allowed(j)]
+            batch = [best + k for k in range(1, width + 1) if allowed(best + k)]
         elif best < 0 and best == min(errors) and errors[best] < errors[best + 1] * (1.0 - tol):
-            batch = [j for j in range(best - 1, best - width - 1, -1) if allowed(j)]
+            batch = [best - k for k in range(1, width + 1) if allowed(best - k)]
     return min(errors, key=lambda j: (errors[j], abs(j))), errors
 
 
