@@ -5,9 +5,10 @@ one spec to the next, so slow drifts of a shared machine hit both), each in its 
 ``PYTHONPATH=<tree>`` (so each imports its own gpfalkon; the datasets come from this tree's
 ``benchmarks/compare.py``, the same split for both). Every run records its test NRMSE, its stages, the
 chosen level and the whole ``auto_report`` (learning curves, every selection fit) to a ``.jsonl`` next to
-``--out``; the table reports per run both trees' error, number of centers and selection fits, the ratio
-after / before, and whether stage 1 ended at the same point in both (the learning stage stops at a
-wall-clock deadline, so two runs of one tree can differ there; where it did not, the rest of the run compares
+``--out``; the table reports per run both trees' error, number of centers and selection scores (a fit each,
+or a noise of a penalty path), the ratio after / before, and whether stage 1 ended at the same point in both
+(the learning stage stops at a wall-clock deadline, so two runs of one tree can differ there; where it did not,
+the rest of the run compares
 the two trees' selection and final fit alone). Summary: the geometric mean of the ratios, over all runs and
 over those whose learning ended at the same point.
 
@@ -93,7 +94,7 @@ def _table(rows: list[dict]) -> str:
     def geo(v: list[float]) -> str:
         return f"{math.exp(sum(map(math.log, v)) / len(v)):.3f} over {len(v)}" if v else "-"
 
-    table = markdown_table(["dataset:budget", "before NRMSE", "M", "fits", "s", "after NRMSE", "M", "fits", "s",
+    table = markdown_table(["dataset:budget", "before NRMSE", "M", "scores", "s", "after NRMSE", "M", "scores", "s",
                             "after / before", "stage 1 ended"], body)
     lower, higher = sum(r < 1 for r in ratios), sum(r > 1 for r in ratios)
     return (table + f"\n\nGeometric mean after / before: {geo(ratios)} runs ({lower} lower, {higher} higher); "

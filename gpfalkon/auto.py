@@ -147,8 +147,10 @@ class AutoFitReport:
     targets' units). ``stages`` holds the seconds spent per stage; ``learn`` the starting point's
     record, then one per racer and subsample (its ``objective``, ``racer``, ``lr``, rows and
     validation-error trajectory); ``search`` every selection fit
-    ``(M, noise, multiplier, error, seconds)``; ``chosen`` the final choices (with ``final_check_error``, the returned
-    model's error on the calibration rows, and ``final_check_selection_error``, its level's selection fit's there:
+    ``(M, noise, multiplier, error, seconds)``, one record per noise of a penalty path too (``path``: the noises solved
+    together; ``seconds``: the whole path's, on each of its records); ``chosen`` the final choices (with
+    ``final_check_error``, the returned model's error on the calibration rows, and ``final_check_selection_error``, its
+    level's selection fit's there:
     above :data:`FINAL_CHECK_RATIO` times it ``auto_fit`` refits the level on its selection rows, returns the better
     of the two there and warns; ``None`` where a growth check scored the model instead, in ``growth``, or where no
     selection residuals were kept: ``check_growth=False`` with ``calibrate_variance=False`` or no held-out rows put
@@ -412,11 +414,21 @@ def _val_mse(model: FalkonGP, xv: Tensor, yv: Tensor) -> float:
     return float((pred - yv.to(torch.float64)).square().mean())
 
 
+def _path_means(model: FalkonGP, path: PenaltyPath, x: Tensor) -> Tensor:
+    """:meth:`FalkonGP.path_means` rounded to the data dtype, as :meth:`FalkonGP.posterior_mean` returns a single fit's
+    predictions (``(p, q)``, float64 values)."""
+    return model.path_means(path, x).to(model.train_inputs[0].dtype).to(torch.float64)
+
+
 def _path_val_mse(model: FalkonGP, path: PenaltyPath, xv: Tensor, yv: Tensor) -> list[float]:
     """:func:`_val_mse` of every penalty of ``path`` (``model``'s, from :meth:`FalkonGP.fit_penalty_path`): one kernel
-    pass over ``xv`` for all of them (:meth:`FalkonGP.path_means`)."""
-    pred = model.path_means(path, xv)
+    pass over ``xv`` for all of them (:func:`_path_means`)."""
+    pred = _path_means(model, path, xv)
     return [float(e) for e in (pred - yv.to(torch.float64).reshape(1, -1)).square().mean(1)]
+
+
+class _PathFailed(Exception):
+    """A selection path that raised: its noises are left unscored, for single fits to take over."""
 
 
 def _std_residuals(model: FalkonGP, xv: Tensor, yv: Tensor, y_sd: float) -> Tensor:
@@ -1455,9 +1467,11 @@ def auto_fit(
             (``noise_search``: at the first size two steps of 4x on each side of the start, then one of 2x on each
             side after the multiplier search; at each larger size one step of 2x on each side; a side whose
             outermost step is best by more than ``search_tol`` extends by as many steps in one more path). Each
-            noise's fit is the one a separate fit gives; four noises in one path cost about two separate fits at
-            ``M`` = 1,000-2,000 here (``benchmarks/results/noise-path-s60.md``). ``False``: one fit per step,
-            down first, up only where the first step down did not gain (the behaviour before this option).
+            noise's fit is the one a separate fit gives (to CG's tolerance; a path may be solved directly where a
+            single fit runs CG, the cost model choosing for its number of noises); four noises in one path cost
+            about 1.8 separate fits, two about 1.25, at ``M`` = 1,000 here (``benchmarks/results/noise-path-s60.md``).
+            ``False``: one fit per step, down first, up only where the first step down did not gain (the behaviour
+            before this option).
         final_growth: when stage 2 stopped growing the centers for time (not for lack of gain, nor at
             ``max_centers`` or the pool's size; with it, a next size short of doubling is not searched, its
             time goes to the grown final fit), and the chosen level is the largest one, the final
@@ -2166,15 +2180,13 @@ def auto_fit(
             about one fit plus a factorisation and a preconditioner's solves per further noise) and scored by one
             kernel pass over the validation rows for all (:func:`_path_val_mse`), recorded as :func:`score` records a
             fit, with ``path`` (the noises solved together) and the path's ``seconds``; one noise left:
-            :func:`score`."""
+            :func:`score`. A path that raises caches nothing and raises :class:`_PathFailed` (noted in the report)."""
             kind = pool["kind"] if kind is None else kind
             todo = [v for v in dict.fromkeys(noises) if score_key(m, v, mult, kind) not in cache]
             if len(todo) == 1:
                 score(m, todo[0], mult, kind)
             elif todo:
                 t = time.perf_counter()
-                errs = [math.inf] * len(todo)
-                conv, iters, direct, pre_s, apply_s = False, None, False, 0.0, 0.0
                 try:
                     k = copy.deepcopy(base_kernel)
                     _scale_lengthscales(k, mult)
@@ -2186,23 +2198,26 @@ def auto_fit(
                     path, conv = _path_quiet(mod, [v / rows for v in todo], None, None)
                     errs = [e if math.isfinite(e) else math.inf for e in _path_val_mse(mod, path, xv_z, yv_z)]
                     keep_cal = (calibrate_variance and n_back > 0) or check_growth
-                    cal = yv_cal.unsqueeze(0) - mod.path_means(path, xv_cal) if keep_cal else None
-                    for j, v in enumerate(todo):
-                        if math.isfinite(errs[j]):
-                            key = score_key(m, v, mult, kind)
-                            if cal is not None:
-                                cal_residuals[key] = cal[j]
-                            sel_alpha[key] = path.alphas[j].detach().reshape(-1).clone()
+                    cal = yv_cal.unsqueeze(0) - _path_means(mod, path, xv_cal) if keep_cal else None
+                    alphas = [path.alphas[j].detach().reshape(-1).clone() for j in range(len(todo))]
                     info = path.info
-                    iters = info.iterations
-                    direct = info.extra.get("method") == "direct"
-                    pre_s = float(info.extra.get("preconditioner_seconds", 0.0))
-                    apply_s = float(info.extra.get("precond_apply_seconds", 0.0))
                     del mod, path
                 except Exception as exc:
-                    errs = [math.inf] * len(todo)
+                    # nothing is cached: the search's single fits score these noises (a path fails whole where one
+                    # of its penalties breaks CG down; one fit at a time loses only that one)
                     report.notes.append(f"selection path M={m} noises={', '.join(f'{v:.3g}' for v in todo)} "
-                                        f"mult={mult:.3g} failed: {exc}")
+                                        f"mult={mult:.3g} failed ({type(exc).__name__}: {exc}); single fits instead")
+                    raise _PathFailed(str(exc)) from exc
+                for j, v in enumerate(todo):
+                    if math.isfinite(errs[j]):
+                        key = score_key(m, v, mult, kind)
+                        if cal is not None:
+                            cal_residuals[key] = cal[j]
+                        sel_alpha[key] = alphas[j]
+                iters = info.iterations
+                direct = info.extra.get("method") == "direct"
+                pre_s = float(info.extra.get("preconditioner_seconds", 0.0))
+                apply_s = float(info.extra.get("precond_apply_seconds", 0.0))
                 sec = time.perf_counter() - t
                 for v, err in zip(todo, errs, strict=True):
                     cache[score_key(m, v, mult, kind)] = err
@@ -2252,8 +2267,9 @@ def auto_fit(
             """Log-spaced search of the noise around ``v = point["noise"]`` by penalty paths (:func:`_path_steps` on
             the steps ``v factor^j``, each path scored by :func:`score_path`), within ``[lo, hi]`` and the deadline: a
             path is started only when its prediction (:func:`predicted_fit_seconds` at its number of noises; one
-            noise: the slowest single fit at ``m``) ends by then. A start outside ``[lo, hi]``, or a deadline that
-            leaves no room for a path of the nearest step on each side: :func:`line_search`'s single fits."""
+            noise: the slowest single fit at ``m``) ends by then. A start outside ``[lo, hi]``, a deadline that
+            leaves no room for a path of the nearest step on each side, or a path that fails (from the best point the
+            paths before it found): :func:`line_search`'s single fits."""
             if not lo <= point["noise"] <= hi:
                 line_search(m, point, "noise", factor, lo, hi, deadline)
                 return
@@ -2266,8 +2282,21 @@ def auto_fit(
                 cost = predicted_fit_seconds(m, m, 1.0, columns=columns) if columns > 1 else last_fit_seconds(m)
                 return time.perf_counter() + cost < deadline
 
-            found = _path_steps(lambda steps: score_path(m, [at(j) for j in steps], mult), point["error"], width,
-                                lambda j: lo <= at(j) <= hi, fits, search_tol)
+            scored: dict[int, float] = {}
+
+            def scores(steps: list[int]) -> list[float]:
+                errs = score_path(m, [at(j) for j in steps], mult)
+                scored.update(zip(steps, errs, strict=True))
+                return errs
+
+            try:
+                found = _path_steps(scores, point["error"], width, lambda j: lo <= at(j) <= hi, fits, search_tol)
+            except _PathFailed:
+                found = None
+                if scored:  # the best of the paths that ran, then the single fits from there
+                    best = min(scored, key=lambda j: (scored[j], abs(j)))
+                    if scored[best] < point["error"]:
+                        point.update(noise=at(best), error=scored[best])
             if found is None:
                 line_search(m, point, "noise", factor, lo, hi, deadline)
             elif found[0] != 0:

@@ -1688,10 +1688,16 @@ def test_path_steps_scores_both_sides_then_extends_the_best_edge():
     assert batches == [[-1, 1]] and best == 1
 
 
-def test_auto_fit_noise_paths_score_each_noise_as_its_own_fit():
+@pytest.mark.parametrize("method", ["auto", "cg"])
+def test_auto_fit_noise_paths_score_each_noise_as_its_own_fit(monkeypatch, method):
     """A noise scored in a penalty path has the validation error a fit of its own at that noise has: the same
     deterministic call (a budget that no stage reaches) with and without ``noise_paths`` scores its start and its
-    first step down both ways; the errors agree to CG's tolerance, and the path's records carry their path."""
+    first step down both ways; the errors agree to CG's tolerance. At this size the cost model solves directly;
+    with CG forced (``"cg"``: one block CG, a preconditioner per column) the same holds."""
+    import gpfalkon.operators.nystrom as nystrom_module
+
+    if method == "cg":
+        monkeypatch.setattr(nystrom_module, "choose_method", lambda *a, **k: "cg")
     x, y, _ = _data(500)
     kw = dict(SMALL, max_steps=5, objectives=("gcv",), center_sampling="uniform", max_centers=60, tol=1e-10)
     reps = [auto_fit(x, y, noise_paths=paths, **kw).auto_report for paths in (False, True)]
@@ -1700,9 +1706,49 @@ def test_auto_fit_noise_paths_score_each_noise_as_its_own_fit():
     common = set(errors[0]) & set(errors[1])
     by_path = [k for k in common if errors[1][k].get("path")]
     assert by_path, (sorted(errors[0]), sorted(errors[1]))
+    assert all(errors[1][k]["direct"] == (method == "auto") for k in by_path)
+    # CG capped at the selection's iterations: the same iterates up to rounding (a block CG's columns and one CG
+    # each differ in the order of their sums)
+    rel = 1e-6 if method == "auto" else 1e-4
     for k in common:
-        assert errors[1][k]["error"] == pytest.approx(errors[0][k]["error"], rel=1e-6), k
-    assert all(errors[1][k]["path"] >= 2 for k in by_path)
+        assert errors[1][k]["error"] == pytest.approx(errors[0][k]["error"], rel=rel), k
+    # the tolerance tells the noises apart: the errors of one path's noises differ by far more
+    path_errors = sorted(r["error"] for r in errors[1].values() if r.get("path") == 4)
+    assert len(path_errors) == 4 and all(b > a * (1 + 100 * rel) for a, b in itertools.pairwise(path_errors)), \
+        path_errors
+
+
+@pytest.mark.parametrize("how", ["path fails", "no path fits"])
+def test_auto_fit_noise_search_falls_back_to_single_fits(monkeypatch, how):
+    """A penalty path that raises leaves its noises to the line search's single fits (a note names the failure);
+    where not even one step each way fits a path (``_path_steps`` gives ``None``), the same. Either way the
+    search scores noises one fit at a time and the call returns a model."""
+    import gpfalkon.auto as auto_module
+
+    if how == "path fails":
+        real = auto_module._path_quiet
+
+        def failing(model, penalties, time_limit, initial_alpha):
+            if time_limit is None:  # the selection's paths (a growth check's path has a time limit)
+                raise RuntimeError("scripted breakdown")
+            return real(model, penalties, time_limit, initial_alpha)
+
+        monkeypatch.setattr(auto_module, "_path_quiet", failing)
+    else:
+        monkeypatch.setattr(auto_module, "_path_steps", lambda *a, **k: None)
+    x, y, _ = _data(500)
+    model = auto_fit(x, y, **dict(SMALL, max_steps=5, objectives=("gcv",), center_sampling="uniform",
+                                  max_centers=60))
+    rep = model.auto_report
+    first = [r for r in rep.search if r["M"] == 60]
+    assert not any(r.get("path") for r in first)
+    assert len({round(math.log(r["noise"]), 6) for r in first}) >= 2  # the start and at least one single step
+    failed = [n for n in rep.notes if n.startswith("selection path M=60")]
+    if how == "path fails":
+        assert failed and "failed (RuntimeError: scripted breakdown); single fits instead" in failed[0], rep.notes
+    else:
+        assert not failed
+    assert bool(torch.isfinite(model.alpha).all())
 
 
 def test_scaled_fit_seconds_scales_each_part_by_its_own_power():
