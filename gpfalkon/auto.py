@@ -2131,6 +2131,35 @@ def auto_fit(
         def pool_limit() -> int:
             return n_s if pool["kind"] == "uniform" else min(n_s, pool["nested"].size)
 
+        # the selection fits keep their calibration residuals for the variance calibration and the growth check
+        keep_cal = (calibrate_variance and n_back > 0) or check_growth
+
+        def selection_model(m: int, noise: float, mult: float, kind: str) -> FalkonGP:
+            """The (unfitted) selection model at ``m`` centers of the pool ``kind``, at ``noise`` and ``mult``, on the
+            selection rows of ``m``."""
+            k = copy.deepcopy(base_kernel)
+            _scale_lengthscales(k, mult)
+            c_m, w_m = centers_at(m, kind)
+            x_m, y_m = rows_of(m)
+            return FalkonGP(x_m, y_m, kernel=k, centers=c_m, center_weights=w_m, penalty=noise / x_m.shape[0],
+                            max_iter=score_iter, tol=tol, options=select_options)
+
+        def record(m: int, noises: Sequence[float], mult: float, kind: str, errors: Sequence[float], seconds: float,
+                   converged: bool, info: Any | None, **extra: Any) -> None:
+            """Cache the validation errors of the selection fits at ``noises`` and record them in ``report.search``
+            (the CG's iterations, method and times from ``info``, the fit's or path's :class:`CGInfo`)."""
+            parts = info.extra if info is not None else {}
+            for v, err in zip(noises, errors, strict=True):
+                cache[score_key(m, v, mult, kind)] = err
+                report.search.append(dict(M=m, rows=rows_at(m), noise=v, multiplier=mult, error=err, seconds=seconds,
+                                          converged=converged,
+                                          iterations=info.iterations if info is not None else None, centers=kind,
+                                          precond_seconds=float(parts.get("preconditioner_seconds", 0.0)),
+                                          apply_seconds=float(parts.get("precond_apply_seconds", 0.0)),
+                                          direct=parts.get("method") == "direct", **extra))
+            best = min(errors)
+            clock.tick(f"select M={m}", val_rmse=f"{math.sqrt(best):.4f}" if math.isfinite(best) else "inf")
+
         def score(m: int, noise: float, mult: float, kind: str | None = None) -> float:
             """The validation error of a selection fit at ``m`` centers of the pool ``kind``, at ``noise`` and
             ``mult``, on the selection rows of ``m``."""
@@ -2139,38 +2168,22 @@ def auto_fit(
             if key in cache:
                 return cache[key]
             t = time.perf_counter()
+            info = None
             try:
-                k = copy.deepcopy(base_kernel)
-                _scale_lengthscales(k, mult)
-                c_m, w_m = centers_at(m, kind)
-                x_m, y_m = rows_of(m)
-                mod, conv = _fit_quiet(FalkonGP(x_m, y_m, kernel=k, centers=c_m, center_weights=w_m,
-                                                penalty=noise / x_m.shape[0], max_iter=score_iter, tol=tol,
-                                                options=select_options))
+                mod, conv = _fit_quiet(selection_model(m, noise, mult, kind))
                 err = _val_mse(mod, xv_z, yv_z)
-                if ((calibrate_variance and n_back > 0) or check_growth) and math.isfinite(err):
+                if keep_cal and math.isfinite(err):
                     cal_residuals[key] = yv_cal - mod.posterior_mean(xv_cal).to(torch.float64)
                 if math.isfinite(err):
                     sel_alpha[key] = mod.alpha.detach().reshape(-1).clone()
                 info = mod.fit_info
-                iters = info.iterations if info is not None else None
-                extra_info = info.extra if info is not None else {}
-                direct = extra_info.get("method") == "direct"
-                pre_s = float(extra_info.get("preconditioner_seconds", 0.0))
-                apply_s = float(extra_info.get("precond_apply_seconds", 0.0))
                 del mod
                 if not math.isfinite(err):  # NaN / inf predictions: an infeasible point
                     err = math.inf
             except Exception as exc:
-                err, conv, iters, direct, pre_s, apply_s = math.inf, False, None, False, 0.0, 0.0
+                err, conv = math.inf, False
                 report.notes.append(f"selection fit M={m} noise={noise:.3g} mult={mult:.3g} failed: {exc}")
-            sec = time.perf_counter() - t
-            cache[key] = err
-            report.search.append(dict(M=m, rows=rows_at(m), noise=noise, multiplier=mult, error=err,
-                                      seconds=sec, converged=conv,
-                                      iterations=iters, centers=kind, precond_seconds=pre_s,
-                                      apply_seconds=apply_s, direct=direct))
-            clock.tick(f"select M={m}", val_rmse=f"{math.sqrt(err):.4f}" if math.isfinite(err) else "inf")
+            record(m, [noise], mult, kind, [err], time.perf_counter() - t, conv, info)
             return err
 
         def score_path(m: int, noises: Sequence[float], mult: float, kind: str | None = None) -> list[float]:
@@ -2188,16 +2201,9 @@ def auto_fit(
             elif todo:
                 t = time.perf_counter()
                 try:
-                    k = copy.deepcopy(base_kernel)
-                    _scale_lengthscales(k, mult)
-                    c_m, w_m = centers_at(m, kind)
-                    x_m, y_m = rows_of(m)
-                    rows = x_m.shape[0]
-                    mod = FalkonGP(x_m, y_m, kernel=k, centers=c_m, center_weights=w_m, penalty=todo[0] / rows,
-                                   max_iter=score_iter, tol=tol, options=select_options)
-                    path, conv = _path_quiet(mod, [v / rows for v in todo], None, None)
+                    mod = selection_model(m, todo[0], mult, kind)
+                    path, conv = _path_quiet(mod, [v / mod.n for v in todo], None, None)
                     errs = [e if math.isfinite(e) else math.inf for e in _path_val_mse(mod, path, xv_z, yv_z)]
-                    keep_cal = (calibrate_variance and n_back > 0) or check_growth
                     cal = yv_cal.unsqueeze(0) - _path_means(mod, path, xv_cal) if keep_cal else None
                     alphas = [path.alphas[j].detach().reshape(-1).clone() for j in range(len(todo))]
                     info = path.info
@@ -2214,19 +2220,7 @@ def auto_fit(
                         if cal is not None:
                             cal_residuals[key] = cal[j]
                         sel_alpha[key] = alphas[j]
-                iters = info.iterations
-                direct = info.extra.get("method") == "direct"
-                pre_s = float(info.extra.get("preconditioner_seconds", 0.0))
-                apply_s = float(info.extra.get("precond_apply_seconds", 0.0))
-                sec = time.perf_counter() - t
-                for v, err in zip(todo, errs, strict=True):
-                    cache[score_key(m, v, mult, kind)] = err
-                    report.search.append(dict(M=m, rows=rows_at(m), noise=v, multiplier=mult, error=err,
-                                              seconds=sec, converged=conv, iterations=iters, centers=kind,
-                                              precond_seconds=pre_s, apply_seconds=apply_s, direct=direct,
-                                              path=len(todo)))
-                best = min(errs)
-                clock.tick(f"select M={m}", val_rmse=f"{math.sqrt(best):.4f}" if math.isfinite(best) else "inf")
+                record(m, todo, mult, kind, errs, time.perf_counter() - t, conv, info, path=len(todo))
             return [cache[score_key(m, v, mult, kind)] for v in noises]
 
         def line_search(m: int, point: dict[str, float], which: str, factor: float, lo: float, hi: float,
@@ -2891,7 +2885,7 @@ def auto_fit(
                                                      max_iter=max_iter, tol=tol))
                         err_lev = _val_mse(mod, xv_z, yv_z)
                         alpha_lev = mod.alpha.detach().reshape(-1).clone()
-                        if ((calibrate_variance and n_back > 0) or check_growth) and math.isfinite(err_lev):
+                        if keep_cal and math.isfinite(err_lev):
                             # the calibration's residuals where these centers are taken (as a level's are kept)
                             cal_residuals[score_key(m_b, best_level["noise"], best_level["multiplier"],
                                                     _LEVERAGE_CHECK)] = (
