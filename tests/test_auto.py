@@ -1693,23 +1693,26 @@ def test_auto_fit_noise_paths_score_each_noise_as_its_own_fit(monkeypatch, metho
     """A noise scored in a penalty path has the validation error a fit of its own at that noise has: the same
     deterministic call (a budget that no stage reaches) with and without ``noise_paths`` scores its start and its
     first step down both ways; the errors agree to CG's tolerance. At this size the cost model solves directly;
-    with CG forced (``"cg"``: one block CG, a preconditioner per column) the same holds."""
+    with CG forced (``"cg"``: one block CG, a preconditioner per column) the same holds once CG converges (an
+    iteration cap past its 30-70 iterations): capped short of convergence, a block CG's columns and one CG each
+    differ by rounding that small penalties amplify, 2e-4 relative at 25 iterations with torch's kernel products
+    on the CPU (seen on the GPU machine's CPU and here with ``GPFALKON_FUSED_CPU=0``)."""
     import gpfalkon.operators.nystrom as nystrom_module
 
     if method == "cg":
         monkeypatch.setattr(nystrom_module, "choose_method", lambda *a, **k: "cg")
     x, y, _ = _data(500)
-    kw = dict(SMALL, max_steps=5, objectives=("gcv",), center_sampling="uniform", max_centers=60, tol=1e-10)
+    kw = dict(SMALL, max_steps=5, objectives=("gcv",), center_sampling="uniform", max_centers=60, tol=1e-10,
+              score_max_iter=300)
     reps = [auto_fit(x, y, noise_paths=paths, **kw).auto_report for paths in (False, True)]
+    assert all(r["iterations"] < 300 for rep in reps for r in rep.search if not r["direct"]), "CG did not converge"
     errors = [{(round(math.log(r["noise"]), 6), round(math.log(r["multiplier"]), 6)): r for r in rep.search
                if r["M"] == 60} for rep in reps]
     common = set(errors[0]) & set(errors[1])
     by_path = [k for k in common if errors[1][k].get("path")]
     assert by_path, (sorted(errors[0]), sorted(errors[1]))
     assert all(errors[1][k]["direct"] == (method == "auto") for k in by_path)
-    # CG capped at the selection's iterations: the same iterates up to rounding (a block CG's columns and one CG
-    # each differ in the order of their sums)
-    rel = 1e-6 if method == "auto" else 1e-4
+    rel = 1e-6
     for k in common:
         assert errors[1][k]["error"] == pytest.approx(errors[0][k]["error"], rel=rel), k
     # the tolerance tells the noises apart: the errors of one path's noises differ by far more
