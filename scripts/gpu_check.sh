@@ -5,7 +5,10 @@
 #   tests      the device-sensitive tests (tests/test_devices.py: CPU and CUDA; tests/test_triton_fly.py:
 #              the fused Triton kernels compiled for the GPU, one tile shape per key)
 #   bench      benchmarks/gpu.py (ceilings, engine rates, TF32, float32 vs float64, n = 1e7, baselines)
-#   flights    benchmarks/compare.py --device cuda on flights: gpfalkon auto_fit, SGPR, SVGP
+#   flights    benchmarks/compare.py --device cuda on flights: gpfalkon auto_fit, SGPR, SVGP (GPU_FLIGHTS_METHODS:
+#              compare.py's --methods, e.g. "sgpr svgp falkon-auto-rel-12 falkon-auto-12 falkon-auto")
+#   sums       benchmarks/gpu_flights_final_fit.py sums: CG over a stored float32 K_nM on session 52's saved flights
+#              configuration, the row sums whole and flushed, against float64 data
 #   suite      the whole test suite (pytest-xdist when installed)
 #   dist       the README's distributed example under torchrun (2 processes, the default process group:
 #              gloo for CPU tensors, NCCL for CUDA ones) and tests/test_distributed.py
@@ -32,8 +35,12 @@ for step in "$@"; do
         > "$out/bench.log" 2>&1; tail -5 "$out/bench.log" ;;
     flights)
       timeout "${GPU_CHECK_FLIGHTS_S:-300}" $py benchmarks/compare.py --device cuda --datasets flights \
-        --methods falkon-auto sgpr svgp --flights-budget "${GPU_FLIGHTS_BUDGET:-60}" --out "$out/compare-gpu-flights.md" \
+        --methods ${GPU_FLIGHTS_METHODS:-falkon-auto sgpr svgp} --flights-budget "${GPU_FLIGHTS_BUDGET:-60}" --out "$out/compare-gpu-flights.md" \
         > "$out/flights.log" 2>&1; tail -8 "$out/flights.log" ;;
+    sums)
+      timeout "${GPU_CHECK_SUMS_S:-120}" $py benchmarks/gpu_flights_final_fit.py sums \
+        --final benchmarks/results/gpu-h200-s52-final.pt --out "$out" --no-auto > "$out/sums.log" 2>&1
+      tail -4 "$out/sums.log" ;;
     suite)
       xd=""; $py -c "import xdist" 2>/dev/null && xd="-n ${GPU_CHECK_WORKERS:-8}"
       timeout "${GPU_CHECK_SUITE_S:-300}" $py -m pytest -q -p no:cacheprovider -rfE $xd tests \
