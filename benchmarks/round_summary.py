@@ -2,7 +2,8 @@
 
 Reads the "Time to the best baseline's error" table that ``compare.py`` writes into each round's result file
 (``benchmarks/results/auto-r<N>*.md``; a round split over several files, e.g. ``-partial`` and ``-rest``, is
-merged by its number) and prints, for each dataset and round:
+merged by its number; where two of its files score one dataset, the row against the lower baseline error is kept)
+and prints, for each dataset and round:
 
 * the primary rule (the auto_fit run at budget / 12, fixed before the run): its speed-up over the best
   baseline's time to its own error, and ``Y`` where it is at least 10 at no worse error, ``t`` where the error
@@ -71,13 +72,18 @@ def parse_round(text: str) -> dict[str, dict]:
 
 
 def collect(paths: Sequence[pathlib.Path]) -> dict[int, dict[str, dict]]:
-    """Round number -> dataset -> row, the files of one round merged."""
+    """Round number -> dataset -> row, the files of one round merged. Where two files of a round score one dataset
+    (a baseline run again or added, e.g. SVGP where SGPR failed), the row against the lower baseline error is kept:
+    the issue's target is the best of SGPR / SVGP, whichever file ran it; on a tie, the later file's."""
     rounds: dict[int, dict[str, dict]] = collections.defaultdict(dict)
     for p in paths:
         m = FILE_RE.search(p.name)
         if m is None:
             raise SystemExit(f"{p}: not a round file (auto-r<N>[-part].md)")
-        rounds[int(m.group(1))].update(parse_round(p.read_text()))
+        merged = rounds[int(m.group(1))]
+        for ds, row in parse_round(p.read_text()).items():
+            if ds not in merged or row["base_error"] <= merged[ds]["base_error"]:
+                merged[ds] = row
     return {k: v for k, v in sorted(rounds.items()) if v}
 
 
@@ -156,7 +162,8 @@ def main(argv: Sequence[str] | None = None) -> None:
               "than predicting the training mean: no signal in the set, or a failed baseline). Baseline-relative "
               "cell (rounds where `falkon-auto-rel-12` ran): as the primary cell, for the run whose budget was the "
               "best baseline's time to its own error / 12. Each round: its "
-              "own code, split and host (its file's header); the rounds of one number are merged. Files: "
+              "own code, split and host (its file's header); the files of one round are merged (where two score one "
+              "set, the row against the lower baseline error). Files: "
               + ", ".join(f"`{p.name}`" for p in files) + ".")
     body = legend + "\n\n" + summary(rounds)
     print(body)

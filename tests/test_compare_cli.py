@@ -301,3 +301,11 @@ def test_round_summary_reads_compares_10x_table(monkeypatch, tmp_path):
     assert "| r10 | met |" in rel and "| a | 12.0 Y | 1 of 1 |" in rel and "| b | e +5.0% | 0 of 1 |" in rel
     assert "| c |" not in rel and "| rounds met | 1 of 2 | |" in rel
     assert "| rounds met | 2 of 3 | 2 of 2 |" in squeeze(monotone.split("## Splits")[0])
+    # two files of one round scoring one set (a baseline added where the first failed): the row against the better
+    # baseline is kept, whichever file came first
+    failed = round_file("auto-r11-a.md", {"e": short}, baseline=_row("sgpr", 4.5, 120.0,
+                                                                     curve=[[10.0, 4.5, 1], [120.0, 4.5, 2]]))
+    valid = round_file("auto-r11-b.md", {"e": met})
+    for order in ([failed, valid], [valid, failed]):
+        row = round_summary.collect(order)[11]["e"]
+        assert row["base_error"] == pytest.approx(0.1) and round_summary.primary_cell(row) == "12.0 Y"
