@@ -17,8 +17,9 @@ import numbers
 import os
 from typing import Any, ClassVar
 
-__all__ = ["aggregate_route", "block_rows", "cg_tolerance", "kmm_through_factor", "max_cg_iterations", "memory_budget",
-           "store_format", "tf32", "triton_fly", "variance_factors", "wide_products"]
+__all__ = ["aggregate_route", "block_rows", "cg_tolerance", "fast_kernel_grad", "kmm_through_factor",
+           "max_cg_iterations", "memory_budget", "store_format", "tf32", "triton_fly", "variance_factors",
+           "wide_products"]
 
 _UNSET = object()
 
@@ -209,6 +210,25 @@ class aggregate_route(_setting):
         if value not in ("auto", "gram", "solve"):
             raise ValueError(f"gpfalkon.settings.aggregate_route: must be 'auto', 'gram' or 'solve', got {value!r}")
         return str(value)
+
+
+class fast_kernel_grad(_setting):
+    """Whether the differentiable passes (the hyperparameter objectives' blocks, the gradient pass of the kernel
+    product) evaluate RBF and Matern 3/2, 5/2 kernels with the hand-written backward of
+    :mod:`gpfalkon.backend.stationary_grad` instead of autograd through GPyTorch.
+
+    Default ``True`` (the environment variable ``GPFALKON_FAST_KERNEL_GRAD=0`` makes it ``False`` for the
+    process): the same values and gradients to rounding, in a fraction of the time
+    (``benchmarks/results/kernel-grad.md``). ``False``: autograd through GPyTorch everywhere (for comparisons).
+    """
+
+    _default: ClassVar[bool] = env_flag("GPFALKON_FAST_KERNEL_GRAD", True)
+
+    @classmethod
+    def _check(cls, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"gpfalkon.settings.fast_kernel_grad: must be True or False, got {value!r}")
+        return value
 
 
 class tf32(_setting):

@@ -5,7 +5,9 @@
   ``K_nM^T (K_nM U + V)``, ``K_nM U``, ``K_MM`` and the stationary-kernel fast path;
 * :mod:`~gpfalkon.backend.autograd` - the blockwise gradient pass and the differentiable
   kernel product built on it;
-* :mod:`~gpfalkon.backend.passes` - the passes whose blocks go through GPyTorch: the
+* :mod:`~gpfalkon.backend.stationary_grad` - the differentiable kernel block with a hand-written backward for
+  RBF and Matern 3/2, 5/2 kernels (others: through GPyTorch), which the differentiable passes use;
+* :mod:`~gpfalkon.backend.passes` - the passes whose blocks go through GPyTorch (or the block above): the
   objectives' differentiable aggregates (``A A^T``, ``A y``, ``tr K~``, ``tr K_nn``), per-block
   maps (``S_ii``), blockwise ``k(x, C) alpha`` (prediction, hold-out), the kernel diagonal and
   BLESS's whitened norms;

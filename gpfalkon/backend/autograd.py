@@ -21,8 +21,9 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .blocks import GRADIENT, block_rows_for, row_blocks
-from .engine import KernelEngine, kernel_block
+from .engine import KernelEngine
 from .prefetch import row_slices
+from .stationary_grad import grad_kernel_block
 
 __all__ = [
     "KernelProduct",
@@ -108,7 +109,7 @@ def blockwise_kernel_grad(
             xb = xb.detach()
             if need_x:
                 xb.requires_grad_(True)
-            kb = kernel_block(kernel, xb, c)
+            kb = grad_kernel_block(kernel, xb, c)
             s = surrogate(start, stop, kb)
             inputs: list[Tensor] = list(params)
             if need_x:

@@ -88,14 +88,17 @@ _COLUMN_FORM_MAX_K = 1  # right-hand sides up to which the column form is used (
 _MATERN_KIND = {0.5: "matern12", 1.5: "matern32", 2.5: "matern52"}
 
 
-def stationary_spec(kernel: Kernel) -> StationarySpec | None:
-    """Return the fast-path description of ``kernel``, or ``None`` for the generic path."""
+def stationary_parts(kernel: Kernel) -> tuple[str, Tensor, Tensor | None] | None:
+    """``(kind, lengthscale, outputscale)`` of a kernel ``s * phi(||(x - c) / ell||)`` the fast paths know (RBF,
+    Matern 1/2, 3/2, 5/2, optionally in a ``ScaleKernel``; no ``active_dims`` or batch shape), the parameters as
+    the kernel computes them (differentiable: ``lengthscale`` ``(1, d)`` or ``(1, 1)``, ``outputscale`` a scalar
+    or ``None``); ``None`` for any other kernel."""
     outputscale = None
     base = kernel
     if type(kernel) is ScaleKernel:
         if kernel.active_dims is not None or kernel.outputscale.numel() != 1:
             return None
-        outputscale = kernel.outputscale.detach().reshape(())
+        outputscale = kernel.outputscale.reshape(())
         base = kernel.base_kernel
     if base.active_dims is not None or len(base.batch_shape) != 0:
         return None
@@ -105,10 +108,21 @@ def stationary_spec(kernel: Kernel) -> StationarySpec | None:
         kind = _MATERN_KIND[float(base.nu)]
     else:
         return None
-    ls = base.lengthscale.detach()
+    ls = base.lengthscale
     if ls.dim() != 2 or ls.shape[0] != 1:
         return None
-    return StationarySpec(kind=kind, lengthscale=ls, outputscale=outputscale)
+    return kind, ls, outputscale
+
+
+def stationary_spec(kernel: Kernel) -> StationarySpec | None:
+    """Return the fast-path description of ``kernel`` (its parameters detached), or ``None`` for the generic
+    path."""
+    parts = stationary_parts(kernel)
+    if parts is None:
+        return None
+    kind, ls, outputscale = parts
+    return StationarySpec(kind=kind, lengthscale=ls.detach(),
+                          outputscale=None if outputscale is None else outputscale.detach())
 
 
 # Profile phi(t) of each fast kernel, k = s * CONST * phi(FACTOR * ||x - c||^2 / ell^2):

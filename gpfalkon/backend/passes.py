@@ -26,6 +26,7 @@ from .blocks import AGGREGATE, GRAPH_SHARE, keeps_graph, memory_budget_for, row_
 from .engine import KernelEngine, kernel_block, stationary_spec
 from .prefetch import row_slices
 from .sources import RowSource
+from .stationary_grad import grad_kernel_block
 
 #: torch's selective activation checkpointing (torch >= 2.4); ``None``: every product is recomputed
 selective_contexts: Callable[..., Any] | None = getattr(_checkpoint, "create_selective_checkpoint_contexts", None)
@@ -230,7 +231,7 @@ def _gram_aggregates(
 
     def block(xb_: Tensor | _Reread, yb: Tensor, c_: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         xb = _rows_of(xb_)
-        kb = kernel_block(kernel, xb, c_).to(torch.float64)  # (rows, M)
+        kb = grad_kernel_block(kernel, xb, c_).to(torch.float64)  # (rows, M)
         gram, proj = _GramProjection.apply(kb, yb.to(torch.float64))
         return gram, proj, kernel(xb, diag=True).sum()
 
@@ -265,7 +266,7 @@ def _solve_aggregates(
 
     def block(xb_: Tensor | _Reread, yb: Tensor, L_: Tensor, c_: Tensor):
         xb = _rows_of(xb_)
-        kb = kernel_block(kernel, xb, c_)
+        kb = grad_kernel_block(kernel, xb, c_)
         ab = torch.linalg.solve_triangular(L_, kb.mT, upper=False)  # (M, rows)
         return ab @ ab.mT, ab @ yb, ab.square().sum(), kernel(xb, diag=True).sum()
 
@@ -289,7 +290,7 @@ def map_whitened_blocks(
     for s, e, x_b in row_slices(x, ranges):
 
         def block(xb: Tensor | _Reread, L_: Tensor, c_: Tensor, s: int = s, e: int = e) -> Tensor:
-            ab = torch.linalg.solve_triangular(L_, kernel_block(kernel, _rows_of(xb), c_).mT, upper=False)
+            ab = torch.linalg.solve_triangular(L_, grad_kernel_block(kernel, _rows_of(xb), c_).mT, upper=False)
             return fn(ab, s, e)
 
         outs.append(_checkpointed(block, keep, _rows_arg(x, s, e, x_b), L, centers))
@@ -325,7 +326,7 @@ def kernel_matmul(kernel: Kernel, x: Tensor, centers: Tensor, alpha: Tensor, row
     keep = len(ranges) == 1 or keeps_graph(x.shape[:-1].numel(), centers.shape[-2], AGGREGATE, device=x.device)
 
     def block(xb: Tensor, c_: Tensor, a_: Tensor) -> Tensor:
-        return kernel_block(kernel, xb, c_) @ a_
+        return grad_kernel_block(kernel, xb, c_) @ a_
 
     return torch.cat([_checkpointed(block, keep, x[..., s:e, :], c, alpha) for s, e in ranges], -2)
 

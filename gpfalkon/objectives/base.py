@@ -28,8 +28,8 @@ from torch import Tensor
 from .. import settings
 from .._validation import all_finite
 from ..backend.blocks import AGGREGATE, block_rows_for
-from ..backend.engine import kernel_block
 from ..backend.passes import backend_pass, is_sharded, reduce_rows
+from ..backend.stationary_grad import grad_kernel_block
 from ..linalg import jittered_cholesky
 from ..models.fit_state import kernel_identity
 
@@ -109,7 +109,7 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
         ``lambda = 1e-8``: gradients of the other sign; 40 Adam steps on kin40k and synthetic sets still ended at
         float64's hyperparameters, test RMSE within 0.3 %). Learn in float64 where the objective itself matters."""
         kernel, c = self.model.kernel, self.model.centers
-        kmm = kernel_block(kernel, c, c)
+        kmm = grad_kernel_block(kernel, c, c)
         kmm64 = kmm.to(torch.float64)  # factor in float64 whatever the data dtype
         # first jitter: FALKON's eps * M with the eps of the *data* dtype, since the
         # blocks A = L^{-1} K_Mb are then solved in that dtype

@@ -11,8 +11,8 @@ from torch.autograd.function import once_differentiable
 
 from .._validation import check_count
 from ..backend.autograd import backward_params, kernel_params, scatter_grads
-from ..backend.engine import kernel_block
 from ..backend.passes import is_sharded
+from ..backend.stationary_grad import grad_kernel_block
 from ..operators import NystromKRROperator
 from .base import NystromObjective
 
@@ -239,7 +239,7 @@ class StochasticNystromCompReg(NystromObjective):
         if self.ktilde_trace == "subsample":
             xs = x[self.subsample]
             if xs.shape[0] > 0:
-                a = torch.linalg.solve_triangular(L, kernel_block(kernel, xs, c).mT, upper=False)
+                a = torch.linalg.solve_triangular(L, grad_kernel_block(kernel, xs, c).mT, upper=False)
                 (total,) = self.reduce(a.square().sum())
             else:  # none of T on this shard (no kernel call on 0 rows: some kernels centre by the rows' mean)
                 (total,) = self.reduce(torch.zeros((), dtype=L.dtype, device=L.device), anchor=L.sum() * 0.0)
