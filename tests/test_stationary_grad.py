@@ -15,7 +15,7 @@ from gpfalkon.backend import kernel_block
 from gpfalkon.backend.stationary_grad import StationaryBlock, grad_kernel_block, grad_kernel_form
 from gpfalkon.objectives import GCV, LOOCV, SGPRBound, StochasticNystromCompReg
 
-from conftest import dense_kernel, make_data
+from conftest import DEVICES, dense_kernel, make_data
 
 KINDS = {"rbf": None, "matern32": 1.5, "matern52": 2.5}
 
@@ -89,6 +89,26 @@ def test_the_centers_own_block_has_a_unit_diagonal_and_gpytorchs_gradients(kind)
     with settings.fast_kernel_grad(False):
         (grad_kernel_block(k, c2, c2) * up).sum().backward()
     torch.testing.assert_close(ours, c2.grad, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_on_each_device_the_gradients_are_cpu_float64_gpytorchs(device, dtype):
+    """On every test device (CUDA where present) and dtype: the block and its gradients against GPyTorch's autograd
+    in float64 on the CPU."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip("GPFALKON_TEST_DEVICE names CUDA but none is available")
+    x, _ = make_data(64, 5)
+    c = x[:9].clone() + 0.01
+    up = torch.randn(64, 9, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    for kind in KINDS:
+        ref = _grads(_kernel(kind, 5), x, c, up, False)
+        k = _kernel(kind, 5, dtype=dtype).to(device)
+        ours = _grads(k, x.to(device, dtype), c.to(device, dtype), up.to(device, dtype), True)
+        assert ours[0].device.type == torch.device(device).type
+        tol = dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-5)
+        for a, b in zip([*ours[:3], *ours[3]], [*ref[:3], *ref[3]], strict=True):
+            torch.testing.assert_close(a.cpu().double(), b, **tol)
 
 
 def test_float32_values_match_gpytorch_to_float32_rounding():
