@@ -97,11 +97,15 @@ class StationaryBlock(torch.autograd.Function):
         z, w, ls, k, g, os = ctx.saved_tensors
         need_x, need_c, need_ls, need_os = ctx.needs_input_grad[:4]
         dx = dc = dls = dos = None
+        gk_sum = None  # <G, K>, where the backward forms it anyway (RBF: h = -G o K)
         if need_x or need_c or need_ls:
             h = grad * k if g is None else grad * g
             if g is None:
                 h.neg_()  # RBF: g = -K (the scale included)
-            dz = z * h.sum(1, keepdim=True) - h @ w
+            h_rows = h.sum(1, keepdim=True)
+            if g is None:
+                gk_sum = -h_rows.sum()
+            dz = z * h_rows - h @ w
             dw = w * h.sum(0).unsqueeze(-1) - h.mT @ z
             if need_x:
                 dx = dz / ls
@@ -112,7 +116,7 @@ class StationaryBlock(torch.autograd.Function):
                 if ls.shape[-1] == 1:
                     dls = dls.sum(-1, keepdim=True)
         if need_os and ctx.has_scale:
-            dos = (grad * k).sum() / os
+            dos = (gk_sum if gk_sum is not None else (grad * k).sum()) / os
         return dx, dc, dls, dos, None, None
 
 
