@@ -114,6 +114,11 @@ FACTOR_PROBE_MAX = 1024
 #: a fixed time more centers tested better than more iterations (docs/math.md §8 "Final growth")
 GROWTH_MARGIN = 1.0
 
+#: ``final_growth``: the first size's searches keep time for a grown final fit whose predicted time, 1.2 x, takes at
+#: most this share of the time left when they start (up to ``final_growth_factor`` times the first size; docs/math.md
+#: §8 "Reserve at the first size"; 0.5 and twice the first size until session 63, `auto-ab-reserve-share-s*.md`)
+RESERVE_SHARE = 0.65
+
 #: ``report.chosen["centers"]`` where the leverage check's centers replaced the level's
 _LEVERAGE_CHECK = "leverage (check)"
 
@@ -1483,10 +1488,11 @@ def auto_fit(
             the level's noise and multiplier (not re-searched: that is what the time left cannot pay for; at a
             fixed noise, nested centers lower the minimum of the regularised least-squares objective
             toward the full kernel model's; docs/math.md §8 "Final growth"). The first size's noise and
-            multiplier searches stop early enough to pay for such a grown final fit (up to twice the first
-            size, at most half the time left when they start), so a budget the searches would use up still
-            buys more centers. Recorded in ``report.chosen`` (``grown_from``) and the notes. ``False``: the
-            final fit uses the level's centers, and the searches keep time for that fit only.
+            multiplier searches stop early enough to pay for such a grown final fit (up to
+            ``final_growth_factor`` times the first size, at most :data:`RESERVE_SHARE` of the time left when they
+            start), so a budget the searches would use up still buys more centers. Recorded in ``report.chosen``
+            (``grown_from``) and the notes. ``False``: the final fit uses the level's centers, and the searches
+            keep time for that fit only.
         final_growth_factor: the most ``final_growth`` multiplies the level's centers by; past twice the
             level's, the grown size also stays within half the final rows (toward ``M = n`` the grown fit
             nears the full kernel estimator at a noise chosen for ``M`` centers, whose projection also
@@ -1516,8 +1522,10 @@ def auto_fit(
             ``False``: the level's noise alone.
         growth_first: with ``final_growth``, a doubling of the centers that the time left admits is taken only
             where the final fit it leads to (``2 M`` grown with the time left after its four selection fits) has at
-            least as many centers as a final fit grown from ``M`` now; else stage 2 stops at ``M`` and the final fit
-            grows from it (its noise chosen by ``growth_noises``). Both sizes are predicted as the final growth
+            least as many centers as a final fit grown from ``M`` now (where that one is held at its cap,
+            ``final_growth_factor M``, and so leaves time unused: at least ``1 / 1.15`` as many, the resolution of
+            the sizes' steps); else stage 2 stops at ``M`` and the final fit grows from it (its noise chosen by
+            ``growth_noises``). Both sizes are predicted as the final growth
             predicts them, among sizes whose final ``K_nM`` is stored (no on-the-fly pass is measured for it).
             ``False``: every admitted doubling is taken (the behaviour before session 46; the A/B:
             ``benchmarks/results/auto-ab-gfirst-s*.md``).
@@ -2495,21 +2503,21 @@ def auto_fit(
 
         def reserve_size(m: int) -> int:
             """The final fit's size the first size's searches (at ``m``) keep time for: with ``final_growth``,
-            the largest size down from :func:`growth_cap` (steps of 1.15, at least ``1.25 m``) whose predicted
-            final fit, 1.2 x, takes at most half of the time left, and whose final ``K_nM`` fits the memory
-            budget (the stored-K prediction, no measured pass); else ``m``. Searches the clock cuts short
-            then still leave the final fit room to grow: a budget that pays for little more than the first
-            size buys more centers rather than a finer search at too few of them. (Later sizes are admitted
-            by the growth step's own prediction of their fits and final fit, and keep time for their own
-            final fit only: `benchmarks/results/auto-ab-reserve.md`.)"""
+            the largest size down from :func:`growth_cap` at ``final_growth_factor`` (steps of 1.15, at least
+            ``1.25 m``) whose predicted final fit, 1.2 x, takes at most :data:`RESERVE_SHARE` of the time left, and
+            whose final ``K_nM`` fits the memory budget (the stored-K prediction, no measured pass); else ``m``.
+            Searches the clock cuts short then still leave the final fit room to grow: a budget that pays for
+            little more than the first size buys more centers rather than a finer search at too few of them.
+            (Later sizes are admitted by the growth step's own prediction of their fits and final fit, and keep
+            time for their own final fit only: `benchmarks/results/auto-ab-reserve.md`.)"""
             if not final_growth:
                 return m
             left = clock.left()
-            m_g = growth_cap(m, min(2.0, final_growth_factor))
+            m_g = growth_cap(m, final_growth_factor)
             while m_g >= 1.25 * m:
                 if (stored_rows_for(n_final, m_g, itemsize, budget_at(m_g), device=dev,
                                     store_dtype=store_dtype, d=d) >= n_final
-                        and 1.2 * final_cost(m_g, base=m) <= 0.5 * left):
+                        and 1.2 * final_cost(m_g, base=m) <= RESERVE_SHARE * left):
                     return m_g
                 m_g = int(m_g / 1.15)
             return m
@@ -2792,12 +2800,20 @@ def auto_fit(
                     now = growth_reach(m, columns, stored_only=True, refine=False)
                     later = max(m_try, growth_reach(m_try, columns, spend=4 * select_cost(m_try, m), base=m,
                                                     stored_only=True, refine=False))
-                    if now > later:
+                    # a grown fit held at its cap (final_growth_factor m) leaves time unused: the doubling then
+                    # stops only where it falls a whole step (1.15) short, the steps' own resolution
+                    capped = now >= growth_cap(m, final_growth_factor)
+                    if now > (1.15 * later if capped else later):
                         report.notes.append(
                             f"centers stopped at M={m}: a final fit grown from it reaches M={now}, one from M={m_try} "
                             f"after its searches M={later} (growth_first)")
                         stopped_by_budget = True
                         break
+                    if now > later:
+                        report.notes.append(
+                            f"centers doubled to M={m_try}: a final fit grown from M={m} stops at its cap M={now} "
+                            f"(final_growth_factor), one from M={m_try} after its searches reaches M={later}, within a "
+                            "step of 1.15 (growth_first)")
             else:
                 m_try = m_next
                 if stored_growth_need(m, m_next) > left:

@@ -800,26 +800,51 @@ def test_auto_fit_does_not_grow_centers_past_a_final_fit_it_cannot_afford(monkey
 
 
 def test_auto_fit_growth_first_grows_instead_of_a_doubling_that_ends_smaller(monkeypatch):
-    """``growth_first``: on the fake clock a budget of 0.15 s admits the doubling to M = 120 (taken with the option
+    """``growth_first``: on the fake clock a budget of 0.1 s admits the doubling to M = 120 (taken with the option
     off), but the final fit grown from M = 60 with the time left is predicted larger than M = 120 grown after its
-    four selection fits: stage 2 stops at M = 60, says so with both sizes, and the final fit grows from it to the
-    size named (its centers the doubling's pool prefix); no selection fit past M = 60 runs. The budget is kept."""
+    four selection fits (and below its cap, 4 x 60): stage 2 stops at M = 60, says so with both sizes, and the final
+    fit grows from it to the size named (its centers the doubling's pool prefix); no selection fit past M = 60 runs.
+    The budget is kept."""
     import re
 
-    on, spent = _fake_clock_auto_fit(monkeypatch, budget=0.15, memory_budget=2**40, max_centers=400)
+    budget = 0.1
+    on, spent = _fake_clock_auto_fit(monkeypatch, budget=budget, memory_budget=2**40, max_centers=400)
     rep = on.auto_report
     note = [n for n in rep.notes if n.startswith("centers stopped at M=60: a final fit grown from it reaches")]
     assert len(note) == 1, rep.notes
     now, m2, later = (int(v) for v in re.findall(r"M=(\d+)", note[0])[1:])
-    assert m2 == 120 and now > later >= 120
+    assert m2 == 120 and 4 * 60 > now > later >= 120
     assert [lv["M"] for lv in rep.chosen["levels"]] == [60] and not any(r["M"] > 60 for r in rep.search)
     assert rep.chosen["grown_from"] == 60 and rep.chosen["num_centers"] == now
-    assert spent <= 0.15 * 1.05, (spent, rep.stages)
-    off, _ = _fake_clock_auto_fit(monkeypatch, budget=0.15, memory_budget=2**40, max_centers=400, growth_first=False)
+    assert spent <= budget * 1.05, (spent, rep.stages)
+    off, _ = _fake_clock_auto_fit(monkeypatch, budget=budget, memory_budget=2**40, max_centers=400, growth_first=False)
     assert 120 in [lv["M"] for lv in off.auto_report.chosen["levels"]]
     torch.testing.assert_close(on.centers[:120], off.centers[:120])
     with pytest.raises(TypeError, match="growth_first"):
         auto_fit(*_data(200)[:2], growth_first=1, **SMALL)
+
+
+def test_auto_fit_growth_first_takes_a_doubling_where_the_grown_fit_is_held_at_its_cap(monkeypatch):
+    """``growth_first``: where the final fit grown from M = 60 is held at its cap (``final_growth_factor`` x 60 = 240:
+    the time left would pay for more) and the doubling's own grown fit is predicted within a step of 1.15 below it,
+    the doubling is taken (on the fake clock, a budget of 0.14 s): its level at M = 120 is searched and the final fit
+    grows from there past the first size's cap. With ``final_growth_factor=8`` the same budget's fit from M = 60 is
+    not capped, and stage 2 stops at M = 60 as before."""
+    import re
+
+    kw = dict(budget=0.14, memory_budget=2**40, max_centers=400)
+    on, spent = _fake_clock_auto_fit(monkeypatch, **kw)
+    rep = on.auto_report
+    head = "centers doubled to M=120: a final fit grown from M=60 stops at its cap"
+    note = [n for n in rep.notes if n.startswith(head)]
+    assert len(note) == 1, rep.notes
+    _, _, cap, _, later = (int(v) for v in re.findall(r"M=(\d+)", note[0]))
+    assert cap == 240 and cap / 1.15 <= later < cap
+    assert 120 in [lv["M"] for lv in rep.chosen["levels"]] and rep.chosen["num_centers"] > cap, rep.notes
+    assert spent <= 0.14 * 1.05, (spent, rep.stages)
+    wide, _ = _fake_clock_auto_fit(monkeypatch, final_growth_factor=8.0, **kw)
+    assert [lv["M"] for lv in wide.auto_report.chosen["levels"]] == [60], wide.auto_report.notes
+    assert wide.auto_report.chosen["num_centers"] > cap, wide.auto_report.notes
 
 
 def _record_cg_starts(monkeypatch) -> dict[int, torch.Tensor]:
@@ -1225,7 +1250,8 @@ def test_growth_size_takes_the_largest_size_the_time_pays_for_within_a_step():
 
 def test_auto_fit_first_size_searches_keep_time_for_a_grown_final_fit(monkeypatch):
     """With final_growth, the first size's noise and multiplier searches stop where the time left still pays
-    for a grown final fit (up to 2 M, 1.2 x its prediction, at most half the time left when they start);
+    for a grown final fit (up to final_growth_factor M, 1.2 x its prediction, at most RESERVE_SHARE of the time left
+    when they start);
     without it they run on into the final fit's own reserve and the final fit keeps M. On the fake clock with
     every training row a selection row (selection fits as dear as the final fit), a budget of 0.06 s cuts the
     searches at M = 60 either way (a budget of 0.2 s lets them finish)."""
@@ -1237,8 +1263,11 @@ def test_auto_fit_first_size_searches_keep_time_for_a_grown_final_fit(monkeypatc
     assert fits[0] < fits[1] < fits[2], fits
     rep = on.auto_report
     assert [lv["M"] for lv in rep.chosen["levels"]] == [60], rep.notes
-    assert rep.chosen["grown_from"] == 60 and 75 <= rep.chosen["num_centers"] <= 120, rep.notes
-    assert any(n.startswith("the searches at M=60 keep time for a final fit grown up to M=") for n in rep.notes)
+    assert rep.chosen["grown_from"] == 60 and 75 <= rep.chosen["num_centers"] <= 4 * 60, rep.notes
+    import re
+
+    reserve = [n for n in rep.notes if n.startswith("the searches at M=60 keep time for a final fit grown up to M=")]
+    assert len(reserve) == 1 and 75 <= int(re.findall(r"M=(\d+)", reserve[0])[1]) <= 4 * 60, rep.notes
     assert not any(n.startswith("the searches at M=") for n in off.auto_report.notes)
     # the searches ended where the grown final fit's reserve begins (the grown size: GROWTH_MARGIN x its prediction
     # within the time left); the whole call kept its budget
