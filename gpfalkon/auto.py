@@ -119,6 +119,10 @@ GROWTH_MARGIN = 1.0
 #: §8 "Reserve at the first size"; 0.5 and twice the first size until session 63, `auto-ab-reserve-share-s*.md`)
 RESERVE_SHARE = 0.65
 
+#: the ratio between the sizes a grown final fit tries (:func:`_growth_size`, the first size's reserve); the resolution
+#: of ``growth_first``'s comparison where a grown fit is held at its cap
+GROWTH_STEP = 1.15
+
 #: ``report.chosen["centers"]`` where the leverage check's centers replaced the level's
 _LEVERAGE_CHECK = "leverage (check)"
 
@@ -632,9 +636,9 @@ def _growth_size(cost: Callable[[int], float], m: int, cap: int, seconds: Callab
     while size >= 1.25 * m:
         if GROWTH_MARGIN * cost(size) <= seconds():
             break
-        size = int(size / 1.15)
+        size = int(size / GROWTH_STEP)
     if 1.25 * m <= size < cap:
-        top = min(int(size * 1.15), cap)
+        top = min(int(size * GROWTH_STEP), cap)
         for finer in (int(size * 1.10), int(size * 1.05)):
             if size < finer < top and refinable(finer) and GROWTH_MARGIN * cost(finer) <= seconds():
                 return finer
@@ -2519,7 +2523,7 @@ def auto_fit(
                                     store_dtype=store_dtype, d=d) >= n_final
                         and 1.2 * final_cost(m_g, base=m) <= RESERVE_SHARE * left):
                     return m_g
-                m_g = int(m_g / 1.15)
+                m_g = int(m_g / GROWTH_STEP)
             return m
 
         def search_deadline(m: int, m_reserve: int) -> float:
@@ -2801,9 +2805,9 @@ def auto_fit(
                     later = max(m_try, growth_reach(m_try, columns, spend=4 * select_cost(m_try, m), base=m,
                                                     stored_only=True, refine=False))
                     # a grown fit held at its cap (final_growth_factor m) leaves time unused: the doubling then
-                    # stops only where it falls a whole step (1.15) short, the steps' own resolution
+                    # stops only where it falls a whole step (GROWTH_STEP) short, the steps' own resolution
                     capped = now >= growth_cap(m, final_growth_factor)
-                    if now > (1.15 * later if capped else later):
+                    if now > (GROWTH_STEP * later if capped else later):
                         report.notes.append(
                             f"centers stopped at M={m}: a final fit grown from it reaches M={now}, one from M={m_try} "
                             f"after its searches M={later} (growth_first)")
@@ -2813,7 +2817,7 @@ def auto_fit(
                         report.notes.append(
                             f"centers doubled to M={m_try}: a final fit grown from M={m} stops at its cap M={now} "
                             f"(final_growth_factor), one from M={m_try} after its searches reaches M={later}, within a "
-                            "step of 1.15 (growth_first)")
+                            f"step of {GROWTH_STEP:g} (growth_first)")
             else:
                 m_try = m_next
                 if stored_growth_need(m, m_next) > left:
