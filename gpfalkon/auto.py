@@ -69,7 +69,14 @@ from ._validation import check_inputs, check_seed, check_targets
 from .backend import KernelEngine, stored_rows_for
 from .backend.blocks import available_memory, resolve_store_dtype
 from .backend.engine import reuse_stores
-from .centers import NestedLeverageCenters, dictionary_leverage_scores, leverage_centers, nested_leverage_centers
+from .centers import (
+    NestedLeverageCenters,
+    dictionary_leverage_scores,
+    first_distinct,
+    leverage_centers,
+    merge_repeated_scores,
+    nested_leverage_centers,
+)
 from .errors import CGNotConvergedWarning
 from .models import FalkonGP
 from .models.calibration import preconditioned_variances, variance_scale
@@ -1822,8 +1829,11 @@ def auto_fit(
         h_perm = torch.randperm(n_tr, generator=gen, device=dev)
         h_idx = h_perm[:n_h]
         xh, yh = xt_z[h_idx], yt_z[h_idx]
-        m_h = min(n_h, hyper_centers)
         c_perm = torch.randperm(n_h, generator=gen, device=dev)
+        # centers equal in value to one drawn before are skipped (gpfalkon.centers.first_distinct): they add
+        # nothing to the fit and leave K_MM singular
+        c_perm = c_perm[first_distinct(xh[c_perm])]
+        m_h = min(int(c_perm.numel()), hyper_centers)
         c_idx = c_perm[:m_h]
         centers0 = xh[c_idx].clone()
         # extra centers of the stage-1 scoring fits: subsample rows that are not stage-1 centers (every
@@ -2031,8 +2041,10 @@ def auto_fit(
                              hyper_entries // rows_h, rows_h - rows_prev + c_start.shape[0])
                 new_rows = h_perm[rows_prev:rows_h]
                 draw = torch.randperm(new_rows.shape[0], generator=continue_gen, device=dev)
-                pick = new_rows[draw[: m_next - c_start.shape[0]]]
-                centers_next = torch.cat([c_start.to(dtype), xt_z[pick]], 0)
+                cand = xt_z[new_rows[draw]]
+                # new rows equal to a center (or to an earlier new row) are skipped
+                new_c = cand[first_distinct(torch.cat([c_start.to(dtype), cand], 0))[c_start.shape[0]:]]
+                centers_next = torch.cat([c_start.to(dtype), new_c[: m_next - c_start.shape[0]]], 0)
                 why = "stalled" if stalled else f"level share ({level_share:g}) used"
                 old.stop(f"{why}; continued on {rows_h:,} rows, {centers_next.shape[0]:,} centers")
                 nxt = h_model(copy.deepcopy(start["kernel"]), float(start["noise"]), centers_next, learn_centers,
@@ -2101,10 +2113,16 @@ def auto_fit(
             size's selection rows plus the held-out rows put back (what its validation error was measured on,
             and the validation rows)."""
             return min(n_final, rows_at(m) + n_back) if grow_rows else n_final
-        # nested centers: the learned / stage-1 centers first, then random selection rows
+        # nested centers: the learned / stage-1 centers first, then random selection rows, each distinct in value
+        # from those before it (first_distinct; s_perm skips repeated rows, so the leverage dictionary does too)
         s_perm = torch.randperm(n_s, generator=gen, device=dev)
+        s_perm = s_perm[first_distinct(xs[s_perm])]
         extra = xs[s_perm]
         c_pool = torch.cat([learned_c.to(dtype), extra], 0) if learn_centers else extra
+        if learn_centers:
+            c_pool = c_pool[first_distinct(c_pool)]
+        n_pool = int(c_pool.shape[0])  # the uniform pool's size: the distinct selection rows (and learned centers)
+        m_first = min(m_first, n_pool)
         # the pool every size draws its centers from: "uniform" (prefixes of c_pool) or "leverage"
         # (prefixes of a nested leverage-score stream over the selection rows, with their weights D)
         pool: dict[str, Any] = dict(kind="uniform", nested=None)
@@ -2141,7 +2159,7 @@ def auto_fit(
             return sel.centers, sel.weights
 
         def pool_limit() -> int:
-            return n_s if pool["kind"] == "uniform" else min(n_s, pool["nested"].size)
+            return n_pool if pool["kind"] == "uniform" else min(n_s, pool["nested"].size)
 
         # the selection fits keep their calibration residuals for the variance calibration and the growth check
         keep_cal = (calibrate_variance and n_back > 0) or check_growth
@@ -2680,8 +2698,8 @@ def auto_fit(
             why = None
             if learn_centers:
                 why = "learn_centers=True (the learned centers lead the uniform pool)"
-            elif m >= n_s:
-                why = "the centers are all selection rows"
+            elif m >= int(s_perm.numel()):
+                why = "the centers are all (distinct) selection rows"
             elif time.perf_counter() + 1.5 * last_fit_seconds(m) > deadline:
                 why = f"{max(deadline - time.perf_counter(), 0.0):.1f} s left before the final fit's reserve"
             if why is not None:
@@ -2720,7 +2738,9 @@ def auto_fit(
                             f"end before the final fit's reserve")
                         return
                     scores = torch.cat([scores, lev_scores(torch.arange(head, n_s, device=dev))])
-                nested = nested_leverage_centers(scores, min(n_s, max_centers), generator=gen)
+                # a repeated selection row's score goes to its first copy: the draws never take one value twice
+                nested = nested_leverage_centers(merge_repeated_scores(xs, scores), min(n_s, max_centers),
+                                                 generator=gen)
             except Exception as exc:
                 report.notes.append(f"leverage-score centers failed: {type(exc).__name__}: {exc}")
                 return
@@ -2773,7 +2793,8 @@ def auto_fit(
         while True:
             m_next = min(2 * m, pool_limit(), max_centers)
             if m_next <= m:
-                why = ("all selection rows" if m >= n_s else "max_centers" if m >= max_centers
+                why = ("max_centers" if m >= max_centers
+                       else f"all {pool_limit()} distinct selection rows" if pool["kind"] == "uniform"
                        else f"the {pool_limit()} distinct leverage-score draws")
                 report.notes.append(f"centers stopped at M={m}: {why}")
                 break
@@ -2879,8 +2900,8 @@ def auto_fit(
             reserve = 1.2 * final_cost(m_b) + 3 * last_fit_seconds(m_b)  # the final fit; scores and a fit
             if centers_kind == "leverage":
                 report.notes.append("leverage check skipped: the level's centers are leverage-score centers")
-            elif m_b >= n_s:
-                report.notes.append("leverage check skipped: the centers are all selection rows")
+            elif m_b >= int(s_perm.numel()):
+                report.notes.append("leverage check skipped: the centers are all (distinct) selection rows")
             elif clock.left() < reserve:
                 report.notes.append(f"leverage check skipped: {clock.left():.0f} s left, the final fit and the "
                                     f"check need about {reserve:.0f} s")

@@ -1,7 +1,8 @@
 """Choice of the Nyström centers (inducing points).
 
 * :func:`uniform_centers` / :class:`UniformCenters`: ``M`` training rows drawn
-  uniformly *without* replacement (FALKON, Alg. 1); preconditioner weights ``D = I``.
+  uniformly *without* replacement (FALKON, Alg. 1), skipping rows equal to one drawn before
+  (:func:`first_distinct`); preconditioner weights ``D = I``.
 * :func:`leverage_centers` / :class:`LeverageCenters`: ``M`` draws *with*
   replacement with probabilities proportional to approximate ridge leverage
   scores (FALKON, appendix A), duplicates merged into counts, and the diagonal
@@ -66,7 +67,9 @@ __all__ = [
     "approximate_leverage_scores",
     "dictionary_leverage_scores",
     "effective_dimension",
+    "first_distinct",
     "leverage_centers",
+    "merge_repeated_scores",
     "nested_leverage_centers",
     "uniform_centers",
 ]
@@ -102,29 +105,97 @@ def _rand(num: int, generator: torch.Generator | None, device: torch.device) -> 
     return torch.rand(num, generator=generator, dtype=torch.float64, device=gen_device).to(device)
 
 
-def uniform_centers(
-    x: Tensor, num_centers: int, generator: torch.Generator | None = None, backend: Any | None = None
-) -> CenterSelection:
-    """Sample ``num_centers`` rows of ``x`` uniformly without replacement.
+#: the most rows :func:`uniform_centers` reads, as a multiple of ``num_centers``, looking for distinct rows
+DISTINCT_DRAWS = 16
 
-    Cost O(n) time and memory for the permutation; deterministic given ``generator``.
-    With a sharded ``backend`` (:class:`~gpfalkon.backend.distributed.DistributedBackend`)
+
+def first_distinct(rows: Tensor) -> Tensor:
+    """``(R,)`` bool: ``True`` where ``rows[i]`` is the first row with its values (rows compared exactly, all
+    ``d`` values). ``O(R d log R)`` time (a sort), ``O(R d)`` memory.
+
+    Why: a center equal to another adds nothing to the Nyström span ``{k(., z_j)}`` (the fit and its error are
+    those of the distinct centers), costs as much as a new one in every pass and leaves ``K_MM`` singular (the
+    preconditioner's Cholesky then needs jitter). Data with repeated rows (rounded or categorical features) give
+    such centers under uniform draws; torch has no order-keeping ``unique``, hence this mask."""
+    r = int(rows.shape[0])
+    if r == 0:
+        return torch.zeros(0, dtype=torch.bool, device=rows.device)
+    _, inverse = torch.unique(rows.reshape(r, -1), dim=0, return_inverse=True)
+    pos = torch.arange(r, device=rows.device)
+    first = torch.full((int(inverse.max()) + 1,), r, dtype=torch.long, device=rows.device)
+    first.scatter_reduce_(0, inverse, pos, reduce="amin")
+    return first[inverse] == pos
+
+
+def merge_repeated_scores(x: Tensor, scores: Tensor) -> Tensor:
+    """``scores`` with each distinct row's scores summed onto its first row of ``x`` and zero on the rows that
+    repeat it (:func:`first_distinct`). A draw with probabilities proportional to the result picks a value of
+    ``x`` as often as one proportional to ``scores`` does, and never two rows of one value: the Nyström sketch of
+    ``K`` is unchanged in distribution (equal rows have equal columns) and its distinct centers are more.
+    ``O(n d log n)``, float64 result."""
+    check_scores("scores", scores, int(x.shape[0]))
+    n = int(x.shape[0])
+    _, inverse = torch.unique(x.reshape(n, -1), dim=0, return_inverse=True)
+    groups = int(inverse.max()) + 1
+    total = torch.zeros(groups, dtype=torch.float64, device=scores.device).index_add_(
+        0, inverse.to(scores.device), scores.detach().to(torch.float64))
+    first = first_distinct(x).to(scores.device)
+    return torch.where(first, total[inverse.to(scores.device)], torch.zeros((), dtype=torch.float64,
+                                                                              device=scores.device))
+
+
+def uniform_centers(
+    x: Tensor, num_centers: int, generator: torch.Generator | None = None, backend: Any | None = None,
+    *, distinct: bool = True,
+) -> CenterSelection:
+    """Sample ``num_centers`` rows of ``x`` uniformly without replacement, distinct in value by default.
+
+    ``distinct=True``: the rows are taken in the order of one random permutation, skipping a row equal to one
+    taken before (:func:`first_distinct`), until ``num_centers`` are taken; at most ``DISTINCT_DRAWS *
+    num_centers`` rows are read (in doublings from ``num_centers``), and where fewer distinct rows turn up the
+    centers are those, with a ``UserWarning``. Data without repeated rows give the same centers as
+    ``distinct=False``, the plain draw (FALKON, Alg. 1): the first ``num_centers`` rows of the permutation.
+
+    Cost O(n) time and memory for the permutation, plus ``O(R d log R)`` for the ``R`` rows read; deterministic
+    given ``generator``. With a sharded ``backend`` (:class:`~gpfalkon.backend.distributed.DistributedBackend`)
     ``x`` is this rank's shard: the indices are drawn over the *global* rows (so the centers
     do not depend on the number of ranks) and gathered from the shards that hold them
-    (one ``all_reduce`` of ``M x d`` values); ``indices`` are global row indices.
+    (one ``all_reduce`` of ``R x d`` values per doubling); ``indices`` are global row indices.
     """
     sharded = is_sharded(backend)
     check_inputs("train_x", x, allow_empty=sharded)
     n = total_rows(backend, x)
     num_centers = check_num_centers(num_centers, n)
     check_generator(generator)
+    if not isinstance(distinct, bool):
+        raise TypeError(f"distinct must be a bool, got {type(distinct).__name__}")
     device = generator.device if generator is not None else torch.device("cpu")
-    idx = torch.randperm(n, generator=generator, device=device)[:num_centers]
-    idx = idx.sort().values.to(x.device)
-    if sharded:
-        assert backend is not None  # is_sharded(None) is False
-        return CenterSelection(centers=backend.gather_rows(x, idx), indices=idx)
-    return CenterSelection(centers=x[idx].clone(), indices=idx)
+    perm = torch.randperm(n, generator=generator, device=device)
+
+    def rows_of(idx: Tensor) -> Tensor:
+        if sharded:
+            assert backend is not None  # is_sharded(None) is False
+            return backend.gather_rows(x, idx)
+        return x[idx]
+
+    take = num_centers
+    while True:
+        idx = perm[:take].to(x.device)
+        rows = rows_of(idx)
+        if not distinct:
+            break
+        keep = first_distinct(rows)
+        found = int(keep.sum())
+        if found >= num_centers or take >= min(n, DISTINCT_DRAWS * num_centers):
+            idx, rows = idx[keep][:num_centers], rows[keep][:num_centers]
+            break
+        take = min(n, DISTINCT_DRAWS * num_centers, 2 * take)
+    if idx.numel() < num_centers:
+        warnings.warn(f"num_centers={num_centers}: only {idx.numel()} distinct rows among the {take:,} of x "
+                      f"drawn; the centers are those {idx.numel()} (a repeated center adds nothing to the fit; "
+                      "distinct=False draws the rows as they come)", UserWarning, stacklevel=2)
+    order = torch.argsort(idx)
+    return CenterSelection(centers=rows[order].clone(), indices=idx[order])
 
 
 @runtime_checkable
@@ -160,18 +231,22 @@ def _generator(seed: int | None, generator: torch.Generator | None) -> torch.Gen
 
 
 class UniformCenters:
-    """Center selector: ``M`` rows drawn uniformly without replacement (:func:`uniform_centers`)."""
+    """Center selector: ``M`` rows drawn uniformly without replacement, distinct in value unless
+    ``distinct=False`` (:func:`uniform_centers`)."""
 
     def __init__(self, seed: int | None = None, generator: torch.Generator | None = None,
-                 backend: Any | None = None) -> None:
+                 backend: Any | None = None, *, distinct: bool = True) -> None:
         self.generator = _generator(seed, generator)
         self.backend = backend
+        if not isinstance(distinct, bool):
+            raise TypeError(f"distinct must be a bool, got {type(distinct).__name__}")
+        self.distinct = distinct
 
     def __call__(
         self, x: Tensor, num_centers: int | None, kernel: Kernel | None = None, penalty: float | Tensor | None = None
     ) -> CenterSelection:
         m = default_num_centers(x, self.backend) if num_centers is None else num_centers
-        return uniform_centers(x, m, self.generator, backend=self.backend)
+        return uniform_centers(x, m, self.generator, backend=self.backend, distinct=self.distinct)
 
 
 class FixedCenters:

@@ -180,6 +180,20 @@ def _leverage_and_save(rank: int, world: int, sizes: Sequence[int], out_dir: str
     )
 
 
+def repeated_data() -> tuple[torch.Tensor, torch.Tensor]:
+    """``data()``'s inputs rounded to a coarse grid: many rows repeat (distinct centers must skip them)."""
+    x, y, _ = data()
+    return torch.round(x), y
+
+
+def _distinct_centers_and_save(rank: int, world: int, sizes: Sequence[int], out_dir: str) -> None:
+    x, _ = repeated_data()
+    s, e = shard_bounds(sizes)[rank]
+    sel = gpfalkon.uniform_centers(x[s:e], M, torch.Generator().manual_seed(3), backend=DistributedBackend())
+    torch.save({"centers": sel.centers.clone(), "indices": sel.indices.clone()},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
 def _inconsistent(rank: int, world: int, out_dir: str, what: str) -> None:
     x, y, _ = data()
     s, e = shard_bounds([N // 2, N - N // 2])[rank]

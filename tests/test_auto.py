@@ -2772,3 +2772,30 @@ def test_loo_descent_reaches_the_grid_minimum_of_a_one_dimensional_problem():
     assert rec0["evaluations"] == 1 and rec0["stop"] == "time" and math.isclose(noise0, v0, rel_tol=1e-12)
     assert math.isclose(float(kern0.base_kernel.lengthscale.detach()), ls0, rel_tol=1e-12)
     assert math.isclose(err0, _loo_score(kernel(ls0), 1.0, v0, x, y)[0], rel_tol=1e-9)
+
+
+def test_auto_fit_on_repeated_rows_never_takes_a_center_twice(monkeypatch):
+    """Data whose rows repeat (each input three times, fresh noise): every model auto_fit builds (learning,
+    continuations on more rows, scoring, selection, final fit) has distinct centers, and the final fit's are as
+    many as the report says."""
+    import gpfalkon.auto as auto_module
+
+    x, _, f = _data(200)
+    g = torch.Generator().manual_seed(5)
+    x3 = x.repeat(3, 1)
+    y3 = f.repeat(3) + 2.5 * torch.randn(600, generator=g, dtype=torch.float64)
+    built: list[torch.Tensor] = []
+    real = auto_module.FalkonGP
+
+    def spy(*args, **kwargs):
+        if kwargs.get("centers") is not None:
+            built.append(kwargs["centers"].detach().clone())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(auto_module, "FalkonGP", spy)
+    model = auto_fit(x3, y3, **{**SMALL, "hyper_rows": 150})
+    assert len(built) >= 5
+    for c in built:
+        assert torch.unique(c, dim=0).shape[0] == c.shape[0], f"{c.shape[0]} centers, some repeated"
+    m = model.auto_report.chosen["num_centers"]
+    assert model.centers.shape[0] == m and torch.unique(model.centers, dim=0).shape[0] == m

@@ -10,15 +10,21 @@ import statistics
 import gpytorch
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from gpfalkon import FalkonGP, FalkonPreconditioner, NystromKRROperator
 from gpfalkon.centers import (
     CenterSelection,
     LeverageCenters,
+    UniformCenters,
     approximate_leverage_scores,
     dictionary_leverage_scores,
     effective_dimension,
+    first_distinct,
     leverage_centers,
+    merge_repeated_scores,
     nested_leverage_centers,
     uniform_centers,
 )
@@ -617,3 +623,97 @@ def test_a_custom_selector_must_return_a_center_selection():
     with pytest.raises(TypeError, match=r"center_selection must return a gpfalkon\.CenterSelection"):
         FalkonGP(x, y, make_kernel("rbf", 2), num_centers=10,
                  center_selection=lambda x, m, kernel=None, penalty=None: x[:m])
+
+
+# ----------------------------------------------------------------- distinct uniform centers
+def _first_distinct_reference(rows: torch.Tensor) -> list[bool]:
+    seen: set[tuple[float, ...]] = set()
+    out = []
+    for r in rows.tolist():
+        key = tuple(r)
+        out.append(key not in seen)
+        seen.add(key)
+    return out
+
+
+@hsettings(max_examples=40, deadline=None, derandomize=True)
+@given(n=st.integers(0, 60), d=st.integers(1, 4), levels=st.integers(1, 4),
+       dtype=st.sampled_from(["float32", "float64"]))
+def test_first_distinct_marks_the_first_row_of_each_value(n, d, levels, dtype):
+    g = torch.Generator().manual_seed(n * 31 + d * 7 + levels)
+    rows = torch.randint(0, levels, (n, d), generator=g).to(getattr(torch, dtype)) / 3
+    mask = first_distinct(rows)
+    assert mask.dtype == torch.bool and mask.shape == (n,)
+    assert mask.tolist() == _first_distinct_reference(rows)
+
+
+def _repeated_rows(n_distinct: int = 40, copies: int = 5, d: int = 2, seed: int = 0):
+    """``n_distinct`` distinct rows, each ``copies`` times, shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.rand(n_distinct, d, generator=g, dtype=torch.float64)
+    x = base.repeat(copies, 1)
+    return x[torch.randperm(x.shape[0], generator=g)]
+
+
+def test_uniform_centers_without_repeats_are_the_plain_draw():
+    x, _ = make_data(300, 3)
+    a = uniform_centers(x, 50, _gen(4))
+    b = uniform_centers(x, 50, _gen(4), distinct=False)
+    assert torch.equal(a.indices, b.indices) and torch.equal(a.centers, b.centers)
+    # the plain draw: the first 50 rows of the generator's permutation, sorted
+    assert torch.equal(b.indices, torch.randperm(300, generator=_gen(4))[:50].sort().values)
+
+
+def test_uniform_centers_skip_repeated_rows_in_permutation_order():
+    x = _repeated_rows()
+    plain = uniform_centers(x, 30, _gen(1), distinct=False)
+    assert torch.unique(plain.centers, dim=0).shape[0] < 30  # the plain draw repeats rows here
+    sel = uniform_centers(x, 30, _gen(1))
+    assert sel.centers.shape == (30, 2) and torch.unique(sel.centers, dim=0).shape[0] == 30
+    assert torch.equal(sel.centers, x[sel.indices]) and bool((sel.indices[1:] > sel.indices[:-1]).all())
+    # reference: walk the same permutation, keep a row whose values were not kept before, stop at 30
+    perm = torch.randperm(x.shape[0], generator=_gen(1))
+    keep = [i for i, new in zip(perm.tolist(), _first_distinct_reference(x[perm]), strict=True) if new][:30]
+    assert sel.indices.tolist() == sorted(keep)
+    # nested in the number of centers, as the plain draw is
+    small = uniform_centers(x, 12, _gen(1))
+    assert set(small.indices.tolist()) <= set(sel.indices.tolist())
+
+
+def test_uniform_centers_with_fewer_distinct_rows_than_asked_warn_and_return_them():
+    x = _repeated_rows(n_distinct=7, copies=30)
+    with pytest.warns(UserWarning, match=r"num_centers=20: only 7 distinct rows"):
+        sel = uniform_centers(x, 20, _gen(0))
+    assert sel.centers.shape[0] == 7 and torch.unique(sel.centers, dim=0).shape[0] == 7
+    with pytest.raises(TypeError, match="distinct must be a bool"):
+        uniform_centers(x, 5, _gen(0), distinct=1)
+    with pytest.raises(TypeError, match="distinct must be a bool"):
+        UniformCenters(seed=0, distinct="yes")
+    assert UniformCenters(seed=0, distinct=False)(x, 20).centers.shape[0] == 20
+
+
+def test_falkon_gp_on_repeated_rows_has_distinct_centers_and_fits_the_dense_solution():
+    x = _repeated_rows(n_distinct=60, copies=4, d=2, seed=3)
+    y = torch.sin(3 * x[:, 0]) + 0.1 * torch.randn(x.shape[0], generator=_gen(2), dtype=torch.float64)
+    k = _rbf(0.4)
+    m = FalkonGP(x, y, kernel=k, num_centers=40, penalty=1e-3, seed=0, tol=1e-12, max_iter=500).fit()
+    assert torch.unique(m.centers, dim=0).shape[0] == 40
+    h, knm, _ = dense_nystrom(k, x, m.centers, 1e-3)
+    # the fitted values (alpha itself is ill-determined at a smooth kernel)
+    torch.testing.assert_close(knm @ m.alpha, knm @ torch.linalg.solve(h, knm.T @ y), rtol=1e-6, atol=1e-6)
+
+
+def test_merge_repeated_scores_moves_each_values_mass_to_its_first_row():
+    x = _repeated_rows(n_distinct=9, copies=4, d=3, seed=6)
+    scores = torch.rand(36, generator=_gen(3), dtype=torch.float64)
+    merged = merge_repeated_scores(x, scores)
+    first = _first_distinct_reference(x)
+    for i in range(36):
+        same = [j for j in range(36) if torch.equal(x[j], x[i])]
+        want = float(scores[same].sum()) if first[i] else 0.0
+        assert math.isclose(float(merged[i]), want, rel_tol=1e-12, abs_tol=1e-15)
+    # drawn from, a nested stream never takes one value twice
+    nested = nested_leverage_centers(merged, 9, generator=_gen(0))
+    assert torch.unique(x[nested.indices], dim=0).shape[0] == nested.size == 9
+    with pytest.raises(ValueError, match="scores must have shape"):
+        merge_repeated_scores(x, scores[:5])

@@ -394,3 +394,18 @@ def test_leverage_centers_do_not_depend_on_the_sharding(tmp_path, sizes):
         assert torch.equal(res["centers"], ref.centers), f"rank {r}: centers"
         _close(res["weights"], ref.center_weights, f"rank {r} weights")
         _close(res["alpha"], ref.alpha, f"rank {r} alpha")
+
+
+@pytest.mark.parametrize("sizes", [(100, 140), (90, 0, 150)], ids=["2-ranks", "3-ranks-one-empty"])
+def test_distinct_uniform_centers_do_not_depend_on_the_sharding(tmp_path, sizes):
+    """Uniform centers on data with repeated rows: the draws skip repeats over the global rows (gathered in
+    doublings), so every rank gets one process's centers."""
+    x, _ = W.repeated_data()
+    ref = gpfalkon.uniform_centers(x, W.M, torch.Generator().manual_seed(3))
+    plain = gpfalkon.uniform_centers(x, W.M, torch.Generator().manual_seed(3), distinct=False)
+    assert torch.unique(plain.centers, dim=0).shape[0] < W.M  # the data repeat rows: a plain draw repeats centers
+    assert torch.unique(ref.centers, dim=0).shape[0] == W.M
+    W.run(len(sizes), W._distinct_centers_and_save, (list(sizes), str(tmp_path)), str(tmp_path))
+    for r, res in enumerate(_load(tmp_path, len(sizes))):
+        assert torch.equal(res["indices"], ref.indices), f"rank {r}: indices"
+        assert torch.equal(res["centers"], ref.centers), f"rank {r}: centers"

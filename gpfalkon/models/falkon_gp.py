@@ -318,8 +318,10 @@ class FalkonGP(gpytorch.models.GP):
             prior mean is zero, so standardise ``y`` (or use BoTorch's ``Standardize``).
         kernel: any GPyTorch kernel (default ``ScaleKernel(MaternKernel(2.5, ARD))``).
         num_centers: number of centers (default ``min(n, 1000)``): sampled
-            uniformly without replacement, or — with ``center_selection="leverage"`` —
-            the number of with-replacement draws (fewer distinct centers result), or
+            uniformly without replacement, rows equal to one drawn before skipped
+            (:func:`~gpfalkon.centers.uniform_centers`; ``UniformCenters(distinct=False)`` keeps them),
+            or — with ``center_selection="leverage"`` — the number of with-replacement draws (fewer distinct
+            centers result), or
         centers: user-supplied centers ``(M, d)``.
         center_selection: ``"uniform"`` (default), ``"leverage"``, or any
             :class:`~gpfalkon.centers.CenterSelector` (called once as
