@@ -35,8 +35,9 @@
    more nested centers as the time left pays for (``final_growth``, up to ``final_growth_factor`` = 4 times as
    many, past twice as many within half the final rows).
 
-Inputs and targets are standardised internally, ``z = (x - mu) / s`` per feature and
-``u = (y - m) / r``, and mapped back exactly: for a stationary ARD kernel
+Inputs and targets are standardised internally, ``z = (x - mu) / s`` per feature (the mean and
+standard deviation, or the median and ``OUTLIER_SCALE_RATIO`` robust scales where a few far rows inflate the
+standard deviation beyond that) and ``u = (y - m) / r``, and mapped back exactly: for a stationary ARD kernel
 ``k(z, z') = sigma_f^2 rho(|z_j - z'_j| / l_j)``, ``k`` on raw ``x`` has lengthscales ``l_j s_j``;
 the model on raw ``y`` has outputscale ``r^2 sigma_f^2``, noise ``r^2 sigma_n^2`` (so the same
 ``alpha`` up to the factor ``r``) and the constant prior mean ``m`` (``FalkonGP(mean_constant=m)``).
@@ -133,6 +134,11 @@ GROWTH_STEP = 1.15
 #: ``report.chosen["centers"]`` where the leverage check's centers replaced the level's
 _LEVERAGE_CHECK = "leverage (check)"
 
+#: the most a feature's standard deviation may exceed its robust scale (IQR / 1.349) in auto_fit's
+#: standardisation; beyond it a few far rows set the scale, which is then capped (:func:`_input_location_scale`)
+OUTLIER_SCALE_RATIO = 100.0
+#: in float32, auto_fit warns where a training row lies more than this many scale units from a feature's centre
+FLOAT32_FAR_ROWS = 1e3
 #: how :func:`auto_fit` draws the nested centers of stages 2-3 (``center_sampling=``)
 CENTER_SAMPLING: tuple[str, ...] = ("auto", "uniform", "leverage")
 
@@ -422,6 +428,27 @@ LOO_OVERSHOOT_MARGIN = 0.5
 LOO_PROBES = 2_000
 #: what the descent minimises (:func:`_loo_value_and_gram_grad`)
 LOO_DESCENT_CRITERION = "mse"
+
+
+def _input_location_scale(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Per feature of ``x`` (float64, ``n`` rows): the location ``m`` and scale ``s`` of :func:`auto_fit`'s
+    standardisation ``z = (x - m) / s``: the mean and standard deviation, except where a few rows far out inflate
+    the standard deviation past ``OUTLIER_SCALE_RATIO`` times the robust scale ``q = IQR / 1.349`` (the standard
+    deviation of a normal feature): there ``m`` is the median and ``s = OUTLIER_SCALE_RATIO q``, so that the bulk
+    of the rows keeps a spread of at least ``1 / OUTLIER_SCALE_RATIO`` in ``z`` (docs/math.md §8, "Inputs with far
+    outliers"). A feature with ``s = 0`` (constant) gets ``s = 1``; one with ``q = 0`` (mostly one value) keeps
+    its standard deviation. ``O(n d log n)`` (the quartiles)."""
+    n, d = x.shape
+    ones = torch.ones(d, dtype=torch.float64, device=x.device)
+    if n < 2:
+        return x.mean(0) if n else torch.zeros_like(ones), ones
+    mu, sd = x.mean(0), x.std(0)
+    # the quantiles q = 1/4, 1/2, 3/4 as the ceil(q n)-th smallest value (numpy's "inverted_cdf")
+    lo, med, hi = (torch.kthvalue(x, max(1, math.ceil(q * n)), dim=0).values for q in (0.25, 0.5, 0.75))
+    cap = OUTLIER_SCALE_RATIO * (hi - lo) / 1.349
+    far = (cap > 0) & (sd > cap)
+    mu, sd = torch.where(far, med, mu), torch.where(far, cap, sd)
+    return mu, torch.where(sd > 0, sd, ones)
 
 
 def _val_mse(model: FalkonGP, xv: Tensor, yv: Tensor) -> float:
@@ -1773,8 +1800,7 @@ def auto_fit(
         # standardisation (training-split statistics)
         family = kernel if isinstance(kernel, str) else type(kernel).__name__
         if isinstance(kernel, str):
-            x_mu, x_sd = xt.mean(0), xt.std(0) if n_tr > 1 else torch.ones(d, dtype=torch.float64, device=dev)
-            x_sd = torch.where(x_sd > 0, x_sd, torch.ones_like(x_sd))
+            x_mu, x_sd = _input_location_scale(xt)
         else:
             x_mu, x_sd = torch.zeros(d, dtype=torch.float64, device=dev), torch.ones(d, dtype=torch.float64, device=dev)
         y_mu = yt.mean()
@@ -1805,6 +1831,16 @@ def auto_fit(
                 stacklevel=2,
             )
         if dtype == torch.float32 and isinstance(kernel, str):
+            far = float(((xt - x_mu).abs() / x_sd).max()) if n_tr else 0.0
+            if far > FLOAT32_FAR_ROWS:
+                warnings.warn(
+                    f"train_x: some rows lie {far:.3g} scale units from a feature's centre (a code for a missing "
+                    "value?); float32 kernel values at such rows lose their precision (the squared distance of a row "
+                    "to itself rounds to about 6e-8 x its squared norm, which is then not small): such a row can "
+                    "make K_MM indefinite. Pass dtype=torch.float64, or replace those values",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             ratio = float((x_mu.abs() / x_sd).max())
             if ratio > 1e4:
                 warnings.warn(

@@ -2799,3 +2799,79 @@ def test_auto_fit_on_repeated_rows_never_takes_a_center_twice(monkeypatch):
         assert torch.unique(c, dim=0).shape[0] == c.shape[0], f"{c.shape[0]} centers, some repeated"
     m = model.auto_report.chosen["num_centers"]
     assert model.centers.shape[0] == m and torch.unique(model.centers, dim=0).shape[0] == m
+
+
+def test_input_location_scale_caps_a_scale_set_by_far_rows():
+    """The standardisation: mean and standard deviation, except where far rows inflate the standard deviation past
+    OUTLIER_SCALE_RATIO robust scales (the median and that many IQR / 1.349 there); numpy's quantiles as reference."""
+    import numpy as np
+
+    import gpfalkon.auto as auto_module
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1001, 4, generator=g, dtype=torch.float64)
+    x[:, 1] = torch.rand(1001, generator=g, dtype=torch.float64)
+    x[:3, 1] = -9999.0  # a missing-value code: the standard deviation ~ 300 quartile spreads
+    x[:, 2] = (x[:, 2] > 1.5).double()  # mostly zeros: IQR 0, the standard deviation kept
+    x[:, 3] = 5.0  # constant: scale 1
+    mu, sd = auto_module._input_location_scale(x)
+    a = x.numpy()
+    q = {k: np.percentile(a, 100 * k, axis=0, method="inverted_cdf") for k in (0.25, 0.5, 0.75)}
+    cap = auto_module.OUTLIER_SCALE_RATIO * (q[0.75] - q[0.25]) / 1.349
+    assert float(x[:, 1].std()) > cap[1] and float(x[:, 0].std()) < cap[0]
+    want_mu = [a[:, 0].mean(), q[0.5][1], a[:, 2].mean(), 5.0]
+    want_sd = [a[:, 0].std(ddof=1), cap[1], a[:, 2].std(ddof=1), 1.0]
+    torch.testing.assert_close(mu, torch.tensor(want_mu, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sd, torch.tensor(want_sd, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    # equivariant: a per-feature affine change of units (negative factors included) moves them alike
+    s, b = torch.tensor([3.0, -0.5, 2.0, 7.0], dtype=torch.float64), torch.tensor([1.0, 4.0, -2.0, 0.5])
+    mu2, sd2 = auto_module._input_location_scale(x * s + b.double())
+    torch.testing.assert_close(sd2[:3], sd[:3] * s[:3].abs(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(mu2, mu * s + b.double(), rtol=1e-12, atol=1e-9)
+
+
+def test_auto_fit_with_a_missing_value_code_in_a_feature_still_learns_it(monkeypatch):
+    """A few rows hold a code far outside a feature's range (-9999): with the scale capped, the bulk of that feature
+    keeps its spread and the fit its accuracy on clean test rows; with the plain standard deviation (no cap) the
+    feature looks constant at the start and the fit is much worse (the comparison shows this test can fail)."""
+    import gpfalkon.auto as auto_module
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(600, 2, generator=g, dtype=torch.float64)
+    f = torch.sin(6 * x[:, 0]) + 0.3 * x[:, 1]
+    y = f + 0.05 * torch.randn(600, generator=g, dtype=torch.float64)
+    xt = torch.rand(300, 2, generator=g, dtype=torch.float64)
+    ft = torch.sin(6 * xt[:, 0]) + 0.3 * xt[:, 1]
+    xo = x.clone()
+    xo[:4, 0] = -9999.0
+
+    def err(xtrain):
+        m = auto_fit(xtrain, y, **SMALL)
+        m.eval()
+        with torch.no_grad():
+            return float((m.posterior_mean(xt).double() - ft).square().mean().sqrt() / ft.std())
+
+    clean, coded = err(x), err(xo)
+    monkeypatch.setattr(auto_module, "OUTLIER_SCALE_RATIO", math.inf)
+    uncapped = err(xo)
+    assert coded < 2 * clean + 0.02, (clean, coded)
+    assert uncapped > 3 * coded, (coded, uncapped)
+
+
+def test_auto_fit_warns_of_far_rows_in_float32_only():
+    """float32 with rows 1e9 scale units out (their self-distance rounds to far more than a lengthscale): a warning
+    naming train_x and float64; none in float64 or for rows a few hundred units out."""
+    import warnings as _warnings
+
+    x, y = make_data(200, 2)
+    far = x.clone()
+    far[:2, 0] = 1e9
+    with pytest.warns(RuntimeWarning, match=r"train_x: some rows lie .* scale units .* dtype=torch.float64"):
+        auto_fit(far, y, budget=1.0)
+    near = x.clone()
+    near[:2, 0] = 30.0
+    for xs, kw in ((far, dict(dtype=torch.float64)), (near, {})):
+        with _warnings.catch_warnings(record=True) as caught:
+            _warnings.simplefilter("always")
+            auto_fit(xs, y, budget=1.0, **kw)
+        assert not [w for w in caught if "scale units" in str(w.message)]
