@@ -2077,10 +2077,15 @@ def auto_fit(
                              hyper_entries // rows_h, rows_h - rows_prev + c_start.shape[0])
                 new_rows = h_perm[rows_prev:rows_h]
                 draw = torch.randperm(new_rows.shape[0], generator=continue_gen, device=dev)
-                cand = xt_z[new_rows[draw]]
-                # new rows equal to a center (or to an earlier new row) are skipped
-                new_c = cand[first_distinct(torch.cat([c_start.to(dtype), cand], 0))[c_start.shape[0]:]]
-                centers_next = torch.cat([c_start.to(dtype), new_c[: m_next - c_start.shape[0]]], 0)
+                # new rows equal to a center (or to an earlier new row) are skipped; the first 4 k + 64 of the draw
+                # are looked at first (k the centers wanted), all of them only where too few of those are distinct
+                k_new = m_next - c_start.shape[0]
+                for look in (min(int(draw.numel()), 4 * k_new + 64), int(draw.numel())):
+                    cand = xt_z[new_rows[draw[:look]]]
+                    new_c = cand[first_distinct(torch.cat([c_start.to(dtype), cand], 0))[c_start.shape[0]:]]
+                    if new_c.shape[0] >= k_new:
+                        break
+                centers_next = torch.cat([c_start.to(dtype), new_c[:k_new]], 0)
                 why = "stalled" if stalled else f"level share ({level_share:g}) used"
                 old.stop(f"{why}; continued on {rows_h:,} rows, {centers_next.shape[0]:,} centers")
                 nxt = h_model(copy.deepcopy(start["kernel"]), float(start["noise"]), centers_next, learn_centers,
