@@ -73,6 +73,7 @@ from .backend.engine import reuse_stores
 from .centers import (
     NestedLeverageCenters,
     dictionary_leverage_scores,
+    distinct_groups,
     first_distinct,
     leverage_centers,
     merge_repeated_scores,
@@ -430,6 +431,18 @@ LOO_PROBES = 2_000
 LOO_DESCENT_CRITERION = "mse"
 
 
+def _quantile(x: Tensor, q: float) -> Tensor:
+    """Per column of ``x`` (``n >= 1`` rows), the ``q`` quantile interpolated linearly between order statistics
+    (numpy's default): ``x_(h) + (h - floor h)(x_(h + 1) - x_(h))``, ``h = (n - 1) q``, 0-based; two ``kthvalue``
+    selections (``torch.quantile`` refuses inputs of more than 2^24 values). Equivariant under ``x -> a x + b``."""
+    h = (x.shape[0] - 1) * q
+    k = math.floor(h)
+    low = torch.kthvalue(x, k + 1, dim=0).values
+    if h == k:
+        return low
+    return low + (h - k) * (torch.kthvalue(x, k + 2, dim=0).values - low)
+
+
 def _input_location_scale(x: Tensor) -> tuple[Tensor, Tensor]:
     """Per feature of ``x`` (float64, ``n`` rows): the location ``m`` and scale ``s`` of :func:`auto_fit`'s
     standardisation ``z = (x - m) / s``: the mean and standard deviation, except where a few rows far out inflate
@@ -443,8 +456,7 @@ def _input_location_scale(x: Tensor) -> tuple[Tensor, Tensor]:
     if n < 2:
         return x.mean(0) if n else torch.zeros_like(ones), ones
     mu, sd = x.mean(0), x.std(0)
-    # the quantiles q = 1/4, 1/2, 3/4 as the ceil(q n)-th smallest value (numpy's "inverted_cdf")
-    lo, med, hi = (torch.kthvalue(x, max(1, math.ceil(q * n)), dim=0).values for q in (0.25, 0.5, 0.75))
+    lo, med, hi = (_quantile(x, q) for q in (0.25, 0.5, 0.75))
     cap = OUTLIER_SCALE_RATIO * (hi - lo) / 1.349
     far = (cap > 0) & (sd > cap)
     mu, sd = torch.where(far, med, mu), torch.where(far, cap, sd)
@@ -718,6 +730,7 @@ def _scoring_fit(model: FalkonGP, extra: Tensor | None) -> FalkonGP:
         return _fit_quiet(model)[0]
     with torch.no_grad():
         centers = torch.cat([model.centers.detach(), extra.to(model.centers.dtype)], 0)
+        centers = centers[first_distinct(centers)]  # an extra center equal to one before it adds nothing
         scorer = FalkonGP(model.train_inputs[0], model.train_targets, kernel=model.kernel, centers=centers,
                           penalty=model.penalty.detach(), max_iter=model.max_iter, tol=model.tol)
     return _fit_quiet(scorer)[0]
@@ -1831,7 +1844,8 @@ def auto_fit(
                 stacklevel=2,
             )
         if dtype == torch.float32 and isinstance(kernel, str):
-            far = float(((xt - x_mu).abs() / x_sd).max()) if n_tr else 0.0
+            far = float((torch.maximum((xt.amax(0) - x_mu).abs(), (xt.amin(0) - x_mu).abs()) / x_sd).max()) \
+                if n_tr else 0.0
             if far > FLOAT32_FAR_ROWS:
                 warnings.warn(
                     f"train_x: some rows lie {far:.3g} scale units from a feature's centre (a code for a missing "
@@ -2155,9 +2169,9 @@ def auto_fit(
             and the validation rows)."""
             return min(n_final, rows_at(m) + n_back) if grow_rows else n_final
         # nested centers: the learned / stage-1 centers first, then random selection rows, each distinct in value
-        # from those before it (first_distinct; s_perm skips repeated rows, so the leverage dictionary does too)
-        s_perm = torch.randperm(n_s, generator=gen, device=dev)
-        s_perm = s_perm[first_distinct(xs[s_perm])]
+        # from those before it (first_distinct)
+        s_all = torch.randperm(n_s, generator=gen, device=dev)  # also the leverage dictionary's uniform draw
+        s_perm = s_all[first_distinct(xs[s_all])]
         extra = xs[s_perm]
         c_pool = torch.cat([learned_c.to(dtype), extra], 0) if learn_centers else extra
         if learn_centers:
@@ -2753,7 +2767,7 @@ def auto_fit(
                 m_j = min(m, LEVERAGE_DICTIONARY)
 
                 def lev_scores(rows: Tensor) -> Tensor:
-                    return dictionary_leverage_scores(xs, k_lev, level["noise"] / n_s, s_perm[:m_j], m_j / n_s,
+                    return dictionary_leverage_scores(xs, k_lev, level["noise"] / n_s, s_all[:m_j], m_j / n_s,
                                                       rows=rows)
 
                 # the first quarter of the rows is scored and timed; the rest (linear in the rows) is scored only
@@ -2780,8 +2794,8 @@ def auto_fit(
                         return
                     scores = torch.cat([scores, lev_scores(torch.arange(head, n_s, device=dev))])
                 # a repeated selection row's score goes to its first copy: the draws never take one value twice
-                nested = nested_leverage_centers(merge_repeated_scores(xs, scores), min(n_s, max_centers),
-                                                 generator=gen)
+                nested = nested_leverage_centers(merge_repeated_scores(xs, scores),
+                                                 min(int(s_perm.numel()), max_centers), generator=gen)
             except Exception as exc:
                 report.notes.append(f"leverage-score centers failed: {type(exc).__name__}: {exc}")
                 return
@@ -2796,7 +2810,7 @@ def auto_fit(
             pool["nested"] = nested
             uniform_error = level["error"]
             err = score(m, level["noise"], level["multiplier"], kind="leverage")
-            room = nested.size >= min(2 * m, n_s, max_centers)
+            room = nested.size >= min(2 * m, int(s_perm.numel()), max_centers)
             if center_sampling == "auto" and err < uniform_error and not room:
                 report.notes.append(f"leverage-score centers not kept: their {nested.size} distinct draws leave no "
                                     f"room to double M={m}")
@@ -3122,14 +3136,20 @@ def auto_fit(
                     loo_points, x_fin_z, (y_fin - y_mu) / y_sd, lambda: loo_end - time.perf_counter())
                 report.loo = loo.record
                 win = loo.winner
+                # the refit's centers: every distinct final row (equal rows, one center: the exact solution's
+                # coefficients of equal rows summed into it give the same function)
+                fin_keep, fin_to = distinct_groups(x_fin_z.to(dtype))
+                n_distinct = int(fin_keep.sum())
                 if win is not None and (win is not loo.chosen or loo.noise != win["noise"]
-                                        or int(final.centers.shape[0]) < n_final):
+                                        or int(final.centers.shape[0]) < n_distinct):
                     if loo_end - time.perf_counter() >= loo.score_seconds:
-                        level_w = dict(final_level, M=n_final, noise=loo.noise, multiplier=win["multiplier"])
+                        level_w = dict(final_level, M=n_distinct, noise=loo.noise, multiplier=win["multiplier"])
                         y_fin_z = ((y_fin - y_mu) / y_sd).to(torch.float64)
                         alpha_z = _krr_coefficients(win["kernel"], win["multiplier"], loo.noise,
                                                     x_fin_z.to(torch.float64), y_fin_z)
-                        refit, conv_w = build_final(level_w, centers=x_fin_z.to(dtype), start=alpha_z,
+                        alpha_z = torch.zeros(n_distinct, *alpha_z.shape[1:], dtype=alpha_z.dtype,
+                                              device=alpha_z.device).index_add_(0, fin_to, alpha_z)
+                        refit, conv_w = build_final(level_w, centers=x_fin_z.to(dtype)[fin_keep], start=alpha_z,
                                                     kernel_z=win["kernel"], data_dtype=LOO_REFIT_DTYPE)
                         final, converged, rows_final = refit, conv_w, n_final
                         final_level, best_level = level_w, dict(best_level, multiplier=win["multiplier"])
@@ -3146,8 +3166,8 @@ def auto_fit(
                         report.notes.append(
                             f"leave-one-out choice on all {n_final:,} rows: {win['racer']} (step {win['step']}, "
                             f"noise {loo.noise:.3g}) of {len(loo.record['scored'])} points, error {loo.error:.4g} "
-                            f"against the validation choice's {loo.record['chosen_error']:.4g}; refit with every row a "
-                            "center")
+                            f"against the validation choice's {loo.record['chosen_error']:.4g}; refit with every "
+                            f"distinct row a center ({n_distinct:,})")
                     else:
                         report.notes.append("leave-one-out choice: no time left for its refit; the validation choice "
                                             "is returned")

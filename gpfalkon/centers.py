@@ -66,6 +66,7 @@ __all__ = [
     "UniformCenters",
     "approximate_leverage_scores",
     "dictionary_leverage_scores",
+    "distinct_groups",
     "effective_dimension",
     "first_distinct",
     "leverage_centers",
@@ -127,21 +128,33 @@ def first_distinct(rows: Tensor) -> Tensor:
     return first[inverse] == pos
 
 
+def distinct_groups(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """``(keep, to)`` for ``R`` rows: ``keep = first_distinct(rows)`` and, for each row, the position among the
+    kept rows (in order) of the first row with its values, so that ``rows[keep][to] == rows`` and a sum over equal
+    rows is ``zeros(keep.sum()).index_add_(0, to, values)``. ``O(R d log R)``."""
+    r = int(rows.shape[0])
+    keep = first_distinct(rows)
+    if r == 0 or bool(keep.all()):
+        return keep, torch.arange(r, device=rows.device)
+    _, inverse = torch.unique(rows.reshape(r, -1), dim=0, return_inverse=True)
+    slot = torch.full((int(inverse.max()) + 1,), -1, dtype=torch.long, device=rows.device)
+    slot[inverse[keep]] = torch.arange(int(keep.sum()), device=rows.device)
+    return keep, slot[inverse]
+
+
 def merge_repeated_scores(x: Tensor, scores: Tensor) -> Tensor:
     """``scores`` with each distinct row's scores summed onto its first row of ``x`` and zero on the rows that
     repeat it (:func:`first_distinct`). A draw with probabilities proportional to the result picks a value of
     ``x`` as often as one proportional to ``scores`` does, and never two rows of one value: the Nyström sketch of
     ``K`` is unchanged in distribution (equal rows have equal columns) and its distinct centers are more.
-    ``O(n d log n)``, float64 result."""
+    ``O(n d log n)``, float64 result. ``x`` holds all the rows (one process: equal rows on two ranks of a sharded
+    backend would not be found)."""
     check_scores("scores", scores, int(x.shape[0]))
-    n = int(x.shape[0])
-    _, inverse = torch.unique(x.reshape(n, -1), dim=0, return_inverse=True)
-    groups = int(inverse.max()) + 1
-    total = torch.zeros(groups, dtype=torch.float64, device=scores.device).index_add_(
-        0, inverse.to(scores.device), scores.detach().to(torch.float64))
-    first = first_distinct(x).to(scores.device)
-    return torch.where(first, total[inverse.to(scores.device)], torch.zeros((), dtype=torch.float64,
-                                                                              device=scores.device))
+    keep, to = distinct_groups(x)
+    keep, to = keep.to(scores.device), to.to(scores.device)
+    total = torch.zeros(int(keep.sum()), dtype=torch.float64, device=scores.device).index_add_(
+        0, to, scores.detach().to(torch.float64))
+    return torch.where(keep, total[to], torch.zeros((), dtype=torch.float64, device=scores.device))
 
 
 def uniform_centers(
@@ -153,8 +166,9 @@ def uniform_centers(
     ``distinct=True``: the rows are taken in the order of one random permutation, skipping a row equal to one
     taken before (:func:`first_distinct`), until ``num_centers`` are taken; at most ``DISTINCT_DRAWS *
     num_centers`` rows are read (in doublings from ``num_centers``), and where fewer distinct rows turn up the
-    centers are those, with a ``UserWarning``. Data without repeated rows give the same centers as
-    ``distinct=False``, the plain draw (FALKON, Alg. 1): the first ``num_centers`` rows of the permutation.
+    centers are those (with a ``UserWarning`` where that limit, not the end of ``x``, stopped the search). Data
+    without repeated rows give the same centers as ``distinct=False``, the plain draw (FALKON, Alg. 1): the first
+    ``num_centers`` rows of the permutation.
 
     Cost O(n) time and memory for the permutation, plus ``O(R d log R)`` for the ``R`` rows read; deterministic
     given ``generator``. With a sharded ``backend`` (:class:`~gpfalkon.backend.distributed.DistributedBackend`)
@@ -190,10 +204,11 @@ def uniform_centers(
             idx, rows = idx[keep][:num_centers], rows[keep][:num_centers]
             break
         take = min(n, DISTINCT_DRAWS * num_centers, 2 * take)
-    if idx.numel() < num_centers:
+    if idx.numel() < num_centers and take < n:
         warnings.warn(f"num_centers={num_centers}: only {idx.numel()} distinct rows among the {take:,} of x "
-                      f"drawn; the centers are those {idx.numel()} (a repeated center adds nothing to the fit; "
-                      "distinct=False draws the rows as they come)", UserWarning, stacklevel=2)
+                      f"drawn (at most {DISTINCT_DRAWS} num_centers are read); the centers are those {idx.numel()} "
+                      "(a repeated center adds nothing to the fit; distinct=False draws the rows as they come)",
+                      UserWarning, stacklevel=2)
     order = torch.argsort(idx)
     return CenterSelection(centers=rows[order].clone(), indices=idx[order])
 
@@ -794,6 +809,17 @@ def effective_dimension(
     return float(scores.to(torch.float64).sum())
 
 
+def _merge_equal_centers(idx: Tensor, counts: Tensor, p: Tensor, centers: Tensor) -> tuple[Tensor, ...]:
+    """Drawn rows equal in value merged into the first of them (``centers`` are in index order): ``count_v = sum
+    count_j`` and ``p_v`` with ``count_v / p_v = sum count_j / p_j`` (:func:`leverage_centers`); returns the merged
+    ``(indices, counts, p, keep)``, ``keep`` the mask of the rows kept. ``O(M d log M)``."""
+    keep, to = distinct_groups(centers)
+    m = int(keep.sum())
+    c = torch.zeros(m, dtype=torch.float64, device=idx.device).index_add_(0, to, counts.to(torch.float64))
+    ratio = torch.zeros(m, dtype=torch.float64, device=idx.device).index_add_(0, to, counts.to(torch.float64) / p)
+    return idx[keep], c.round().to(counts.dtype), c / ratio, keep
+
+
 def leverage_centers(
     x: Tensor,
     num_centers: int,
@@ -803,6 +829,7 @@ def leverage_centers(
     generator: torch.Generator | None = None,
     scores: Tensor | None = None,
     weighting: str = "unbiased",
+    distinct: bool = True,
     **kwargs,
 ) -> CenterSelection:
     r"""Nyström centers by approximate ridge-leverage-score sampling (FALKON, appendix A).
@@ -828,6 +855,12 @@ def leverage_centers(
     ``tests/test_centers.py``: median cond(B^T H B) 12 instead of 4.3). Uniform
     probabilities ``p = 1 / n`` with distinct draws give ``D = I``.
 
+    Rows equal in value (data with repeated inputs) are one center (``distinct=True``, the default): the drawn
+    rows with one value are merged into its first, with ``count_v = sum count_j`` and ``p_v`` set by
+    ``count_v / p_v = sum count_j / p_j``, so that the sketch ``sum_j count_j / (R p_j) K_Mj K_jM`` is the same sum
+    (equal rows, equal columns; docs/math.md §3.3a) and ``D`` follows from the formula above with ``M`` the
+    number of distinct values. ``distinct=False`` merges equal indices only.
+
     Args:
         x: ``(n, d)`` training inputs.
         num_centers: ``R``, the number of draws (``1 <= R <= n``).
@@ -839,6 +872,7 @@ def leverage_centers(
         weighting: ``"unbiased"`` (default, the ``D`` above) or ``"paper"``, the
             literal ``D_jj = 1 / sqrt(n p_j count_j)`` of the paper (docs/math.md §3.3)
             (equal when all counts are 1; measured worse otherwise, see ``tests/test_centers.py``).
+        distinct: merge drawn rows equal in value into one center (above).
         kwargs: options of :func:`approximate_leverage_scores`.
 
     Returns:
@@ -852,6 +886,8 @@ def leverage_centers(
     check_generator(generator)
     if weighting not in ("unbiased", "paper"):
         raise ValueError(f"weighting must be 'unbiased' or 'paper', got {weighting!r}")
+    if not isinstance(distinct, bool):
+        raise TypeError(f"distinct must be a bool, got {type(distinct).__name__}")
     if scores is None:
         scores = approximate_leverage_scores(x, kernel, penalty, generator=generator, **kwargs)
     else:
@@ -879,12 +915,17 @@ def leverage_centers(
             draws = rows_info.backend.reduce_nograd(draws).round().to(torch.long)
         idx, counts = torch.unique(draws, sorted=True, return_counts=True)
         p = rows_info.values_at(s, idx) / total
+    centers = rows_info.gather(x, idx)
+    if distinct:
+        idx, counts, p, keep = _merge_equal_centers(idx, counts, p, centers.detach())
+        if not bool(keep.all()):
+            centers = centers[keep]
+    with torch.no_grad():
         m = idx.numel()
         if weighting == "paper":
             weights = 1.0 / torch.sqrt(n * p * counts.to(torch.float64))
         else:
             weights = torch.sqrt(m * counts.to(torch.float64) / (n * num_centers * p))
-    centers = rows_info.gather(x, idx)
     return CenterSelection(centers=centers.clone() if not rows_info.sharded else centers, indices=idx,
                            weights=weights, counts=counts, probabilities=p)
 

@@ -170,8 +170,8 @@ def leverage_model(x, y, backend=None) -> FalkonGP:
                     options=FalkonOptions(backend=backend, tol=1e-12, max_iter=500))
 
 
-def _leverage_and_save(rank: int, world: int, sizes: Sequence[int], out_dir: str) -> None:
-    x, y, _ = data()
+def _leverage_and_save(rank: int, world: int, sizes: Sequence[int], out_dir: str, repeated: bool = False) -> None:
+    x, y = repeated_data() if repeated else data()[:2]
     s, e = shard_bounds(sizes)[rank]
     model = leverage_model(x[s:e], y[s:e], DistributedBackend()).fit()
     torch.save(

@@ -2776,8 +2776,8 @@ def test_loo_descent_reaches_the_grid_minimum_of_a_one_dimensional_problem():
 
 def test_auto_fit_on_repeated_rows_never_takes_a_center_twice(monkeypatch):
     """Data whose rows repeat (each input three times, fresh noise): every model auto_fit builds (learning,
-    continuations on more rows, scoring, selection, final fit) has distinct centers, and the final fit's are as
-    many as the report says."""
+    continuations on more rows with more centers, scoring, selection, final fit, the leave-one-out refit) has
+    distinct centers, and the final fit's are as many as the report says."""
     import gpfalkon.auto as auto_module
 
     x, _, f = _data(200)
@@ -2793,7 +2793,14 @@ def test_auto_fit_on_repeated_rows_never_takes_a_center_twice(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(auto_module, "FalkonGP", spy)
-    model = auto_fit(x3, y3, **{**SMALL, "hyper_rows": 150})
+    # level_share 1e-9: the leader goes on to twice the rows at every round (with hyper_centers_growth, new centers)
+    model = auto_fit(x3, y3, **{**SMALL, "hyper_rows": 100, "hyper_centers": 20, "hyper_centers_growth": 0.5,
+                                "max_steps": 200, "objectives": ("gcv", "sgpr"), "race_rounds": 2,
+                                "level_share": 1e-9, "rescore_continuations": False, "loo_rows": 600})
+    rep = model.auto_report
+    grown = [r for r in rep.learn[1:] if r["rows"] > 100]
+    assert grown and max(r["centers"] for r in grown) > 20  # a continuation on more rows drew new centers
+    assert rep.loo is not None and not rep.loo.get("skipped")  # the leave-one-out stage ran
     assert len(built) >= 5
     for c in built:
         assert torch.unique(c, dim=0).shape[0] == c.shape[0], f"{c.shape[0]} centers, some repeated"
@@ -2803,20 +2810,21 @@ def test_auto_fit_on_repeated_rows_never_takes_a_center_twice(monkeypatch):
 
 def test_input_location_scale_caps_a_scale_set_by_far_rows():
     """The standardisation: mean and standard deviation, except where far rows inflate the standard deviation past
-    OUTLIER_SCALE_RATIO robust scales (the median and that many IQR / 1.349 there); numpy's quantiles as reference."""
+    OUTLIER_SCALE_RATIO robust scales (the median and that many IQR / 1.349 there); numpy's (linearly interpolated)
+    quantiles as reference, on an even number of rows (where order-statistic quantiles are not equivariant)."""
     import numpy as np
 
     import gpfalkon.auto as auto_module
 
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(1001, 4, generator=g, dtype=torch.float64)
-    x[:, 1] = torch.rand(1001, generator=g, dtype=torch.float64)
+    x = torch.randn(1000, 4, generator=g, dtype=torch.float64)
+    x[:, 1] = torch.rand(1000, generator=g, dtype=torch.float64)
     x[:3, 1] = -9999.0  # a missing-value code: the standard deviation ~ 300 quartile spreads
     x[:, 2] = (x[:, 2] > 1.5).double()  # mostly zeros: IQR 0, the standard deviation kept
     x[:, 3] = 5.0  # constant: scale 1
     mu, sd = auto_module._input_location_scale(x)
     a = x.numpy()
-    q = {k: np.percentile(a, 100 * k, axis=0, method="inverted_cdf") for k in (0.25, 0.5, 0.75)}
+    q = {k: np.percentile(a, 100 * k, axis=0) for k in (0.25, 0.5, 0.75)}
     cap = auto_module.OUTLIER_SCALE_RATIO * (q[0.75] - q[0.25]) / 1.349
     assert float(x[:, 1].std()) > cap[1] and float(x[:, 0].std()) < cap[0]
     want_mu = [a[:, 0].mean(), q[0.5][1], a[:, 2].mean(), 5.0]

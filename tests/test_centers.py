@@ -21,6 +21,7 @@ from gpfalkon.centers import (
     UniformCenters,
     approximate_leverage_scores,
     dictionary_leverage_scores,
+    distinct_groups,
     effective_dimension,
     first_distinct,
     leverage_centers,
@@ -680,10 +681,19 @@ def test_uniform_centers_skip_repeated_rows_in_permutation_order():
     assert set(small.indices.tolist()) <= set(sel.indices.tolist())
 
 
-def test_uniform_centers_with_fewer_distinct_rows_than_asked_warn_and_return_them():
+def test_uniform_centers_with_fewer_distinct_rows_than_asked_return_them():
+    import warnings
+
+    # every row read (16 M > n): the 7 values are all there are, no warning
     x = _repeated_rows(n_distinct=7, copies=30)
-    with pytest.warns(UserWarning, match=r"num_centers=20: only 7 distinct rows"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         sel = uniform_centers(x, 20, _gen(0))
+    assert sel.centers.shape[0] == 7 and torch.unique(sel.centers, dim=0).shape[0] == 7
+    # the read stopped at 16 M = 320 of 2,100 rows: warned, with the rows found
+    big = _repeated_rows(n_distinct=7, copies=300)
+    with pytest.warns(UserWarning, match=r"num_centers=20: only 7 distinct rows among the 320 of x"):
+        sel = uniform_centers(big, 20, _gen(0))
     assert sel.centers.shape[0] == 7 and torch.unique(sel.centers, dim=0).shape[0] == 7
     with pytest.raises(TypeError, match="distinct must be a bool"):
         uniform_centers(x, 5, _gen(0), distinct=1)
@@ -703,6 +713,19 @@ def test_falkon_gp_on_repeated_rows_has_distinct_centers_and_fits_the_dense_solu
     torch.testing.assert_close(knm @ m.alpha, knm @ torch.linalg.solve(h, knm.T @ y), rtol=1e-6, atol=1e-6)
 
 
+def test_distinct_groups_sum_equal_rows():
+    x = _repeated_rows(n_distinct=9, copies=4, d=3, seed=6)
+    keep, to = distinct_groups(x)
+    assert torch.equal(keep, first_distinct(x)) and torch.equal(x[keep][to], x)
+    v = torch.rand(36, generator=_gen(1), dtype=torch.float64)
+    sums = torch.zeros(9, dtype=torch.float64).index_add_(0, to, v)
+    for j, row in enumerate(x[keep]):
+        same = [i for i in range(36) if torch.equal(x[i], row)]
+        assert math.isclose(float(sums[j]), float(v[same].sum()), rel_tol=1e-12)
+    empty_keep, empty_to = distinct_groups(torch.zeros(0, 3))
+    assert empty_keep.shape == empty_to.shape == (0,)
+
+
 def test_merge_repeated_scores_moves_each_values_mass_to_its_first_row():
     x = _repeated_rows(n_distinct=9, copies=4, d=3, seed=6)
     scores = torch.rand(36, generator=_gen(3), dtype=torch.float64)
@@ -717,3 +740,39 @@ def test_merge_repeated_scores_moves_each_values_mass_to_its_first_row():
     assert torch.unique(x[nested.indices], dim=0).shape[0] == nested.size == 9
     with pytest.raises(ValueError, match="scores must have shape"):
         merge_repeated_scores(x, scores[:5])
+
+
+def test_leverage_centers_merge_equal_rows_and_keep_the_sketch():
+    """Draws that fall on rows equal in value become one center: its count is the sum and its p the one with
+    count / p = sum count_j / p_j, so the weighted sketch sum_j (n / M) D_j^2 k(., c_j) k(., c_j)^T is the same as
+    the unmerged draws' (equal rows, equal columns); distinct=False keeps them apart (the same draws)."""
+    x = _repeated_rows(n_distinct=30, copies=5, d=2, seed=8)
+    scores = torch.rand(150, generator=_gen(4), dtype=torch.float64) + 0.05
+    k = _rbf(0.5)
+    merged = leverage_centers(x, 60, k, 1e-3, scores=scores, generator=_gen(0))
+    apart = leverage_centers(x, 60, k, 1e-3, scores=scores, generator=_gen(0), distinct=False)
+    assert torch.unique(apart.centers, dim=0).shape[0] < apart.centers.shape[0]  # the draws repeat values here
+    m = merged.centers.shape[0]
+    assert torch.unique(merged.centers, dim=0).shape[0] == m < apart.centers.shape[0]
+    assert int(merged.counts.sum()) == int(apart.counts.sum()) == 60
+    assert set(merged.indices.tolist()) <= set(apart.indices.tolist())
+    torch.testing.assert_close(merged.centers, x[merged.indices])
+
+    def sketch(sel):
+        kz = dense_kernel(k, x, sel.centers)
+        return kz @ torch.diag(150 / sel.centers.shape[0] * sel.weights**2) @ kz.T
+
+    torch.testing.assert_close(sketch(merged), sketch(apart), rtol=1e-10, atol=1e-10)
+    # each merged center's count / p is the sum over the rows merged into it
+    for j, i in enumerate(merged.indices.tolist()):
+        same = [r for r in range(apart.indices.numel()) if torch.equal(apart.centers[r], x[i])]
+        want = float((apart.counts[same].double() / apart.probabilities[same]).sum())
+        assert math.isclose(float(merged.counts[j]) / float(merged.probabilities[j]), want, rel_tol=1e-12)
+    with pytest.raises(TypeError, match="distinct must be a bool"):
+        leverage_centers(x, 10, k, 1e-3, scores=scores, distinct=None)
+    y = torch.sin(3 * x[:, 0])
+    kw = dict(kernel=k, num_centers=60, penalty=1e-3, center_selection="leverage", seed=2)
+    apart_gp = FalkonGP(x, y, leverage_options={"distinct": False}, **kw)
+    assert torch.unique(apart_gp.centers, dim=0).shape[0] < apart_gp.centers.shape[0]
+    gp = FalkonGP(x, y, **kw)
+    assert torch.unique(gp.centers, dim=0).shape[0] == gp.centers.shape[0]

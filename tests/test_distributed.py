@@ -382,14 +382,20 @@ def test_sharded_file_source_equals_single_process(tmp_path):
         _close(res["var"], want.variance, f"rank {r} variance")
 
 
-@pytest.mark.parametrize("sizes", [(100, 140), (90, 0, 150)], ids=["2-ranks", "3-ranks-one-empty"])
-def test_leverage_centers_do_not_depend_on_the_sharding(tmp_path, sizes):
+@pytest.mark.parametrize("sizes,repeated", [((100, 140), False), ((90, 0, 150), False), ((100, 140), True)],
+                         ids=["2-ranks", "3-ranks-one-empty", "2-ranks-repeated-rows"])
+def test_leverage_centers_do_not_depend_on_the_sharding(tmp_path, sizes, repeated):
     """BLESS scores and the leverage draws made over the global rows: the same centers, weights
-    and alpha as one process, given one seed."""
-    x, y, _ = W.data()
+    and alpha as one process, given one seed; with repeated rows, drawn rows of one value merged alike."""
+    x, y = W.repeated_data() if repeated else W.data()[:2]
     ref = W.leverage_model(x, y).fit()
     assert ref.center_weights is not None and ref.centers.shape[0] < W.M  # some centers drawn twice: weights matter
-    W.run(len(sizes), W._leverage_and_save, (list(sizes), str(tmp_path)), str(tmp_path))
+    if repeated:
+        assert torch.unique(ref.centers, dim=0).shape[0] == ref.centers.shape[0]
+        apart = gpfalkon.leverage_centers(x, W.M, W.make_kernel(), 1e-3, distinct=False,
+                                          generator=torch.Generator().manual_seed(5), min_dictionary_size=16)
+        assert torch.unique(apart.centers, dim=0).shape[0] < apart.centers.shape[0]  # merging happened
+    W.run(len(sizes), W._leverage_and_save, (list(sizes), str(tmp_path), repeated), str(tmp_path))
     for r, res in enumerate(_load(tmp_path, len(sizes))):
         assert torch.equal(res["centers"], ref.centers), f"rank {r}: centers"
         _close(res["weights"], ref.center_weights, f"rank {r} weights")

@@ -80,7 +80,8 @@ PREDICT_LIVE_BLOCKS = 6
 
 # keyword options FalkonGP(center_selection="leverage") passes to leverage_centers
 _LEVERAGE_OPTIONS = frozenset(
-    {"weighting", "oversampling", "lambda_step", "max_dictionary_size", "min_dictionary_size", "block_rows"}
+    {"weighting", "distinct", "oversampling", "lambda_step", "max_dictionary_size", "min_dictionary_size",
+     "block_rows"}
 )
 
 
