@@ -754,7 +754,9 @@ def nested_leverage_centers(
     distinct rows or ``max_draws`` draws (default ``16 max_centers``), whichever comes first; see
     :class:`NestedLeverageCenters`.
     ``O(R log n)`` time. Where the mass sits on few rows, fewer than ``max_centers`` distinct rows
-    may come out (``.size`` says how many).
+    may come out (``.size`` says how many). The draws are over row indices: on data with repeated rows, pass
+    :func:`merge_repeated_scores` ``(x, scores)`` to have every center a distinct value (as :func:`auto_fit
+    <gpfalkon.auto_fit>` does).
     """
     check_generator(generator)
     if not isinstance(scores, Tensor) or scores.dim() != 1:
