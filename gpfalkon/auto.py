@@ -2172,6 +2172,7 @@ def auto_fit(
         # from those before it (first_distinct)
         s_all = torch.randperm(n_s, generator=gen, device=dev)  # also the leverage dictionary's uniform draw
         s_perm = s_all[first_distinct(xs[s_all])]
+        n_sd = int(s_perm.numel())  # the distinct selection rows
         extra = xs[s_perm]
         c_pool = torch.cat([learned_c.to(dtype), extra], 0) if learn_centers else extra
         if learn_centers:
@@ -2753,7 +2754,7 @@ def auto_fit(
             why = None
             if learn_centers:
                 why = "learn_centers=True (the learned centers lead the uniform pool)"
-            elif m >= int(s_perm.numel()):
+            elif m >= n_sd:
                 why = "the centers are all (distinct) selection rows"
             elif time.perf_counter() + 1.5 * last_fit_seconds(m) > deadline:
                 why = f"{max(deadline - time.perf_counter(), 0.0):.1f} s left before the final fit's reserve"
@@ -2795,7 +2796,7 @@ def auto_fit(
                     scores = torch.cat([scores, lev_scores(torch.arange(head, n_s, device=dev))])
                 # a repeated selection row's score goes to its first copy: the draws never take one value twice
                 nested = nested_leverage_centers(merge_repeated_scores(xs, scores),
-                                                 min(int(s_perm.numel()), max_centers), generator=gen)
+                                                 min(n_sd, max_centers), generator=gen)
             except Exception as exc:
                 report.notes.append(f"leverage-score centers failed: {type(exc).__name__}: {exc}")
                 return
@@ -2810,7 +2811,7 @@ def auto_fit(
             pool["nested"] = nested
             uniform_error = level["error"]
             err = score(m, level["noise"], level["multiplier"], kind="leverage")
-            room = nested.size >= min(2 * m, int(s_perm.numel()), max_centers)
+            room = nested.size >= min(2 * m, n_sd, max_centers)
             if center_sampling == "auto" and err < uniform_error and not room:
                 report.notes.append(f"leverage-score centers not kept: their {nested.size} distinct draws leave no "
                                     f"room to double M={m}")
@@ -2955,7 +2956,7 @@ def auto_fit(
             reserve = 1.2 * final_cost(m_b) + 3 * last_fit_seconds(m_b)  # the final fit; scores and a fit
             if centers_kind == "leverage":
                 report.notes.append("leverage check skipped: the level's centers are leverage-score centers")
-            elif m_b >= int(s_perm.numel()):
+            elif m_b >= n_sd:
                 report.notes.append("leverage check skipped: the centers are all (distinct) selection rows")
             elif clock.left() < reserve:
                 report.notes.append(f"leverage check skipped: {clock.left():.0f} s left, the final fit and the "

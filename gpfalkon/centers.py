@@ -118,25 +118,34 @@ def first_distinct(rows: Tensor) -> Tensor:
     those of the distinct centers), costs as much as a new one in every pass and leaves ``K_MM`` singular (the
     preconditioner's Cholesky then needs jitter). Data with repeated rows (rounded or categorical features) give
     such centers under uniform draws; torch has no order-keeping ``unique``, hence this mask."""
+    return _value_groups(rows)[0]
+
+
+def _value_groups(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """``(keep, inverse)``: :func:`first_distinct`'s mask and ``torch.unique``'s group of each row (one sort)."""
     r = int(rows.shape[0])
     if r == 0:
-        return torch.zeros(0, dtype=torch.bool, device=rows.device)
+        empty = torch.zeros(0, dtype=torch.long, device=rows.device)
+        return empty.bool(), empty
     _, inverse = torch.unique(rows.reshape(r, -1), dim=0, return_inverse=True)
     pos = torch.arange(r, device=rows.device)
     first = torch.full((int(inverse.max()) + 1,), r, dtype=torch.long, device=rows.device)
     first.scatter_reduce_(0, inverse, pos, reduce="amin")
-    return first[inverse] == pos
+    return first[inverse] == pos, inverse
+
+
+def _check_distinct(distinct: object) -> None:
+    if not isinstance(distinct, bool):
+        raise TypeError(f"distinct must be a bool, got {type(distinct).__name__}")
 
 
 def distinct_groups(rows: Tensor) -> tuple[Tensor, Tensor]:
     """``(keep, to)`` for ``R`` rows: ``keep = first_distinct(rows)`` and, for each row, the position among the
     kept rows (in order) of the first row with its values, so that ``rows[keep][to] == rows`` and a sum over equal
     rows is ``zeros(keep.sum()).index_add_(0, to, values)``. ``O(R d log R)``."""
-    r = int(rows.shape[0])
-    keep = first_distinct(rows)
-    if r == 0 or bool(keep.all()):
-        return keep, torch.arange(r, device=rows.device)
-    _, inverse = torch.unique(rows.reshape(r, -1), dim=0, return_inverse=True)
+    keep, inverse = _value_groups(rows)
+    if bool(keep.all()):
+        return keep, torch.arange(int(rows.shape[0]), device=rows.device)
     slot = torch.full((int(inverse.max()) + 1,), -1, dtype=torch.long, device=rows.device)
     slot[inverse[keep]] = torch.arange(int(keep.sum()), device=rows.device)
     return keep, slot[inverse]
@@ -174,15 +183,15 @@ def uniform_centers(
     given ``generator``. With a sharded ``backend`` (:class:`~gpfalkon.backend.distributed.DistributedBackend`)
     ``x`` is this rank's shard: the indices are drawn over the *global* rows (so the centers
     do not depend on the number of ranks) and gathered from the shards that hold them
-    (one ``all_reduce`` of ``R x d`` values per doubling); ``indices`` are global row indices.
+    (one ``all_reduce`` of the rows each doubling adds, ``R x d`` values in all); ``indices`` are global row
+    indices.
     """
     sharded = is_sharded(backend)
     check_inputs("train_x", x, allow_empty=sharded)
     n = total_rows(backend, x)
     num_centers = check_num_centers(num_centers, n)
     check_generator(generator)
-    if not isinstance(distinct, bool):
-        raise TypeError(f"distinct must be a bool, got {type(distinct).__name__}")
+    _check_distinct(distinct)
     device = generator.device if generator is not None else torch.device("cpu")
     perm = torch.randperm(n, generator=generator, device=device)
 
@@ -193,17 +202,17 @@ def uniform_centers(
         return x[idx]
 
     take = num_centers
-    while True:
-        idx = perm[:take].to(x.device)
-        rows = rows_of(idx)
-        if not distinct:
-            break
+    idx = perm[:take].to(x.device)
+    rows = rows_of(idx)
+    while distinct:
         keep = first_distinct(rows)
-        found = int(keep.sum())
-        if found >= num_centers or take >= min(n, DISTINCT_DRAWS * num_centers):
+        if int(keep.sum()) >= num_centers or take >= min(n, DISTINCT_DRAWS * num_centers):
             idx, rows = idx[keep][:num_centers], rows[keep][:num_centers]
             break
-        take = min(n, DISTINCT_DRAWS * num_centers, 2 * take)
+        # the next doubling reads (and, sharded, gathers) only the rows it adds
+        more = perm[take:min(n, DISTINCT_DRAWS * num_centers, 2 * take)].to(x.device)
+        take += int(more.numel())
+        idx, rows = torch.cat([idx, more]), torch.cat([rows, rows_of(more)])
     if idx.numel() < num_centers and take < n:
         warnings.warn(f"num_centers={num_centers}: only {idx.numel()} distinct rows among the {take:,} of x "
                       f"drawn (at most {DISTINCT_DRAWS} num_centers are read); the centers are those {idx.numel()} "
@@ -253,8 +262,7 @@ class UniformCenters:
                  backend: Any | None = None, *, distinct: bool = True) -> None:
         self.generator = _generator(seed, generator)
         self.backend = backend
-        if not isinstance(distinct, bool):
-            raise TypeError(f"distinct must be a bool, got {type(distinct).__name__}")
+        _check_distinct(distinct)
         self.distinct = distinct
 
     def __call__(
@@ -888,8 +896,7 @@ def leverage_centers(
     check_generator(generator)
     if weighting not in ("unbiased", "paper"):
         raise ValueError(f"weighting must be 'unbiased' or 'paper', got {weighting!r}")
-    if not isinstance(distinct, bool):
-        raise TypeError(f"distinct must be a bool, got {type(distinct).__name__}")
+    _check_distinct(distinct)
     if scores is None:
         scores = approximate_leverage_scores(x, kernel, penalty, generator=generator, **kwargs)
     else:
