@@ -463,6 +463,29 @@ def _input_location_scale(x: Tensor) -> tuple[Tensor, Tensor]:
     return mu, torch.where(sd > 0, sd, ones)
 
 
+def _warn_far_targets(y: Tensor) -> None:
+    """Warn where a few rows of the targets ``y`` (float64, ``(n,)``) set their standard deviation: ``sd >
+    OUTLIER_SCALE_RATIO q`` with the robust scale ``q = IQR / 1.349 > 0``, the rule :func:`_input_location_scale`
+    applies to a feature. Unlike a feature's, the targets' scale is not capped: the fit and every selection step
+    minimise squared error in the targets' units, so such rows (a code for a missing value, a unit slip) dominate
+    them whatever the standardisation; only the user can drop or mend them. ``O(n log n)``."""
+    if y.shape[0] < 4:
+        return
+    lo, med, hi = (float(_quantile(y[:, None], q)) for q in (0.25, 0.5, 0.75))
+    q = (hi - lo) / 1.349
+    sd = float(y.std())
+    if q > 0 and sd > OUTLIER_SCALE_RATIO * q:
+        far = int(((y - med).abs() > OUTLIER_SCALE_RATIO * q).sum())
+        warnings.warn(
+            f"train_y: {far} row(s) lie more than {OUTLIER_SCALE_RATIO:g} robust scales (IQR / 1.349) from the "
+            f"median and set the targets' standard deviation ({sd / q:.3g} robust scales; a code for a missing "
+            "value?): the fit and its selection minimise squared error, so those rows dominate both. Drop or mend "
+            "them",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 def _val_mse(model: FalkonGP, xv: Tensor, yv: Tensor) -> float:
     model.eval()
     pred = model.posterior_mean(xv).to(torch.float64)
@@ -1843,6 +1866,7 @@ def auto_fit(
                 RuntimeWarning,
                 stacklevel=2,
             )
+        _warn_far_targets(torch.cat([yt, yv]))
         if dtype == torch.float32 and isinstance(kernel, str):
             far = float((torch.maximum((xt.amax(0) - x_mu).abs(), (xt.amin(0) - x_mu).abs()) / x_sd).max()) \
                 if n_tr else 0.0

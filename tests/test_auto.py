@@ -2883,3 +2883,31 @@ def test_auto_fit_warns_of_far_rows_in_float32_only():
             _warnings.simplefilter("always")
             auto_fit(xs, y, budget=1.0, **kw)
         assert not [w for w in caught if "scale units" in str(w.message)]
+
+
+def test_auto_fit_warns_where_a_few_far_targets_set_their_scale():
+    """A few targets at a missing-value code (-9999) set the targets' standard deviation (past OUTLIER_SCALE_RATIO
+    robust scales): auto_fit warns, naming train_y and the number of far rows; heavy-tailed but genuine targets
+    (Student t, 3 degrees of freedom), mostly-one-value targets (IQR 0) and clean ones do not warn."""
+    import warnings as _warnings
+
+    import gpfalkon.auto as auto_module
+
+    g = torch.Generator().manual_seed(5)
+    y = torch.randn(1000, generator=g, dtype=torch.float64)
+    coded = y.clone()
+    coded[:5] = -9999.0
+    with pytest.warns(RuntimeWarning, match=r"train_y: 5 row\(s\) lie more than 100 robust scales"):
+        auto_module._warn_far_targets(coded)
+    chi2 = torch.randn(1000, 3, generator=g, dtype=torch.float64).square().sum(1)
+    student = torch.randn(1000, generator=g, dtype=torch.float64) / (chi2 / 3).sqrt()
+    sparse = (torch.rand(1000, generator=g, dtype=torch.float64) > 0.9).double() * 1e4
+    for ys in (y, student, sparse, coded[:3]):
+        with _warnings.catch_warnings():
+            _warnings.simplefilter("error")
+            auto_module._warn_far_targets(ys)
+    x, yd = make_data(300, 2)
+    yd = yd.clone()
+    yd[:3] = -9999.0
+    with pytest.warns(RuntimeWarning, match=r"train_y: 3 row\(s\) lie more than"):
+        auto_fit(x, yd, budget=1.0)
