@@ -194,6 +194,58 @@ def test_refit_required_after_hyperparameter_change():
             model(xt)
 
 
+def test_a_kept_posterior_refuses_to_mix_two_models():
+    """The posterior's covariance is lazy (it reads the kernel when evaluated, beside the fit's factors): a posterior
+    kept across a hyperparameter change, scale_prior or a refit raises NotFittedError when read, instead of mixing the
+    new kernel with the old factors (the variances went negative or to zero); unchanged, it reads the same values
+    again, and its variances equal the dense DTC formula."""
+    model, x, _y, k = _fitted("scale_matern52")
+    xt = make_data(6, 3, seed=2)[0]
+    with torch.no_grad():
+        kept = model(xt)
+        v0 = kept.variance.clone()
+        torch.testing.assert_close(kept.variance, v0, rtol=0, atol=0)
+        kmm = dense_kernel(k, model.centers, model.centers)
+        kxm, kmn = dense_kernel(k, xt, model.centers), dense_kernel(k, model.centers, x)
+        h = kmn @ kmn.mT + model.noise * kmm
+        want = (dense_kernel(k, xt, xt).diagonal() - (kxm @ torch.linalg.solve(kmm, kxm.mT)).diagonal()
+                + model.noise * (kxm @ torch.linalg.solve(h, kxm.mT)).diagonal())
+        torch.testing.assert_close(v0, want, rtol=1e-6, atol=1e-9)
+        for change in ("outputscale", "scale_prior", "refit"):
+            if change == "outputscale":
+                k.outputscale = k.outputscale * 10
+            elif change == "scale_prior":
+                model.scale_prior(4.0)
+            else:
+                model.fit()
+            for read in (lambda p: p.variance, lambda p: p.covariance_matrix, lambda p: p.lazy_covariance_matrix @ v0):
+                with pytest.raises(NotFittedError, match="after this posterior was formed"):
+                    read(kept)
+            if change == "outputscale":
+                model.fit()
+            kept = model(xt)
+            assert torch.isfinite(kept.variance).all()  # a fresh posterior reads
+        torch.testing.assert_close(model(xt).variance, kept.variance, rtol=0, atol=0)
+
+
+def test_a_posterior_formed_without_grad_builds_no_graph_when_read():
+    """BoTorch forms posteriors under no_grad and draws samples outside it (qLogNEHVI's box decomposition): the lazy
+    covariance evaluates in the grad mode it was formed in, so nothing read from it carries a graph back to the
+    kernel's parameters (a second backward through such a graph raised); formed with grad on, it keeps the graph."""
+    model, _x, _y, k = _fitted("scale_matern52")
+    xt = make_data(5, 3, seed=3)[0]
+    with torch.no_grad():
+        quiet = model(xt)
+    assert not quiet.variance.requires_grad and not quiet.covariance_matrix.requires_grad
+    assert not quiet.rsample(torch.Size([2])).requires_grad
+    live = model(xt)
+    v = live.variance
+    assert v.requires_grad
+    (g,) = torch.autograd.grad(v.sum(), k.raw_outputscale)
+    assert float(g.abs()) > 0
+    torch.testing.assert_close(v.detach(), quiet.variance, rtol=1e-12, atol=0)
+
+
 def test_prediction_needs_fit_and_valid_inputs():
     x, y = make_data(100, 2)
     model = FalkonGP(x, y, kernel=make_kernel("rbf", 2), num_centers=10)

@@ -1625,9 +1625,34 @@ class FalkonGP(gpytorch.models.GP):
             covar = ZeroLinearOperator(*x.shape[:-1], q, dtype=out_dtype, device=x.device)
         else:
             covar = NystromPosteriorCovariance(
-                x, self.centers.detach(), kernel=self.kernel, chunk_size=chunk, factors=self._factors_for_posterior()
+                x, self.centers.detach(), kernel=self.kernel, chunk_size=chunk, factors=self._factors_for_posterior(),
+                check=self._posterior_check(),
             )
         return shared_covariance_distribution(mean, covar)
+
+    def _posterior_check(self) -> Callable[[], None]:
+        """For a posterior's lazy covariance, which reads the kernel live (``K_*M``, ``K_**``) beside this fit's
+        factors: a check, run before each of its evaluations, that raises :class:`NotFittedError` where the model
+        was refitted, rescaled (:meth:`scale_prior`) or had its data changed (the fit's generation), or where the
+        kernel's parameters, buffers or structure differ from those it was formed with; its values would then mix
+        two models. ``O(number of kernel parameters)`` a check (no data pass)."""
+        generation = self._fit_generation
+        kernel = self.kernel
+        state = [t.detach().clone() for t in (*kernel.parameters(), *kernel.buffers())]
+        structure = self._kernel_structure()
+
+        def check() -> None:
+            now = [*kernel.parameters(), *kernel.buffers()]
+            same = (self._fit_generation == generation and self.kernel is kernel and len(now) == len(state)
+                    and all(a.shape == b.shape and torch.equal(a, b.detach().to(a))
+                            for a, b in zip(state, now, strict=True))
+                    and self._kernel_structure() == structure)
+            if not same:
+                raise NotFittedError("FalkonGP: the model changed (a refit, scale_prior, new hyperparameters or data) "
+                                     "after this posterior was formed; form it again (model(x)) to read its "
+                                     "covariance")
+
+        return check
 
     def _factors_for_posterior(self) -> Callable[[], tuple[Tensor, Tensor]]:
         """The variance factors of this fit, formed when a posterior's covariance is first used (``model(x).mean``

@@ -1,6 +1,7 @@
 """The SGPR/DTC posterior (docs/math.md §4): its factors, its chunked mean and its lazy covariance."""
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -152,13 +153,17 @@ class NystromPosteriorCovariance(LinearOperator):
     def __init__(
         self, x: Tensor, centers: Tensor, L: Tensor | None = None, LB: Tensor | None = None, *, kernel: Kernel,
         chunk_size: int = 4096, factors: Callable[[], tuple[Tensor, Tensor]] | None = None,
+        check: Callable[[], None] | None = None, grad_enabled: bool | None = None,
     ) -> None:
         if (L is None) != (LB is None) or (L is None) == (factors is None):
             raise ValueError("NystromPosteriorCovariance needs L and LB, or factors= (a callable returning them)")
+        if grad_enabled is None:
+            grad_enabled = torch.is_grad_enabled()
+        extra: dict[str, Any] = {"check": check, "grad_enabled": bool(grad_enabled)}
         if L is not None and LB is not None:
-            super().__init__(x, centers, L, LB, kernel=kernel, chunk_size=chunk_size)
+            super().__init__(x, centers, L, LB, kernel=kernel, chunk_size=chunk_size, **extra)
         else:
-            super().__init__(x, centers, kernel=kernel, chunk_size=chunk_size, factors=factors)
+            super().__init__(x, centers, kernel=kernel, chunk_size=chunk_size, factors=factors, **extra)
         self.x = x
         self.centers = centers
         self._L, self._LB = L, LB
@@ -167,6 +172,11 @@ class NystromPosteriorCovariance(LinearOperator):
         self._factors = factors
         self.kernel = kernel
         self.chunk_size = int(chunk_size)
+        # ``check``: called before each evaluation (raises where the kernel's values are no longer those the factors
+        # belong to: the kernel is read live, L / L_B are the fit's); ``grad_enabled``: the grad mode the operator
+        # was formed in, in force for its evaluations (one formed under no_grad never builds a graph later)
+        self._check = check
+        self.grad_enabled = bool(grad_enabled)
 
     def _resolved(self) -> tuple[Tensor, Tensor]:
         if self._L is None or self._LB is None:
@@ -191,19 +201,29 @@ class NystromPosteriorCovariance(LinearOperator):
         L, LB = self._resolved()
         state = self.__dict__.copy()
         state["_factors"] = None
+        state["_check"] = None  # a closure over the model too; a pickled posterior holds its own factors
         # linear_operator's own record of the arguments (what representation_tree rebuilds the operator from)
         state["_args_memo"] = (self.x, self.centers, L, LB)
         for key in ("_differentiable_kwargs", "_nondifferentiable_kwargs"):
             if key in state:
-                state[key] = type(state[key])((k, v) for k, v in state[key].items() if k != "factors")
+                state[key] = type(state[key])((k, v) for k, v in state[key].items() if k not in ("factors", "check"))
         return state
 
     def _like(self, x: Tensor) -> NystromPosteriorCovariance:
         """The same covariance at other (reshaped) test inputs, its factors shared (or still to be formed)."""
+        extra: dict[str, Any] = {"check": self._check, "grad_enabled": self.grad_enabled}
         if self._L is None:
             return self.__class__(x, self.centers, kernel=self.kernel, chunk_size=self.chunk_size,
-                                  factors=self._factors)
-        return self.__class__(x, self.centers, self._L, self._LB, kernel=self.kernel, chunk_size=self.chunk_size)
+                                  factors=self._factors, **extra)
+        return self.__class__(x, self.centers, self._L, self._LB, kernel=self.kernel, chunk_size=self.chunk_size,
+                              **extra)
+
+    def _evaluating(self) -> contextlib.AbstractContextManager[Any]:
+        """Entered by each evaluation: runs ``check`` (where given), then the grad mode the operator was formed in
+        (off where it was formed under ``no_grad``, else the caller's)."""
+        if self._check is not None:
+            self._check()
+        return torch.set_grad_enabled(self.grad_enabled and torch.is_grad_enabled())
 
     # ------------------------------------------------------------------ pieces
     def _chunks(self) -> Iterator[tuple[int, int]]:
@@ -221,6 +241,10 @@ class NystromPosteriorCovariance(LinearOperator):
         return self
 
     def _diagonal(self) -> Tensor:
+        with self._evaluating():
+            return self._diagonal_now()
+
+    def _diagonal_now(self) -> Tensor:
         chunks = list(self._chunks())
         # with a graph (the kernel's parameters require grad, or x does) each chunk's roots would stay in it until
         # the backward pass: several q x M tensors in all; beyond the graph's share of the memory budget each chunk
@@ -243,14 +267,19 @@ class NystromPosteriorCovariance(LinearOperator):
         """The dense ``q x q`` covariance, ``K_** - a^T a + c^T c`` in one pass when ``q`` fits in one
         chunk (``O(q M (M + d) + q^2 d)``; autograd differentiates it directly), else chunked
         products with the identity."""
-        if self.x.shape[-2] > self.chunk_size:
-            return super().to_dense()
-        a, c = self._roots(self.x)
-        x64 = self.x.to(torch.float64)
-        kxx = kernel_block(self.kernel, x64, x64)
-        return (kxx - a.mT @ a + c.mT @ c).to(self.x.dtype)
+        with self._evaluating():
+            if self.x.shape[-2] > self.chunk_size:
+                return super().to_dense()
+            a, c = self._roots(self.x)
+            x64 = self.x.to(torch.float64)
+            kxx = kernel_block(self.kernel, x64, x64)
+            return (kxx - a.mT @ a + c.mT @ c).to(self.x.dtype)
 
     def _matmul(self, rhs: Tensor) -> Tensor:
+        with self._evaluating():
+            return self._matmul_now(rhs)
+
+    def _matmul_now(self, rhs: Tensor) -> Tensor:
         vec = rhs.dim() == 1
         r = (rhs.unsqueeze(-1) if vec else rhs).to(torch.float64)
         x64 = self.x.to(torch.float64)
