@@ -755,6 +755,7 @@ class KernelEngine:
             # runs; the rows not stored (and the stored ones where it does not run) block by block
             head = self.stored_rows
             v_head = None if v_t is None else v_t[:, :head]
+            u_w = v_w = None
             if self.wide and head > 0:  # float64 vectors over the float32 store (settings.wide_products)
                 u_w = None if u is None else u.to(dtype=torch.float64, device=self.device).t().contiguous()
                 if u_w is not None and s != 1.0:
@@ -786,6 +787,14 @@ class KernelEngine:
                     for start, stop, blk in blocks:
                         if fly_done and start >= head:
                             break
+                        if self.wide and start < head:
+                            # the stored rows where no fused kernel ran (a row source, the fused kernels off): as wide
+                            # as the fused kernels take them, so that every pass (the first one's K_Mn y included)
+                            # sees the same products; float32 sums here left the first pass's right-hand side off
+                            # the later passes' system by far more than the store's rounding
+                            self._thin_block_(acc, blk.to(torch.float64), u_w,
+                                              None if v_w is None else v_w[:, start:stop])
+                            continue
                         self._thin_block_(acc, blk, u_t, None if v_t is None else v_t[:, start:stop])
         if s != 1.0:
             acc.mul_(s)

@@ -33,6 +33,7 @@ import abc
 import copy
 import itertools
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Union
 
@@ -279,20 +280,24 @@ def _empty_shape(what: str, d: int | None, dtype: torch.dtype | None, hint: str)
     return d, dtype
 
 
-def _stamp(path: PathLike) -> tuple[int, int]:
-    """``(size, modification time in ns)`` of ``path``: what :func:`_check_stamp` compares."""
+def _stamp(path: PathLike) -> tuple[int, ...]:
+    """``(size, modification time in ns, inode)`` of ``path``: what :func:`_check_stamp` compares. The inode catches
+    a file replaced by another one renamed over it with the same size and modification time (``cp -p``, ``rsync -a``
+    and ``tar x`` keep both); the change time is left out (``chmod`` and hard links change it, not the rows)."""
     st = os.stat(path)
-    return st.st_size, st.st_mtime_ns
+    return st.st_size, st.st_mtime_ns, st.st_ino
 
 
-def _check_stamp(kind: str, path: PathLike, stamp: tuple[int, int] | None) -> None:
+def _check_stamp(kind: str, path: PathLike, stamp: tuple[int, ...] | None) -> None:
     """Raise ``ValueError`` where ``path`` was rewritten since the source recorded ``stamp`` (``None``: not
     recorded). A model fitted on a source keeps reading it (variance factors, predictions' passes): rows that
     changed underneath would silently mix two data sets, and no in-memory version counter sees a file. Copies and
     pickles keep the stamps: a source unpickled where its files were written anew (copied to another machine without
     their modification times) is refused too; build it again there."""
-    if stamp is not None and _stamp(path) != stamp:
-        raise ValueError(f"{kind}: {path} changed since the source was opened (size or modification time); a "
+    # a stamp pickled by an earlier version holds (size, mtime) only: compared on those
+    if stamp is not None and _stamp(path)[:len(stamp)] != tuple(stamp):
+        raise ValueError(f"{kind}: {path} changed since the source was opened (size, modification time or inode: "
+                         "another file put in its place); a "
                          "source's rows are fixed: build a new source, and refit, for new data")
 
 
@@ -315,7 +320,7 @@ class NpyRows(RowSource):
                  device: torch.device | None = None, d: int | None = None) -> None:
         self.paths = _as_paths(paths, "NpyRows", empty_ok=True)
         self._files: list[tuple[str, int, int, np.dtype]] = []  # path, rows, data offset, dtype
-        self._stamps: dict[str, tuple[int, int]] = {}  # path -> (size, mtime): rewritten files are refused
+        self._stamps: dict[str, tuple[int, ...]] = {}  # path -> _stamp: rewritten or replaced files are refused
         if not self.paths:
             d0, dt0 = _empty_shape("NpyRows", d, dtype, "d= and dtype=")
             self._starts = np.zeros(1, dtype=np.int64)
@@ -426,7 +431,8 @@ class ParquetRows(RowSource):
         self._groups: list[tuple[int, int, int]] = []  # (file index, row group, rows)
         self._cache: tuple[int, np.ndarray | None] = (-1, None)
         self._handles: dict = {}
-        self._stamps: dict = {}  # path -> (size, mtime): rewritten files are refused
+        self._lock = threading.Lock()  # the handles and the cache, shared by copies of the source too
+        self._stamps: dict = {}  # path -> _stamp: rewritten or replaced files are refused
         if not self.paths:
             d0, _ = _empty_shape("ParquetRows", None if columns is None else len(list(columns)), dtype, "columns=")
             self.columns = list(columns or [])
@@ -484,9 +490,18 @@ class ParquetRows(RowSource):
             cols = [table.column(c).to_numpy(zero_copy_only=False) for c in self.columns]
             a = np.stack(cols, 1).astype(np.float64 if self.dtype == torch.float64 else np.float32, copy=False)
             self._cache = (k, a)
+            return a
         return self._cache[1]  # type: ignore[return-value]
 
     def _read(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``start .. stop - 1``, a new array (never a view of the cached row group: a caller that edits its
+        block in place must not change what later reads return). One thread at a time: the open files and the one
+        group's cache are shared (pyarrow's reader raised from two threads)."""
+        with self._lock:
+            out = self._read_locked(start, stop)
+        return out.copy() if out.base is not None else out
+
+    def _read_locked(self, start: int, stop: int) -> np.ndarray:
         parts = []
         k = int(np.searchsorted(self._starts, start, side="right")) - 1
         while k < len(self._groups) and int(self._starts[k]) < stop:
@@ -500,7 +515,7 @@ class ParquetRows(RowSource):
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_handles"], state["_cache"], state["_pq"] = {}, (-1, None), None
+        state["_handles"], state["_cache"], state["_pq"], state["_lock"] = {}, (-1, None), None, None
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -508,6 +523,7 @@ class ParquetRows(RowSource):
 
         self.__dict__.update(state)
         self._pq = pq
+        self._lock = threading.Lock()
 
 
 def shard_rows(source: RowSource, rank: int | None = None, world_size: int | None = None) -> SliceRows:
