@@ -581,3 +581,27 @@ def test_flushed_product_sums_chunks_in_float64_across_spans(rows, monkeypatch):
     # one float32 sum over all rows differs from the chunked sums by 1.5-1.7e-6 here (measured): 3e-7 tells them apart
     torch.testing.assert_close(out, chunked, rtol=3e-7, atol=0)
     torch.testing.assert_close(out, exact, rtol=2e-6, atol=0)
+
+
+def test_far_centers_leave_the_bulks_kernel_values_exact():
+    """Two centers at 1e9 among 160 in [0, 1]^2 (a missing-value code): the norm expansion's origin stays in the bulk
+    (engine.expansion_origin: the mean clamped to the central rows' range), so K_MM and K_nM among the bulk rows are
+    the closed form's on explicit differences to 1e-7 and K_MM is positive semi-definite (with the mean
+    as origin, 1.25e7 out, the bulk's distances were off by 3e-4 and K_MM's smallest eigenvalue was -0.009)."""
+    from gpfalkon.backend.engine import expansion_origin
+
+    g = torch.Generator().manual_seed(0)
+    c = torch.rand(160, 2, generator=g, dtype=torch.float64)
+    c[:2, 0] = 1e9
+    k = gpytorch.kernels.MaternKernel(nu=2.5).double()
+    k.lengthscale = 0.05
+    mu = expansion_origin(c)
+    assert float(mu[0, 0]) < 1.0 and 0.0 < float(mu[0, 1]) < 1.0
+    torch.testing.assert_close(expansion_origin(c[2:]), c[2:].mean(0, keepdim=True), rtol=0, atol=0)
+    eng = KernelEngine(k, c[2:], c, store=False)
+    kmm = eng.kmm()
+    r = (c[:, None, :] - c[None, :, :]).norm(dim=-1) / 0.05
+    exact = (1 + 5**0.5 * r + 5 * r**2 / 3) * torch.exp(-(5**0.5) * r)
+    torch.testing.assert_close(kmm[2:, 2:], exact[2:, 2:], rtol=0, atol=1e-7)  # the profile's exp2: ~1e-8
+    assert float(torch.linalg.eigvalsh(kmm)[0]) > -1e-12
+    torch.testing.assert_close(eng.materialize()[:, 2:], exact[2:, 2:], rtol=0, atol=1e-7)

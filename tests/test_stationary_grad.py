@@ -160,7 +160,9 @@ def test_setting_is_validated():
 @pytest.mark.parametrize("objective", [GCV, LOOCV, SGPRBound])
 def test_objectives_values_and_gradients_are_those_through_gpytorch(objective, dtype):
     """The exact objectives (float32: the Gram route; float64: the solve route) on and off: the same value and
-    gradient w.r.t. every parameter and the centers."""
+    gradient w.r.t. every parameter and the centers. In float32 the absolute tolerance is relative to each gradient's
+    largest entry: an entry of a centers' gradient that cancels to 0.13 (the gradient's scale 122) differed by
+    1.3e-3 between the two routes on an Intel host, against float64's gradient by 0.014 in either."""
     x, y = make_data(300, 4, dtype=dtype)
     out = []
     for fast in (True, False):
@@ -170,9 +172,10 @@ def test_objectives_values_and_gradients_are_those_through_gpytorch(objective, d
             value = objective(m)()
             value.backward()
         out.append([value.detach()] + [p.grad.clone() for p in m.parameters() if p.grad is not None])
-    tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-3, atol=1e-5)
     assert len(out[0]) == len(out[1]) >= 4  # value, centers, penalty, lengthscale, outputscale
     for a, b in zip(*out, strict=True):
+        tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else \
+            dict(rtol=2e-3, atol=max(1e-5, 2e-5 * float(b.abs().max())))
         torch.testing.assert_close(a, b, **tol)
 
 

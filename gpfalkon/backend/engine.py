@@ -144,6 +144,25 @@ _NEAR = 256.0
 _NEAR_PAIRS = 16384
 
 
+def expansion_origin(c: Tensor) -> Tensor:
+    """The origin of the norm expansion's coordinates for the rows ``c`` (``(1, d)``): per feature the mean, clamped
+    to the range of the central rows (the ``ceil(0.1 (n - 1))``-th to ``ceil(0.9 (n - 1))``-th smallest, 0-based).
+    The expansion ``|z|^2 + |c|^2 - 2 z.c`` rounds by about ``eps (|z|^2 + |c|^2)``, so the origin must sit in the
+    bulk of the points: two centers at 1e9 among 160 in ``[0, 1]`` moved the mean 1.25e7 out, and a float64 ``K_MM``
+    of the bulk, off by 3e-4 a distance, came out indefinite (eigenvalue -0.009). Where fewer than a tenth of the
+    rows lie out, the clamp brings the origin back among the others; elsewhere the mean is kept (it minimises the
+    sum of ``|z|^2``). ``O(n d)``: two ``kthvalue`` selections."""
+    n = c.shape[0]
+    if n == 0:
+        return c.new_zeros(1, c.shape[1])
+    mean = c.mean(0, keepdim=True)
+    if n < 3:
+        return mean
+    lo = torch.kthvalue(c, math.ceil(0.1 * (n - 1)) + 1, dim=0, keepdim=True).values
+    hi = torch.kthvalue(c, math.ceil(0.9 * (n - 1)) + 1, dim=0, keepdim=True).values
+    return torch.minimum(torch.maximum(mean, lo), hi)
+
+
 def refine_near_(buf: Tensor, xa: Tensor, ca_t: Tensor, near: float) -> Tensor:
     """In place on the Matern-1/2 distances ``buf = xa @ ca_t`` (``f ||z_i - c_j||^2`` by the norm expansion, from
     the augmented rows ``[-2 f z, f |z|^2, 1]`` and columns ``[c, 1, f |c|^2]``, ``f = log2(e)^2``): the entries at
@@ -533,7 +552,9 @@ class KernelEngine:
         self.spec = stationary_spec(kernel)
         with torch.no_grad():
             if self.spec is not None:
-                self._mu = self.centers.mean(0, keepdim=True)
+                # the centers' median, not their mean: a few far centers (a missing-value code) move the mean far
+                # from the bulk, and the norm expansion's rounding, eps (|z|^2 + |c|^2), with it (see kmm)
+                self._mu = expansion_origin(self.centers)
                 self._ls = self.spec.lengthscale.to(dtype=self.dtype, device=self.device)
                 cs = (self.centers - self._mu).div_(self._ls)
                 # Augmented coordinates: one matmul [-2 f x, f |x|^2, 1] . [c, 1, f |c|^2]
@@ -907,7 +928,7 @@ class KernelEngine:
             c = self.centers.to(dtype)
             if self.spec is not None:
                 ls = self.spec.lengthscale.to(dtype=dtype, device=self.device)
-                cs = (c - c.mean(0, keepdim=True)) / ls
+                cs = (c - expansion_origin(c)) / ls
                 sq = cs.square().sum(-1)
                 with matmul_precision(self.device):
                     d2 = torch.addmm(sq.unsqueeze(0) + sq.unsqueeze(1), cs, cs.t(), alpha=-2.0)

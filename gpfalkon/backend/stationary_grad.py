@@ -6,7 +6,7 @@ the block ``K = k(X, C)`` and, given the gradient ``G`` of a loss w.r.t. ``K`` (
 gradients w.r.t. every input (docs/math.md §5.1b):
 
     H = G o g,   g_ic = s phi'(r_ic) / r_ic          (finite at r = 0 for these profiles)
-    z = (X - mu) / ell,   w = (C - mu) / ell        (mu: the mean of X's rows, a constant)
+    z = (X - mu) / ell,   w = (C - mu) / ell        (mu: engine.expansion_origin(X), a constant)
     dL/dz = z o (H 1) - H w,    dL/dw = w o (H^T 1) - H^T z
     dL/dX = dL/dz / ell,   dL/dC = dL/dw / ell
     dL/d ell = -(sum_i dL/dz_i o z_i + sum_c dL/dw_c o w_c) / ell      (summed over dims for a scalar ell)
@@ -36,7 +36,7 @@ from gpytorch.kernels import Kernel
 from torch import Tensor
 
 from .. import settings
-from .engine import kernel_block, stationary_parts
+from .engine import expansion_origin, kernel_block, stationary_parts
 
 __all__ = ["StationaryBlock", "grad_kernel_block", "grad_kernel_form"]
 
@@ -61,7 +61,7 @@ class StationaryBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, c: Tensor, ls: Tensor, os: Tensor | None, kind: str, same: bool) -> Tensor:
-        mu = x.mean(0, keepdim=True)
+        mu = expansion_origin(x)
         z = (x - mu) / ls
         w = (c - mu) / ls
         zn = z.square().sum(-1, keepdim=True)
