@@ -327,6 +327,30 @@ def test_a_file_replaced_with_the_same_size_and_time_is_refused(tmp_path):
         src[0:50]
 
 
+def test_check_unchanged_stats_every_file_without_reading(tmp_path):
+    """``check_unchanged`` refuses a source (and a shard of it) once any of its files is rewritten, the one it has
+    not read yet too; in-memory sources pass."""
+    import os
+
+    x = np.random.default_rng(2).standard_normal((60, 3))
+    paths = _write_npy(tmp_path, x, parts=3)
+    pq_src = ParquetRows(_write_parquet(tmp_path, x, x[:, 0]), exclude=["target"])
+    src = NpyRows(paths)
+    for s in (src, SliceRows(src, 0, 10), pq_src, TensorRows(torch.from_numpy(x))):
+        s.check_unchanged()
+    st = os.stat(paths[-1])
+    np.save(paths[-1], x[40:] * 2)  # the last file: rows no read so far touched
+    os.utime(paths[-1], ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    for s in (src, SliceRows(src, 0, 10)):
+        with pytest.raises(ValueError, match="changed since the source was opened"):
+            s.check_unchanged()
+    pq_path = pq_src.paths[0]
+    st = os.stat(pq_path)
+    os.utime(pq_path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(ValueError, match="changed since the source was opened"):
+        pq_src.check_unchanged()
+
+
 def test_parquet_reads_are_copies_and_thread_safe(tmp_path):
     """A block read from a ParquetRows is the caller's: editing it in place leaves later reads as they were (they
     returned views of the cached row group); reads from several threads at once return the right rows (pyarrow's

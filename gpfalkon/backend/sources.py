@@ -141,6 +141,13 @@ class RowSource(abc.ABC):
             if bool(bad.any()):
                 raise ValueError(f"{name} contains NaN or Inf values (first at row {s + int(bad.nonzero()[0])})")
 
+    def check_unchanged(self) -> None:
+        """Raise ``ValueError`` where a file under this source was rewritten or replaced since it was opened (its
+        size, modification time or inode: ``O(files)`` ``stat`` calls, no rows read). In-memory sources have nothing
+        to check. Every read checks the files it touches; this checks them all at once, e.g. before the collectives of
+        a sharded fit, so a rank whose files changed is found before the others wait on it."""
+        return None  # in-memory rows (TensorRows): nothing on disk to change
+
     # ------------------------------------------------- the tensor surface gpfalkon uses
     @property
     def shape(self) -> torch.Size:
@@ -257,6 +264,9 @@ class SliceRows(RowSource):
     def host_resident(self) -> bool:
         return self.source.host_resident
 
+    def check_unchanged(self) -> None:
+        self.source.check_unchanged()
+
 
 def _as_paths(paths: PathLike | Sequence[PathLike], what: str, empty_ok: bool = False) -> list[str]:
     if isinstance(paths, (str, os.PathLike)):
@@ -315,6 +325,10 @@ class NpyRows(RowSource):
     memory map, so the resident memory of a pass is one block whatever the file size. Each file's
     size is checked against its header (a truncated file is named at construction).
     """
+
+    def check_unchanged(self) -> None:
+        for path, stamp in getattr(self, "_stamps", {}).items():
+            _check_stamp("NpyRows", path, stamp)
 
     def __init__(self, paths: PathLike | Sequence[PathLike], dtype: torch.dtype | None = None,
                  device: torch.device | None = None, d: int | None = None) -> None:
@@ -412,6 +426,10 @@ class ParquetRows(RowSource):
     Rows are read a row group at a time (the last group read is cached), so the resident
     memory of a pass is about one row group of the chosen columns.
     """
+
+    def check_unchanged(self) -> None:
+        for path, stamp in getattr(self, "_stamps", {}).items():
+            _check_stamp("ParquetRows", path, stamp)
 
     def __init__(self, paths: PathLike | Sequence[PathLike], columns: Sequence[str] | None = None,
                  exclude: Sequence[str] = (), dtype: torch.dtype = torch.float64,

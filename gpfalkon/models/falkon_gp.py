@@ -879,11 +879,22 @@ class FalkonGP(gpytorch.models.GP):
                 problem = self._fit_argument_problem(callback, initial_alpha, warm_start)
                 # the data may have been edited in place since construction: O(n d), before any pass
                 x_tr = self.train_inputs[0]
+                changed = None
+                if is_row_source(x_tr):  # its files rewritten since it was opened: stat calls, no rows read
+                    try:
+                        x_tr.check_unchanged()
+                    except (ValueError, OSError) as exc:
+                        changed = exc
                 bad = torch.tensor([float(not all_finite(self.train_targets)),
                                     float(not is_row_source(x_tr) and not all_finite(x_tr)),
-                                    float(problem is not None)],
+                                    float(problem is not None), float(changed is not None)],
                                    dtype=torch.float64, device=self.centers.device)
                 bad = self._row_sum(bad)  # every rank learns of a bad shard (no rank waits in a collective alone)
+                if changed is not None:
+                    raise changed
+                if float(bad[3]) > 0:
+                    raise ValueError("another rank's train_x / train_y failed the input checks (a row source's files "
+                                     "changed since it was opened): see that rank's error")
                 if problem is not None:
                     raise problem[0](problem[1])
                 if float(bad[2]) > 0:
