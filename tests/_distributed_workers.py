@@ -325,6 +325,17 @@ def _mixed_storage(rank: int, world: int, sizes: Sequence[int], m: int, budget: 
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+def _float32_direct(rank: int, world: int, sizes: Sequence[int], out_dir: str) -> None:
+    """float32 shards solved directly: the system's float64 passes (right-hand side and whitened Gram matrix) are
+    summed over the ranks like the data dtype's."""
+    x, y, _ = data(n=sum(sizes), dtype=torch.float32)
+    s, e = shard_bounds(sizes)[rank]
+    model = FalkonGP(x[s:e], y[s:e], make_kernel(dtype=torch.float32), centers=x[:60].clone(), penalty=1e-6,
+                     options=FalkonOptions(backend=DistributedBackend(), solve_method="direct")).fit()
+    torch.save({"alpha": model.alpha, "method": model.fit_info.extra.get("method")},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
 def _fixed_store_empty_shard(rank: int, world: int, out_dir: str) -> None:
     """An int16 K_nM store with rank 1's shard empty (it stores nothing): every rank must still take the
     preconditioner of the store's resolution, or the ranks' CG would run on different systems."""

@@ -350,6 +350,25 @@ def test_auto_solve_method_is_one_choice_across_ranks(tmp_path):
         torch.testing.assert_close(res["alpha"], ref.alpha, rtol=1e-6, atol=1e-8, msg=lambda s, r=r: f"rank {r}: {s}")
 
 
+def test_float32_direct_solve_sums_its_float64_passes_over_ranks(tmp_path):
+    """float32 shards (one empty) solved directly: every rank's alpha is the single-process float32 direct fit's,
+    itself the float64 fit's to ~1e-7 of the prediction scale."""
+    sizes = (150, 0, 250)
+    W.run(3, W._float32_direct, (list(sizes), str(tmp_path)), str(tmp_path))
+    ranks = _load(tmp_path, 3)
+    x, y, xt = W.data(n=sum(sizes), dtype=torch.float32)
+    fits = [FalkonGP(x.to(dt), y.to(dt), W.make_kernel(dtype=dt), centers=x[:60].to(dt), penalty=1e-6,
+                     options=FalkonOptions(solve_method="direct")).fit() for dt in (torch.float32, torch.float64)]
+    kt = fits[1].kernel(xt.double(), x[:60].double()).to_dense().detach()
+    want = kt @ fits[1].alpha.reshape(-1)
+    for r, res in enumerate(ranks):
+        assert res["method"] == "direct"
+        torch.testing.assert_close(res["alpha"], fits[0].alpha, rtol=1e-6, atol=1e-6 * float(fits[0].alpha.abs().max()),
+                                   msg=lambda s, r=r: f"rank {r}: {s}")
+        got = kt @ res["alpha"].reshape(-1)
+        assert float((got - want).abs().max()) < 1e-5 * float(want.abs().max()), (r, float((got - want).abs().max()))
+
+
 def test_fixed_store_jitter_is_the_same_on_a_rank_storing_nothing(tmp_path):
     """int16 store, rank 1's shard empty: both ranks precondition at the store's resolution and solve one system,
     the single-process fit's."""

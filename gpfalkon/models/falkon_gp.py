@@ -943,7 +943,7 @@ class FalkonGP(gpytorch.models.GP):
                 # the CG's share of the limit: what the K_Mn y pass (and the preconditioner) left of it
                 cg_limit = None if time_limit is None else max(1e-9, time_limit - (time.perf_counter() - t_start))
                 alpha, info = op.solve_system(rhs, x0, tol=tol, max_iter=max_iter, callback=callback, verbose=verbose,
-                                              time_limit=cg_limit, x0_forces_cg=initial_alpha is None)
+                                              time_limit=cg_limit, x0_forces_cg=initial_alpha is None, y=y2)
                 self.alpha = alpha.reshape(self.alpha.shape).to(torch.float64)
                 info.extra["fit_seconds"] = time.perf_counter() - t_start
                 self.fit_info = info
@@ -998,14 +998,16 @@ class FalkonGP(gpytorch.models.GP):
             with torch.no_grad():
                 op = self.nystrom_operator()
                 op.check_time_limit(time_limit)
-                rhs = op.kmn_y(self.centered_targets())
+                y2 = self.centered_targets()
+                rhs = op.kmn_y(y2)
                 if not bool(torch.isfinite(rhs).all()):
                     raise FalkonConvergenceError("K_Mn y is not finite: the kernel overflows for these inputs and "
                                                  "hyperparameters")
                 x0 = None if initial_alpha is None else \
                     initial_alpha.detach().reshape(p, m).mT.to(device=rhs.device, dtype=torch.float64)
                 limit = None if time_limit is None else max(1e-9, time_limit - (time.perf_counter() - t_start))
-                alpha, info, precond = op.solve_path(rhs, lams, x0, tol=tol, max_iter=max_iter, time_limit=limit)
+                alpha, info, precond = op.solve_path(rhs, lams, x0, tol=tol, max_iter=max_iter, time_limit=limit,
+                                                     y=y2)
                 op.engine.release()
             info.extra["fit_seconds"] = time.perf_counter() - t_start
         alphas = alpha.mT.reshape(p, *self.alpha.shape).to(torch.float64)

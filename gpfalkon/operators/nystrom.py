@@ -489,6 +489,7 @@ class NystromKRROperator(LinearOperator):
         max_iter: int | None = None,
         warn: bool = True,
         time_limit: float | None = None,
+        y: Tensor | None = None,
     ) -> tuple[Tensor, CGInfo, PenaltyPathPreconditioner | None]:
         r"""Solves of ``H_j alpha_j = rhs`` at every penalty ``lambda_j`` of ``penalties`` at once,
         ``H_j = K_Mn K_nM + n lambda_j K_MM`` (the operator's own penalty is not used), no autograd.
@@ -502,7 +503,8 @@ class NystromKRROperator(LinearOperator):
         dominates (a stored ``K_nM``, read once whatever the block's width) ``p`` penalties cost about one solve.
         ``rhs``: ``(M, 1)`` (one output); ``x0``: ``(M, p)`` starting coefficients. Returns ``(alpha, info,
         preconditioner)``, ``alpha`` ``(M, p)`` float64; CG runs until every column meets ``tol`` (or
-        ``max_iter``, ``time_limit`` seconds counted from this call). Needs the built-in solver, FALKON's own
+        ``max_iter``, ``time_limit`` seconds counted from this call). ``y``: the targets with ``rhs = K_Mn y``, which
+        the direct solve of float32 data uses (:meth:`_direct_parts`). Needs the built-in solver, FALKON's own
         preconditioner (the options' builder is not used: it builds one penalty's) and rows on one process.
         *(Tested against dense solves at every penalty.)*"""
         if rhs.dim() != 2 or rhs.shape != (self.m, 1):
@@ -522,9 +524,8 @@ class NystromKRROperator(LinearOperator):
         if self.chosen_method(tol=tol, max_iter=max_iter, outputs=p) == "direct":
             with torch.no_grad():
                 t_pre = time.perf_counter()
-                factor, _ = whitened_factor(self.kmm, jitter=self._precond_jitter(direct=True))
-                gram = self.engine.whitened_gram(factor)
-                solved = [direct_solve_whitened(gram, factor, rhs.detach(), self.n * float(lam)) for lam in lams]
+                gram, factor, rhs_used = self._direct_parts(rhs, y)
+                solved = [direct_solve_whitened(gram, factor, rhs_used, self.n * float(lam)) for lam in lams]
             alpha = torch.cat([a for a, _ in solved], dim=1)
             info = CGInfo(iterations=0, converged=True, residuals=torch.cat([i.residuals for _, i in solved], dim=1),
                           tol=0.0, max_iter=0,
@@ -592,21 +593,51 @@ class NystromKRROperator(LinearOperator):
             max_iter=max_iter_, outputs=outputs,
         )
 
-    def direct_solve(self, rhs: Tensor) -> tuple[Tensor, CGInfo]:
+    def direct_solve(self, rhs: Tensor, y: Tensor | None = None) -> tuple[Tensor, CGInfo]:
         """The direct Nyström solve of ``H alpha = rhs`` (``rhs`` ``(M, k)``), no autograd:
         one data pass forming ``L^{-1} K_Mn K_nM L^{-T}`` (``L L^T = K_MM + j I``), then a
         Cholesky solve (:mod:`gpfalkon.solvers.direct`; ``O(n M^2 + M^3)`` float64 flops,
         ``O(M^2)`` memory). Returns ``(alpha, info)`` with ``info.extra["method"] == "direct"``.
+        ``y``: the targets ``(n, k)`` or ``(n,)`` with ``rhs = K_Mn y``, for data below float64 (see
+        :meth:`_direct_parts`: then the solve is float64's, not the jittered one the rounded ``rhs`` allows).
         """
         if rhs.dim() != 2 or rhs.shape[0] != self.m:
             raise ValueError(f"rhs must have shape ({self.m}, k), got {tuple(rhs.shape)}")
         with torch.no_grad():
-            # the data dtype's eps M jitter, as the preconditioner's: float32 kernel values cannot resolve K_MM below it
-            factor, _ = whitened_factor(self.kmm, jitter=self._precond_jitter(direct=True))
-            gram = self.engine.whitened_gram(factor)
-            alpha, info = direct_solve_whitened(gram, factor, rhs.detach(), self.n * float(self.penalty.detach()))
+            gram, factor, rhs_used = self._direct_parts(rhs, y)
+            alpha, info = direct_solve_whitened(gram, factor, rhs_used, self.n * float(self.penalty.detach()))
         self.last_info = info
         return alpha, info
+
+    def _direct_parts(self, rhs: Tensor, y: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """``(B, L, rhs)`` of the direct solve: ``L L^T = K_MM + j I``, ``B = L^{-1} K_Mn K_nM L^{-T}``.
+
+        The jitter ``j`` is part of the system solved (a ridge ``n lambda j ||alpha||^2``). With kernel values in the
+        data's dtype, ``j`` must be that dtype's ``eps M mean(diag K_MM)``: ``L^{-1}`` multiplies their rounding by up
+        to ``j^{-1/2}``. For float32 data that ridge moved the mean by 0.9-2.3 % of the predictions' range where CG's
+        moved it 0.05-0.14 % (n = 300, M = 80, RBF lengthscales 1-4 on [-1, 1]^3; ``tests/test_direct.py``). So
+        where the data is below float64 and the targets ``y`` are given, ``B`` and ``rhs = K_Mn y`` are formed from
+        float64 kernel values of the same rows (:meth:`float64_engine`: two recomputed passes, ``2 n M (d + M)``
+        float64 flops and ``2 n M`` exponentials) with float64's jitter: the exact Nyström solution of the data as
+        stored (float32 rows are exact in float64), which :class:`~gpfalkon.solvers.SolveCosts` charges the direct
+        solve. Else the passes of :attr:`engine` with the data dtype's jitter, and ``rhs`` as given."""
+        if y is None or self.x.dtype == torch.float64:
+            factor, _ = whitened_factor(self.kmm, jitter=self._precond_jitter(direct=True))
+            return self.engine.whitened_gram(factor), factor, rhs.detach()
+        cols = y.detach().to(torch.float64)
+        cols = cols.unsqueeze(-1) if cols.dim() == 1 else cols
+        if cols.shape != (self.x.shape[0], rhs.shape[1]):
+            raise ValueError(f"y must have shape ({self.x.shape[0]}, {rhs.shape[1]}) (rhs = K_Mn y), got "
+                             f"{tuple(y.shape)}")
+        engine = self.float64_engine()
+        try:
+            rhs64 = engine.kmn_k(None, cols)
+            factor, _ = whitened_factor(self.kmm)
+            gram = engine.whitened_gram(factor)
+        finally:
+            if engine is not self.engine:
+                engine.release()
+        return gram, factor, rhs64
 
     def solve_system(
         self,
@@ -620,16 +651,19 @@ class NystromKRROperator(LinearOperator):
         warn: bool = True,
         time_limit: float | None = None,
         x0_forces_cg: bool = True,
+        y: Tensor | None = None,
     ) -> tuple[Tensor, CGInfo]:
         """``H alpha = rhs`` by the method :meth:`chosen_method` picks: :meth:`direct_solve` or
         :meth:`falkon_solve` (same arguments and return value). ``time_limit`` bounds CG; the direct
         solve, picked only where the cost model finds it cheaper than CG, is one pass and is not
         interrupted. A warm start ``x0`` asks for CG unless ``x0_forces_cg`` is ``False`` (then it is a
-        starting point CG uses where the cost model picks CG anyway; the direct solve ignores it)."""
+        starting point CG uses where the cost model picks CG anyway; the direct solve ignores it).
+        ``y``: the targets with ``rhs = K_Mn y``, which the direct solve of float32 data uses
+        (:meth:`direct_solve`)."""
         iterative = (x0 is not None and x0_forces_cg) or callback is not None or self.callback is not None
         outputs = int(rhs.shape[-1]) if rhs.dim() == 2 else 1
         if self.chosen_method(tol=tol, max_iter=max_iter, iterative=iterative, outputs=outputs) == "direct":
-            return self.direct_solve(rhs)
+            return self.direct_solve(rhs, y)
         return self.falkon_solve(rhs, x0, tol=tol, max_iter=max_iter, callback=callback, verbose=verbose, warn=warn,
                                  time_limit=time_limit)
 

@@ -118,10 +118,16 @@ class SolveCosts:
 
     def direct(self, n: int, m: int, d: int, itemsize: int, stored: bool, outputs: int = 1) -> float:
         """Direct: the right-hand side pass (``outputs`` columns), one pass forming ``B`` (``2 n M^2`` float64
-        flops on top of the kernel values, whatever the number of outputs) and ``O(M^3)`` factorisations."""
+        flops on top of the kernel values, whatever the number of outputs) and ``O(M^3)`` factorisations. Data below
+        float64 (``itemsize < 8``) has both passes again from float64 kernel values, recomputed, after the caller's
+        right-hand side pass in its dtype (:meth:`~gpfalkon.operators.NystromKRROperator.direct_solve`)."""
         f64 = self.matmul_flops / 2
-        return (self.kernel_pass(n, m, d, itemsize, stored, outputs) + self.kernel_pass(n, m, d, itemsize, stored)
-                + 2.0 * n * m * m / f64 + 2.0 * m**3 / f64)
+        passes = self.kernel_pass(n, m, d, itemsize, stored, outputs)
+        if itemsize < 8:
+            passes += self.kernel_pass(n, m, d, 8, False, outputs) + self.kernel_pass(n, m, d, 8, False)
+        else:
+            passes += self.kernel_pass(n, m, d, itemsize, stored)
+        return passes + 2.0 * n * m * m / f64 + 2.0 * m**3 / f64
 
 
 def choose_method(
