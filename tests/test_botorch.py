@@ -132,6 +132,10 @@ def test_bad_training_shapes():
         FalkonModel((X * 10).long(), Y, num_centers=5)
     with pytest.raises(TypeError, match=r"train_Y must be float32 or float64, got torch\.int32"):
         FalkonModel(X, (Y * 10).int(), num_centers=5)
+    from gpfalkon.backend.sources import TensorRows
+
+    with pytest.raises(TypeError, match=r"got a row source \(TensorRows\).*train_X\.materialize\(\)"):
+        FalkonModel(TensorRows(X), Y, num_centers=5)
 
 
 def test_posterior_transform_and_subset_of_outputs():

@@ -242,6 +242,28 @@ def test_numpy_test_inputs_are_refused_by_name(data):
         model(x.numpy())
 
 
+def test_one_d_and_row_source_test_inputs_are_refused_with_their_remedy(data, tmp_path):
+    """A 1-D x for a model of several features (one point meant) names its shape and the reshape, not the (q, 1)
+    it was read as; a row source names the blockwise prediction; a 1-D x of a one-feature model is q points."""
+    import numpy as np
+
+    from gpfalkon.backend.sources import NpyRows
+
+    x, y = data
+    d = x.shape[1]
+    model = FalkonGP(x, y, kernel=_k(), num_centers=8, penalty=1e-3).fit().eval()
+    with pytest.raises(ValueError, match=rf"got a 1-D tensor of shape \({d},\) .* x.reshape\(1, {d}\)"):
+        model(x[0])
+    np.save(tmp_path / "x.npy", x.numpy())
+    src = NpyRows([tmp_path / "x.npy"])
+    with pytest.raises(TypeError, match=r"got a row source \(NpyRows\): predict its rows block by block"):
+        model.posterior_mean(src)
+    torch.testing.assert_close(torch.cat([model.posterior_mean(b) for _, _, b in src.blocks(7)]),
+                               model.posterior_mean(x))
+    one = FalkonGP(x[:, :1], y, kernel=make_kernel("rbf", 1), num_centers=8, penalty=1e-3).fit().eval()
+    torch.testing.assert_close(one.posterior_mean(x[:5, 0]), one.posterior_mean(x[:5, :1]))
+
+
 def test_penalty_checks_python_numbers_in_float64(data):
     x, y = data
     with pytest.raises(ValueError, match=r"penalty must be > 0, got -0\.001$"):

@@ -28,6 +28,7 @@ from gpytorch.priors import LogNormalPrior
 from linear_operator.operators import DiagLinearOperator, KroneckerProductLinearOperator
 from torch import Tensor
 
+from .._validation import is_row_source
 from ..models import FalkonGP
 from ..models.defaults import default_likelihood
 from ..models.falkon_gp import _same_to_rounding
@@ -147,6 +148,10 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
                 "FalkonModel: train_Yvar (a fixed noise per observation) is not supported: FALKON's penalty is one "
                 "homoskedastic noise sigma^2 = n lambda, learned or given as penalty="
             )
+        if is_row_source(train_X):  # BoTorch's transforms and acquisition functions take tensors in memory
+            raise TypeError(f"train_X must be an (n, d) tensor in memory, got a row source ({type(train_X).__name__}): "
+                            "FalkonModel holds BoTorch's data in memory (its transforms and acquisition functions "
+                            "read every row); fit a FalkonGP on the source, or pass train_X.materialize()")
         if not isinstance(train_X, Tensor) or train_X.dim() != 2:
             raise ValueError(f"train_X must be an (n, d) tensor, got {getattr(train_X, 'shape', type(train_X))}")
         if not isinstance(train_Y, Tensor) or train_Y.dim() != 2 or train_Y.shape[0] != train_X.shape[0]:

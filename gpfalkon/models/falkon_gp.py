@@ -1539,10 +1539,19 @@ class FalkonGP(gpytorch.models.GP):
 
     def _test_inputs(self, x: Tensor) -> Tensor:
         """``x`` checked (a tensor, ``d`` features, finite) and given a feature axis when 1-D."""
+        if is_row_source(x):
+            raise TypeError(f"x must be a torch.Tensor of shape (..., q, d), got a row source ({type(x).__name__}): "
+                            "predict its rows block by block, e.g. torch.cat([model.posterior_mean(b) for _, _, b "
+                            "in x.blocks(100_000)])")
         if not isinstance(x, Tensor):
             raise TypeError(f"x must be a torch.Tensor of shape (..., q, d), got {type(x).__name__} "
                             "(convert with torch.as_tensor(x, dtype=...))")
+        d = self.train_inputs[0].shape[1]
         if x.dim() == 1:
+            if d != 1:  # a 1-D x is q points of one feature: one point of d features must say so
+                raise ValueError(f"x must have shape (..., q, {d}), got a 1-D tensor of shape {tuple(x.shape)} (a "
+                                 f"1-D x is read as points of one feature; one point of {d} features is "
+                                 f"x.reshape(1, {d}))")
             x = x.unsqueeze(-1)
         self._check_test_inputs(x)
         return x
