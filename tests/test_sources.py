@@ -427,6 +427,51 @@ def test_objectives_on_a_source_keep_no_block_until_the_backward_pass(data):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_a_source_is_summarised_once_while_its_rows_are_unchanged(tmp_path):
+    """Construction reads a source once (its finiteness), a first fit twice (its pass and the fit tracker's
+    fingerprint), a refit and another model's fit once (their pass): the finiteness and the fingerprint are
+    remembered (``RowSource.memo``; construction read it twice and every fit four times). The remembered fingerprint
+    is the in-memory tensor's; an in-memory source's tensor edited in place is scanned again (a NaN written after a
+    fit is found); a file rewritten after a fit is refused, not summarised from memory."""
+    import os
+
+    from gpfalkon.models.fit_state import data_fingerprint
+
+    x, y = make_data(600, 3)
+    src = _FreshRows(x)
+
+    def passes() -> float:
+        out = sum(e - s for s, e, _ in src.reads) / len(x)
+        src.reads.clear()
+        return out
+
+    kw = dict(kernel=make_kernel("rbf", 3), num_centers=20, penalty=1e-3, seed=0)
+    model = FalkonGP(src, y, **kw)
+    assert 1 <= passes() < 1.2  # (and the 20 centers' rows)
+    model.fit()
+    assert 2 <= passes() < 2.2
+    model.fit()
+    assert 1 <= passes() < 1.2
+    other = FalkonGP(src, y * 2, **kw).fit()
+    assert 1 <= passes() < 1.3 and bool(other.fitted)
+    for a, b in zip(data_fingerprint(src, y), data_fingerprint(x, y), strict=True):
+        assert torch.equal(a, b)
+    x[7, 1] = float("nan")  # the tensor under the source, edited in place
+    with pytest.raises(ValueError, match=r"train_x contains NaN or Inf values \(first at row 7\)"):
+        FalkonGP(src, y, **kw)
+    x[7, 1] = 0.0
+    (path,) = _write_npy(tmp_path, x.numpy(), parts=1)
+    npy = NpyRows([path])
+    fitted = FalkonGP(npy, y, **kw).fit()
+    st = os.stat(path)
+    np.save(path, x.numpy() * 0.5)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(ValueError, match="changed since the source was opened"):
+        data_fingerprint(npy, y)
+    with pytest.raises(ValueError, match="changed since the source was opened"):
+        fitted.fit()
+
+
 def test_scans_of_a_wide_source_stay_within_the_memory_budget():
     """The finiteness check and the fingerprint read blocks of ``scan_rows`` rows (three float64 copies of a block
     within the budget), and a streamed product's blocks count the data's ``d`` columns beside ``M``."""

@@ -34,7 +34,7 @@ import copy
 import itertools
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, Union
 
 import numpy as np
@@ -133,13 +133,42 @@ class RowSource(abc.ABC):
 
     def check_finite(self, name: str, rows: int | None = None) -> None:
         """Raise ``ValueError`` naming ``name`` and the first row with a NaN or Inf (one pass, in blocks of ``rows``;
-        default: :func:`~gpfalkon.backend.blocks.scan_rows`, within the memory budget)."""
-        if rows is None:
-            rows = scan_rows(self._n, self._d, device=self.device)
-        for s, _, blk in self.blocks(rows):
-            bad = ~torch.isfinite(blk).all(-1)
-            if bool(bad.any()):
-                raise ValueError(f"{name} contains NaN or Inf values (first at row {s + int(bad.nonzero()[0])})")
+        default: :func:`~gpfalkon.backend.blocks.scan_rows`, within the memory budget). A pass that found every row
+        finite is remembered (:meth:`memo`): the next checks of the unchanged rows cost ``stat`` calls."""
+
+        def scan() -> bool:
+            step = scan_rows(self._n, self._d, device=self.device) if rows is None else rows
+            for s, _, blk in self.blocks(step):
+                bad = ~torch.isfinite(blk).all(-1)
+                if bool(bad.any()):
+                    raise ValueError(f"{name} contains NaN or Inf values (first at row {s + int(bad.nonzero()[0])})")
+            return True
+
+        self.memo("finite", scan)
+
+    def memo(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        """``compute()``'s value, computed once per ``key`` (and this source's dtype and device) while the rows stay
+        the same: a summary of the whole source (its finiteness, the fit tracker's fingerprint) is one pass, not one
+        per fit. Files are checked first (:meth:`check_unchanged`: a rewritten file raises, as its reads would); an
+        in-memory tensor's identity and version counter (:meth:`_content_token`) key the values, so an edit in place
+        computes them again. A ``compute`` that raises stores nothing. Copies made by :meth:`to` share the values
+        computed before the copy (their dtype or device is part of the key)."""
+        self.check_unchanged()
+        token = self._content_token()
+        held: tuple[Hashable, dict[Hashable, Any]] | None = self.__dict__.get("_memo")
+        if held is None or held[0] != token:
+            held = (token, {})
+            self.__dict__["_memo"] = held
+        values = held[1]
+        full = (key, self.dtype, self.device)
+        if full not in values:
+            values[full] = compute()
+        return values[full]
+
+    def _content_token(self) -> Hashable:
+        """What changes where the rows may have changed without a file's stamp changing: ``None`` for files (their
+        stamps are checked instead); an in-memory tensor's storage and version counter (:class:`TensorRows`)."""
+        return None
 
     def check_unchanged(self) -> None:
         """Raise ``ValueError`` where a file under this source was rewritten or replaced since it was opened (its
@@ -243,6 +272,9 @@ class TensorRows(RowSource):
     def _read(self, start: int, stop: int) -> Tensor:
         return self.x[start:stop]
 
+    def _content_token(self) -> Hashable:
+        return self.x.data_ptr(), self.x._version, tuple(self.x.shape), tuple(self.x.stride())
+
     @property
     def host_resident(self) -> bool:
         return self.x.device.type == "cpu"
@@ -266,6 +298,9 @@ class SliceRows(RowSource):
 
     def check_unchanged(self) -> None:
         self.source.check_unchanged()
+
+    def _content_token(self) -> Hashable:
+        return self.source._content_token()
 
 
 def _as_paths(paths: PathLike | Sequence[PathLike], what: str, empty_ok: bool = False) -> list[str]:

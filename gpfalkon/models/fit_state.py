@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from gpytorch.kernels import Kernel
@@ -200,6 +201,21 @@ def _sums(t: Tensor, legacy: bool = False) -> tuple[Tensor, Tensor]:
     return total, squares
 
 
+def _source_summary(x: Any, word_offset: int, legacy_sums: bool) -> tuple[Tensor, Tensor, tuple[int, int]]:
+    """``(sum x, sum x^2, digest of x's bytes from word_offset)`` of a row source in one pass over its blocks (the
+    digest the blocks' :func:`_digest_tensor` sum to: :func:`_digest_rows`'s)."""
+    sx = torch.zeros((), dtype=torch.float64, device=x.device)
+    sxx = torch.zeros((), dtype=torch.float64, device=x.device)
+    h, pos = (0, 0), word_offset
+    for _, _, blk in x.blocks(scan_rows(x.shape[0], x.shape[1], device=x.device)):
+        bx, bxx = _sums(blk, legacy_sums)
+        sx += bx
+        sxx += bxx
+        h = _add(h, _digest_tensor(blk, pos))
+        pos += blk.numel() * _words_per_element(blk.dtype)
+    return sx, sxx, h
+
+
 def data_fingerprint(
     x: Tensor,
     y: Tensor,
@@ -218,17 +234,13 @@ def data_fingerprint(
     sums as states saved before digests computed them (:func:`_sums`), for comparing with such a state.
     """
     x, y = x.detach(), y.detach()
-    if is_row_source(x):  # one streamed pass
-        sx = torch.zeros((), dtype=torch.float64, device=x.device)
-        sxx = torch.zeros((), dtype=torch.float64, device=x.device)
-        for _, _, blk in x.blocks(scan_rows(x.shape[0], x.shape[1], device=x.device)):
-            bx, bxx = _sums(blk, legacy_sums)
-            sx += bx
-            sxx += bxx
+    off = 0 if row_offset is None else int(row_offset())
+    if is_row_source(x):  # one streamed pass, once per source (RowSource.memo: its files' stamps are checked)
+        sx, sxx, hx = x.memo(("fingerprint", off * _words_per_row(x), legacy_sums),
+                             lambda: _source_summary(x, off * _words_per_row(x), legacy_sums))
     else:
         sx, sxx = _sums(x, legacy_sums)
-    off = 0 if row_offset is None else int(row_offset())
-    hx = _digest_rows(x, off * _words_per_row(x))
+        hx = _digest_rows(x, off * _words_per_row(x))
     hy = _digest_rows(y, off * _words_per_row(y))
     # each digest as a low 31-bit and a high 30-bit half: float64 sums of these over up to 2^22 shards are exact
     halves = [float(v) for h in (*hx, *hy) for v in (h & _P31, h >> 31)]
