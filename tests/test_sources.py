@@ -188,9 +188,11 @@ def test_file_sources_reject_bad_files_and_arguments_by_name(tmp_path, data):
     text.write_text("1,2,3\n")
     with pytest.raises(ValueError, match=r"x.csv is not a .npy file"):
         NpyRows(text)
-    with pytest.raises(IsADirectoryError, match="is a directory"):
+    with pytest.raises(IsADirectoryError, match=r"is a directory; pass its files \(e.g. sorted\(glob\('.*/\*\.npy'\)"):
         NpyRows(tmp_path)
     paths = _write_parquet(tmp_path, x.numpy(), y.numpy())
+    with pytest.raises(IsADirectoryError, match=r"glob\('.*/\*\.parquet'\)"):  # not Spark's _SUCCESS marker
+        ParquetRows(tmp_path)
     with pytest.raises(TypeError, match="exclude must be a list"):
         ParquetRows(paths, exclude="target")
     with pytest.raises(ValueError, match=r"exclude names \['Target'\], not columns"):

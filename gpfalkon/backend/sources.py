@@ -311,7 +311,9 @@ def _as_paths(paths: PathLike | Sequence[PathLike], what: str, empty_ok: bool = 
         raise ValueError(f"{what}: no files given")
     for p in out:
         if os.path.isdir(p):
-            raise IsADirectoryError(f"{what}: {p} is a directory; pass its files (e.g. sorted(glob('{p}/*')))")
+            # the pattern names the format's extension: a writer's markers (Spark's _SUCCESS, .crc files) are no data
+            ext = {"NpyRows": ".npy", "ParquetRows": ".parquet"}.get(what, "")
+            raise IsADirectoryError(f"{what}: {p} is a directory; pass its files (e.g. sorted(glob('{p}/*{ext}')))")
         if not os.path.isfile(p):
             raise FileNotFoundError(f"{what}: {p} does not exist")
     return out
