@@ -119,6 +119,36 @@ def test_float32_direct_penalty_path_is_the_float64_one():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_variance_factors_reuse_the_direct_solves_gram(dtype, monkeypatch):
+    """``fit(compute_variance=True)`` by the direct solve forms the posterior factors from the Gram matrix the solve
+    just formed (one whitened-Gram pass, not two), and the variances are those formed lazily by their own pass."""
+    from gpfalkon.backend import KernelEngine
+
+    x, y = make_data(500, 3, dtype=dtype)
+    kw = dict(kernel=make_kernel("rbf", 3, dtype=dtype), centers=x[:40].clone(), penalty=1e-5,
+              options=FalkonOptions(solve_method="direct"))
+    calls = []
+    original = KernelEngine.whitened_gram
+
+    def counted(self, L):
+        calls.append(L.shape[0])
+        return original(self, L)
+
+    monkeypatch.setattr(KernelEngine, "whitened_gram", counted)
+    eager = FalkonGP(x, y, **kw).fit(compute_variance=True).eval()
+    assert len(calls) == 1 and eager.fit_info.extra["method"] == "direct"
+    lazy = FalkonGP(x, y, **kw).fit().eval()
+    xt = make_data(30, 3, dtype=dtype, seed=5)[0]
+    with torch.no_grad():
+        want = lazy(xt).variance
+    assert len(calls) == 3  # the lazy model: its solve's pass, then the factors' own
+    with torch.no_grad():
+        got = eager(xt).variance
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert len(calls) == 3
+
+
 def test_direct_solve_whitened_is_the_whitened_system():
     g = torch.Generator().manual_seed(0)
     a = torch.randn(8, 8, generator=g, dtype=torch.float64)

@@ -98,10 +98,7 @@ class NystromPosteriorFactors:
     def compute(cls, op: NystromKRROperator) -> NystromPosteriorFactors:
         v = op.n * float(op.penalty.detach())
         L, _ = jittered_cholesky(op.kmm, upper=False, name="K_MM")
-        engine = op.float64_engine()  # float32 kernel values' rounding, times ||L^{-1}||, would swamp B
-        bmat = engine.whitened_gram(L).div_(v)
-        if engine is not op.engine:
-            engine.release()
+        bmat = op.posterior_gram(L) / v  # float64 kernel values (a direct solve's, where it just formed them)
         bmat.diagonal().add_(1.0)
         LB, _ = jittered_cholesky(bmat, upper=False, name="I + A A^T / (n lambda)", jitter=0.0)
         return cls(L, LB)

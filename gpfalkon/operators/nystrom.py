@@ -226,6 +226,7 @@ class NystromKRROperator(LinearOperator):
             if self._engine is not None:
                 self._engine.release()
             self._engine = self._kmm = self._precond = self._split_w = None
+            self._direct_gram: tuple[Tensor, Tensor] | None = None  # (L, A A^T) of the last direct solve
             self._cache_key = key
 
     @property
@@ -622,8 +623,12 @@ class NystromKRROperator(LinearOperator):
         stored (float32 rows are exact in float64), which :class:`~gpfalkon.solvers.SolveCosts` charges the direct
         solve. Else the passes of :attr:`engine` with the data dtype's jitter, and ``rhs`` as given."""
         if y is None or self.x.dtype == torch.float64:
-            factor, _ = whitened_factor(self.kmm, jitter=self._precond_jitter(direct=True))
-            return self.engine.whitened_gram(factor), factor, rhs.detach()
+            jitter = self._precond_jitter(direct=True)
+            factor, _ = whitened_factor(self.kmm, jitter=jitter)
+            gram = self.engine.whitened_gram(factor)
+            if jitter is None and self.x.dtype == torch.float64:  # float64 values and jitter: the posterior's pass
+                self._direct_gram = (factor, gram)
+            return gram, factor, rhs.detach()
         cols = y.detach().to(torch.float64)
         cols = cols.unsqueeze(-1) if cols.dim() == 1 else cols
         if cols.shape != (self.x.shape[0], rhs.shape[1]):
@@ -637,7 +642,25 @@ class NystromKRROperator(LinearOperator):
         finally:
             if engine is not self.engine:
                 engine.release()
+        self._direct_gram = (factor, gram)
         return gram, factor, rhs64
+
+    def posterior_gram(self, L: Tensor) -> Tensor:
+        """``A A^T`` with ``A = L^{-1} K_Mn`` from float64 kernel values, for the posterior factors (docs/math.md §4;
+        ``L`` lower triangular, ``L L^T = K_MM`` with float64's jitter): the Gram matrix of the direct solve just
+        run where it was formed with this ``L`` from float64 values (no pass: ``fit(compute_variance=True)`` after a
+        direct solve reads the data once less), else one pass of :meth:`float64_engine` (``2 n M^2`` float64
+        flops). The held matrix is handed out once."""
+        self._refresh()
+        held, self._direct_gram = getattr(self, "_direct_gram", None), None
+        if held is not None and held[0].shape == L.shape and torch.equal(held[0], L):
+            return held[1]
+        engine = self.float64_engine()  # float32 kernel values' rounding, times ||L^{-1}||, would swamp A A^T
+        try:
+            return engine.whitened_gram(L)
+        finally:
+            if engine is not self.engine:
+                engine.release()
 
     def solve_system(
         self,
