@@ -10,6 +10,7 @@ import torch
 import gpfalkon
 from gpfalkon import FalkonGP
 from gpfalkon.backend.sources import NpyRows, ParquetRows, SliceRows, TensorRows, shard_files, shard_rows
+from gpfalkon.errors import NotFittedError
 from gpfalkon.objectives import GCV, SGPRBound, StochasticNystromCompReg
 
 from conftest import make_data, make_kernel
@@ -304,6 +305,9 @@ def test_a_file_rewritten_after_fit_is_refused_not_read(tmp_path, kind):
         os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
         with pytest.raises(ValueError, match=rf"{target.name} changed since the source was opened"):
             model(xt).variance  # noqa: B018
+        # the mean needs no pass, but the model was fitted on other rows: refused as an edited tensor's model is
+        with pytest.raises(ValueError, match=rf"{target.name} changed since the source was opened"):
+            model.posterior_mean(xt)
         with pytest.raises(ValueError, match="changed since the source was opened"):
             clone[0:len(x)]
         # a source built now reads the new rows
@@ -458,10 +462,21 @@ def test_a_source_is_summarised_once_while_its_rows_are_unchanged(tmp_path):
     assert 1 <= passes() < 1.3 and bool(other.fitted)
     for a, b in zip(data_fingerprint(src, y), data_fingerprint(x, y), strict=True):
         assert torch.equal(a, b)
+    other.eval()
+    other.posterior_mean(x[:3])
     x[7, 1] = float("nan")  # the tensor under the source, edited in place
+    with pytest.raises(NotFittedError, match="training data changed since fit"):  # its model sees it
+        other.posterior_mean(x[:3])
     with pytest.raises(ValueError, match=r"train_x contains NaN or Inf values \(first at row 7\)"):
         FalkonGP(src, y, **kw)
     x[7, 1] = 0.0
+    # a pickle starts without the remembered values (an unpickled tensor's version counter and address could
+    # match a token computed on other rows)
+    import pickle
+
+    plain = TensorRows(x)
+    plain.check_finite("x")
+    assert "_memo" in vars(plain) and "_memo" not in vars(pickle.loads(pickle.dumps(plain)))
     (path,) = _write_npy(tmp_path, x.numpy(), parts=1)
     npy = NpyRows([path])
     fitted = FalkonGP(npy, y, **kw).fit()

@@ -150,11 +150,10 @@ class RowSource(abc.ABC):
         """``compute()``'s value, computed once per ``key`` (and this source's dtype and device) while the rows stay
         the same: a summary of the whole source (its finiteness, the fit tracker's fingerprint) is one pass, not one
         per fit. Files are checked first (:meth:`check_unchanged`: a rewritten file raises, as its reads would); an
-        in-memory tensor's identity and version counter (:meth:`_content_token`) key the values, so an edit in place
-        computes them again. A ``compute`` that raises stores nothing. Copies made by :meth:`to` share the values
-        computed before the copy (their dtype or device is part of the key)."""
+        in-memory tensor's identity and version counter (:meth:`content_token`) key the values, so an edit in place
+        computes them again. A ``compute`` that raises stores nothing. Copies and pickles start without the values."""
         self.check_unchanged()
-        token = self._content_token()
+        token = self.content_token()
         held: tuple[Hashable, dict[Hashable, Any]] | None = self.__dict__.get("_memo")
         if held is None or held[0] != token:
             held = (token, {})
@@ -165,10 +164,18 @@ class RowSource(abc.ABC):
             values[full] = compute()
         return values[full]
 
-    def _content_token(self) -> Hashable:
+    def content_token(self) -> Hashable:
         """What changes where the rows may have changed without a file's stamp changing: ``None`` for files (their
-        stamps are checked instead); an in-memory tensor's storage and version counter (:class:`TensorRows`)."""
+        stamps are checked instead, :meth:`check_unchanged`); an in-memory tensor's storage and version counter
+        (:class:`TensorRows`). With :meth:`check_unchanged` it is how a fitted model sees its source's rows change."""
         return None
+
+    def __getstate__(self) -> dict:
+        # the memo stays with this object: a pickled in-memory tensor comes back with another version counter, and
+        # possibly at the address of the freed one, so its token could match rows it was not computed on
+        state = dict(self.__dict__)
+        state.pop("_memo", None)
+        return state
 
     def check_unchanged(self) -> None:
         """Raise ``ValueError`` where a file under this source was rewritten or replaced since it was opened (its
@@ -272,7 +279,7 @@ class TensorRows(RowSource):
     def _read(self, start: int, stop: int) -> Tensor:
         return self.x[start:stop]
 
-    def _content_token(self) -> Hashable:
+    def content_token(self) -> Hashable:
         return self.x.data_ptr(), self.x._version, tuple(self.x.shape), tuple(self.x.stride())
 
     @property
@@ -299,8 +306,8 @@ class SliceRows(RowSource):
     def check_unchanged(self) -> None:
         self.source.check_unchanged()
 
-    def _content_token(self) -> Hashable:
-        return self.source._content_token()
+    def content_token(self) -> Hashable:
+        return self.source.content_token()
 
 
 def _as_paths(paths: PathLike | Sequence[PathLike], what: str, empty_ok: bool = False) -> list[str]:
@@ -330,7 +337,9 @@ def _empty_shape(what: str, d: int | None, dtype: torch.dtype | None, hint: str)
 def _stamp(path: PathLike) -> tuple[int, ...]:
     """``(size, modification time in ns, inode)`` of ``path``: what :func:`_check_stamp` compares. The inode catches
     a file replaced by another one renamed over it with the same size and modification time (``cp -p``, ``rsync -a``
-    and ``tar x`` keep both); the change time is left out (``chmod`` and hard links change it, not the rows)."""
+    and ``tar x`` keep both); the change time is left out (``chmod`` and hard links change it, not the rows). Not
+    seen: a file rewritten in place, or deleted and written anew on a reused inode, with exactly its old size and
+    modification time (``cp -p`` of a file whose time equals the old one's to the nanosecond)."""
     st = os.stat(path)
     return st.st_size, st.st_mtime_ns, st.st_ino
 
@@ -569,7 +578,7 @@ class ParquetRows(RowSource):
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
+        state = super().__getstate__()
         state["_handles"], state["_cache"], state["_pq"], state["_lock"] = {}, (-1, None), None, None
         return state
 

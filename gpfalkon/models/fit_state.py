@@ -263,7 +263,21 @@ def data_fingerprint(
 
 
 def _identity(tensors: Sequence[Tensor]) -> tuple:
-    return tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in tensors)
+    """A cheap key of the training data's identity and version: equal keys mean the data did not change since the
+    fit (else their content is fingerprinted). A tensor: its storage, version counter and shape. A row source: the
+    object, its :meth:`~gpfalkon.backend.sources.RowSource.content_token` (an in-memory tensor's storage and
+    version) and its files' stamps (``stat`` calls; a rewritten file gives a key equal to none, so the fingerprint
+    runs and names the file)."""
+    return tuple(_source_identity(t) if is_row_source(t) else (t.data_ptr(), t._version, tuple(t.shape))
+                 for t in tensors)
+
+
+def _source_identity(t: Any) -> tuple:
+    try:
+        t.check_unchanged()
+    except (ValueError, OSError):
+        return (id(t), object())  # equal to no recorded key
+    return (id(t), t.content_token(), tuple(t.shape), t.dtype)
 
 
 def module_structure(module: torch.nn.Module) -> tuple:
