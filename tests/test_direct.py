@@ -233,3 +233,29 @@ def test_auto_picks_by_the_model_and_keeps_cg_for_iterative_requests():
 def test_solve_method_is_validated():
     with pytest.raises(ValueError, match="solve_method"):
         FalkonOptions(solve_method="cholesky")
+
+
+def test_cg_with_more_centers_than_rows_warns_and_the_direct_solve_is_exact():
+    """60 centers off the data for 30 rows, lambda 1e-7: beyond the rows' span only the penalty fixes alpha, where
+    CG's residual bounds nothing (float32: "converged", test means 41 % off): CG warns and names the direct solve,
+    which is the dense solve's to rounding in both dtypes."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(30, 2, generator=g, dtype=torch.float64) * 2 - 1).float().double()
+    c = (torch.rand(60, 2, generator=g, dtype=torch.float64) * 2 - 1).float().double()
+    xt = torch.rand(20, 2, generator=g, dtype=torch.float64) * 2 - 1
+    y = torch.sin(3 * x[:, 0])
+    k = gpytorch.kernels.RBFKernel().double()
+    k.lengthscale = 0.5
+    h, knm, _ = dense_nystrom(k, x, c, 1e-7)
+    want = k(xt, c).to_dense().detach() @ torch.linalg.solve(h, knm.T @ y)
+    with pytest.warns(RuntimeWarning, match=r"60 centers for 30 training rows: .*solve_method='direct'"):
+        FalkonGP(x.float(), y.float(), kernel=gpytorch.kernels.RBFKernel(), centers=c.float(), penalty=1e-7,
+                 options=FalkonOptions(solve_method="cg")).fit()
+    for dtype in (torch.float32, torch.float64):
+        kd = gpytorch.kernels.RBFKernel().to(dtype)
+        kd.lengthscale = 0.5
+        m = FalkonGP(x.to(dtype), y.to(dtype), kernel=kd, centers=c.to(dtype), penalty=1e-7,
+                     options=FalkonOptions(solve_method="direct")).fit().eval()
+        got = m.posterior_mean(xt.to(dtype)).double()
+        err = float((got - want).abs().max())
+        assert err < 1e-4 * float(want.abs().max()), (dtype, err)

@@ -870,3 +870,27 @@ def test_the_mean_alone_never_forms_the_variance_factors():
     model.fit()
     with pytest.raises(NotFittedError, match="form it again"):
         _ = p2.variance
+
+
+def test_fit_warns_where_the_targets_offset_swamps_cgs_tolerance():
+    """``y = 1e6 + sin`` with ``mean_constant`` 0: CG's tolerance is relative to ``K_Mn y``, which the offset
+    dominates, so a fit "converged" far from the solution (2.1 off on a unit signal in float64): a warning names
+    the offset and ``mean_constant``; with the targets' mean as ``mean_constant`` there is none and the mean is the
+    dense solve's."""
+    import warnings
+
+    x, _ = make_data(400, 2)
+    y = 1e6 + torch.sin(3 * x[:, 0])
+    kw = dict(kernel=make_kernel("rbf", 2), centers=x[:40].clone(), penalty=1e-4,
+              options=FalkonOptions(solve_method="cg"))
+    with pytest.warns(RuntimeWarning, match=r"train_y - mean_constant has mean 1e\+06, .* times its standard deviation"
+                                            r".*pass mean_constant=train_y.mean\(0\)"):
+        FalkonGP(x, y, **kw).fit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        model = FalkonGP(x, y, mean_constant=float(y.mean()), **kw).fit().eval()
+        FalkonGP(x, torch.sin(3 * x[:, 0]) + 5.0, **kw).fit()  # 7 standard deviations: resolved to 7e-6, quiet
+    h, knm, _ = dense_nystrom(kw["kernel"], x, kw["centers"], 1e-4)
+    alpha = torch.linalg.solve(h, knm.T @ (y - y.mean()))
+    want = float(y.mean()) + kw["kernel"](x[:20], kw["centers"]).to_dense().detach() @ alpha
+    torch.testing.assert_close(model.posterior_mean(x[:20]), want, rtol=0, atol=1e-4)

@@ -170,7 +170,10 @@ def test_injected_backend_serves_fit_variance_and_stochastic_objective():
     m = FalkonGP(x, y, kernel=k, num_centers=15, penalty=1e-3, tol=1e-12, max_iter=300,
                  options=FalkonOptions(backend=_CountingEngine)).fit(compute_variance=True)
     fit_passes = _CountingEngine.passes
-    assert fit_passes >= 3  # rhs, CG iterations, posterior factors
+    if m.fit_info.extra.get("method") == "direct":  # rhs, the Gram matrix (which the posterior factors reuse)
+        assert fit_passes == 2
+    else:
+        assert fit_passes >= 3  # rhs, CG iterations, posterior factors
     ref = FalkonGP(x, y, kernel=k, centers=m.centers, penalty=1e-3, tol=1e-12, max_iter=300).fit()
     torch.testing.assert_close(m.alpha, ref.alpha, rtol=1e-9, atol=1e-11)
     m.eval()

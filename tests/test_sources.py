@@ -116,6 +116,9 @@ def test_a_source_with_nan_is_rejected_with_its_row(tmp_path, data):
     src = NpyRows(_write_npy(tmp_path, bad))
     with pytest.raises(ValueError, match=r"train_x contains NaN or Inf values \(first at row 123\)"):
         FalkonGP(src, y, num_centers=10)
+    # a rank's shard names the row in the shard and in the whole source
+    with pytest.raises(ValueError, match=r"first at row 23, row 123 of the source it slices\)"):
+        SliceRows(src, 100, 200).check_finite("train_x")
 
 
 @pytest.mark.parametrize("store", [True, False])

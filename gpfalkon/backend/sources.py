@@ -141,10 +141,15 @@ class RowSource(abc.ABC):
             for s, _, blk in self.blocks(step):
                 bad = ~torch.isfinite(blk).all(-1)
                 if bool(bad.any()):
-                    raise ValueError(f"{name} contains NaN or Inf values (first at row {s + int(bad.nonzero()[0])})")
+                    row = s + int(bad.nonzero()[0])
+                    raise ValueError(f"{name} contains NaN or Inf values (first at row {self._row_label(row)})")
             return True
 
         self.memo("finite", scan)
+
+    def _row_label(self, row: int) -> str:
+        """Row ``row`` of this source as an error message names it."""
+        return str(row)
 
     def memo(self, key: Hashable, compute: Callable[[], Any]) -> Any:
         """``compute()``'s value, computed once per ``key`` (and this source's dtype and device) while the rows stay
@@ -305,6 +310,9 @@ class SliceRows(RowSource):
 
     def check_unchanged(self) -> None:
         self.source.check_unchanged()
+
+    def _row_label(self, row: int) -> str:
+        return f"{row}, row {self.source._row_label(self.start + row)} of the source it slices"
 
     def content_token(self) -> Hashable:
         return self.source.content_token()

@@ -215,6 +215,36 @@ class FalkonSourcePrior:
                              "NystromMarginalLogLikelihood, or predict in eval mode)")
 
 
+#: fit() warns where CG's relative tolerance times the targets' offset from the prior mean (in standard deviations)
+#: exceeds this: the fitted variation is then resolved only to about that fraction of its standard deviation
+OFFSET_RESOLUTION = 1e-2
+
+
+def _warn_offset(moments: Tensor, tol: float) -> None:
+    """Warn where ``y - c`` (``c = mean_constant``) sits far from zero in units of its standard deviation: CG's
+    tolerance is relative to ``||K_Mn (y - c)||``, which the offset dominates, so the variation around it is resolved
+    only to about ``tol * |mean| / sd`` of its standard deviation (``y = 1e6 + sin``, float64, ``mean_constant=0``:
+    CG reported convergence with the mean 2.1 off on a unit signal; centred, 1e-6). ``moments``: per output column
+    the sums of ``y - c`` and of its squares, then the number of rows (over all shards)."""
+    t = (moments.numel() - 1) // 2
+    n = float(moments[-1])
+    if not tol > 0 or n < 2 or not bool(torch.isfinite(moments).all()):
+        return
+    mean = moments[:t] / n
+    var = (moments[t:2 * t] / n - mean.square()).clamp_min(0.0)
+    ratio = torch.where(var > 0, mean.abs() / var.sqrt(), torch.zeros_like(mean))
+    worst = int(ratio.argmax())
+    if float(ratio[worst]) * tol > OFFSET_RESOLUTION:
+        warnings.warn(
+            f"fit(): train_y - mean_constant has mean {float(mean[worst]):.4g}, {float(ratio[worst]):.3g} times its "
+            f"standard deviation: CG's tolerance ({tol:g}) is relative to K_Mn (y - c), which that offset dominates, "
+            f"so the fit resolves the targets' variation only to about {float(ratio[worst]) * tol:.2g} of their "
+            "standard deviation; pass mean_constant=train_y.mean(0) (or centre train_y)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 def _raise_on_every_rank(backend: Any, problem: BaseException | None, anchor: object) -> None:
     """With rows sharded over ranks: raise ``problem`` on its rank and a ``ValueError`` saying so on the others
     (one collective every rank reaches), instead of one rank raising while the others wait in their next collective
@@ -889,7 +919,11 @@ class FalkonGP(gpytorch.models.GP):
                                     float(not is_row_source(x_tr) and not all_finite(x_tr)),
                                     float(problem is not None), float(changed is not None)],
                                    dtype=torch.float64, device=self.centers.device)
-                bad = self._row_sum(bad)  # every rank learns of a bad shard (no rank waits in a collective alone)
+                yc = y2.detach().to(device=bad.device, dtype=torch.float64)
+                # the targets' first two moments ride on the same collective (for _warn_offset)
+                moments = torch.cat([yc.sum(0), yc.square().sum(0), yc.new_tensor([float(yc.shape[0])])])
+                both = self._row_sum(torch.cat([bad, moments]))  # every rank learns of a bad shard (no rank waits
+                bad, moments = both[:4], both[4:]  # in a collective alone)
                 if changed is not None:
                     raise changed
                 if float(bad[3]) > 0:
@@ -916,6 +950,7 @@ class FalkonGP(gpytorch.models.GP):
                                          "built?)")
                 op = self.nystrom_operator()
                 op.check_time_limit(time_limit)  # before the O(n M) pass
+                _warn_offset(moments, op._stopping_rule(tol, max_iter)[0])
                 if is_sharded(self.options.backend):
                     # the model and the solver's rules as they are now (hyperparameters, settings and options may have
                     # changed on one rank since construction): ranks that disagree would solve different systems, stop
