@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import warnings
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, overload
@@ -404,6 +405,10 @@ def kernel_block(kernel: Kernel, x1: Tensor, x2: Tensor, *, diag: bool = False) 
     return kernel_block_in(kernel, x1, x2, diag=diag)[0]
 
 
+#: (kernel class, dtype) pairs :func:`kernel_block_in` has warned of: a kernel that cannot compute float64 values
+_NARROW_KERNELS_WARNED: set[tuple[type, torch.dtype]] = set()
+
+
 def kernel_block_in(kernel: Kernel, x1: Tensor, x2: Tensor, *, diag: bool = False) -> tuple[Tensor, torch.dtype]:
     """:func:`kernel_block` and the dtype of the points the kernel was evaluated on (``x1``'s, or its
     parameters' where it refused ``x1``'s). The block comes back in ``x1``'s floating dtype: GPyTorch promotes
@@ -418,6 +423,15 @@ def kernel_block_in(kernel: Kernel, x1: Tensor, x2: Tensor, *, diag: bool = Fals
         own = next((p.dtype for p in kernel.parameters() if p.is_floating_point()), None)
         if own is None or own == x1.dtype:
             raise
+        if own.itemsize < x1.dtype.itemsize and (type(kernel), own) not in _NARROW_KERNELS_WARNED:
+            _NARROW_KERNELS_WARNED.add((type(kernel), own))
+            warnings.warn(
+                f"{type(kernel).__name__} refuses {x1.dtype} points (its parameters are {own}): the passes that need "
+                "float64 kernel values (K_MM, the posterior factors, the direct solve of float32 data) get "
+                f"{own} ones, and K_MM's jitter and the variances that precision (a float32 PolynomialKernel's "
+                "variances were 160-370 % off); a float64 kernel (kernel.double()) computes them in float64, with "
+                "float32 data too",
+                RuntimeWarning, stacklevel=2)
         return _dense(kernel(x1.to(own), x2.to(own), diag=diag)).to(x1.dtype), own
 
 
