@@ -122,6 +122,40 @@ def test_condition_on_observations_refits_with_fixed_noise():
             model.condition_on_observations(bad_x, bad_y)
 
 
+def test_num_centers_above_n_takes_every_point_and_training_loops_are_told_mll_eval():
+    """A BO loop's first iterations have fewer observations than ``num_centers`` (the README's snippet): every
+    point is a center, the posterior that of the model with ``centers=train_X``; after a hand-written training loop
+    the NotFittedError names ``mll.eval()``, which refits."""
+    from gpfalkon.errors import NotFittedError
+    from gpfalkon.objectives import NystromMarginalLogLikelihood
+
+    X, Y = _data(n=40)
+    model = FalkonModel(X, Y, num_centers=1000)
+    assert model.centers.shape == (40, 2)
+    ref = FalkonModel(X, Y, centers=X.clone())
+    xt = torch.rand(5, 2, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(model.posterior(xt).mean, ref.posterior(xt).mean, rtol=1e-9, atol=1e-10)
+    mll = NystromMarginalLogLikelihood(model.likelihood, model)
+    mll.train()
+    opt = torch.optim.Adam(model.kernel.parameters(), lr=0.05)
+    for _ in range(2):
+        opt.zero_grad()
+        (-mll(model(*model.train_inputs), model.train_targets)).backward()
+        opt.step()
+    with pytest.raises(NotFittedError, match=r"mll.eval\(\) refits"):
+        model.posterior(xt)
+    mll.eval()
+    assert model.posterior(xt).mean.shape == (5, 1)
+    # BoTorch's noise bound has no transform (fit_gpytorch_mll's bounded optimiser keeps it): a torch step past it
+    # is named as such
+    mll.train()
+    with torch.no_grad():
+        model.likelihood.noise_covar.raw_noise.fill_(-0.01)
+    with pytest.raises(ValueError, match=r"noise constraint \(GreaterThan\) applies no transform"):
+        mll(model(*model.train_inputs), model.train_targets)
+
+
 def test_bad_training_shapes():
     X, Y = _data(n=50)
     with pytest.raises(ValueError, match="train_Y"):

@@ -124,6 +124,9 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
     ``load_state_dict`` (with or without transforms) and input-scaling warnings work as for
     ``SingleTaskGP``.
 
+    ``num_centers`` is at most ``M``: with fewer observations (a BO loop's first iterations) every training point is
+    a center (:class:`FalkonGP` itself refuses ``num_centers > n``).
+
     Other keyword arguments go to :class:`FalkonGP` (``kernel``, ``penalty``,
     ``centers``, ``max_iter``, ``tol``, ...).
     """
@@ -197,6 +200,9 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
             kernel = get_covar_module_with_dim_scaled_prior(ard_num_dims=x.shape[-1]).to(dtype=x.dtype, device=x.device)
         if kwargs.get("likelihood") is None and kwargs.get("penalty") is None:
             kwargs["likelihood"] = default_botorch_likelihood(train_Y.shape[-1], dtype=x.dtype, device=x.device)
+        if (isinstance(num_centers, int) and not isinstance(num_centers, bool) and kwargs.get("centers") is None
+                and num_centers > x.shape[0] > 0):
+            num_centers = int(x.shape[0])  # at most M: a BO loop's first iterations have fewer observations
         super().__init__(x, y_model, kernel, num_centers=num_centers, **kwargs)
         # the untransformed training inputs and targets, to re-apply a loaded input or outcome transform exactly as
         # at construction (load_state_dict); not saved

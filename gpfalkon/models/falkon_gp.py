@@ -1520,7 +1520,8 @@ class FalkonGP(gpytorch.models.GP):
         if self._hyper_changed():
             raise NotFittedError(
                 "FalkonGP: the kernel hyperparameters, centers, penalty or training data changed since "
-                "fit(); call fit() again"
+                "fit(); call fit() again (after a training loop on a NystromMarginalLogLikelihood, mll.eval() "
+                "refits)"
             )
 
     def posterior_factors(self, approximate: bool | None = None) -> NystromPosteriorFactors:

@@ -207,8 +207,16 @@ class NystromObjective(torch.nn.Module, metaclass=abc.ABCMeta):
         model = self.model
         pen = model.penalty.detach()
         if not bool(torch.isfinite(pen).all()) or not bool((pen > 0).all()):
+            constraint = getattr(getattr(getattr(model, "likelihood", None), "noise_covar", None),
+                                 "raw_noise_constraint", None)
+            hint = ""
+            if constraint is not None and getattr(constraint, "enforced", True) is False:
+                # BoTorch's likelihoods: a bound without a transform, kept by fit_gpytorch_mll's bounded optimiser
+                hint = (f"; the likelihood's noise constraint ({type(constraint).__name__}) applies no transform, so a "
+                        "torch optimiser can step past its bound: fit with botorch's fit_gpytorch_mll, or clamp the "
+                        "raw noise after each step")
             raise ValueError(f"penalty is {pen.tolist()} (noise {getattr(model, 'noise', pen).detach().tolist()}): "
-                             "it must be finite and > 0 (a too-large optimiser step, or a NaN noise?)")
+                             f"it must be finite and > 0 (a too-large optimiser step, or a NaN noise?){hint}")
         for name, p in model.kernel.named_parameters():
             if not bool(torch.isfinite(p.detach()).all()):
                 raise ValueError(f"kernel parameter {name} is not finite: {p.detach().tolist()}")
