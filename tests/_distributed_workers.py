@@ -336,6 +336,65 @@ def _float32_direct(rank: int, world: int, sizes: Sequence[int], out_dir: str) -
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+def _heterogeneous(rank: int, world: int, out_dir: str) -> None:
+    """Rank 1's M-sized arithmetic rounds differently (its preconditioner's products perturbed in the ninth digit,
+    as another BLAS or CPU might): CG's iteration runs on rank 0 alone, so both ranks take rank 0's iterations and
+    return its solution, the single-process one."""
+    from gpfalkon import FalkonPreconditioner
+
+    if rank == 1:
+        original = FalkonPreconditioner.apply_bt
+
+        def perturbed(self, u):
+            out = original(self, u)
+            return out * (1 + 1e-9 * torch.cos(torch.arange(out.shape[0], dtype=out.dtype)).unsqueeze(-1))
+
+        FalkonPreconditioner.apply_bt = perturbed
+    x, y, _ = data(n=300)
+    s, e = shard_bounds([130, 170])[rank]
+    model = FalkonGP(x[s:e], y[s:e], make_kernel(), centers=x[:40].clone(), penalty=1e-6, tol=1e-10, max_iter=400,
+                     options=FalkonOptions(backend=DistributedBackend(), solve_method="cg")).fit()
+    torch.save({"alpha": model.alpha, "iterations": model.fit_info.iterations},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _lead_solve_protocol(rank: int, world: int, out_dir: str) -> None:
+    """``DistributedBackend.lead_solve`` directly: rank 0's solve announces three products, which every rank runs
+    (an all-reduce each), and returns; then a solve that raises FalkonConvergenceError after one product."""
+    from gpfalkon.errors import FalkonConvergenceError
+
+    backend = DistributedBackend()
+    like = torch.zeros(4, 2, dtype=torch.float64)
+    seen: list[torch.Tensor] = []
+
+    def product(v):
+        seen.append(v.clone())
+        return backend.reduce_nograd(v * (rank + 1))
+
+    def solve(announce):
+        sums = []
+        for j in range(3):
+            v = torch.full((4, 2), float(j + 1), dtype=torch.float64)
+            announce(v)
+            sums.append(product(v))
+        return sums[-1], {"products": 3, "sums": [float(t[0, 0]) for t in sums]}
+
+    sol, info = backend.lead_solve(solve, product, like)
+
+    def failing(announce):
+        announce(torch.ones(4, 2, dtype=torch.float64))
+        product(torch.ones(4, 2, dtype=torch.float64))
+        raise FalkonConvergenceError("CG lost positive definiteness at iteration 1 (test)")
+
+    try:
+        backend.lead_solve(failing, product, like)
+        error = None
+    except FalkonConvergenceError as exc:
+        error = str(exc)
+    torch.save({"sol": sol, "info": info, "seen": [float(v[0, 0]) for v in seen], "error": error},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
 def _fixed_store_empty_shard(rank: int, world: int, out_dir: str) -> None:
     """An int16 K_nM store with rank 1's shard empty (it stores nothing): every rank must still take the
     preconditioner of the store's resolution, or the ranks' CG would run on different systems."""

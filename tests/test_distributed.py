@@ -369,6 +369,33 @@ def test_float32_direct_solve_sums_its_float64_passes_over_ranks(tmp_path):
         assert float((got - want).abs().max()) < 1e-5 * float(want.abs().max()), (r, float((got - want).abs().max()))
 
 
+def test_a_rank_whose_arithmetic_rounds_differently_follows_rank_0s_iteration(tmp_path):
+    """Rank 1's preconditioner products differ from rank 0's in the ninth digit: CG's M-sized iteration runs on
+    rank 0 alone (``DistributedBackend.lead_solve``), so both ranks return rank 0's solution bit for bit, after
+    the same iterations, and it is the single-process fit's (each rank iterating itself, their vectors drift apart
+    and a rank could stop alone, leaving the other in the next product's collective)."""
+    W.run(2, W._heterogeneous, (str(tmp_path),), str(tmp_path))
+    ranks = _load(tmp_path, 2)
+    assert torch.equal(ranks[0]["alpha"], ranks[1]["alpha"]) and ranks[0]["iterations"] == ranks[1]["iterations"]
+    x, y, _ = W.data(n=300)
+    ref = FalkonGP(x, y, W.make_kernel(), centers=x[:40].clone(), penalty=1e-6, tol=1e-10, max_iter=400,
+                   options=FalkonOptions(solve_method="cg")).fit()
+    torch.testing.assert_close(ranks[0]["alpha"], ref.alpha, rtol=1e-6, atol=1e-6 * float(ref.alpha.abs().max()))
+
+
+def test_lead_solve_serves_rank_0s_products_and_passes_on_its_result_or_error(tmp_path):
+    """Three ranks: the followers run every product rank 0 announces (same inputs, summed collectively: 1 + 2 + 3
+    times the vector), receive rank 0's solution and record, and raise rank 0's FalkonConvergenceError with its
+    message (the jitter boost's retry depends on it)."""
+    W.run(3, W._lead_solve_protocol, (str(tmp_path),), str(tmp_path))
+    ranks = _load(tmp_path, 3)
+    for r, res in enumerate(ranks):
+        assert res["seen"] == [1.0, 2.0, 3.0, 1.0], (r, res["seen"])
+        assert torch.equal(res["sol"], torch.full((4, 2), 18.0, dtype=torch.float64)), r
+        assert res["info"] == {"products": 3, "sums": [6.0, 12.0, 18.0]}, r
+        assert res["error"] == "CG lost positive definiteness at iteration 1 (test)", r
+
+
 def test_fixed_store_jitter_is_the_same_on_a_rank_storing_nothing(tmp_path):
     """int16 store, rank 1's shard empty: both ranks precondition at the store's resolution and solve one system,
     the single-process fit's."""

@@ -5,12 +5,16 @@ row blocks (docs/math.md §9): ``K_Mn (K_nM u + v)``, ``A A^T``, ``A y``, ``tr K
 ``tr K_nn``, ``diag(K_Mn K_nM)``. Summing the per-rank results of such a pass gives the
 single-process result, so a shard needs one ``all_reduce`` per pass (all right-hand sides and
 all aggregates of the pass in one call). Everything ``M x M`` - ``K_MM``, its Cholesky
-factors, the preconditioner, CG's scalars - is computed on every rank from identical inputs
+factors, the preconditioner - is computed on every rank from identical inputs
 rather than on one rank and broadcast: the factorisation's wall time is the same either way
 (one rank computes while the others would wait), and a broadcast adds ``2 x 8 M^2`` bytes of
 traffic (``benchmarks/results/distributed.md`` measures both: at ``M = 2000``, 1 s of
 factorisation against the broadcast's extra tens of milliseconds on loopback). On machines whose
 BLAS rounds differently the ranks' ``M x M`` results may then differ at the rounding level.
+CG's iteration itself (its ``M x k`` vectors, steps and stopping test) runs on rank 0 alone
+(:meth:`DistributedBackend.lead_solve`): the other ranks run the data products it announces and
+receive its solution, so ranks that round differently cannot drift apart or stop at different
+iterations, and every rank's ``alpha`` is rank 0's bit for bit.
 The global ``n`` (not the shard's) enters ``n lambda``.
 
 Gradients (the objectives). Each rank evaluates the objective on the *joint* graph of all
@@ -28,6 +32,7 @@ anchor for empty shards and one call per tensor.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,7 +42,7 @@ import torch.distributed as dist
 from gpytorch.kernels import Kernel
 from torch import Tensor
 
-from ..errors import DistributedError
+from ..errors import DistributedError, FalkonConvergenceError
 from .engine import KernelEngine
 from .passes import WhitenedAggregates, whitened_aggregates
 
@@ -326,6 +331,70 @@ class DistributedBackend:
         sizes = self.shard_sizes(x)
         off = sum(sizes[: self.rank])
         return off, off + x.shape[0], sum(sizes)
+
+    # ------------------------------------------------------------ one rank's iteration
+    def _leader(self) -> int:
+        """The global rank of this group's rank 0 (``torch.distributed.broadcast`` takes global ranks)."""
+        return 0 if self.group is None else dist.get_global_rank(self.group, 0)
+
+    def _broadcast(self, what: str, t: Tensor) -> Tensor:
+        _collective(f"broadcast of {what}", lambda: dist.broadcast(t, src=self._leader(), group=self.group))
+        return t
+
+    def _broadcast_object(self, what: str, obj: Any) -> Any:
+        box = [obj]
+        _collective(f"broadcast of {what}", lambda: dist.broadcast_object_list(box, src=self._leader(),
+                                                                              group=self.group))
+        return box[0]
+
+    def lead_solve(self, solve: Callable[[Callable[[Tensor], None]], tuple[Tensor, Any]],
+                   product: Callable[[Tensor], Tensor], like: Tensor) -> tuple[Tensor, Any]:
+        """An iterative solve whose ``M``-sized arithmetic runs on rank 0 alone, the data products on every rank.
+
+        Every rank running CG's iteration itself (its residuals, steps and stopping test) stays in step only while
+        the ranks' ``M``-sized arithmetic rounds alike: ranks on another BLAS or CPU drift apart (a 1e-9 relative
+        difference in one rank's products moved its stopping iteration from 117 to 149), and a rank that stops
+        alone leaves the others waiting in the next product's collective. Here rank 0 calls
+        ``solve(announce)``; its solver calls ``announce(v)`` before each data product ``product(v)`` (one
+        collective, e.g. ``K_Mn K_nM v`` summed over the shards), which sends ``v`` to the other ranks; they run
+        ``product(v)`` for every ``v`` they receive, then receive rank 0's solution and info (so every rank returns
+        the same, bit for bit). An exception on rank 0 is sent on and raised on every rank, a
+        :class:`~gpfalkon.errors.FalkonConvergenceError` with its message (each rank's recovery, e.g. a jitter
+        boost and a retry, then runs alike). ``like``: a tensor of ``v``'s shape, dtype and device. Costs two
+        broadcasts a product (a flag and ``v``, ``M k`` values) and one of the solution; per-iteration callbacks
+        and progress bars run on rank 0 only."""
+        flag = torch.zeros(1, dtype=torch.float64, device=like.device)
+        if self.rank == 0:
+            def announce(v: Tensor) -> None:
+                if v.shape != like.shape:
+                    raise ValueError(f"lead_solve: a product of shape {tuple(v.shape)}, the followers expect "
+                                     f"{tuple(like.shape)}")
+                self._broadcast("the next product's flag", flag.fill_(1.0))
+                self._broadcast("the next product's vectors", v.detach().to(like).contiguous().clone())
+
+            try:
+                sol, info = solve(announce)
+            except BaseException as exc:
+                with contextlib.suppress(Exception):  # a failed collective: the others see it fail too
+                    self._broadcast("the solve's end", flag.fill_(2.0))
+                    self._broadcast_object("rank 0's error", (type(exc).__name__, str(exc)))
+                raise
+            self._broadcast("the solve's end", flag.fill_(0.0))
+            self._broadcast("the solution", sol.detach().to(like).contiguous().clone())
+            self._broadcast_object("the solve's record", info)
+            return sol, info
+        while True:
+            code = float(self._broadcast("the next product's flag", flag)[0])
+            if code == 1.0:
+                product(self._broadcast("the next product's vectors", torch.empty_like(like)))
+            elif code == 0.0:
+                sol = self._broadcast("the solution", torch.empty_like(like))
+                return sol, self._broadcast_object("the solve's record", None)
+            else:
+                kind, message = self._broadcast_object("rank 0's error", None)
+                if kind == "FalkonConvergenceError":
+                    raise FalkonConvergenceError(message)
+                raise DistributedError(f"rank 0's solve raised {kind}: {message}")
 
     # ------------------------------------------------------------ reductions
     def reduce(self, *tensors: Tensor, anchor: Tensor | None = None) -> list[Tensor]:

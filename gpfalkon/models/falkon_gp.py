@@ -886,7 +886,9 @@ class FalkonGP(gpytorch.models.GP):
         data's). Unlike ``warm_start`` it does not ask for CG: where the cost model picks the direct solve
         it is not used. Either start costs one data pass and is dropped (CG starts from zero) where its
         residual is not below the right-hand side's. With rows sharded over processes every rank must pass the
-        same ``initial_alpha`` and ``warm_start`` (checked: a ``ValueError`` naming ``cg_start`` on every rank).
+        same ``initial_alpha`` and ``warm_start`` (checked: a ``ValueError`` naming ``cg_start`` on every rank);
+        CG's iteration then runs on rank 0, which calls ``callback`` (the other ranks serve its data products and
+        receive its ``alpha``: :meth:`~gpfalkon.backend.DistributedBackend.lead_solve`).
         ``compute_variance`` also forms the posterior factors now (float64 data: sharing a stored
         ``K_nM``; float32 data: a pass of float64 kernel values,
         :meth:`~gpfalkon.operators.NystromKRROperator.float64_engine`).

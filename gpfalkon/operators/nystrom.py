@@ -438,18 +438,40 @@ class NystromKRROperator(LinearOperator):
                     else:
                         extra.pop("data_matmul", None)
                         extra.pop("kmm_weight", None)
-                    sol, info = self.solver(
-                        self.h_matmul_nograd,
-                        precond,
-                        rhs.detach(),
-                        None if x0 is None else x0.detach(),
-                        tol=tol_,
-                        max_iter=max_iter_,
-                        callback=callback if callback is not None else self.callback,
-                        verbose=self.verbose if verbose is None else verbose,
-                        warn=warn,
-                        **extra,
-                    )
+                    def run(announce: Callable[[Tensor], None] | None, precond: Preconditioner = precond,
+                            extra: dict[str, Any] = extra) -> tuple[Tensor, CGInfo]:
+                        h_matmul, kw = self.h_matmul_nograd, dict(extra)
+                        if announce is not None:  # rank 0 of a sharded solve: each data product's input goes out
+                            def h_matmul(u: Tensor) -> Tensor:
+                                announce(u)
+                                return self.h_matmul_nograd(u)
+
+                            if "data_matmul" in kw:
+                                def data_matmul(v: Tensor) -> Tensor:
+                                    announce(v)
+                                    return self.engine.kmn_k(v)
+
+                                kw["data_matmul"] = data_matmul
+                        return self.solver(
+                            h_matmul,
+                            precond,
+                            rhs.detach(),
+                            None if x0 is None else x0.detach(),
+                            tol=tol_,
+                            max_iter=max_iter_,
+                            callback=callback if callback is not None else self.callback,
+                            verbose=self.verbose if verbose is None else verbose,
+                            warn=warn,
+                            **kw,
+                        )
+
+                    if is_sharded(self.options.backend) and hasattr(self.options.backend, "lead_solve"):
+                        # the iteration on rank 0 alone, the data products on every rank: ranks whose M-sized
+                        # arithmetic rounds differently cannot drift apart or stop at different iterations
+                        sol, info = self.options.backend.lead_solve(
+                            run, lambda v: self.engine.kmn_k(v), rhs.detach().to(torch.float64))
+                    else:
+                        sol, info = run(None)
                     break
                 except FalkonConvergenceError as exc:
                     if "positive definiteness" not in str(exc) or not self._boost_jitter(str(exc)):
