@@ -1,10 +1,11 @@
 """The Nyström kernel ridge regression system as a linear operator."""
 from __future__ import annotations
 
+import contextlib
 import numbers
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -272,6 +273,17 @@ class NystromKRROperator(LinearOperator):
         rows = cast(Tensor, rows_as(self.x, torch.float64))  # a row source stands in for a tensor, as self.x does
         return build(self.kernel, rows, self.centers.to(torch.float64),
                      memory_budget=budget, block_rows=self.block_rows, store=False)
+
+    @contextlib.contextmanager
+    def _float64_passes(self) -> Iterator[KernelEngine]:
+        """:meth:`float64_engine` for the passes inside the ``with`` block, released after them (where it is not
+        :attr:`engine` itself)."""
+        engine = self.float64_engine()
+        try:
+            yield engine
+        finally:
+            if engine is not self.engine:
+                engine.release()
 
     @property
     def kmm(self) -> Tensor:
@@ -656,14 +668,10 @@ class NystromKRROperator(LinearOperator):
         if cols.shape != (self.x.shape[0], rhs.shape[1]):
             raise ValueError(f"y must have shape ({self.x.shape[0]}, {rhs.shape[1]}) (rhs = K_Mn y), got "
                              f"{tuple(y.shape)}")
-        engine = self.float64_engine()
-        try:
+        with self._float64_passes() as engine:
             rhs64 = engine.kmn_k(None, cols)
             factor, _ = whitened_factor(self.kmm)
             gram = engine.whitened_gram(factor)
-        finally:
-            if engine is not self.engine:
-                engine.release()
         self._direct_gram = (factor, gram)
         return gram, factor, rhs64
 
@@ -677,12 +685,8 @@ class NystromKRROperator(LinearOperator):
         held, self._direct_gram = getattr(self, "_direct_gram", None), None
         if held is not None and held[0].shape == L.shape and torch.equal(held[0], L):
             return held[1]
-        engine = self.float64_engine()  # float32 kernel values' rounding, times ||L^{-1}||, would swamp A A^T
-        try:
+        with self._float64_passes() as engine:  # float32 values' rounding, times ||L^{-1}||, would swamp A A^T
             return engine.whitened_gram(L)
-        finally:
-            if engine is not self.engine:
-                engine.release()
 
     def solve_system(
         self,
