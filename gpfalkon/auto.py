@@ -113,8 +113,8 @@ GROWTH_CHECK_Z = 0.0
 #: ratio of the validation error to the level's noise above which it also tries a larger noise (:func:`_growth_noises`)
 GROWTH_NOISE_STEP = 4.0
 
-#: :func:`_factor_growth` measures the factorisations' growth from ``m`` to ``2 m`` up to this ``m`` (a preconditioner
-#: build at ``2 m = 2,048`` takes 0.12-0.3 s on 2 CPU cores); past it they grow as their flop count
+#: :func:`_factor_growth` measures the factorisations' growth from ``m`` to ``2 m`` up to this ``m`` (a Cholesky of
+#: ``2 m = 2,048`` takes about 0.05 s on 2 CPU cores); past it they grow as their flop count
 FACTOR_PROBE_MAX = 1024
 
 #: ``final_growth``: a grown final fit's size is the largest whose predicted time, times this margin, fits the time
@@ -571,50 +571,38 @@ def _factor_scale(factor: float, growth: float = 8.0) -> float:
 
 
 def _factor_growth(m: int, device: torch.device, repeats: int = 2) -> float:
-    """``t(2 m) / t(m)`` of the preconditioner's build on ``device``, within ``[4, 8]``: the factorisations
-    :meth:`FalkonPreconditioner.factor_kernel_matrix <gpfalkon.FalkonPreconditioner.factor_kernel_matrix>` and
-    :meth:`~gpfalkon.FalkonPreconditioner.from_factor` (two Choleskys and ``T T^T``, float64) of a diagonally dominant
-    matrix, timed size by size: the fastest of ``repeats`` builds at each, after an untimed one at ``m`` (at ``2 m``
-    the first build is timed: its workspace is allocated at ``m`` already, and it takes 6x as long); 8 (the flop
-    count's ratio) where ``m`` exceeds :data:`FACTOR_PROBE_MAX` (there the rate no longer grows
+    """``t(2 m) / t(m)`` of a float64 Cholesky factorisation on ``device``, within ``[4, 8]``: the fastest of
+    ``repeats`` timings at each size (alternating, after one untimed factorisation of each), on diagonally dominant
+    matrices; 8 (the flop count's ratio) where ``m`` exceeds :data:`FACTOR_PROBE_MAX` (there the rate no longer grows
     much with ``m``, and the probe would cost a large factorisation) or is below 64.
 
     A Cholesky factorisation of ``M x M`` is ``M^3 / 3`` flops, but on a CPU its rate still grows with ``M`` up to a
     few thousand, so ``M^3`` scaling overstates the factorisations of a grown fit: on 2 EPYC cores a preconditioner
-    build took 0.028, 0.150, 0.49 and 1.07 s at ``M`` = 1,000 / 2,000 / 3,000 / 4,000 (about ``M^2.6``), on 2 Xeon
-    cores 0.026, 0.143, 0.39, 0.84 s (``M^2.5``; ``benchmarks/results/auto-notes.md``, sessions 46-47 and 67). Until
-    session 67 the probe timed bare Choleskys, alternating the two sizes with two timings each: on the Xeon it read
-    4.4-6.0 from one call to the next (the fastest of two ``m = 1,000`` factorisations, 4-8 ms, is itself noisy), and
-    a reading of 4.5 scaled a grown fit's factorisations at ``4 m`` 1.6x short of their time; this probe reads 5.9-6.6
-    there (it leaves out ``K_MM``'s kernel evaluation, ``O(M^2 d)``, which the fit's builds include); on a slower,
-    busier EPYC host (session 68) the old probe read 5.8-7.4, this one 4.9-7.4, and the builds grew 6.0x to ``2 m``
-    and 46x to ``4 m``. Cost ``1 + repeats`` builds at ``m`` and ``repeats`` at ``2 m``: at ``m = 1,000`` on 2 CPU
-    cores 0.3 s (Xeon) to 1 s (that EPYC host; the bare Choleskys 0.13-0.4 s)."""
+    build took 0.028, 0.150, 0.49 and 1.07 s at ``M`` = 1,000 / 2,000 / 3,000 / 4,000 (about ``M^2.6``), and the
+    Cholesky factorisations alone grew 6.4x from 1,000 to 2,000 (``M^2.7``; ``benchmarks/results/auto-notes.md``,
+    sessions 46-47). Cost ``1 + repeats`` factorisations at each size (about 0.2 s at ``m = 1,000`` on 2 CPU
+    cores)."""
     if m > FACTOR_PROBE_MAX or m < 64:
         return 8.0
-
-    def spd(size: int) -> Tensor:
+    mats = []
+    for size in (m, 2 * m):
         a = torch.rand(size, size, dtype=torch.float64, device=device)
         a = a + a.mT
         a.diagonal().add_(2.0 * size)
-        return a
-
-    def build(a: Tensor) -> float:
-        _wait(device)
-        t = time.perf_counter()
-        FalkonPreconditioner.from_factor(FalkonPreconditioner.factor_kernel_matrix(a), 1e-3, 2 * m)
-        _wait(device)
-        return time.perf_counter() - t
-
-    a = spd(m)
-    build(a)  # untimed: workspace and threads warmed
-    t_m = min(build(a) for _ in range(max(repeats, 1)))
-    a = spd(2 * m)
-    t_2m = min(build(a) for _ in range(max(repeats, 1)))
-    del a
-    if not 0 < t_m < math.inf:
+        torch.linalg.cholesky(a)  # untimed: workspace and threads warmed at this size
+        mats.append(a)
+    best = [math.inf, math.inf]
+    for _ in range(repeats):
+        for i, a in enumerate(mats):
+            _wait(device)
+            t = time.perf_counter()
+            torch.linalg.cholesky(a)
+            _wait(device)
+            best[i] = min(best[i], time.perf_counter() - t)
+    del mats
+    if not 0 < best[0] < math.inf:
         return 8.0
-    return min(max(t_2m / t_m, 4.0), 8.0)
+    return min(max(best[1] / best[0], 4.0), 8.0)
 
 
 def _scaled_fit_seconds(records: Sequence[dict[str, Any]], factor: float, rows_ratio: float = 1.0,
