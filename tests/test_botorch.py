@@ -18,6 +18,21 @@ from gpfalkon.botorch import FalkonModel
 
 from conftest import dense_kernel, make_kernel
 
+#: BoTorch's hypervolume acquisitions JIT-compile an optional C++ kernel (``-O3 -march=native``) the first time one
+#: is built on a machine, about 45 s on 2 cores, and fall back to their pure-Python path where that fails. These
+#: tests check FalkonModel's posterior inside them, not BoTorch's kernel, so they take that fallback: the suite's
+#: time and result do not depend on a compiler or on a warm ``~/.cache/torch_extensions``.
+_NO_LOGEI_BUILD = ("import botorch.acquisition.multi_objective.logei as _m; _m._load_attempted = True; "
+                   "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+@pytest.fixture(autouse=True)
+def _botorch_logei_without_its_build(monkeypatch):
+    """In-process form of :data:`_NO_LOGEI_BUILD`: BoTorch's loader is told it already tried."""
+    from botorch.acquisition.multi_objective import logei
+
+    monkeypatch.setattr(logei, "_load_attempted", True)
+
 
 def _data(n=300, d=2, m=1, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -436,7 +451,7 @@ def _run_example(script: str, *args: str) -> str:
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, os.path.join(root, "examples", script), *args],
+    out = subprocess.run([sys.executable, "-c", _NO_LOGEI_BUILD, os.path.join(root, "examples", script), *args],
                          capture_output=True, text=True, timeout=300, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
