@@ -1481,7 +1481,7 @@ def auto_fit(
             Its validation error on more rows is lower at the same hyperparameters (the scoring fit sees more
             rows), so without this a continuation's gain over the score on fewer rows can be the rows' alone and
             stage 1 goes on doubling while the hyperparameters no longer move. The continuation's best point is
-            kept either way (a choice by the scores on the new rows was worse on the development sets:
+            kept either way (a choice by the scores on the new rows was no better on the development sets:
             ``benchmarks/results/auto-notes.md``, "Continuations scored on their own rows").
         level_share: after the race, the leading objective spends at most this fraction of the
             learning time that was left when it started on a subsample (for the first subsample: when
