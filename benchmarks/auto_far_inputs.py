@@ -6,9 +6,9 @@ Usage (from the repository root): ``.venv/bin/python benchmarks/auto_far_inputs.
 Data: ``n`` = 4,000 training rows, ``x ~ U[0, 1]^4``, ``y = sin(4 x_0) + x_1^2 + 0.1 e``; test: 2,000 clean rows,
 scored against the noise-free ``f`` (NRMSE = RMSE / std f). Each case corrupts feature 0 of a few training rows
 (the test rows stay clean), and runs ``auto_fit(budget=S, seed=0)`` twice, one after the other: with the
-standardisation's scale cap (``gpfalkon.auto.OUTLIER_SCALE_RATIO``, the default) and without it (the cap set to
-infinity: the plain standard deviation, as before the cap), in float32 (the default) and, for the farthest rows, in
-float64. The cap only changes a feature whose standard deviation exceeds ``OUTLIER_SCALE_RATIO`` robust scales
+standardisation's scale cap (``gpfalkon.auto.standardise.OUTLIER_SCALE_RATIO``, the default) and without it (the
+cap set to infinity: the plain standard deviation, as before the cap), in float32 (the default) and, for the farthest
+rows, in float64. The cap only changes a feature whose standard deviation exceeds ``OUTLIER_SCALE_RATIO`` robust scales
 (IQR / 1.349); the clean case is the reference.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import gpfalkon
-import gpfalkon.auto as auto_module
+import gpfalkon.auto.standardise as auto_module
 
 from _common import environment_lines, markdown_table, write_result
 

@@ -1,7 +1,7 @@
 """How well a FALKON fit's time at more centers is predicted from a fit measured at fewer.
 
 ``auto_fit`` decides how many centers the next selection size and the final fit can have from the
-selection fits it has timed (``gpfalkon.auto._scaled_fit_seconds``). This benchmark times selection-like
+selection fits it has timed (``gpfalkon.auto.costs._scaled_fit_seconds``). This benchmark times selection-like
 fits (``FalkonGP(...).fit()`` then a validation prediction, float32, Matern 5/2 ARD, ``max_iter=50``,
 ``tol=1e-4``, the penalty ``noise / n``) on a real dataset at a list of sizes ``M`` and, for every pair
 ``M < M'``, predicts the fit at ``M'`` from the one at ``M`` by
@@ -36,7 +36,7 @@ from gpytorch.kernels import MaternKernel, ScaleKernel
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from gpfalkon import FalkonGP
-from gpfalkon.auto import _scaled_fit_seconds
+from gpfalkon.auto.costs import _scaled_fit_seconds
 
 from _common import environment_lines, log, markdown_table, write_result
 from compare import load_dataset

@@ -79,7 +79,7 @@ def _auto_row(data: dict, budget: float) -> tuple[dict, object]:
 def probe(args: argparse.Namespace) -> None:
     import gpytorch
 
-    from gpfalkon import auto as auto_module
+    from gpfalkon.auto import costs as auto_module
 
     data = _data(args.device, args.rows)
     x = data["xtr"]
@@ -116,7 +116,7 @@ def probe(args: argparse.Namespace) -> None:
 def _saved_kernel(saved: dict, family: str, d: int):
     """The saved final model's kernel: the module itself where ``probe`` pickled it, else ``family`` rebuilt as
     auto_fit builds it (``KERNEL_FAMILIES``, lengthscales through ``exp``) with the saved state loaded."""
-    from gpfalkon.auto import KERNEL_FAMILIES, _log_lengthscales
+    from gpfalkon.auto.kernels import KERNEL_FAMILIES, _log_lengthscales
 
     if "kernel_module" in saved:
         return copy.deepcopy(saved["kernel_module"])

@@ -69,7 +69,7 @@ def main() -> None:
     import torch
 
     import gpfalkon
-    from gpfalkon.auto import _scale_lengthscales
+    from gpfalkon.auto.kernels import _scale_lengthscales
 
     rows: list[list[object]] = []
     for name, data in split_datasets(args.datasets, args.split, max_rows=MAX_ROWS):

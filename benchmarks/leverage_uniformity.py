@@ -1,12 +1,12 @@
 """How uniform ``auto_fit``'s leverage scores are, and what the leverage pool gained at the first size.
 
 For each dataset one ``auto_fit(train_x, train_y, budget, seed)`` run (``center_sampling="auto"``) with
-``gpfalkon.auto.LEVERAGE_UNIFORM`` set above 1 for the run, so that the leverage try always scores every selection
-row and fits the leverage pool; the scores each pass returns are recorded. Reported: the uniformity
-``(sum l)^2 / (k sum l^2)`` of the first quarter's scores (what ``auto_fit`` decides on) and of all of them, their
-mean, the leverage pool's validation error over the uniform pool's at the first size (``report.sampling``), the
-seconds of the try, and the run's test NRMSE. The table is the evidence for ``LEVERAGE_UNIFORM`` (docs/math.md §8
-"Center pool").
+``LEVERAGE_UNIFORM`` (``gpfalkon.auto.sampling``'s, as read by ``gpfalkon.auto.fit``) set above 1 for the run, so that
+the leverage try always scores every selection row and fits the leverage pool; the scores each pass returns are
+recorded. Reported: the uniformity ``(sum l)^2 / (k sum l^2)`` of the first quarter's scores (what ``auto_fit``
+decides on) and of all of them, their mean, the leverage pool's validation error over the uniform pool's at the first
+size (``report.sampling``), the seconds of the try, and the run's test NRMSE. The table is the evidence for
+``LEVERAGE_UNIFORM`` (docs/math.md §8 "Center pool").
 
 Usage (from the repository root; data from ``GPFALKON_DATA``, as ``compare.py``):
 
@@ -30,7 +30,8 @@ def main() -> None:
     import torch
 
     import gpfalkon
-    import gpfalkon.auto as auto_module
+    import gpfalkon.auto.fit as auto_module  # the module that reads both names below
+    from gpfalkon.auto.sampling import _score_uniformity
 
     import compare
 
@@ -62,7 +63,7 @@ def main() -> None:
             rows.append([name, "-", "-", "-", "-", "-", f"{nrmse:.4f}", why[:120]])
         else:
             head, full = calls[0], torch.cat(calls)
-            uniformity = auto_module._score_uniformity
+            uniformity = _score_uniformity
             rows.append([name, f"{uniformity(head):.3f}", f"{uniformity(full):.3f}", f"{float(full.mean()):.3f}",
                          f"{smp['leverage_error'] / smp['uniform_error']:.3f}", f"{smp['seconds']:.2f}",
                          f"{nrmse:.4f}", smp["chosen"]])

@@ -1,13 +1,13 @@
 """A/B of ``auto_fit``'s leave-one-out descent (session 58): the stage without it against with it.
 
 For each ``dataset`` (a built-in set of ``compare.py``) and each ``--splits`` split: ``auto_fit(train_x, train_y,
-budget, seed)`` twice in this process, with the descent off (``gpfalkon.auto.LOO_DESCENT_EVALS`` set to infinity: the
-stage as before, its refit in float64 from the exact coefficients) and on (the default), in an order that alternates
-from one run to the next. ``--rows N`` takes a random ``N`` of the training rows (and at most 5,000 test rows) of sets
-with more, so that larger sets reach the stage (``loo_rows``). Per run: test NRMSE and NLPD of both, the ratio on /
-off, both wall times, and what the descent did (evaluations, noise factor, the midpoint overshoot check). Summary: the
-geometric mean of the ratios, how many are lower and higher, the largest, the mean NLPD difference. Each run is also
-written as a line of ``<out>.jsonl`` as it ends.
+budget, seed)`` twice in this process, with the descent off (``gpfalkon.auto.loo.LOO_DESCENT_EVALS`` set to infinity:
+the stage as before, its refit in float64 from the exact coefficients) and on (the default), in an order that
+alternates from one run to the next. ``--rows N`` takes a random ``N`` of the training rows (and at most 5,000 test
+rows) of sets with more, so that larger sets reach the stage (``loo_rows``). Per run: test NRMSE and NLPD of both, the
+ratio on / off, both wall times, and what the descent did (evaluations, noise factor, the midpoint overshoot check).
+Summary: the geometric mean of the ratios, how many are lower and higher, the largest, the mean NLPD difference. Each
+run is also written as a line of ``<out>.jsonl`` as it ends.
 
 Usage (from the repository root; data from ``GPFALKON_DATA``, as ``compare.py``):
 
@@ -43,7 +43,7 @@ def run(data: dict, budget: float, seed: int, descent: bool) -> dict:
     import torch
 
     import gpfalkon
-    import gpfalkon.auto as auto_mod
+    import gpfalkon.auto.loo as auto_mod
 
     evals = auto_mod.LOO_DESCENT_EVALS
     auto_mod.LOO_DESCENT_EVALS = evals if descent else math.inf

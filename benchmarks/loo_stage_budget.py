@@ -1,7 +1,7 @@
 """``auto_fit``'s leave-one-out stage (``loo_rows``) against its budget: the predicted score time, and the stage
 started only where three scores are predicted to fit (session 57) against always started (session 56).
 
-Part 1, the predictor: for each ``--rows`` n, ``gpfalkon.auto._loo_score_seconds(n)`` (a timed float64
+Part 1, the predictor: for each ``--rows`` n, ``gpfalkon.auto.loo._loo_score_seconds(n)`` (a timed float64
 factorisation and inverse of order ``min(n, 1024)``, scaled by the cube of the order) against the measured seconds
 of one ``_loo_score`` at ``n`` rows (a Matern 5/2 ARD kernel on uniform inputs in 5 dimensions; the faster of two).
 
@@ -37,7 +37,7 @@ def predictor_rows(rows: list[int]) -> list[list[str]]:
     """Part 1: predicted against measured seconds of one score."""
     import torch
 
-    import gpfalkon.auto as auto_mod
+    import gpfalkon.auto.loo as auto_mod
     from gpfalkon.models.defaults import default_kernel
 
     out = []
@@ -62,7 +62,7 @@ def one_run(x, y, xt, yt, budget: float, arm: str) -> dict:
     import torch
 
     import gpfalkon
-    import gpfalkon.auto as auto_mod
+    import gpfalkon.auto.fit as auto_mod  # the module that reads the predictor
 
     real = auto_mod._loo_score_seconds
     if arm == "always":

@@ -35,7 +35,7 @@ def child(name: str, m: int, rows: int, reuse: bool) -> dict:
     import torch
 
     from gpfalkon import FalkonGP, FalkonOptions
-    from gpfalkon.auto import KERNEL_FAMILIES
+    from gpfalkon.auto.kernels import KERNEL_FAMILIES
     from gpfalkon.backend.engine import reuse_stores
     from gpfalkon.operators import FactorCache
 

@@ -122,6 +122,25 @@ def test_layering_check_catches_an_upward_import():
     assert deps == {"operators"} and _layer("operators") > _layer("solvers")
 
 
+#: gpfalkon.auto's modules, lowest first: each imports only modules before it (the package docstring's list)
+AUTO_ORDER = ["report", "kernels", "standardise", "sampling", "scoring", "costs", "loo", "race", "fit"]
+
+
+def _sibling_imports(source: str) -> set[str]:
+    """The sibling modules ``from .x import ...`` names (level-1 relative imports)."""
+    return {node.module.split(".")[0] for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module}
+
+
+def test_auto_modules_import_only_the_ones_before_them():
+    package = ROOT / "auto"
+    assert sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__") == sorted(AUTO_ORDER)
+    for i, name in enumerate(AUTO_ORDER):
+        later = _sibling_imports((package / f"{name}.py").read_text()) - set(AUTO_ORDER[:i])
+        assert not later, f"gpfalkon.auto.{name} imports {sorted(later)}, not before it in {AUTO_ORDER}"
+    assert _sibling_imports("from .fit import auto_fit\nfrom ..models import FalkonGP\n") == {"fit"}
+
+
 _RANGE_STEP = re.compile(r"\brange\([^()]*,[^()]*,[^()]*\)")
 
 

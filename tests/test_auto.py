@@ -12,9 +12,30 @@ import torch
 from gpytorch.utils.warnings import GPInputWarning
 
 from gpfalkon import FalkonGP, auto_fit
+from gpfalkon.auto import costs as auto_costs
+from gpfalkon.auto import fit as auto_fitting
+from gpfalkon.auto import kernels as auto_kernels
+from gpfalkon.auto import loo as auto_loo
+from gpfalkon.auto import race as auto_race
+from gpfalkon.auto import report as auto_reporting
+from gpfalkon.auto import sampling as auto_sampling
+from gpfalkon.auto import scoring as auto_scoring
+from gpfalkon.auto import standardise as auto_standardise
 from gpfalkon.objectives import GCV, SGPRBound
 
 from conftest import DEVICES, dense_kernel, make_data
+
+#: auto_fit's modules; each binds the names it reads (its own imports), so a test's stand-in goes into every one
+AUTO_MODULES = (auto_costs, auto_fitting, auto_kernels, auto_loo, auto_race, auto_reporting, auto_sampling,
+                auto_scoring, auto_standardise)
+
+
+def patch_auto(monkeypatch: pytest.MonkeyPatch, name: str, value: object) -> None:
+    """``monkeypatch.setattr`` of ``name`` in every :mod:`gpfalkon.auto` module that binds it (at least one)."""
+    modules = [m for m in AUTO_MODULES if name in vars(m)]
+    assert modules, f"no gpfalkon.auto module binds {name!r}"
+    for module in modules:
+        monkeypatch.setattr(module, name, value)
 
 
 def _data(n: int = 500, seed: int = 0, noise: float = 0.05):
@@ -230,12 +251,11 @@ def test_auto_fit_calibration_reads_the_final_fits_preconditioner_or_builds_it(m
     """CG keeps the final fit's preconditioner for the calibration; a direct solve builds none, and the
     calibration then builds the one CG would have used: the same scale either way (the residuals are the
     selection fit's, the variances the same model's through the same factors)."""
-    import gpfalkon.auto as auto_module
     from gpfalkon import FalkonOptions
 
     x, y, _ = _data(500)
     scales, kept = {}, {}
-    real_call = auto_module._KeptPreconditioner.__call__
+    real_call = auto_scoring._KeptPreconditioner.__call__
     for method in ("cg", "direct"):
         calls = []
 
@@ -243,11 +263,11 @@ def test_auto_fit_calibration_reads_the_final_fits_preconditioner_or_builds_it(m
             _calls.append(1)
             return real_call(self, *args, **kwargs)
 
-        monkeypatch.setattr(auto_module._KeptPreconditioner, "__call__", spy)
-        monkeypatch.setattr(auto_module, "FalkonOptions",
-                            lambda _m=method, **kw: FalkonOptions(solve_method=_m, **kw) if "preconditioner" in kw
-                            and isinstance(kw["preconditioner"], auto_module._KeptPreconditioner)
-                            else FalkonOptions(**kw))
+        monkeypatch.setattr(auto_scoring._KeptPreconditioner, "__call__", spy)
+        patch_auto(monkeypatch, "FalkonOptions",
+                   lambda _m=method, **kw: FalkonOptions(solve_method=_m, **kw) if "preconditioner" in kw
+                   and isinstance(kw["preconditioner"], auto_scoring._KeptPreconditioner)
+                   else FalkonOptions(**kw))
         model = auto_fit(x, y, **SMALL)
         scales[method] = model.auto_report.chosen["variance_scale"]
         kept[method] = len(calls)
@@ -375,7 +395,7 @@ def test_auto_fit_user_kernel_and_float32_and_verbose():
 
 
 def test_log_lengthscales_keep_values_and_make_steps_relative():
-    from gpfalkon.auto import KERNEL_FAMILIES, _log_lengthscales
+    from gpfalkon.auto.kernels import KERNEL_FAMILIES, _log_lengthscales
 
     k = KERNEL_FAMILIES["matern32"](3).double()
     ls = torch.tensor([[0.3, 4.0, 50.0]], dtype=torch.float64)
@@ -428,10 +448,9 @@ def test_auto_fit_log_keeps_a_users_own_lengthscale_constraint():
 def test_auto_fit_lengthscale_step_names_the_shared_tensors(monkeypatch, step):
     """lengthscale_step="shared" (the default) hands each runner's lengthscale vector to Adam as shared (one
     denominator: tests/test_optim.py checks the update), "adam" hands none; nothing else is shared."""
-    import gpfalkon.auto as auto_mod
 
     seen: list[tuple[int, int, bool]] = []
-    real = auto_mod.Adam
+    real = auto_race.Adam
 
     class Spy(real):  # type: ignore[misc, valid-type]
         def __init__(self, params, lr, shared=()):
@@ -439,7 +458,7 @@ def test_auto_fit_lengthscale_step_names_the_shared_tensors(monkeypatch, step):
             super().__init__(params, lr=lr, shared=shared)
             seen.append((len(params), len(shared), all(tuple(p.shape) == (1, 3) for p in shared)))
 
-    monkeypatch.setattr(auto_mod, "Adam", Spy)
+    patch_auto(monkeypatch, "Adam", Spy)
     x, y, _ = _data(300)
     kw = {} if step == "shared" else dict(lengthscale_step=step)
     auto_fit(x, y, **kw, **dict(SMALL, max_steps=5))
@@ -604,13 +623,12 @@ def test_auto_fit_learning_stops_when_a_continuation_does_not_beat_its_start_on_
     its start scored on its own rows, which is lower than the start's score on fewer rows (the scoring fit sees
     more data). Without the rescore that counts as a gain and stage 1 doubles the rows up to all of them; with
     it, the first continuation ends stage 1 and its start score is what its scores measured, bit for bit."""
-    import gpfalkon.auto as auto_module
 
-    class Frozen(auto_module.Adam):
+    class Frozen(auto_race.Adam):
         def step(self) -> None:  # gradients are computed, nothing moves
             return None
 
-    monkeypatch.setattr(auto_module, "Adam", Frozen)
+    patch_auto(monkeypatch, "Adam", Frozen)
     x, y, _ = _data(1600, noise=0.05)
     kw = dict(SMALL, hyper_rows=100, hyper_centers=20, max_steps=2000, objectives=("gcv",), race_rounds=1,
               level_share=1e-9)
@@ -685,7 +703,6 @@ def _assert_dense_nystrom(model: FalkonGP) -> None:
 def _script_val_mse(monkeypatch, fn) -> None:
     """Script ``auto_fit``'s validation errors: ``fn(model, xv, yv)`` for each fit, and for each noise of a
     penalty path with the model made that noise's fit (:meth:`FalkonGP.select_penalty`)."""
-    import gpfalkon.auto as auto_module
 
     def path_mse(model, path, xv, yv):
         out = []
@@ -694,8 +711,8 @@ def _script_val_mse(monkeypatch, fn) -> None:
             out.append(fn(model, xv, yv))
         return out
 
-    monkeypatch.setattr(auto_module, "_val_mse", fn)
-    monkeypatch.setattr(auto_module, "_path_val_mse", path_mse)
+    patch_auto(monkeypatch, "_val_mse", fn)
+    patch_auto(monkeypatch, "_path_val_mse", path_mse)
 
 
 def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int, **extra) -> tuple[FalkonGP, float]:
@@ -704,7 +721,6 @@ def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int, **extra
     the model and the fake seconds the call took."""
     import types
 
-    import gpfalkon.auto as auto_module
     import gpfalkon.models.falkon_gp as model_module
     import gpfalkon.operators.nystrom as operator_module
     import gpfalkon.solvers.cg as cg_module
@@ -714,7 +730,8 @@ def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int, **extra
 
     now = [0.0]
     fake = types.SimpleNamespace(perf_counter=lambda: now[0])
-    for module in (auto_module, model_module, operator_module, cg_module, falkon_module):  # every clock its fits read
+    patch_auto(monkeypatch, "time", fake)
+    for module in (model_module, operator_module, cg_module, falkon_module):  # every clock its fits read
         monkeypatch.setattr(module, "time", fake)
     real = KernelEngine.kmn_k
 
@@ -773,7 +790,7 @@ def _fake_clock_auto_fit(monkeypatch, budget: float, memory_budget: int, **extra
     if growth and not growth["kept"]:  # the level's final fit after a rejected check stops at the clock (its CG
         floor = 1e-3                   # starts from the level's selection fit)
     elif model.auto_report.chosen["grown_from"] is not None:
-        floor, grace = auto_module.GROWTH_MARGIN * pred, 0.0
+        floor, grace = auto_costs.GROWTH_MARGIN * pred, 0.0
     else:
         floor = 1.2 * pred
     assert limits[-1][0] == pytest.approx(max(budget - limits[-1][1] + grace, floor, 1e-3))
@@ -926,7 +943,7 @@ def test_paired_z_is_the_paired_t_statistic_of_the_squared_errors():
     identical fits and ``inf`` for a non-finite residual."""
     from scipy.stats import ttest_rel
 
-    from gpfalkon.auto import _paired_z
+    from gpfalkon.auto.scoring import _paired_z
 
     g = torch.Generator().manual_seed(0)
     old = torch.randn(300, generator=g, dtype=torch.float64)
@@ -948,11 +965,10 @@ def test_auto_fit_checks_a_grown_final_fit_on_held_out_rows(monkeypatch, verdict
     2,000 rows, CG started from its selection fit). The check takes no time from the growth: the grown size is at
     least the unchecked one's, and the call keeps its budget (a rejected growth's fallback fit, which no time was
     kept for, stops its CG at the clock)."""
-    import gpfalkon.auto as auto_module
 
-    monkeypatch.setattr(auto_module, "CALIBRATION_ROWS", 150)
+    patch_auto(monkeypatch, "CALIBRATION_ROWS", 150)
     checks: list[tuple[FalkonGP, torch.Tensor, torch.Tensor, float, torch.Tensor]] = []
-    real_res, real_z = auto_module._std_residuals, auto_module._paired_z
+    real_res, real_z = auto_scoring._std_residuals, auto_scoring._paired_z
     compared: list[tuple[torch.Tensor, torch.Tensor, float]] = []
 
     def std_residuals(mod, xv, yv, y_sd):
@@ -965,8 +981,8 @@ def test_auto_fit_checks_a_grown_final_fit_on_held_out_rows(monkeypatch, verdict
         compared.append((res_new, res_old, z))
         return z
 
-    monkeypatch.setattr(auto_module, "_std_residuals", std_residuals)
-    monkeypatch.setattr(auto_module, "_paired_z", paired_z)
+    patch_auto(monkeypatch, "_std_residuals", std_residuals)
+    patch_auto(monkeypatch, "_paired_z", paired_z)
     starts = _record_cg_starts(monkeypatch)
     kw = dict(memory_budget=2**40, max_centers=400)
     # the level's noise alone (the grown fit's noises are covered by test_auto_fit_grown_fit_chooses_its_noise_...)
@@ -987,7 +1003,7 @@ def test_auto_fit_checks_a_grown_final_fit_on_held_out_rows(monkeypatch, verdict
     # held-out rows), there about its validation error
     assert g["level_error"] == pytest.approx(float(res_old.square().mean()), rel=1e-12)
     assert 0.5 * level["error"] < g["level_error"] < 2 * level["error"]
-    assert g["kept"] == (z < auto_module.GROWTH_CHECK_Z) and g["kept"] == (verdict < 1)
+    assert g["kept"] == (z < auto_fitting.GROWTH_CHECK_Z) and g["kept"] == (verdict < 1)
     # the check's fit: the grown centers on the 1,850 other rows at the level's noise; its residuals are the check
     # rows' (standardised units)
     x_all, _, _ = _data(2000)
@@ -1030,26 +1046,25 @@ def test_auto_fit_grown_fit_chooses_its_noise_on_the_check_rows(monkeypatch, ver
     residuals scaled here by ``1 / verdict``: kept at 0.5, rejected at 4). Kept, the returned model is the path's
     fit at the chosen noise (the dense solution, calibrated with that noise's preconditioner); rejected, the
     level's own fit. The call keeps its budget."""
-    import gpfalkon.auto as auto_module
 
-    monkeypatch.setattr(auto_module, "CALIBRATION_ROWS", 150)
+    patch_auto(monkeypatch, "CALIBRATION_ROWS", 150)
     paths: list = []
-    real_path, real_z = auto_module._path_quiet, auto_module._paired_z
+    real_path, real_z = auto_scoring._path_quiet, auto_scoring._paired_z
 
     def spy(model, penalties, limit, initial):
         out = real_path(model, penalties, limit, initial)
         paths.append((model, list(penalties), out[0], initial))
         return out
 
-    monkeypatch.setattr(auto_module, "_path_quiet", spy)
-    monkeypatch.setattr(auto_module, "_paired_z", lambda new, old: real_z(new, old / verdict**0.5))
+    patch_auto(monkeypatch, "_path_quiet", spy)
+    patch_auto(monkeypatch, "_paired_z", lambda new, old: real_z(new, old / verdict**0.5))
     model, spent = _fake_clock_auto_fit(monkeypatch, budget=0.04, check_growth=True, memory_budget=2**40,
                                         max_centers=400)
     rep = model.auto_report
     assert spent <= 0.04 * 1.05, (spent, rep.stages)
     level = rep.chosen["levels"][0]
     g = rep.growth
-    assert g["noises"] == auto_module._growth_noises(level["noise"], level["error"])
+    assert g["noises"] == auto_costs._growth_noises(level["noise"], level["error"])
     assert g["level_noise"] == level["noise"]
     assert level["noise"] in g["noises"] and len(g["noises"]) >= 2
     assert len(paths) == 1, rep.notes
@@ -1097,7 +1112,7 @@ def test_growth_noises_and_the_path_cost_model():
     """``_growth_noises``: the level's noise and a quarter of it, and the geometric mean of the noise and the
     validation error where that error is more than 16x the noise; ``_scaled_fit_seconds`` with ``columns``: the
     factorisations ``(1 + p) / 2`` times, the triangular solves ``p`` times, the rest once."""
-    from gpfalkon.auto import _growth_noises, _scaled_fit_seconds
+    from gpfalkon.auto.costs import _growth_noises, _scaled_fit_seconds
 
     assert _growth_noises(0.01, 0.02) == pytest.approx([0.0025, 0.01])
     assert _growth_noises(0.01, 0.1) == pytest.approx([0.0025, 0.01])
@@ -1179,7 +1194,7 @@ def test_rows_within_is_the_largest_affordable_row_count(seconds, expected):
     """``_rows_within`` on ``cost(r) = 1 + r / 1000`` over ``[100, 10,000]``: the largest ``r`` with
     ``cost(r) <= seconds`` to within 0.1 % (never above it), the low end when even it does not fit, the high
     end when it does."""
-    from gpfalkon.auto import _rows_within
+    from gpfalkon.auto.costs import _rows_within
 
     calls: list[int] = []
 
@@ -1208,7 +1223,7 @@ def test_rows_within_is_the_largest_affordable_row_count(seconds, expected):
     ],
 )
 def test_growth_cap_closed_form(m, factor, n_final, limit, expected):
-    from gpfalkon.auto import _growth_cap
+    from gpfalkon.auto.costs import _growth_cap
 
     assert _growth_cap(m, factor, n_final, limit) == expected
 
@@ -1217,7 +1232,7 @@ def test_growth_size_takes_the_largest_size_the_time_pays_for_within_a_step():
     """``_growth_size``: down from the cap by steps of 1.15 to the first size whose predicted final fit (times
     ``GROWTH_MARGIN``) fits the time, then 1.10 or 1.05 of it where that fits too; the time is read after each
     prediction; nothing of at least ``1.25 m`` fits: below it; ``inf`` costs are passed over."""
-    from gpfalkon.auto import GROWTH_MARGIN, _growth_size
+    from gpfalkon.auto.costs import GROWTH_MARGIN, _growth_size
 
     def cost(m: int) -> float:
         return m / 1000.0
@@ -1271,7 +1286,7 @@ def test_auto_fit_first_size_searches_keep_time_for_a_grown_final_fit(monkeypatc
     assert not any(n.startswith("the searches at M=") for n in off.auto_report.notes)
     # the searches ended where the grown final fit's reserve begins (the grown size: GROWTH_MARGIN x its prediction
     # within the time left); the whole call kept its budget
-    from gpfalkon.auto import GROWTH_MARGIN
+    from gpfalkon.auto.costs import GROWTH_MARGIN
 
     assert rep.chosen["levels"][0]["elapsed"] + GROWTH_MARGIN * rep.chosen["final_predicted_seconds"] <= 0.06 + 1e-9
     assert spent <= 0.06 * 1.05, (spent, rep.stages)
@@ -1286,9 +1301,8 @@ def test_auto_fit_leverage_check_keeps_the_better_centers_on_validation(monkeypa
     model carries those centers (and their preconditioner weights) exactly when their validation error
     was lower, and is the Nystrom KRR fit with its centers (checked against a dense solve). The validation
     score is forced to favour either side ("scored": the real scores decide)."""
-    import gpfalkon.auto as auto_module
 
-    real = auto_module._val_mse
+    real = auto_scoring._val_mse
     forced = {"leverage": 0.0, "uniform": math.inf}
 
     def val_mse(model, x, y):
@@ -1333,12 +1347,11 @@ def test_auto_fit_final_cg_starts_from_the_chosen_selection_fit(monkeypatch, cas
     the 1 / y_sd, puts it 35x off: the targets here have std 35 and mean 1000), and the returned model is
     still the dense Nystrom solution. CG is forced (the cost model would pick the direct solve here). With a
     user's kernel (not a ScaleKernel; the inputs are not standardised, the final fit wraps it in one) likewise."""
-    import gpfalkon.auto as auto_module
     import gpfalkon.operators.nystrom as nystrom_module
 
     monkeypatch.setattr(nystrom_module, "choose_method", lambda *a, **k: "cg")
     if case == "leverage-check":
-        real = auto_module._val_mse
+        real = auto_scoring._val_mse
         _script_val_mse(monkeypatch, lambda model, x, y: 0.0 if model.center_weights is not None else real(model, x, y))
     starts: list[tuple[FalkonGP, torch.Tensor]] = []
     real_fit = FalkonGP.fit
@@ -1384,9 +1397,8 @@ def test_auto_fit_center_sampling_pool_chosen_on_validation(monkeypatch, mode):
     forced either way or scored for real) or from the leverage pool ("leverage"). The final model's
     centers are the first M draws of that pool, the preconditioner weights come with leverage centers,
     and its fit is the dense Nystrom KRR solution for those centers."""
-    import gpfalkon.auto as auto_module
 
-    real = auto_module._val_mse
+    real = auto_scoring._val_mse
     forced = {"auto-leverage": 0.0, "auto-uniform": math.inf}
 
     def val_mse(model, x, y):
@@ -1396,13 +1408,13 @@ def test_auto_fit_center_sampling_pool_chosen_on_validation(monkeypatch, mode):
 
     _script_val_mse(monkeypatch, val_mse)
     pools = []
-    real_nested = auto_module.nested_leverage_centers
+    real_nested = auto_fitting.nested_leverage_centers
 
     def nested(*args, **kwargs):
         pools.append(real_nested(*args, **kwargs))
         return pools[-1]
 
-    monkeypatch.setattr(auto_module, "nested_leverage_centers", nested)
+    patch_auto(monkeypatch, "nested_leverage_centers", nested)
     x, y, _ = _data(800)
     sampling = "leverage" if mode == "leverage" else "auto"
     model = auto_fit(x, y, center_sampling=sampling, **SMALL)
@@ -1455,21 +1467,20 @@ def test_auto_fit_leverage_pool_skips_and_failures(monkeypatch, branch):
     """The leverage try's edge paths: a failed score pass, too few distinct draws for M, draws that leave no
     room to grow, or a leverage fit that fails (non-finite validation error, also under "leverage") keep
     the uniform pool, say why in the notes, and still return a fitted model with no weights D."""
-    import gpfalkon.auto as auto_module
     from gpfalkon.centers import NestedLeverageCenters
 
-    real_nested, real_val = auto_module.nested_leverage_centers, auto_module._val_mse
+    real_nested, real_val = auto_fitting.nested_leverage_centers, auto_scoring._val_mse
     if branch == "scores-fail":
         def broken(*args, **kwargs):
             raise RuntimeError("no scores today")
-        monkeypatch.setattr(auto_module, "dictionary_leverage_scores", broken)
+        patch_auto(monkeypatch, "dictionary_leverage_scores", broken)
     elif branch in ("few-draws", "no-room"):
         def truncated(scores, max_centers, **kwargs):
             full = real_nested(scores, max_centers, **kwargs)
             keep = 30 if branch == "few-draws" else 70  # first size M = 60, room needs 120
             stream = full.stream[: int(full.first_draw[keep - 1]) + 1]
             return NestedLeverageCenters(full.indices[:keep], full.first_draw[:keep], stream, full.probabilities)
-        monkeypatch.setattr(auto_module, "nested_leverage_centers", truncated)
+        patch_auto(monkeypatch, "nested_leverage_centers", truncated)
         # and a leverage fit that would win on validation if it were allowed
         _script_val_mse(monkeypatch, lambda m, xv, yv: 0.0 if m.center_weights is not None else real_val(m, xv, yv))
     else:
@@ -1492,7 +1503,7 @@ def test_auto_fit_leverage_pool_skips_and_failures(monkeypatch, branch):
 def test_score_uniformity_closed_form():
     """``_score_uniformity``: ``(sum s)^2 / (k sum s^2)``, i.e. ``1 / (1 + cv^2)`` with the scores' population
     coefficient of variation; 1 for equal scores, ``1 / k`` for one non-zero score, 0 for none."""
-    from gpfalkon.auto import _score_uniformity
+    from gpfalkon.auto.sampling import _score_uniformity
 
     assert _score_uniformity(torch.full((7,), 0.3, dtype=torch.float64)) == pytest.approx(1.0)
     assert _score_uniformity(torch.tensor([0.0, 0.0, 2.0, 0.0])) == pytest.approx(0.25)
@@ -1510,7 +1521,6 @@ def test_auto_fit_leverage_try_stops_at_nearly_uniform_scores(monkeypatch, sampl
     uniform pool, no leverage selection fit, no second scoring pass); scores just below it (a spread of
     ``cv = 0.6``, uniformity 0.735) are scored in full and the leverage pool fitted. ``"leverage"`` never stops
     there: the user asked for leverage-score centers."""
-    import gpfalkon.auto as auto_module
 
     calls: list = []
     spread = [0.0]
@@ -1523,7 +1533,7 @@ def test_auto_fit_leverage_try_stops_at_nearly_uniform_scores(monkeypatch, sampl
         sign[1::2] = -1.0
         return 0.5 * (1.0 + spread[0] * sign)
 
-    monkeypatch.setattr(auto_module, "dictionary_leverage_scores", scores)
+    patch_auto(monkeypatch, "dictionary_leverage_scores", scores)
     x, y, _ = _data(600)
     n_s = SMALL["select_rows"]
     for a in (0.3, 0.6):
@@ -1534,7 +1544,7 @@ def test_auto_fit_leverage_try_stops_at_nearly_uniform_scores(monkeypatch, sampl
         u = 1 / (1 + a * a)
         assert rep.sampling["uniformity"] == pytest.approx(u, rel=1e-9), rep.notes
         kinds = {r["centers"] for r in rep.search}
-        if sampling == "auto" and u >= auto_module.LEVERAGE_UNIFORM:
+        if sampling == "auto" and u >= auto_sampling.LEVERAGE_UNIFORM:
             assert len(calls) == 1 and torch.equal(calls[0], torch.arange(n_s // 4))
             assert any(n.startswith(f"leverage-score centers not tried: the scores of {n_s // 4:,} of the {n_s:,} "
                                     "selection rows are nearly uniform") for n in rep.notes), rep.notes
@@ -1555,12 +1565,11 @@ def test_auto_fit_leverage_scores_a_timed_quarter_first(monkeypatch, slow):
     note, and the uniform pool stays; without the jump both parts are scored, in row order."""
     import types
 
-    import gpfalkon.auto as auto_module
 
     offset = [0.0]
-    monkeypatch.setattr(auto_module, "time", types.SimpleNamespace(perf_counter=lambda: time.perf_counter()
+    patch_auto(monkeypatch, "time", types.SimpleNamespace(perf_counter=lambda: time.perf_counter()
                                                                    + offset[0]))
-    real = auto_module.dictionary_leverage_scores
+    real = auto_fitting.dictionary_leverage_scores
     calls = []
 
     def scores(*args, rows=None, **kwargs):
@@ -1570,7 +1579,7 @@ def test_auto_fit_leverage_scores_a_timed_quarter_first(monkeypatch, slow):
             offset[0] += 3000.0
         return out
 
-    monkeypatch.setattr(auto_module, "dictionary_leverage_scores", scores)
+    patch_auto(monkeypatch, "dictionary_leverage_scores", scores)
     x, y, _ = _data(600)
     model = auto_fit(x, y, center_sampling="auto", **SMALL)
     rep = model.auto_report
@@ -1681,11 +1690,11 @@ def test_auto_fit_search_tol_ends_a_flat_search(monkeypatch, tol, paths):
 
 
 def test_path_steps_scores_both_sides_then_extends_the_best_edge():
-    """The noise search's steps (:func:`gpfalkon.auto._path_steps`) on scripted errors: both sides first, then
+    """The noise search's steps (:func:`gpfalkon.auto.scoring._path_steps`) on scripted errors: both sides first, then
     ``width`` more steps beyond a best outermost step while it gains more than ``tol`` over its neighbour; only the
     allowed steps; a batch that does not fit loses its outermost steps (both sides' in the first batch), and
     ``None`` where not even the nearest steps of the first batch fit."""
-    from gpfalkon.auto import _path_steps
+    from gpfalkon.auto.scoring import _path_steps
 
     def run(err, width=2, allowed=lambda j: True, fits=lambda k: True, tol=0.0):
         batches: list[list[int]] = []
@@ -1755,19 +1764,18 @@ def test_auto_fit_noise_search_falls_back_to_single_fits(monkeypatch, how):
     """A penalty path that raises leaves its noises to the line search's single fits (a note names the failure);
     where not even one step each way fits a path (``_path_steps`` gives ``None``), the same. Either way the
     search scores noises one fit at a time and the call returns a model."""
-    import gpfalkon.auto as auto_module
 
     if how == "path fails":
-        real = auto_module._path_quiet
+        real = auto_scoring._path_quiet
 
         def failing(model, penalties, time_limit, initial_alpha):
             if time_limit is None:  # the selection's paths (a growth check's path has a time limit)
                 raise RuntimeError("scripted breakdown")
             return real(model, penalties, time_limit, initial_alpha)
 
-        monkeypatch.setattr(auto_module, "_path_quiet", failing)
+        patch_auto(monkeypatch, "_path_quiet", failing)
     else:
-        monkeypatch.setattr(auto_module, "_path_steps", lambda *a, **k: None)
+        patch_auto(monkeypatch, "_path_steps", lambda *a, **k: None)
     x, y, _ = _data(500)
     model = auto_fit(x, y, **dict(SMALL, max_steps=5, objectives=("gcv",), center_sampling="uniform",
                                   max_centers=60))
@@ -1787,7 +1795,7 @@ def test_scaled_fit_seconds_scales_each_part_by_its_own_power():
     """The selection-fit prediction: factorisations x f^3 (the fresh build's, a cached factor costs
     less), triangular solves x f^2, the rest x f rho (the slowest record's own parts); a direct solve
     whole x f^2 rho; nothing recorded, 0. Checked against the closed form by hand."""
-    from gpfalkon.auto import _scaled_fit_seconds
+    from gpfalkon.auto.costs import _scaled_fit_seconds
 
     fresh = dict(seconds=2.0, precond_seconds=0.5, apply_seconds=0.3, direct=False)
     cached = dict(seconds=2.4, precond_seconds=0.1, apply_seconds=0.4, direct=False)  # the slowest
@@ -1808,7 +1816,7 @@ def test_scaled_fit_seconds_takes_the_median_fresh_build_and_the_measured_factor
     """The factorisations' part: the median of the records whose factorisations took at least half the largest
     (fresh builds; a cached factor's fit pays about a third, a single slow build is an outlier), scaled by
     f^log2(g) for a measured growth g = t(2M) / t(M) (f^3 at g = 8). Closed forms by hand."""
-    from gpfalkon.auto import _factor_scale, _scaled_fit_seconds
+    from gpfalkon.auto.costs import _factor_scale, _scaled_fit_seconds
 
     assert _factor_scale(2.0, 6.4) == pytest.approx(6.4)
     assert _factor_scale(4.0, 6.4) == pytest.approx(6.4**2)
@@ -1830,9 +1838,8 @@ def test_factor_growth_measures_the_cholesky_ratio_on_its_clock(monkeypatch):
     it lies in [4, 8]."""
     import types
 
-    import gpfalkon.auto as auto_module
 
-    assert 4.0 <= auto_module._factor_growth(200, torch.device("cpu")) <= 8.0
+    assert 4.0 <= auto_costs._factor_growth(200, torch.device("cpu")) <= 8.0
     clock = [0.0]
     sizes: list[int] = []
     power = [2.5]
@@ -1843,22 +1850,21 @@ def test_factor_growth_measures_the_cholesky_ratio_on_its_clock(monkeypatch):
         return a
 
     monkeypatch.setattr(torch.linalg, "cholesky", fake_cholesky)
-    monkeypatch.setattr(auto_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    assert auto_module._factor_growth(500, torch.device("cpu"), repeats=3) == pytest.approx(2**2.5)
+    patch_auto(monkeypatch, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    assert auto_costs._factor_growth(500, torch.device("cpu"), repeats=3) == pytest.approx(2**2.5)
     assert sorted(set(sizes)) == [500, 1000] and len(sizes) == 2 * (1 + 3)
     for p, expected in ((3.4, 8.0), (1.5, 4.0), (3.0, 8.0), (2.0, 4.0)):
         power[0] = p
-        assert auto_module._factor_growth(300, torch.device("cpu")) == pytest.approx(expected)
+        assert auto_costs._factor_growth(300, torch.device("cpu")) == pytest.approx(expected)
     sizes.clear()
-    assert auto_module._factor_growth(auto_module.FACTOR_PROBE_MAX + 1, torch.device("cpu")) == 8.0
-    assert auto_module._factor_growth(63, torch.device("cpu")) == 8.0
+    assert auto_costs._factor_growth(auto_costs.FACTOR_PROBE_MAX + 1, torch.device("cpu")) == 8.0
+    assert auto_costs._factor_growth(63, torch.device("cpu")) == 8.0
     assert sizes == []
 
 
 def test_auto_fit_measures_the_factor_growth_once_per_size(monkeypatch):
     """auto_fit's predictions take the factorisations' growth from _factor_growth, measured once per base size of a
     call (on the fit's device) however many predictions read it."""
-    import gpfalkon.auto as auto_module
 
     calls: list[tuple[int, str]] = []
 
@@ -1866,7 +1872,7 @@ def test_auto_fit_measures_the_factor_growth_once_per_size(monkeypatch):
         calls.append((m, device.type))
         return 8.0
 
-    monkeypatch.setattr(auto_module, "_factor_growth", recorder)
+    patch_auto(monkeypatch, "_factor_growth", recorder)
     x, y, _ = _data(800)
     rep = auto_fit(x, y, **SMALL).auto_report
     sizes = sorted({r["M"] for r in rep.search})
@@ -1894,9 +1900,8 @@ def test_auto_fit_race_share_ends_the_race_after_its_share_of_the_learning_time(
     time (here: the first round) and the leader goes on alone, moving to more rows as after a full race; with
     None (and no race_margin) the race runs its race_rounds. (Every racer races here: the cut of racers whose first
     round does not fit the share, ``_racers_within``, is its own test below.)"""
-    import gpfalkon.auto as auto_module
 
-    monkeypatch.setattr(auto_module, "_racers_within", lambda first_round, racers, seconds: racers)
+    patch_auto(monkeypatch, "_racers_within", lambda first_round, racers, seconds: racers)
     every, loser, winner = _race(race_margin=None, race_share=share)
     assert loser["best_error"] >= winner["best_error"]
     if share is None:
@@ -1911,7 +1916,7 @@ def test_auto_fit_race_share_ends_the_race_after_its_share_of_the_learning_time(
 
 def test_racers_within_counts_the_rounds_that_fit():
     """As many racers as rounds of the first one's time fit the race's seconds: at least one, at most all."""
-    from gpfalkon.auto import _racers_within
+    from gpfalkon.auto.race import _racers_within
 
     assert _racers_within(0.5, 4, 2.1) == 4
     assert _racers_within(0.6, 4, 2.1) == 3
@@ -1967,11 +1972,10 @@ def test_clock_bar_never_passes_its_total(monkeypatch):
     import types
     import warnings
 
-    import gpfalkon.auto as auto_module
 
     now = [0.0]
-    monkeypatch.setattr(auto_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
-    clock = auto_module._Clock(2.0, verbose=True)
+    patch_auto(monkeypatch, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    clock = auto_reporting._Clock(2.0, verbose=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for k in range(1, 40):
@@ -2003,7 +2007,7 @@ def test_auto_fit_races_learning_rates_and_the_winner_keeps_its_rate():
     """Two racers of one objective at two learning rates: after the race the one with the lower best
     validation error goes on alone, on every larger subsample at its own rate (its records and Adam), and
     the chosen point's rate is reported."""
-    from gpfalkon.auto import _ObjectiveRun
+    from gpfalkon.auto.race import _ObjectiveRun
 
     x, y, _ = _data(1200, noise=0.3)
     kw = dict(SMALL, hyper_rows=100, hyper_centers=20, max_steps=60, eval_every=2, race_rounds=2,
@@ -2039,7 +2043,7 @@ def test_auto_fit_default_racers_follow_lr():
     and the SGPR bound in ``kernel``'s family, in that order (a cut race keeps the first); a list works as a pair;
     a triple names its family (its label too, where it is not ``kernel``'s); two rates that print alike get distinct
     labels; the starting point's record names itself."""
-    from gpfalkon.auto import RACE_FAMILY, _racers
+    from gpfalkon.auto.race import RACE_FAMILY, _racers
 
     m52 = "matern52"
     assert RACE_FAMILY == "rbf"
@@ -2067,7 +2071,7 @@ def test_auto_fit_races_kernel_families_and_the_winner_s_family_is_the_model_s()
     the racer whose point is chosen is the returned model's kernel (its base kernel's class and ``nu``), the
     report's ``kernel`` and ``chosen["kernel"]``. Both orders of one pair of families (which is ``kernel=``'s): the
     racers do not see each other, so the same family wins in both, and in one of them it is not ``kernel=``'s."""
-    from gpfalkon.auto import KERNEL_FAMILIES
+    from gpfalkon.auto.kernels import KERNEL_FAMILIES
 
     x, y, _ = _data(900, noise=0.1)
     winners = []
@@ -2139,7 +2143,7 @@ def test_a_float64_outputscale_at_its_bound_is_rescaled_with_exact_bounds():
     kernel are kept exact, so an outputscale learned at the user's bound still lies within the scaled one."""
     import gpytorch
 
-    from gpfalkon.auto import _rescale_outputscale
+    from gpfalkon.auto.kernels import _rescale_outputscale
 
     cases = [(gpytorch.constraints.Interval(0.05, 2.0), 40.0, torch.float64),
              (gpytorch.constraints.LessThan(2.0), 40.0, torch.float64),
@@ -2163,7 +2167,7 @@ def test_a_float64_outputscale_at_its_bound_is_rescaled_with_exact_bounds():
                                    rtol=1e-12 if dtype == torch.float64 else 1e-6, atol=0.0)
 
 
-def test_auto_fit_draws_do_not_depend_on_free_memory():
+def test_auto_fit_draws_do_not_depend_on_free_memory(monkeypatch):
     """The on-the-fly timing probe (which runs only where the final K_nM does not fit in memory) draws from its
     own generator, so a run with little memory selects what a run with plenty selects."""
     from gpfalkon import settings
@@ -2173,22 +2177,18 @@ def test_auto_fit_draws_do_not_depend_on_free_memory():
     y = torch.sin(2 * x[:, 0]) + 0.5 * x[:, 1] ** 2 + 0.1 * torch.randn(3000, generator=g, dtype=torch.float64)
     kw = dict(budget=20.0, max_steps=0, min_centers=200, max_centers=200, final_growth=False,
               center_sampling="uniform", dtype=torch.float64, calibrate_variance=False, loo_rows=0)
-    import gpfalkon.auto as auto_module
 
     probes = []
-    real = auto_module._onthefly_pass_seconds
+    real = auto_costs._onthefly_pass_seconds
 
     def counted(*args, **kwargs):
         probes.append(1)
         return real(*args, **kwargs)
 
     a = auto_fit(x, y, **kw)
-    auto_module._onthefly_pass_seconds = counted
-    try:
-        with settings.memory_budget(2 * 2**20):
-            b = auto_fit(x, y, **kw)
-    finally:
-        auto_module._onthefly_pass_seconds = real
+    patch_auto(monkeypatch, "_onthefly_pass_seconds", counted)
+    with settings.memory_budget(2 * 2**20):
+        b = auto_fit(x, y, **kw)
     assert probes  # the probe ran in the low-memory run
     assert torch.equal(a.centers, b.centers)
     assert a.auto_report.chosen["noise"] == b.auto_report.chosen["noise"]
@@ -2201,22 +2201,21 @@ def test_the_on_the_fly_probe_does_not_time_a_gpus_compilation(device, monkeypat
     On the CPU it times its one pass (nothing compiles there). Here the engine's first product sleeps 0.5 s."""
     import time as time_module
 
-    import gpfalkon.auto as auto_module
 
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     calls = []
 
-    class SlowFirstPass(auto_module.KernelEngine):
+    class SlowFirstPass(auto_costs.KernelEngine):
         def kmn_k(self, *args, **kwargs):
             if not calls:
                 time_module.sleep(0.5)
             calls.append(1)
             return super().kmn_k(*args, **kwargs)
 
-    monkeypatch.setattr(auto_module, "KernelEngine", SlowFirstPass)
+    patch_auto(monkeypatch, "KernelEngine", SlowFirstPass)
     x = torch.rand(2000, 3, dtype=torch.float64, device=device)
-    seconds = auto_module._onthefly_pass_seconds(gpytorch.kernels.RBFKernel().double().to(device), x, x[:100])
+    seconds = auto_costs._onthefly_pass_seconds(gpytorch.kernels.RBFKernel().double().to(device), x, x[:100])
     if torch.device(device).type == "cuda":
         assert len(calls) == 2 and 0 < seconds < 0.25, (calls, seconds)
     else:
@@ -2230,9 +2229,8 @@ def test_the_report_gives_the_validation_error_of_the_centers_returned(monkeypat
     validation error is scripted (its real one scaled by 1/2 or 2: whether it wins on real data depends on the
     budget's clock), a budget no stage reaches makes the call deterministic, and the returned model's centers are
     checked against the report."""
-    import gpfalkon.auto as auto_module
 
-    real_mse = auto_module._val_mse
+    real_mse = auto_scoring._val_mse
 
     def val_mse(model, x, y):
         err = real_mse(model, x, y)
@@ -2257,10 +2255,9 @@ def test_auto_fit_calibrates_with_the_residuals_of_the_centers_it_returns(monkey
     """Where the leverage check's centers replace the level's, the variance calibration's residuals are the
     leverage check's fit's on the calibration rows (the returned model's centers), not the replaced level's:
     every residual it uses is one of that fit's validation residuals (raw units), and they are not the level's."""
-    import gpfalkon.auto as auto_module
     import gpfalkon.models.calibration as calibration_module
 
-    real_mse = auto_module._val_mse
+    real_mse = auto_scoring._val_mse
     scored: dict[str, list[torch.Tensor]] = {"leverage": [], "uniform": []}
 
     def val_mse(model, x, y):
@@ -2273,14 +2270,14 @@ def test_auto_fit_calibrates_with_the_residuals_of_the_centers_it_returns(monkey
         return real_mse(model, x, y)
 
     used: list[torch.Tensor] = []
-    real_scale = auto_module.variance_scale
+    real_scale = auto_fitting.variance_scale
 
     def spy(r, v):
         used.append(r.detach().clone())
         return real_scale(r, v)
 
     _script_val_mse(monkeypatch, val_mse)
-    monkeypatch.setattr(auto_module, "variance_scale", spy)
+    patch_auto(monkeypatch, "variance_scale", spy)
     assert calibration_module.variance_scale is real_scale
     x, y, _ = _data(800)
     model = auto_fit(x, y, leverage_check=True, center_sampling="uniform", **SMALL)
@@ -2300,7 +2297,7 @@ def test_a_float32_fit_on_nearly_noiseless_data_suggests_float64():
     """On a nearly noiseless function float32 kernel values limit the fit: the chosen validation error below
     FLOAT32_LIMITED_ERROR of the targets' variance gives a warning (and a note) naming dtype=torch.float64; noisy
     data, or float64, give none."""
-    from gpfalkon.auto import FLOAT32_LIMITED_ERROR
+    from gpfalkon.auto.fit import FLOAT32_LIMITED_ERROR
 
     kw = dict(SMALL, dtype=torch.float32)
     x, y, _ = _data(600, noise=1e-5)
@@ -2319,9 +2316,8 @@ def _break_final_fit(monkeypatch, rows: int, failure: str = "scaled", leave_fact
     might leave them: coefficients scaled by 3 (``"scaled"``) or one of them NaN (``"nan"``); ``leave_factors``:
     the fit also leaves factors built for its ``rows`` in the calibration's keeper, as a CG fit does. Returns the
     list the broken fits are appended to."""
-    import gpfalkon.auto as auto_module
 
-    real = auto_module._fit_quiet
+    real = auto_scoring._fit_quiet
     broken: list = []
 
     def fit_quiet(model, time_limit=None, initial_alpha=None):
@@ -2333,13 +2329,13 @@ def _break_final_fit(monkeypatch, rows: int, failure: str = "scaled", leave_fact
                 else:
                     model.alpha.mul_(3.0)
             keeper = model.options.preconditioner
-            if leave_factors and isinstance(keeper, auto_module._KeptPreconditioner):
+            if leave_factors and isinstance(keeper, auto_scoring._KeptPreconditioner):
                 c = model.centers.detach()
                 keeper(model.kernel(c, c).to_dense().detach(), model.penalty.detach(), rows)
             broken.append(model)
         return model, converged
 
-    monkeypatch.setattr(auto_module, "_fit_quiet", fit_quiet)
+    patch_auto(monkeypatch, "_fit_quiet", fit_quiet)
     return broken
 
 
@@ -2352,18 +2348,17 @@ def test_the_final_check_consults_its_paired_z(monkeypatch):
     error far above the ratio) is returned as it is, without a refit or a warning: the ratio alone does not fire."""
     import warnings
 
-    import gpfalkon.auto as auto_module
 
     x, y, _ = _data(2000)
     _break_final_fit(monkeypatch, 1600)
-    monkeypatch.setattr(auto_module, "FINAL_CHECK_Z", math.inf)
+    patch_auto(monkeypatch, "FINAL_CHECK_Z", math.inf)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = auto_fit(x[:1600], y[:1600], val_x=x[1600:], val_y=y[1600:], **dict(SMALL, final_growth=False))
     c = model.auto_report.chosen
     assert not _final_check_warnings(caught)
     assert model.train_inputs[0].shape[0] == 1600 and "final check refit" not in model.auto_report.stages
-    assert c["final_check_error"] > auto_module.FINAL_CHECK_RATIO * c["final_check_selection_error"]
+    assert c["final_check_error"] > auto_fitting.FINAL_CHECK_RATIO * c["final_check_selection_error"]
 
 
 @pytest.mark.parametrize("broken", [False, True])
@@ -2379,7 +2374,6 @@ def test_auto_fit_checks_its_final_model_against_the_selection_fit(monkeypatch, 
     the dense Nystrom solution on its own rows."""
     import warnings
 
-    import gpfalkon.auto as auto_module
 
     x, y, _ = _data(2000)
     xt, yt, xv, yv = x[:1600], y[:1600], x[1600:], y[1600:]
@@ -2394,14 +2388,14 @@ def test_auto_fit_checks_its_final_model_against_the_selection_fit(monkeypatch, 
     with torch.no_grad():
         mse = float(((yv - model.posterior_mean(xv).double()) / yt.std()).square().mean())
     assert fin == pytest.approx(mse, rel=1e-9) and sel == pytest.approx(c["val_error"], rel=1e-9), (fin, mse, sel)
-    assert fin <= auto_module.FINAL_CHECK_RATIO * sel, (fin, sel)  # the returned model passes, refitted or not
+    assert fin <= auto_fitting.FINAL_CHECK_RATIO * sel, (fin, sel)  # the returned model passes, refitted or not
     assert bool(msgs) == broken, msgs
     rows = model.train_inputs[0].shape[0]
     if broken:
         assert len(broken_fits) == 1 and model is not broken_fits[0]
         with torch.no_grad():
             bad = float(((yv - broken_fits[0].posterior_mean(xv).double()) / yt.std()).square().mean())
-        assert bad > auto_module.FINAL_CHECK_RATIO * sel and f"{bad:.3g}" in msgs[0] and f"{sel:.3g}" in msgs[0]
+        assert bad > auto_fitting.FINAL_CHECK_RATIO * sel and f"{bad:.3g}" in msgs[0] and f"{sel:.3g}" in msgs[0]
         assert "(M=120) refitted on 800 rows, its selection rows (error" in msgs[0], msgs
         assert f"(error {fin:.3g} there)" in msgs[0], msgs
         assert msgs[0].removeprefix("auto_fit: ") in model.auto_report.notes
@@ -2423,18 +2417,17 @@ def test_auto_fit_final_check_refit_keeps_its_own_calibration(monkeypatch, failu
     variances are positive."""
     import warnings
 
-    import gpfalkon.auto as auto_module
 
     x, y, _ = _data(2000)
     broken_fits = _break_final_fit(monkeypatch, 2000, failure, leave_factors=True)  # the final fit on every row
     seen = []
-    real_var = auto_module.preconditioned_variances
+    real_var = auto_fitting.preconditioned_variances
 
     def variances(kernel, x_c, centers, precond, noise):
         seen.append((precond.n, centers.shape[0]))
         return real_var(kernel, x_c, centers, precond, noise)
 
-    monkeypatch.setattr(auto_module, "preconditioned_variances", variances)
+    patch_auto(monkeypatch, "preconditioned_variances", variances)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = auto_fit(x, y, **dict(SMALL, final_growth=False))
@@ -2447,7 +2440,7 @@ def test_auto_fit_final_check_refit_keeps_its_own_calibration(monkeypatch, failu
     assert "final check refit" in rep.stages
     assert not any("calibration skipped" in n for n in rep.notes), rep.notes
     fin, sel = rep.chosen["final_check_error"], rep.chosen["final_check_selection_error"]
-    assert math.isfinite(fin) and fin <= auto_module.FINAL_CHECK_RATIO * sel
+    assert math.isfinite(fin) and fin <= auto_fitting.FINAL_CHECK_RATIO * sel
     model.eval()
     with torch.no_grad():
         var = model(x[:50]).variance
@@ -2458,16 +2451,15 @@ def test_the_final_checks_paired_z_ignores_a_few_noisy_rows():
     """The statistic ``FINAL_CHECK_Z`` bounds (``_paired_z`` of the final and selection residuals): a mean squared
     error more than doubled by one outlying row of 10 is one standard error of the paired differences, under the
     bound (such a final fit passes the check), while residuals uniformly 3x off on 1,000 rows are tens of them."""
-    import gpfalkon.auto as auto_module
 
     g = torch.Generator().manual_seed(0)
     r_sel = torch.randn(10, generator=g, dtype=torch.float64)
     r_fin = r_sel.clone()
     r_fin[0] = 4.0 * r_sel.abs().max()  # one row: the mean squared error more than doubles
-    assert float(r_fin.square().mean()) > auto_module.FINAL_CHECK_RATIO * float(r_sel.square().mean())
-    assert auto_module._paired_z(r_fin, r_sel) < auto_module.FINAL_CHECK_Z
+    assert float(r_fin.square().mean()) > auto_fitting.FINAL_CHECK_RATIO * float(r_sel.square().mean())
+    assert auto_scoring._paired_z(r_fin, r_sel) < auto_fitting.FINAL_CHECK_Z
     r_sel = torch.randn(1000, generator=g, dtype=torch.float64)
-    assert auto_module._paired_z(3.0 * r_sel, r_sel) > 10 * auto_module.FINAL_CHECK_Z
+    assert auto_scoring._paired_z(3.0 * r_sel, r_sel) > 10 * auto_fitting.FINAL_CHECK_Z
 
 
 # ------------------------------------------------------------------ the leave-one-out choice (loo_rows)
@@ -2485,7 +2477,7 @@ def _dense_loo(kernel, noise, x, y):
 
 
 def test_loo_score_is_exact_krr_leave_one_out():
-    from gpfalkon.auto import _loo_score
+    from gpfalkon.auto.loo import _loo_score
     from gpfalkon.objectives import LOOCV
 
     x, y, _ = _data(80)
@@ -2593,13 +2585,12 @@ def test_auto_fit_loo_choice_is_skipped_where_it_does_not_apply():
 def test_auto_fit_loo_stage_starts_only_where_three_scores_are_predicted_to_fit(monkeypatch):
     """Where three leave-one-out scores are not predicted to fit the stage's share of the budget, the stage scores
     nothing: the returned model is the one without the stage (loo_rows=0), and the report says why."""
-    import gpfalkon.auto as auto_mod
 
     x, y, _ = _data(300)
     xt, _, _ = _data(40, seed=3)
     kw = dict(SMALL, loo_rows=4_000)
-    share = auto_mod.LOO_SHARE * kw["budget"]
-    monkeypatch.setattr(auto_mod, "_loo_score_seconds", lambda n, device: share / 2.9)
+    share = auto_loo.LOO_SHARE * kw["budget"]
+    patch_auto(monkeypatch, "_loo_score_seconds", lambda n, device: share / 2.9)
     skipped = auto_fit(x, y, **kw)
     monkeypatch.undo()
     plain = auto_fit(x, y, **dict(kw, loo_rows=0))
@@ -2615,7 +2606,7 @@ def test_auto_fit_loo_stage_starts_only_where_three_scores_are_predicted_to_fit(
     torch.testing.assert_close(a.mean, b.mean, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(a.variance, b.variance, rtol=1e-10, atol=1e-10)
     # at a third of the share per score the stage runs
-    monkeypatch.setattr(auto_mod, "_loo_score_seconds", lambda n, device: share / 3.1)
+    patch_auto(monkeypatch, "_loo_score_seconds", lambda n, device: share / 3.1)
     ran = auto_fit(x, y, **kw).auto_report.loo
     assert "skipped" not in ran and len(ran["scored"]) > 1
 
@@ -2623,19 +2614,18 @@ def test_auto_fit_loo_stage_starts_only_where_three_scores_are_predicted_to_fit(
 def test_loo_score_seconds_scales_a_timed_factorisation_by_the_cube_of_the_order(monkeypatch):
     """The prediction is the faster of two timed factorisations and inverses of order s = min(n, probe), times
     (n / s)^3: with a clock that advances one second per read, (n / s)^3."""
-    import gpfalkon.auto as auto_mod
 
     reads = iter(range(100))
-    monkeypatch.setattr(auto_mod.time, "perf_counter", lambda: float(next(reads)))
-    assert auto_mod._loo_score_seconds(2048, torch.device("cpu"), probe=64) == 32.0 ** 3
+    monkeypatch.setattr(auto_fitting.time, "perf_counter", lambda: float(next(reads)))
+    assert auto_loo._loo_score_seconds(2048, torch.device("cpu"), probe=64) == 32.0 ** 3
     reads = iter(range(100))
-    assert auto_mod._loo_score_seconds(50, torch.device("cpu"), probe=64) == 1.0
+    assert auto_loo._loo_score_seconds(50, torch.device("cpu"), probe=64) == 1.0
 
 
 def test_loo_choice_scores_while_the_clock_leaves_time():
     """With no time left only the validation choice is scored (no noise steps); with time, every point, the best
     first by its validation error, and the noise is then moved while that lowers the error."""
-    from gpfalkon.auto import _loo_choice, _loo_score
+    from gpfalkon.auto.loo import _loo_choice, _loo_score
 
     x, y, _ = _data(120)
     x = (x - x.mean(0)) / x.std(0)
@@ -2671,14 +2661,13 @@ def test_loo_choice_scores_while_the_clock_leaves_time():
     assert down.record["descent"]["kept"] is True
     assert down.record["descent"]["overshoot"] <= down.record["descent"]["overshoot_start"] + 0.5
     # a descent that overshoots (any, at a margin of -1) is dropped: the result is the start's
-    import gpfalkon.auto as auto_mod
 
-    margin = auto_mod.LOO_OVERSHOOT_MARGIN
+    margin = auto_loo.LOO_OVERSHOOT_MARGIN
     try:
-        auto_mod.LOO_OVERSHOOT_MARGIN = -1.0
+        auto_loo.LOO_OVERSHOOT_MARGIN = -1.0
         dropped = _loo_choice(chosen, points, x, y, lambda: 1e9)
     finally:
-        auto_mod.LOO_OVERSHOOT_MARGIN = margin
+        auto_loo.LOO_OVERSHOOT_MARGIN = margin
     assert dropped.record["descent"]["kept"] is False
     assert dropped.winner is full.winner and dropped.noise == full.noise and dropped.error == full.error
     # no descent without time for LOO_DESCENT_EVALS evaluations in half the stage, nor for a kernel of no family
@@ -2691,7 +2680,7 @@ def test_loo_choice_scores_while_the_clock_leaves_time():
 def test_loo_criterion_gradient_is_autograd_of_its_formula(criterion):
     """G = dE/dA of the hand-written gradient against autograd through a dense inverse of A = K + v I, for
     E = mean(r^2) and E = log mean(r^2 c) - mean(log c) (c = diag A^{-1}, r = A^{-1} y / c); dE/dv = tr G."""
-    from gpfalkon.auto import _loo_value_and_gram_grad
+    from gpfalkon.auto.loo import _loo_value_and_gram_grad
 
     x, y, _ = _data(90)
     x = (x - x.mean(0)) / x.std(0)
@@ -2718,7 +2707,7 @@ def test_loo_criterion_gradient_is_autograd_of_its_formula(criterion):
 
 
 def test_midpoint_overshoot_is_the_dense_predictions_distance_outside_the_targets_range():
-    from gpfalkon.auto import _midpoint_overshoot
+    from gpfalkon.auto.loo import _midpoint_overshoot
 
     g = torch.Generator().manual_seed(5)
     x = torch.rand(60, 2, generator=g, dtype=torch.float64)
@@ -2745,7 +2734,7 @@ def test_loo_descent_reaches_the_grid_minimum_of_a_one_dimensional_problem():
     log grid of exact leave-one-out scores over its box (LOO_DESCENT_BOX around the start), or lower between the
     grid's points; its error is the closed form's at the kernel and noise it returns, both inside the box; the
     kernel passed in is not changed; with no time it evaluates once and returns the start."""
-    from gpfalkon.auto import LOO_DESCENT_BOX, _loo_descent, _loo_score
+    from gpfalkon.auto.loo import LOO_DESCENT_BOX, _loo_descent, _loo_score
 
     g = torch.Generator().manual_seed(4)
     x = torch.rand(150, 1, generator=g, dtype=torch.float64) * 4 - 2
@@ -2778,21 +2767,20 @@ def test_auto_fit_on_repeated_rows_never_takes_a_center_twice(monkeypatch):
     """Data whose rows repeat (each input three times, fresh noise): every model auto_fit builds (learning,
     continuations on more rows with more centers, scoring, selection, final fit, the leave-one-out refit) has
     distinct centers, and the final fit's are as many as the report says."""
-    import gpfalkon.auto as auto_module
 
     x, _, f = _data(200)
     g = torch.Generator().manual_seed(5)
     x3 = x.repeat(3, 1)
     y3 = f.repeat(3) + 2.5 * torch.randn(600, generator=g, dtype=torch.float64)
     built: list[torch.Tensor] = []
-    real = auto_module.FalkonGP
+    real = auto_fitting.FalkonGP
 
     def spy(*args, **kwargs):
         if kwargs.get("centers") is not None:
             built.append(kwargs["centers"].detach().clone())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(auto_module, "FalkonGP", spy)
+    patch_auto(monkeypatch, "FalkonGP", spy)
     # level_share 1e-9: the leader goes on to twice the rows at every round (with hyper_centers_growth, new centers)
     model = auto_fit(x3, y3, **{**SMALL, "hyper_rows": 100, "hyper_centers": 20, "hyper_centers_growth": 0.5,
                                 "max_steps": 200, "objectives": ("gcv", "sgpr"), "race_rounds": 2,
@@ -2814,7 +2802,6 @@ def test_input_location_scale_caps_a_scale_set_by_far_rows():
     quantiles as reference, on an even number of rows (where order-statistic quantiles are not equivariant)."""
     import numpy as np
 
-    import gpfalkon.auto as auto_module
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1000, 4, generator=g, dtype=torch.float64)
@@ -2822,10 +2809,10 @@ def test_input_location_scale_caps_a_scale_set_by_far_rows():
     x[:3, 1] = -9999.0  # a missing-value code: the standard deviation ~ 300 quartile spreads
     x[:, 2] = (x[:, 2] > 1.5).double()  # mostly zeros: IQR 0, the standard deviation kept
     x[:, 3] = 5.0  # constant: scale 1
-    mu, sd = auto_module._input_location_scale(x)
+    mu, sd = auto_standardise._input_location_scale(x)
     a = x.numpy()
     q = {k: np.percentile(a, 100 * k, axis=0) for k in (0.25, 0.5, 0.75)}
-    cap = auto_module.OUTLIER_SCALE_RATIO * (q[0.75] - q[0.25]) / 1.349
+    cap = auto_standardise.OUTLIER_SCALE_RATIO * (q[0.75] - q[0.25]) / 1.349
     assert float(x[:, 1].std()) > cap[1] and float(x[:, 0].std()) < cap[0]
     want_mu = [a[:, 0].mean(), q[0.5][1], a[:, 2].mean(), 5.0]
     want_sd = [a[:, 0].std(ddof=1), cap[1], a[:, 2].std(ddof=1), 1.0]
@@ -2833,7 +2820,7 @@ def test_input_location_scale_caps_a_scale_set_by_far_rows():
     torch.testing.assert_close(sd, torch.tensor(want_sd, dtype=torch.float64), rtol=1e-12, atol=1e-12)
     # equivariant: a per-feature affine change of units (negative factors included) moves them alike
     s, b = torch.tensor([3.0, -0.5, 2.0, 7.0], dtype=torch.float64), torch.tensor([1.0, 4.0, -2.0, 0.5])
-    mu2, sd2 = auto_module._input_location_scale(x * s + b.double())
+    mu2, sd2 = auto_standardise._input_location_scale(x * s + b.double())
     torch.testing.assert_close(sd2[:3], sd[:3] * s[:3].abs(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(mu2, mu * s + b.double(), rtol=1e-12, atol=1e-9)
 
@@ -2842,7 +2829,6 @@ def test_auto_fit_with_a_missing_value_code_in_a_feature_still_learns_it(monkeyp
     """A few rows hold a code far outside a feature's range (-9999): with the scale capped, the bulk of that feature
     keeps its spread and the fit its accuracy on clean test rows; with the plain standard deviation (no cap) the
     feature looks constant at the start and the fit is much worse (the comparison shows this test can fail)."""
-    import gpfalkon.auto as auto_module
 
     g = torch.Generator().manual_seed(3)
     x = torch.rand(600, 2, generator=g, dtype=torch.float64)
@@ -2860,7 +2846,7 @@ def test_auto_fit_with_a_missing_value_code_in_a_feature_still_learns_it(monkeyp
             return float((m.posterior_mean(xt).double() - ft).square().mean().sqrt() / ft.std())
 
     clean, coded = err(x), err(xo)
-    monkeypatch.setattr(auto_module, "OUTLIER_SCALE_RATIO", math.inf)
+    patch_auto(monkeypatch, "OUTLIER_SCALE_RATIO", math.inf)
     uncapped = err(xo)
     assert coded < 2 * clean + 0.02, (clean, coded)
     assert uncapped > 3 * coded, (coded, uncapped)
@@ -2891,21 +2877,20 @@ def test_auto_fit_warns_where_a_few_far_targets_set_their_scale():
     (Student t, 3 degrees of freedom), mostly-one-value targets (IQR 0) and clean ones do not warn."""
     import warnings as _warnings
 
-    import gpfalkon.auto as auto_module
 
     g = torch.Generator().manual_seed(5)
     y = torch.randn(1000, generator=g, dtype=torch.float64)
     coded = y.clone()
     coded[:5] = -9999.0
     with pytest.warns(RuntimeWarning, match=r"train_y: 5 row\(s\) lie more than 100 robust scales"):
-        auto_module._warn_far_targets(coded)
+        auto_standardise._warn_far_targets(coded)
     chi2 = torch.randn(1000, 3, generator=g, dtype=torch.float64).square().sum(1)
     student = torch.randn(1000, generator=g, dtype=torch.float64) / (chi2 / 3).sqrt()
     sparse = (torch.rand(1000, generator=g, dtype=torch.float64) > 0.9).double() * 1e4
     for ys in (y, student, sparse, coded[:3]):
         with _warnings.catch_warnings():
             _warnings.simplefilter("error")
-            auto_module._warn_far_targets(ys)
+            auto_standardise._warn_far_targets(ys)
     x, yd = make_data(300, 2)
     yd = yd.clone()
     yd[:3] = -9999.0
