@@ -132,6 +132,13 @@ def _check_count(name: str, value: Any, minimum: int = 1) -> int:
     return int(value)
 
 
+def _check_flags(**flags: Any) -> None:
+    """``TypeError`` naming the first of ``flags`` that is not ``True`` or ``False``."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
 @reuse_stores()  # the selection fits of one size share one K_nM store instead of faulting in a fresh one each
 def auto_fit(
     train_x: Tensor,
@@ -550,20 +557,9 @@ def auto_fit(
         raise ValueError(f"min_gain must be >= 0, got {min_gain!r}")
     if isinstance(search_tol, bool) or not (isinstance(search_tol, (int, float)) and 0.0 <= search_tol < 1.0):
         raise ValueError(f"search_tol must be a number in [0, 1), got {search_tol!r}")
-    if not isinstance(grow_select_rows, bool):
-        raise TypeError(f"grow_select_rows must be True or False, got {grow_select_rows!r}")
-    if not isinstance(final_growth, bool):
-        raise TypeError(f"final_growth must be True or False, got {final_growth!r}")
-    if not isinstance(check_growth, bool):
-        raise TypeError(f"check_growth must be True or False, got {check_growth!r}")
-    if not isinstance(growth_noises, bool):
-        raise TypeError(f"growth_noises must be True or False, got {growth_noises!r}")
-    if not isinstance(noise_paths, bool):
-        raise TypeError(f"noise_paths must be True or False, got {noise_paths!r}")
-    if not isinstance(growth_first, bool):
-        raise TypeError(f"growth_first must be True or False, got {growth_first!r}")
-    if not isinstance(rescore_continuations, bool):
-        raise TypeError(f"rescore_continuations must be True or False, got {rescore_continuations!r}")
+    _check_flags(grow_select_rows=grow_select_rows, final_growth=final_growth, check_growth=check_growth,
+                 growth_noises=growth_noises, noise_paths=noise_paths, growth_first=growth_first,
+                 rescore_continuations=rescore_continuations)
     if isinstance(final_growth_factor, bool) or not (isinstance(final_growth_factor, (int, float))
                                                      and 1.25 <= final_growth_factor < math.inf):
         raise ValueError(f"final_growth_factor must be a finite number >= 1.25, got {final_growth_factor!r}")
@@ -577,10 +573,7 @@ def auto_fit(
                          f"got {lengthscale_transform!r}")
     if lengthscale_step not in LENGTHSCALE_STEPS:
         raise ValueError(f"lengthscale_step must be one of {LENGTHSCALE_STEPS}, got {lengthscale_step!r}")
-    if not isinstance(leverage_check, bool):
-        raise TypeError(f"leverage_check must be True or False, got {leverage_check!r}")
-    if not isinstance(calibrate_variance, bool):
-        raise TypeError(f"calibrate_variance must be True or False, got {calibrate_variance!r}")
+    _check_flags(leverage_check=leverage_check, calibrate_variance=calibrate_variance)
     if not (isinstance(tol, (int, float)) and tol >= 0):
         raise ValueError(f"tol must be >= 0, got {tol!r}")
     max_val_rows = _check_count("max_val_rows", max_val_rows)
