@@ -13,21 +13,25 @@ from gpytorch.utils.warnings import GPInputWarning
 
 from gpfalkon import FalkonGP, auto_fit
 from gpfalkon.auto import costs as auto_costs
+from gpfalkon.auto import final as auto_final
 from gpfalkon.auto import fit as auto_fitting
+from gpfalkon.auto import growth as auto_growth
 from gpfalkon.auto import kernels as auto_kernels
+from gpfalkon.auto import learn as auto_learn
 from gpfalkon.auto import loo as auto_loo
 from gpfalkon.auto import race as auto_race
 from gpfalkon.auto import report as auto_reporting
 from gpfalkon.auto import sampling as auto_sampling
 from gpfalkon.auto import scoring as auto_scoring
+from gpfalkon.auto import selection as auto_selection
 from gpfalkon.auto import standardise as auto_standardise
 from gpfalkon.objectives import GCV, SGPRBound
 
 from conftest import DEVICES, dense_kernel, make_data
 
 #: auto_fit's modules; each binds the names it reads (its own imports), so a test's stand-in goes into every one
-AUTO_MODULES = (auto_costs, auto_fitting, auto_kernels, auto_loo, auto_race, auto_reporting, auto_sampling,
-                auto_scoring, auto_standardise)
+AUTO_MODULES = (auto_costs, auto_final, auto_fitting, auto_growth, auto_kernels, auto_learn, auto_loo, auto_race,
+                auto_reporting, auto_sampling, auto_scoring, auto_selection, auto_standardise)
 
 
 def patch_auto(monkeypatch: pytest.MonkeyPatch, name: str, value: object) -> None:
@@ -1006,7 +1010,7 @@ def test_auto_fit_checks_a_grown_final_fit_on_held_out_rows(monkeypatch, verdict
     # held-out rows), there about its validation error
     assert g["level_error"] == pytest.approx(float(res_old.square().mean()), rel=1e-12)
     assert 0.5 * level["error"] < g["level_error"] < 2 * level["error"]
-    assert g["kept"] == (z < auto_fitting.GROWTH_CHECK_Z) and g["kept"] == (verdict < 1)
+    assert g["kept"] == (z < auto_growth.GROWTH_CHECK_Z) and g["kept"] == (verdict < 1)
     # the check's fit: the grown centers on the 1,850 other rows at the level's noise; its residuals are the check
     # rows' (standardised units)
     x_all, _, _ = _data(2000)

@@ -59,7 +59,12 @@ The package, one responsibility per module (each imports only the ones above it 
 - :mod:`~gpfalkon.auto.scoring`: validation errors of a fit or a penalty path, the paired test between two fits;
 - :mod:`~gpfalkon.auto.costs`: the measured cost model (factorisation growth, fit-time extrapolation, growth sizes);
 - :mod:`~gpfalkon.auto.loo`: the exact leave-one-out choice among the learned candidates on a row subsample;
-- :mod:`~gpfalkon.auto.race`: stage 1's objectives raced by Adam on validation error;
+- :mod:`~gpfalkon.auto.race`: stage 1's racers, an objective each, stepped by Adam and scored on validation error;
+- :mod:`~gpfalkon.auto.learn`: stage 1, the race and the leader's progressive subsampling;
+- :mod:`~gpfalkon.auto.selection`: stage 2's selection fits (cached scores, noise and multiplier searches) and the
+  cost model measured on them;
+- :mod:`~gpfalkon.auto.final`: stage 3's model of a level on the final rows, mapped back to raw units;
+- :mod:`~gpfalkon.auto.growth`: the final fit's growth past the last level (its size, its time reserve, its check);
 - :mod:`~gpfalkon.auto.fit`: :func:`auto_fit`, the three stages under one budget.
 """
 from .fit import auto_fit

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from gpytorch.kernels import Kernel, ScaleKernel
+from gpytorch.kernels import Kernel
 from torch import Tensor
 
 from .._validation import check_inputs, check_seed, check_targets
@@ -21,7 +21,6 @@ from ..backend import stored_rows_for
 from ..backend.blocks import available_memory, resolve_store_dtype
 from ..backend.engine import reuse_stores
 from ..centers import (
-    NestedLeverageCenters,
     dictionary_leverage_scores,
     distinct_groups,
     first_distinct,
@@ -38,56 +37,36 @@ from ..options import FalkonOptions
 from .costs import (
     GROWTH_MARGIN,
     GROWTH_STEP,
-    _factor_growth,
-    _growth_cap,
-    _growth_noises,
-    _growth_size,
     _onthefly_pass_seconds,
     _rows_within,
-    _scaled_fit_seconds,
 )
+from .final import _FinalModels
+from .growth import _Growth
 from .kernels import (
     KERNEL_FAMILIES,
     LENGTHSCALE_STEPS,
     LENGTHSCALE_TRANSFORMS,
     _log_lengthscales,
-    _rescale_outputscale,
     _scale_lengthscales,
 )
+from .learn import _Learning
 from .loo import LOO_REFIT_DTYPE, LOO_SHARE, _krr_coefficients, _loo_choice, _loo_score_seconds
-from .race import _ObjectiveRun, _positive_number, _racers, _racers_within
+from .race import _ObjectiveRun, _positive_number, _racers
 from .report import AutoFitReport, _Clock
 from .sampling import _LEVERAGE_CHECK, CENTER_SAMPLING, LEVERAGE_DICTIONARY, LEVERAGE_UNIFORM, _score_uniformity
 from .scoring import (
     _fit_quiet,
     _KeptPreconditioner,
     _paired_z,
-    _path_means,
-    _path_quiet,
-    _path_steps,
-    _path_val_mse,
-    _PathFailed,
     _scoring_fit,
-    _std_residuals,
     _val_mse,
 )
+from .selection import _Selection, score_key
 from .standardise import FLOAT32_FAR_ROWS, _input_location_scale, _warn_far_targets
 
 #: most held-out rows :func:`auto_fit`'s variance calibration uses; fewer at large ``M`` (see
 #: :func:`_calibration_rows`)
 CALIBRATION_ROWS = 1000
-
-#: ``check_growth`` keeps a grown final fit only where its squared errors on the check rows are below the level's
-#: by more than ``-GROWTH_CHECK_Z`` standard errors of their paired mean difference (:func:`_paired_z`): 0, a lower
-#: mean squared error. A tie goes to the level, whose own final fit also takes the check rows; 2 (growth unless
-#: clearly worse) was 2-3 % worse on the development sets (``benchmarks/results/auto-ab-growth-check-z-s*.md``)
-GROWTH_CHECK_Z = 0.0
-
-#: ``final_growth``: the first size's searches keep time for a grown final fit whose predicted time, 1.2 x, takes at
-#: most this share of the time left when they start (up to ``final_growth_factor`` times the first size; docs/math.md
-#: §8 "Reserve at the first size"; 0.5 and twice the first size until session 63, `auto-ab-reserve-share-s*.md`)
-RESERVE_SHARE = 0.65
-
 
 def _sub_seed(seed: int, k: int) -> int:
     """The seed of ``auto_fit``'s ``k``-th own generator (within ``manual_seed``'s range whatever ``seed``)."""
@@ -379,7 +358,7 @@ def auto_fit(
             fixed noise, nested centers lower the minimum of the regularised least-squares objective
             toward the full kernel model's; docs/math.md §8 "Final growth"). The first size's noise and
             multiplier searches stop early enough to pay for such a grown final fit (up to
-            ``final_growth_factor`` times the first size, at most :data:`RESERVE_SHARE` of the time left when they
+            ``final_growth_factor`` times the first size, at most ``RESERVE_SHARE`` of the time left when they
             start), so a budget the searches would use up still buys more centers. Recorded in ``report.chosen``
             (``grown_from``) and the notes. ``False``: the final fit uses the level's centers, and the searches
             keep time for that fit only.
@@ -394,7 +373,7 @@ def auto_fit(
             iterations regularise and hid the over-fit this check is for), on the final rows less the check rows (the
             variance calibration's, up to :data:`CALIBRATION_ROWS` of the held-out rows; the other held-out rows are put
             back), and compared there with the level's selection fit: where its mean squared error is lower
-            (:data:`GROWTH_CHECK_Z`), it is the returned model (without the check rows: the check's price); else the
+            (``GROWTH_CHECK_Z``), it is the returned model (without the check rows: the check's price); else the
             level's own final fit is (on all final rows, its CG started from the level's selection fit and stopped at
             the clock: no time was kept for it). The grown size is sized to the time left as without the check. Recorded
             in ``report.growth``. ``False``: the growth is not validated (the behaviour before this option; the check
@@ -815,145 +794,19 @@ def auto_fit(
         ]
         for r in runners:
             r.points = loo_points
-        rounds = 0
         # the continuations' center draws: how many there are depends on the clock, which must not shift gen's
         # later draws (the selection rows, the center pool, the calibration rows)
         continue_gen = torch.Generator(device=dev).manual_seed(_sub_seed(seed, 3))
-        race_decided = False  # the race ended before race_rounds (race_margin)
-        rows_h = n_h
-        rows_cap = n_tr if max_hyper_rows is None else min(n_tr, max_hyper_rows)
-        t_race = time.perf_counter()
-        while True:
-            active = [r for r in runners if r.active]
-            if not active:
-                break
-            for i, r in enumerate(active):
-                if not r.active:  # cut from the race below
-                    continue
-                clock.tick(f"learn {r.label}", step=r.step)
-                r.advance(max_steps, learn_deadline)
-                if r.active:
-                    r.evaluate(xv_z, yv_z, patience, max_steps)
-                if r.rec["best_error"] < best_state["error"] and r.best is not None:
-                    best_state.update(r.best)
-                if r.rec["curve"]:
-                    err = r.rec["curve"][-1][2]
-                    clock.tick(f"learn {r.label}", step=r.step, val_rmse=f"{math.sqrt(err):.4f}")
-                if rounds == 0 and i == 0 and len(active) > 1 and race_share is not None:
-                    first_round = time.perf_counter() - t_race
-                    kept = _racers_within(first_round, len(active),
-                                          t_stage + race_share * (learn_deadline - t_stage) - t_race)
-                    for cut in active[kept:]:
-                        cut.stop(f"not raced: a round of the first racer took {first_round:.2g} s, "
-                                 f"and {kept} of the {len(active)} racers' first round fits in race_share "
-                                 f"({race_share:g}) of the learning stage")
-                    race_decided = race_decided or kept == 1
-            rounds += 1
-            if time.perf_counter() >= learn_deadline or clock.left() <= 0:
-                for r in runners:
-                    if r.active:
-                        r.stop("learning share of the budget used")
-                break
-            still = [r for r in runners if r.active]
-            # the race: after race_rounds only the leader goes on; from round 2, whoever trails it by more
-            # than race_margin leaves at once
-            by_share = (race_share is not None and rounds < race_rounds
-                        and time.perf_counter() - t_stage >= race_share * (learn_deadline - t_stage))
-            final = rounds == race_rounds or by_share
-            by_margin = race_margin is not None and 2 <= rounds < race_rounds
-            if len(still) > 1 and (final or by_margin):
-                leader = min(still, key=lambda r: r.rec["best_error"])
-                best = leader.rec["best_error"]
-                for r in still:
-                    if r is leader:
-                        continue
-                    if by_margin and r.rec["best_error"] > (1.0 + race_margin) * best:  # type: ignore[operator]
-                        r.stop(f"dropped after {rounds} rounds: best validation error {r.rec['best_error']:.4g} "
-                               f"> (1 + race_margin) x the leader's ({leader.label}, {best:.4g})")
-                    elif by_share:
-                        r.stop(f"dropped after {rounds} rounds: the race used race_share ({race_share:g}) of the "
-                               f"learning stage (leader: {leader.label})")
-                    elif final:
-                        r.stop(f"dropped after {race_rounds} rounds (leader: {leader.label})")
-            live = [r for r in runners if r.active]
-            # a race of several objectives is decided once one is left after round 2 (by race_margin, or the
-            # others failed or stalled): the leader goes on as after race_rounds
-            race_decided = race_decided or (race_margin is not None and len(racers) > 1 and rounds >= 2
-                                            and len(live) == 1) or (by_share and len(live) == 1)
-            start = None
-            rows_next = min(2 * rows_h, rows_cap)
-            lead = live[0] if (rounds >= race_rounds or race_decided) and len(live) == 1 else None
-            stalled = lead is not None and lead.stalled()
-            # the geometric split of the learning share: past level_share of the time left when it started
-            # on these rows, the leader moves on to twice the rows (where it may)
-            level_over = (lead is not None and not stalled and rows_next > rows_h
-                          and rows_next * lead.model.centers.shape[0] <= hyper_entries
-                          and time.perf_counter() - lead.t0 >= level_share * (learn_deadline - lead.t0))
-            if stalled or level_over:
-                start = best_state if best_state["racer"] == live[0].label else (live[0].best or best_state)
-                if rows_next <= rows_h or rows_next * start["centers"].shape[0] > hyper_entries:
-                    # stalled on as many rows as it may use: more steps here buy little; the rest of the
-                    # learning share goes to the selection stage
-                    live[0].stop(f"stalled on {rows_h:,} rows, the most it may use")
-                    start = None
-                elif rows_h > n_h and (live[0].best is None
-                                       or live[0].rec["best_error"] >= live[0].rec.get("start_score", math.inf)):
-                    # a continuation on twice the rows found nothing better than the best point on fewer rows, or
-                    # than its start scored on these rows (rescore_continuations: then what it gained over the score
-                    # on fewer rows was the rows'; its best point is kept, it was learned on more rows): the
-                    # hyperparameters have stopped moving with the rows, and a further doubling would cost twice
-                    # as much per step for the same; the rest of the share goes to selection
-                    live[0].stop(f"stalled on {rows_h:,} rows with no gain over fewer rows" if live[0].best is None
-                                 else f"stalled on {rows_h:,} rows with no gain over its start on these rows "
-                                 f"({live[0].rec['start_score']:.4g})")
-                    start = None
-            if start is not None:
-                # progressive subsampling: the leader has stalled on this many rows; go on from the best point
-                # with twice the rows and sqrt(2) times the centers (both nested; a fresh optimiser)
-                old = live[0]
-                rows_prev, rows_h = rows_h, rows_next
-                c_start = start["centers"]
-                m_next = min(max(c_start.shape[0], round(hyper_centers * (rows_h / n_h) ** hyper_centers_growth)),
-                             hyper_entries // rows_h, rows_h - rows_prev + c_start.shape[0])
-                new_rows = h_perm[rows_prev:rows_h]
-                draw = torch.randperm(new_rows.shape[0], generator=continue_gen, device=dev)
-                # new rows equal to a center (or to an earlier new row) are skipped; the first 4 k + 64 of the draw
-                # are looked at first (k the centers wanted), all of them only where too few of those are distinct
-                k_new = m_next - c_start.shape[0]
-                for look in (min(int(draw.numel()), 4 * k_new + 64), int(draw.numel())):
-                    cand = xt_z[new_rows[draw[:look]]]
-                    new_c = cand[first_distinct(torch.cat([c_start.to(dtype), cand], 0))[c_start.shape[0]:]]
-                    if new_c.shape[0] >= k_new:
-                        break
-                centers_next = torch.cat([c_start.to(dtype), new_c[:k_new]], 0)
-                why = "stalled" if stalled else f"level share ({level_share:g}) used"
-                old.stop(f"{why}; continued on {rows_h:,} rows, {centers_next.shape[0]:,} centers")
-                nxt = h_model(copy.deepcopy(start["kernel"]), float(start["noise"]), centers_next, learn_centers,
-                              rows=rows_h)
-                extra_next = score_extra(centers_next.shape[0])
-                start_score = math.inf  # none: the stop rule above compares with the score on fewer rows only
-                if rescore_continuations:
-                    # the start's own score on the new rows: a scoring fit on twice the rows validates better at
-                    # the same hyperparameters, so a gain over the score on fewer rows may be the rows' alone
-                    try:
-                        start_score = _val_mse(_scoring_fit(nxt, extra_next), xv_z, yv_z)
-                    except Exception as exc:
-                        report.notes.append(f"the start of the continuation on {rows_h:,} rows failed to fit: "
-                                            f"{type(exc).__name__}: {exc}")
-                fam_next = start.get("family", old.family)
-                # (the leader's own label, unless its start is another family's point: the best point so far where
-                # the leader never beat it)
-                label_next = old.label if fam_next == old.family else f"{old.name}@{old.lr:g}/{fam_next}"
-                runners.append(_ObjectiveRun(old.name, nxt, old.lr, eval_every, best_state["error"], extra_next,
-                                             lengthscale_step, label_next,
-                                             start_score=start_score if math.isfinite(start_score) else None,
-                                             family=fam_next))
-                runners[-1].points = loo_points
-        for r in runners:
-            r.rec["steps"] = r.step
-            if r.failed:
-                report.notes.append(f"objective {r.label} stopped: {r.failed}")
-            report.learn.append(r.rec)
+        _Learning(
+            runners=runners, best_state=best_state, report=report, clock=clock, h_model=h_model,
+            score_extra=score_extra, xt_z=xt_z, h_perm=h_perm, xv_z=xv_z, yv_z=yv_z, n_h=n_h,
+            rows_cap=n_tr if max_hyper_rows is None else min(n_tr, max_hyper_rows), n_racers=len(racers),
+            hyper_centers=hyper_centers, hyper_centers_growth=hyper_centers_growth, hyper_entries=hyper_entries,
+            max_steps=max_steps, patience=patience, eval_every=eval_every, race_rounds=race_rounds,
+            race_margin=race_margin, race_share=race_share, level_share=level_share, learn_deadline=learn_deadline,
+            t_stage=t_stage, learn_centers=learn_centers, lengthscale_step=lengthscale_step,
+            rescore_continuations=rescore_continuations, loo_points=loo_points, continue_gen=continue_gen,
+        ).run()
         del runners
         report.stages["learn"] = time.perf_counter() - t_stage
         if best_state.get("family") is not None:
@@ -970,30 +823,6 @@ def auto_fit(
         m_first = min(n_s, max(min_centers, int(learned_c.shape[0]) if learn_centers else m_h), max_centers)
         grow_rows = grow_select_rows and n_tr > n_s
         n_back = xv.shape[0] if (val_x is None and refit_on_all) else 0  # held-out rows the final fit puts back
-        level_rows: dict[int, tuple[Tensor, Tensor]] = {n_s: (xs, ys)}
-
-        def rows_at(m: int) -> int:
-            """Selection rows of the fits at ``m`` centers: ``n_s`` at the first size; with ``grow_rows``, as many
-            more nested rows as the centers grew (the first size's rows per center), at most the training rows."""
-            if not grow_rows or m <= m_first:
-                return n_s
-            return min(n_tr, round(n_s * m / m_first))
-
-        def rows_of(m: int) -> tuple[Tensor, Tensor]:
-            """The standardised selection rows (inputs, targets) of the fits at ``m`` centers (the first size's
-            and the latest other size's are kept; an earlier one is gathered again)."""
-            r = rows_at(m)
-            if r not in level_rows:
-                for old in [k for k in level_rows if k != n_s]:
-                    del level_rows[old]
-                level_rows[r] = (xt_z[s_order[:r]], yt_z[s_order[:r]])
-            return level_rows[r]
-
-        def fewest_final_rows(m: int) -> int:
-            """The fewest rows a final fit at ``m`` centers takes: every final row, or with ``grow_rows`` the
-            size's selection rows plus the held-out rows put back (what its validation error was measured on,
-            and the validation rows)."""
-            return min(n_final, rows_at(m) + n_back) if grow_rows else n_final
         # nested centers: the learned / stage-1 centers first, then random selection rows, each distinct in value
         # from those before it (first_distinct)
         s_all = torch.randperm(n_s, generator=gen, device=dev)  # also the leverage dictionary's uniform draw
@@ -1005,11 +834,7 @@ def auto_fit(
             c_pool = c_pool[first_distinct(c_pool)]
         n_pool = int(c_pool.shape[0])  # the uniform pool's size: the distinct selection rows (and learned centers)
         m_first = min(m_first, n_pool)
-        # the pool every size draws its centers from: "uniform" (prefixes of c_pool) or "leverage"
-        # (prefixes of a nested leverage-score stream over the selection rows, with their weights D)
-        pool: dict[str, Any] = dict(kind="uniform", nested=None)
         base_kernel = best_state["kernel"]
-        cache: dict[tuple[int, float, float, str], float] = {}
         # the selection fits' preconditioners keep their penalty-free factor (T, T T^T / M): the noise
         # searches refit the same kernel and centers at another penalty, which then costs one M^3 / 3
         # Cholesky instead of M^3 (bit for bit the same fit); freed before the final fit
@@ -1020,253 +845,22 @@ def auto_fit(
         # are kept (CALIBRATION_ROWS float64 values a fit) for the chosen level's
         cal_idx = torch.randperm(xv.shape[0], generator=torch.Generator(device=dev).manual_seed(_sub_seed(seed, 1)),
                                  device=dev)[:CALIBRATION_ROWS]
-        cal_residuals: dict[tuple[int, float, float, str], Tensor] = {}
-        # each selection fit's coefficients (M float64 values a fit, standardised units): the final fit of the
-        # chosen level starts CG from them (``f = k(., Z) alpha`` is the same function on any rows)
-        sel_alpha: dict[tuple[int, float, float, str], Tensor] = {}
         # the calibration rows gathered once (standardised), not at every selection fit
         xv_cal, yv_cal = xv_z[cal_idx], yv_z[cal_idx].to(torch.float64)
 
-        def score_key(m: int, noise: float, mult: float, kind: str) -> tuple[int, float, float, str]:
-            """The key of a selection fit (its cached error and its calibration residuals)."""
-            return (int(m), round(math.log(noise), 6), round(math.log(mult), 6), kind)
-
-        def centers_at(m: int, kind: str | None = None) -> tuple[Tensor, Tensor | None]:
-            """The ``m`` nested centers of the pool ``kind`` (default: the current one) and their weights."""
-            kind = pool["kind"] if kind is None else kind
-            if kind == "uniform":
-                return c_pool[:m], None
-            nested: NestedLeverageCenters = pool["nested"]
-            sel = nested.select(xs, m)
-            return sel.centers, sel.weights
-
-        def pool_limit() -> int:
-            return n_pool if pool["kind"] == "uniform" else min(n_s, pool["nested"].size)
-
         # the selection fits keep their calibration residuals for the variance calibration and the growth check
         keep_cal = (calibrate_variance and n_back > 0) or check_growth
-
-        def selection_model(m: int, noise: float, mult: float, kind: str) -> FalkonGP:
-            """The (unfitted) selection model at ``m`` centers of the pool ``kind``, at ``noise`` and ``mult``, on the
-            selection rows of ``m``."""
-            k = copy.deepcopy(base_kernel)
-            _scale_lengthscales(k, mult)
-            c_m, w_m = centers_at(m, kind)
-            x_m, y_m = rows_of(m)
-            return FalkonGP(x_m, y_m, kernel=k, centers=c_m, center_weights=w_m, penalty=noise / x_m.shape[0],
-                            max_iter=score_iter, tol=tol, options=select_options)
-
-        def record(m: int, noises: Sequence[float], mult: float, kind: str, errors: Sequence[float], seconds: float,
-                   converged: bool, info: Any | None, **extra: Any) -> None:
-            """Cache the validation errors of the selection fits at ``noises`` and record them in ``report.search``
-            (the CG's iterations, method and times from ``info``, the fit's or path's :class:`CGInfo`)."""
-            parts = info.extra if info is not None else {}
-            for v, err in zip(noises, errors, strict=True):
-                cache[score_key(m, v, mult, kind)] = err
-                report.search.append(dict(M=m, rows=rows_at(m), noise=v, multiplier=mult, error=err, seconds=seconds,
-                                          converged=converged,
-                                          iterations=info.iterations if info is not None else None, centers=kind,
-                                          precond_seconds=float(parts.get("preconditioner_seconds", 0.0)),
-                                          apply_seconds=float(parts.get("precond_apply_seconds", 0.0)),
-                                          direct=parts.get("method") == "direct", **extra))
-            best = min(errors)
-            clock.tick(f"select M={m}", val_rmse=f"{math.sqrt(best):.4f}" if math.isfinite(best) else "inf")
-
-        def score(m: int, noise: float, mult: float, kind: str | None = None) -> float:
-            """The validation error of a selection fit at ``m`` centers of the pool ``kind``, at ``noise`` and
-            ``mult``, on the selection rows of ``m``."""
-            kind = pool["kind"] if kind is None else kind
-            key = score_key(m, noise, mult, kind)
-            if key in cache:
-                return cache[key]
-            t = time.perf_counter()
-            info = None
-            try:
-                mod, conv = _fit_quiet(selection_model(m, noise, mult, kind))
-                err = _val_mse(mod, xv_z, yv_z)
-                if keep_cal and math.isfinite(err):
-                    cal_residuals[key] = yv_cal - mod.posterior_mean(xv_cal).to(torch.float64)
-                if math.isfinite(err):
-                    sel_alpha[key] = mod.alpha.detach().reshape(-1).clone()
-                info = mod.fit_info
-                del mod
-                if not math.isfinite(err):  # NaN / inf predictions: an infeasible point
-                    err = math.inf
-            except Exception as exc:
-                err, conv = math.inf, False
-                report.notes.append(f"selection fit M={m} noise={noise:.3g} mult={mult:.3g} failed: {exc}")
-            record(m, [noise], mult, kind, [err], time.perf_counter() - t, conv, info)
-            return err
-
-        def score_path(m: int, noises: Sequence[float], mult: float, kind: str | None = None) -> list[float]:
-            """The validation errors of selection fits at ``m`` centers of the pool ``kind`` at each of ``noises`` and
-            ``mult``, as :func:`score` gives one: those not scored yet from one penalty path, one CG for all of them
-            (:meth:`FalkonGP.fit_penalty_path <gpfalkon.FalkonGP.fit_penalty_path>`, each column the fit at its noise,
-            about one fit plus a factorisation and a preconditioner's solves per further noise) and scored by one
-            kernel pass over the validation rows for all (:func:`_path_val_mse`), recorded as :func:`score` records a
-            fit, with ``path`` (the noises solved together) and the path's ``seconds``; one noise left:
-            :func:`score`. A path that raises caches nothing and raises :class:`_PathFailed` (noted in the report)."""
-            kind = pool["kind"] if kind is None else kind
-            todo = [v for v in dict.fromkeys(noises) if score_key(m, v, mult, kind) not in cache]
-            if len(todo) == 1:
-                score(m, todo[0], mult, kind)
-            elif todo:
-                t = time.perf_counter()
-                try:
-                    mod = selection_model(m, todo[0], mult, kind)
-                    path, conv = _path_quiet(mod, [v / mod.n for v in todo], None, None)
-                    errs = [e if math.isfinite(e) else math.inf for e in _path_val_mse(mod, path, xv_z, yv_z)]
-                    cal = yv_cal.unsqueeze(0) - _path_means(mod, path, xv_cal) if keep_cal else None
-                    alphas = [path.alphas[j].detach().reshape(-1).clone() for j in range(len(todo))]
-                    info = path.info
-                    del mod, path
-                except Exception as exc:
-                    # nothing is cached: the search's single fits score these noises (a path fails whole where one
-                    # of its penalties breaks CG down; one fit at a time loses only that one)
-                    report.notes.append(f"selection path M={m} noises={', '.join(f'{v:.3g}' for v in todo)} "
-                                        f"mult={mult:.3g} failed ({type(exc).__name__}: {exc}); single fits instead")
-                    raise _PathFailed(str(exc)) from exc
-                for j, v in enumerate(todo):
-                    if math.isfinite(errs[j]):
-                        key = score_key(m, v, mult, kind)
-                        if cal is not None:
-                            cal_residuals[key] = cal[j]
-                        sel_alpha[key] = alphas[j]
-                record(m, todo, mult, kind, errs, time.perf_counter() - t, conv, info, path=len(todo))
-            return [cache[score_key(m, v, mult, kind)] for v in noises]
-
-        def line_search(m: int, point: dict[str, float], which: str, factor: float, lo: float, hi: float,
-                        deadline: float) -> None:
-            """Log-spaced 1-D search around ``v = point[which]``: steps of ``factor`` downwards while the error
-            falls by more than ``search_tol`` (relative); if the first step down did not improve, steps upwards
-            likewise (so the grid keeps extending past its edge as long as the best point is at that edge by a
-            margin), within ``[lo, hi]`` and the deadline. A lower error is always kept, even when its gain
-            ends the search. A start outside ``[lo, hi]`` is first moved to the nearest bound."""
-            if not lo <= point[which] <= hi:
-                clamped = min(max(point[which], lo), hi)
-                trial = dict(point, **{which: clamped})
-                point.update(trial, error=score(m, trial["noise"], trial["multiplier"]))
-            best = point["error"]
-            for direction in (1.0 / factor, factor):
-                v = point[which]
-                moved = False
-                # a fit is started only when the slowest one at this size so far would end by the deadline
-                while time.perf_counter() + last_fit_seconds(m) < deadline:
-                    cand = v * direction
-                    if not lo <= cand <= hi:
-                        break
-                    trial = dict(point, **{which: cand})
-                    e = score(m, trial["noise"], trial["multiplier"])
-                    if e < best:
-                        flat = e > best * (1.0 - search_tol)
-                        best, v, moved = e, cand, True
-                        point.update(trial, error=e)
-                        if flat:
-                            break
-                    else:
-                        break
-                if moved:
-                    return  # went down: the first step up is not tried (one descent direction per search)
-
-        def noise_search(m: int, point: dict[str, float], factor: float, width: int, lo: float, hi: float,
-                         deadline: float) -> None:
-            """Log-spaced search of the noise around ``v = point["noise"]`` by penalty paths (:func:`_path_steps` on
-            the steps ``v factor^j``, each path scored by :func:`score_path`), within ``[lo, hi]`` and the deadline: a
-            path is started only when its prediction (:func:`predicted_fit_seconds` at its number of noises; one
-            noise: the slowest single fit at ``m``) ends by then. A start outside ``[lo, hi]``, a deadline that
-            leaves no room for a path of the nearest step on each side, or a path that fails (from the best point the
-            paths before it found): :func:`line_search`'s single fits."""
-            if not lo <= point["noise"] <= hi:
-                line_search(m, point, "noise", factor, lo, hi, deadline)
-                return
-            v0, mult = point["noise"], point["multiplier"]
-
-            def at(j: int) -> float:
-                return v0 * factor**j
-
-            def fits(columns: int) -> bool:
-                cost = predicted_fit_seconds(m, m, 1.0, columns=columns) if columns > 1 else last_fit_seconds(m)
-                return time.perf_counter() + cost < deadline
-
-            scored: dict[int, float] = {}
-
-            def scores(steps: list[int]) -> list[float]:
-                errs = score_path(m, [at(j) for j in steps], mult)
-                scored.update(zip(steps, errs, strict=True))
-                return errs
-
-            try:
-                found = _path_steps(scores, point["error"], width, lambda j: lo <= at(j) <= hi, fits, search_tol)
-            except _PathFailed:
-                found = None
-                if scored:  # the best of the paths that ran, then the single fits from there
-                    best = min(scored, key=lambda j: (scored[j], abs(j)))
-                    if scored[best] < point["error"]:
-                        point.update(noise=at(best), error=scored[best])
-            if found is None:
-                line_search(m, point, "noise", factor, lo, hi, deadline)
-            elif found[0] != 0:
-                point.update(noise=at(found[0]), error=found[1][found[0]])
-
-        def single_fits(m: int) -> list[dict[str, Any]]:
-            """The selection fits at ``m`` made one at a time (a path's records are not one fit's time)."""
-            return [r for r in report.search if r["M"] == m and not r.get("path")]
-
-        def last_fit_seconds(m: int) -> float:
-            times = [r["seconds"] for r in single_fits(m)]
-            return max(times) if times else 0.0
-
-        pass_cache: dict[int, float] = {}
-
-        def onthefly_pass_seconds(m: int) -> float:
-            """One ``K_Mn (K_nM u)`` pass over the selection rows with ``K_nM`` recomputed block by block
-            (measured once per ``m``)."""
-            if m not in pass_cache:
-                pass_cache[m] = _onthefly_pass_seconds(base_kernel, xs, centers_at(m)[0])
-            return pass_cache[m]
-
-        growth_cache: dict[int, float] = {}
-
-        def factor_growth_at(m: int) -> float:
-            """The factorisations' measured ``t(2 m) / t(m)`` (:func:`_factor_growth`, once per size and call)."""
-            if m not in growth_cache:
-                growth_cache[m] = _factor_growth(m, dev)
-            return growth_cache[m]
-
-        def predicted_fit_seconds(m: int, m_new: int, rows_ratio: float | None = None, columns: int = 1) -> float:
-            """A fit at ``m_new`` centers on ``rows_ratio`` times the rows of the selection fits measured at
-            ``m`` (default: on the selection rows of ``m_new``), at ``columns`` penalties at once, predicted from
-            those fits by :func:`_scaled_fit_seconds`."""
-            ratio = rows_at(m_new) / rows_at(m) if rows_ratio is None else rows_ratio
-            return _scaled_fit_seconds(single_fits(m), m_new / m, ratio, columns,
-                                       factor_growth_at(m))
-
-        def fit_cost(m: int, base: int, rows: int, iterations: int, columns: int = 1) -> float:
-            """A fit at ``m`` centers on ``rows`` rows with at most ``iterations`` CG iterations, predicted
-            from the selection fits at ``base``: scaled to the rows (FALKON's passes are linear in the rows,
-            its factorisations and triangular solves independent of them) while its ``K_nM`` fits the memory
-            budget (stored, as it was in the selection fits); beyond it the engine stores the rows that fit
-            and every CG iteration recomputes the others: ``iterations + 2`` measured on-the-fly passes over
-            those rows on top. ``columns``: penalties solved at once (:func:`_scaled_fit_seconds`)."""
-            cost = predicted_fit_seconds(base, m, max(1.0, rows / rows_at(base)), columns)
-            head = stored_rows_for(rows, m, itemsize, budget_at(m), device=dev, store_dtype=store_dtype, d=d)
-            if head < rows:
-                recompute = (iterations + 2) * onthefly_pass_seconds(m) * (rows - head) / n_s
-                # plus a fit on the first size's n_s rows: the parts that do not grow with the rows
-                cost = max(cost, cost * head / rows + recompute
-                           + predicted_fit_seconds(base, m, n_s / rows_at(base), columns))
-            return cost
-
-        def final_cost(m: int, base: int | None = None, rows: int | None = None, columns: int = 1) -> float:
-            """The final fit at ``m`` on ``rows`` final rows (default: all of them) at ``columns`` penalties at
-            once, predicted from the selection fits at ``base`` (default ``m`` itself) by :func:`fit_cost`."""
-            return fit_cost(m, m if base is None else base, n_final if rows is None else rows, max_iter, columns)
-
-        def select_cost(m_new: int, m: int) -> float:
-            """One selection fit at ``m_new`` centers (on its selection rows), predicted from those at ``m``: with
-            ``grow_rows`` by :func:`fit_cost` (its rows may cross the memory budget), else the stored-``K_nM``
-            closed form (the ``n_s`` rows stay as they were)."""
-            return fit_cost(m_new, m, rows_at(m_new), score_iter) if grow_rows else predicted_fit_seconds(m, m_new)
+        # the pool every size draws its centers from: "uniform" (prefixes of c_pool) or "leverage"
+        # (prefixes of a nested leverage-score stream over the selection rows, with their weights D); each
+        # selection fit's coefficients (M float64 values a fit, standardised units) are kept: the final fit of the
+        # chosen level starts CG from them (``f = k(., Z) alpha`` is the same function on any rows)
+        fits = _Selection(
+            xt_z=xt_z, yt_z=yt_z, s_order=s_order, n_s=n_s, m_first=m_first, grow_rows=grow_rows, n_back=n_back,
+            n_final=n_final, xs=xs, ys=ys, c_pool=c_pool, base_kernel=base_kernel, score_iter=score_iter,
+            max_iter=max_iter, tol=tol, options=select_options, xv_z=xv_z, yv_z=yv_z, xv_cal=xv_cal, yv_cal=yv_cal,
+            keep_cal=keep_cal, search_tol=search_tol, report=report, clock=clock, budget_at=budget_at,
+            store_dtype=store_dtype,
+        )
 
         if val_x is None and refit_on_all:
             x_fin, y_fin = torch.cat([xt, xv], 0), torch.cat([yt, yv], 0)
@@ -1275,84 +869,11 @@ def auto_fit(
         x_fin_t = x_fin.to(dtype)
         y_fin_t = y_fin.to(dtype)
 
-        def start_for(level: dict[str, Any], m: int) -> Tensor | None:
-            """CG's starting coefficients (standardised units) for a final fit of ``level`` at its pool's first
-            ``m`` centers: the level's selection fit's (its centers are the pool's first ones: both pools are
-            nested), zero for the centers a grown level adds after them; ``None`` where that fit was not kept or
-            ``m`` is below its size."""
-            m_sel = int(level.get("grown_from") or level["M"])
-            a = sel_alpha.get(score_key(m_sel, level["noise"], level["multiplier"], level["centers"]))
-            if a is None or a.numel() != m_sel or m < m_sel:
-                return None
-            return torch.cat([a, a.new_zeros(m - m_sel)])
-
-        def build_final(level: dict[str, Any], time_limit: float | None = None,
-                        centers: Tensor | None = None, weights: Tensor | None = None,
-                        rows: int | None = None, keeper: _KeptPreconditioner | None = None,
-                        start: Tensor | None = None, leave_out: Tensor | None = None,
-                        kernel_z: Kernel | None = None, data_dtype: torch.dtype | None = None) -> tuple[FalkonGP, bool]:
-            """The model of a selection level on the final rows, in raw units (:func:`final_model`), fitted;
-            (model, converged). ``time_limit`` bounds the fit's wall time (CG stops at the clock, see
-            ``FalkonGP.fit``)."""
-            model, initial = final_model(level, centers=centers, weights=weights, rows=rows, keeper=keeper,
-                                         start=start, leave_out=leave_out, kernel_z=kernel_z, data_dtype=data_dtype)
-            return _fit_quiet(model, time_limit=time_limit, initial_alpha=initial)
-
-        def final_model(level: dict[str, Any], centers: Tensor | None = None, weights: Tensor | None = None,
-                        rows: int | None = None, keeper: _KeptPreconditioner | None = None,
-                        start: Tensor | None = None, leave_out: Tensor | None = None,
-                        kernel_z: Kernel | None = None,
-                        data_dtype: torch.dtype | None = None) -> tuple[FalkonGP, Tensor | None]:
-            """The model of a selection level on the final rows, in raw units, not fitted, and the coefficients
-            its CG starts from (raw units, or ``None``). ``centers`` (standardised units) and their preconditioner
-            ``weights`` replace the level's, ``start`` (standardised units) their coefficients CG starts from;
-            without ``centers``, CG starts from the level's selection fit (:func:`start_for`): in raw units
-            ``f = y_mu + y_sd f_z`` with the kernel scaled by ``y_sd^2``, so the coefficients are ``alpha_z / y_sd``.
-            ``rows`` (default: all final rows) takes the first ``rows - n_back`` selection-order training rows (every
-            size's selection rows come first) and the held-out rows put back; ``leave_out`` (indices of held-out rows,
-            with ``rows`` all final rows) keeps those held-out rows out of the fit; ``keeper`` builds the fit's
-            preconditioner and keeps it; ``kernel_z`` (standardised units) replaces the chosen kernel;
-            ``data_dtype`` replaces ``dtype`` as the model's data, kernel and centers dtype."""
-            x_use, y_use = x_fin_t, y_fin_t
-            if leave_out is not None and n_back > 0:
-                back = torch.ones(n_back, dtype=torch.bool, device=dev)
-                back[leave_out] = False
-                idx = torch.cat([torch.arange(n_tr, device=dev), n_tr + back.nonzero().reshape(-1)])
-                x_use, y_use = x_fin_t[idx], y_fin_t[idx]
-            elif rows is not None and rows < x_fin.shape[0]:
-                idx = torch.cat([s_order[: rows - n_back], torch.arange(n_tr, n_tr + n_back, device=dev)])
-                x_use, y_use = x_fin_t[idx], y_fin_t[idx]
-            m_fin = min(level["M"], x_use.shape[0])
-            fin_kernel = copy.deepcopy(base_kernel if kernel_z is None else kernel_z)
-            _scale_lengthscales(fin_kernel, level["multiplier"])
-            # back to raw units: x = mu + sd * z, so an ARD lengthscale l on z is l * sd on x; y = y_mu + y_sd * z
-            if isinstance(kernel, str):
-                with torch.no_grad():
-                    fin_kernel.base_kernel.lengthscale = fin_kernel.base_kernel.lengthscale * x_sd.to(dtype)
-            if isinstance(fin_kernel, ScaleKernel):
-                _rescale_outputscale(fin_kernel, float(y_sd) ** 2)
-            else:
-                wrapped = ScaleKernel(fin_kernel).to(dtype=dtype, device=dev)
-                with torch.no_grad():
-                    wrapped.outputscale = torch.tensor(float(y_sd) ** 2, dtype=dtype, device=dev)
-                fin_kernel = wrapped
-            if centers is None:
-                centers, weights = centers_at(m_fin, level.get("centers"))
-                start = start_for(level, int(centers.shape[0]))
-            chosen_c = centers
-            centers_raw = (chosen_c.to(torch.float64) * x_sd + x_mu).to(dtype)
-            noise_raw = level["noise"] * float(y_sd) ** 2
-            if data_dtype is not None and data_dtype != dtype:
-                x_use, y_use = x_use.to(data_dtype), y_use.to(data_dtype)
-                fin_kernel, centers_raw = fin_kernel.to(dtype=data_dtype), centers_raw.to(data_dtype)
-            model = FalkonGP(x_use, y_use, kernel=fin_kernel, centers=centers_raw,
-                             penalty=noise_raw / x_use.shape[0], mean_constant=float(y_mu), max_iter=max_iter, tol=tol,
-                             center_weights=weights,
-                             options=None if keeper is None else FalkonOptions(preconditioner=keeper))
-            initial = None
-            if start is not None and start.numel() == model.alpha.numel():
-                initial = (start.to(torch.float64) / float(y_sd)).reshape(model.alpha.shape)
-            return model, initial
+        final_models = _FinalModels(
+            fits=fits, x_fin=x_fin_t, y_fin=y_fin_t, n_tr=n_tr, n_back=n_back, s_order=s_order,
+            base_kernel=base_kernel, raw_lengthscales=isinstance(kernel, str), x_mu=x_mu, x_sd=x_sd, y_mu=y_mu,
+            y_sd=y_sd, max_iter=max_iter, tol=tol,
+        )
 
         def calibration_scale(final: FalkonGP, precond: FalkonPreconditioner | None) -> float:
             """``c = mean(r^2 / v)`` on the calibration rows (raw units; see ``calibrate_variance``)."""
@@ -1362,9 +883,9 @@ def auto_fit(
             if cal_seen:  # the final fit took the calibration rows back: the residuals of the selection fit
                 # that scored the chosen level (a grown final fit's are its level's)
                 key = score_key(best_level["M"], best_level["noise"], best_level["multiplier"], centers_kind)
-                if key not in cal_residuals:
+                if key not in fits.cal_residuals:
                     raise LookupError("the chosen level's selection residuals were not kept")
-                r = cal_residuals[key][:rows] * float(y_sd)
+                r = fits.cal_residuals[key][:rows] * float(y_sd)
             else:
                 with torch.no_grad():
                     r = yv[idx] - final.posterior_mean(x_c).to(torch.float64)
@@ -1388,188 +909,17 @@ def auto_fit(
             level["elapsed"] = clock.elapsed()
             if level_callback is not None and math.isfinite(level["error"]):
                 t_cb = time.perf_counter()
-                level_callback(dict(level), lambda: build_final(level)[0])
+                level_callback(dict(level), lambda: final_models.fit(level)[0])
                 spent = time.perf_counter() - t_cb
                 clock.t0 += spent  # the budget excludes the caller's evaluation
                 callback_seconds[0] += spent
 
-        def stored_growth_need(m: int, m_new: int) -> float:
-            """Seconds a growth from ``m`` to ``m_new`` needs with every ``K_nM`` stored: four selection fits
-            and 1.2 x the final fit at ``m_new`` on its fewest rows (:func:`fewest_final_rows`), predicted from the
-            fits at ``m`` (a closed form: no measurement, unlike :func:`fit_cost` past the memory budget)."""
-            return 4 * predicted_fit_seconds(m, m_new) + 1.2 * predicted_fit_seconds(
-                m, m_new, max(1.0, fewest_final_rows(m_new) / rows_at(m)))
-
-        def growth_cap(m: int, factor: float = 2.0) -> int:
-            """The most centers ``final_growth`` gives a level at ``m`` (:func:`_growth_cap`), within the pool,
-            ``max_centers`` and the final rows."""
-            return _growth_cap(m, factor, x_fin.shape[0], min(pool_limit(), max_centers, x_fin.shape[0]))
-
-        def reserve_size(m: int) -> int:
-            """The final fit's size the first size's searches (at ``m``) keep time for: with ``final_growth``,
-            the largest size down from :func:`growth_cap` at ``final_growth_factor`` (steps of 1.15, at least
-            ``1.25 m``) whose predicted final fit, 1.2 x, takes at most :data:`RESERVE_SHARE` of the time left, and
-            whose final ``K_nM`` fits the memory budget (the stored-K prediction, no measured pass); else ``m``.
-            Searches the clock cuts short then still leave the final fit room to grow: a budget that pays for
-            little more than the first size buys more centers rather than a finer search at too few of them.
-            (Later sizes are admitted by the growth step's own prediction of their fits and final fit, and keep
-            time for their own final fit only: `benchmarks/results/auto-ab-reserve.md`.)"""
-            if not final_growth:
-                return m
-            left = clock.left()
-            m_g = growth_cap(m, final_growth_factor)
-            while m_g >= 1.25 * m:
-                if (stored_rows_for(n_final, m_g, itemsize, budget_at(m_g), device=dev,
-                                    store_dtype=store_dtype, d=d) >= n_final
-                        and 1.2 * final_cost(m_g, base=m) <= RESERVE_SHARE * left):
-                    return m_g
-                m_g = int(m_g / GROWTH_STEP)
-            return m
-
-        def search_deadline(m: int, m_reserve: int) -> float:
-            """The deadline of a line search at ``m``: the budget less 1.2 x the final fit at ``m_reserve``
-            (:func:`reserve_size`, ``>= m``) predicted from the fits at ``m`` (at ``m_reserve = m``, the final
-            fit at ``m`` itself; every part of the prediction grows with the size, so a reserve never leaves
-            less time than that)."""
-            return clock.t0 + budget - 1.2 * final_cost(m_reserve, base=m)
-
-        def growth_rows() -> int:
-            """The rows of a grown final fit: the final rows, less the check rows with ``check_growth``
-            (:func:`checked_growth`)."""
-            return n_final - min(n_back, int(cal_idx.shape[0])) if check_growth else n_final
-
-        def growth_noise_list(level: dict[str, Any]) -> list[float]:
-            """The noises a grown fit of ``level`` solves at once: :func:`_growth_noises` with ``check_growth`` and
-            ``growth_noises``, else the level's noise."""
-            if check_growth and growth_noises:
-                return _growth_noises(float(level["noise"]), float(level["error"]))
-            return [float(level["noise"])]
-
-        def growth_reach(m_b: int, columns: int, spend: float = 0.0, base: int | None = None,
-                         stored_only: bool = False, refine: bool = True) -> int:
-            """The centers :func:`grown_level` gives a level at ``m_b`` with the time left less ``spend`` seconds:
-            :func:`_growth_size` from :func:`growth_cap` (``final_growth_factor``) for the final fit on
-            :func:`growth_rows` at ``columns`` noises, predicted from the selection fits at ``base`` (default
-            ``m_b``); the time is read again after each prediction (one past the memory budget measures a pass),
-            and the refinement within the last step takes stored sizes only (none without ``refine``: the
-            ``growth_first`` comparison of two predictions stays on the steps of 1.15). ``stored_only``: sizes whose
-            final ``K_nM`` would not be stored are passed over (no pass measured: a prediction only)."""
-            rows = growth_rows()
-            on = m_b if base is None else base
-
-            def stored(m: int) -> bool:
-                return stored_rows_for(rows, m, itemsize, budget_at(m), device=dev, store_dtype=store_dtype,
-                                       d=d) >= rows
-
-            def cost(m: int) -> float:
-                return (final_cost(m, base=on, rows=rows, columns=columns) if not stored_only or stored(m)
-                        else math.inf)
-
-            return _growth_size(cost, m_b, growth_cap(m_b, final_growth_factor), lambda: clock.left() - spend,
-                                stored if refine else lambda m: False)
-
-        def grown_level(level: dict[str, Any]) -> dict[str, Any]:
-            """``final_growth``: the level with more nested centers for the final fit, as many as the time
-            left pays for (at most ``final_growth_factor M``, the pool and :func:`_growth_cap`'s bound, at least
-            ``1.25 M``), or the level itself where growth does not apply. The final fit of a candidate ``m`` is
-            predicted by ``final_cost`` from the level's measured selection fits (:func:`_scaled_fit_seconds`:
-            each part of a fit scaled by its own power of ``m / M``), on the rows it will take (with
-            ``check_growth`` the final rows less the check rows: :func:`checked_growth`), and must fit the time
-            left with the 1.2 margin every other prediction of this function keeps (docs/math.md §8 "Final
-            growth")."""
-            m_b = int(level["M"])
-            why = None
-            if not stopped_by_budget:
-                why = "stage 2 did not stop for time"
-            elif level is not levels[-1]:
-                why = f"the chosen level (M={m_b}) is not the largest"
-            elif lev_centers is not None:
-                why = "the leverage check's centers are used"
-            if why is not None:
-                report.notes.append(f"final growth skipped: {why}")
-                return level
-            m_cap = growth_cap(m_b, final_growth_factor)
-            if m_cap < 1.25 * m_b:
-                cap = ("max_centers" if m_cap == max_centers else "the final rows" if m_cap == x_fin.shape[0]
-                       else f"the pool's {pool_limit()} centers")
-                report.notes.append(f"final growth skipped: {cap} allow no M >= {math.ceil(1.25 * m_b)}")
-                return level
-            noises = growth_noise_list(level)
-            m_try = growth_reach(m_b, len(noises))
-            if m_try < 1.25 * m_b:
-                report.notes.append(f"final growth skipped: {clock.left():.3g} s left pay for no final fit "
-                                    f"with M >= {math.ceil(1.25 * m_b)}")
-                return level
-            predicted = final_cost(m_try, base=m_b, rows=growth_rows(), columns=len(noises))
-            at_noise = ("the level's noise" if len(noises) == 1 else
-                        "noises " + ", ".join(f"{v:.3g}" for v in noises) + " (one CG; the check rows choose)")
-            report.notes.append(f"final fit's centers grown from M={m_b} to M={m_try} at {at_noise} and the level's "
-                                f"multiplier ({clock.left():.3g} s left)")
-            return dict(level, M=m_try, grown_from=m_b, final_predicted=predicted, noises=noises)
-
-        def checked_growth(level: dict[str, Any],
-                           keeper: _KeptPreconditioner | None) -> tuple[FalkonGP, bool] | None:
-            """``check_growth``: the grown ``level``'s fit on the final rows less the check rows (the calibration's
-            held-out rows; where no held-out rows are put back it is the final fit itself), compared there with the
-            level's selection fit: ``(model, converged)`` where the paired difference of their squared errors is
-            below :data:`GROWTH_CHECK_Z` standard errors (:func:`_paired_z`; 0: a lower mean squared error), else
-            ``None`` (recorded in ``report.growth``). The level's noise was selected for its ``M`` centers, and more
-            centers at that noise can over-fit (docs/math.md §8 "Growth check")."""
-            t_g = time.perf_counter()
-            m_b = int(level["grown_from"])
-            key = score_key(m_b, level["noise"], level["multiplier"], level["centers"])
-            limit = max(clock.left(), GROWTH_MARGIN * level["final_predicted"], 1e-3)  # sized to the time left
-            x_chk, y_chk = xv[cal_idx].to(dtype), yv[cal_idx].to(torch.float64)
-            noises = [float(v) for v in level.get("noises", [level["noise"]])]
-            errors: list[float] = []
-            if len(noises) == 1:
-                model, converged = build_final(level, keeper=keeper, leave_out=cal_idx if n_back > 0 else None,
-                                               time_limit=limit)
-                res_g = _std_residuals(model, x_chk, y_chk, float(y_sd))
-                chosen = 0
-            else:
-                # one CG for every noise (a penalty path), the check rows choose among them
-                model, initial = final_model(level, leave_out=cal_idx if n_back > 0 else None)
-                rows_g = int(model.train_targets.shape[0])
-                scale = float(y_sd) ** 2 / rows_g
-                path, converged = _path_quiet(model, [v * scale for v in noises], limit, initial)
-                res_all = (y_chk.unsqueeze(0) - model.path_means(path, x_chk)) / float(y_sd)
-                errs = res_all.square().mean(1)
-                errors = [float(e) if math.isfinite(float(e)) else math.inf for e in errs]
-                chosen = min(range(len(noises)), key=lambda j: (errors[j], -noises[j]))
-                model.select_penalty(path, chosen)
-                if keeper is not None:  # (a direct solve built none: the calibration builds CG's)
-                    keeper.last = None if path.preconditioners is None else path.preconditioners.parts[chosen]
-                res_g = res_all[chosen]
-                del path
-            err_g = float(res_g.square().mean())
-            err_g = err_g if math.isfinite(err_g) else math.inf
-            res_l = cal_residuals.get(key)  # kept for every selection fit with a finite error
-            err_l = float(res_l.square().mean()) if res_l is not None else math.inf
-            z = _paired_z(res_g, res_l) if res_l is not None else (0.0 if math.isfinite(err_g) else math.inf)
-            kept = z < GROWTH_CHECK_Z
-            n_check = int(cal_idx.shape[0])
-            report.growth = dict(M=int(level["M"]), grown_from=m_b, noise=noises[chosen],
-                                 level_noise=float(level["noise"]), noises=noises, errors=errors, error=err_g,
-                                 level_error=err_l, z=z,
-                                 check_rows=n_check, rows=int(model.train_targets.shape[0]),
-                                 iterations=None if model.fit_info is None else int(model.fit_info.iterations),
-                                 predicted=float(level["final_predicted"]),
-                                 seconds=time.perf_counter() - t_g, kept=kept)
-            clock.tick(f"growth check M={level['M']}", val_rmse=f"{math.sqrt(err_g):.4f}" if math.isfinite(err_g)
-                       else "inf")
-            compared = (f"its error on the {n_check:,} check rows {err_g:.4g}, the level's {err_l:.4g} ({z:.2f} "
-                        "standard errors of the paired difference)")
-            if len(noises) > 1:
-                compared = f"at noise {noises[chosen]:.3g} (the lowest error of {len(noises)} noises), " + compared
-            if kept:
-                report.notes.append(f"growth to M={level['M']} kept: {compared}; the final model is that fit (on "
-                                    f"{model.train_targets.shape[0]:,} rows, the check rows left out)")
-                level["noise"] = noises[chosen]
-                return model, converged
-            report.notes.append(f"final growth from M={m_b} to M={level['M']} rejected: {compared}, not below "
-                                f"{GROWTH_CHECK_Z:g}; the final fit keeps M={m_b} at the level's noise and multiplier")
-            return None
+        growth = _Growth(
+            fits=fits, final_models=final_models, report=report, clock=clock, budget=budget, n_final=n_final,
+            max_centers=max_centers, final_growth=final_growth, final_growth_factor=final_growth_factor,
+            check_growth=check_growth, growth_noises=growth_noises, n_back=n_back, cal_idx=cal_idx, xv=xv, yv=yv,
+            y_sd=y_sd,
+        )
 
         def try_leverage(m: int, level: dict[str, Any], deadline: float) -> None:
             """At the first size: draw a nested pool of leverage-score centers over the selection rows, the
@@ -1582,7 +932,7 @@ def auto_fit(
                 why = "learn_centers=True (the learned centers lead the uniform pool)"
             elif m >= n_sd:
                 why = "the centers are all (distinct) selection rows"
-            elif time.perf_counter() + 1.5 * last_fit_seconds(m) > deadline:
+            elif time.perf_counter() + 1.5 * fits.last_fit_seconds(m) > deadline:
                 why = f"{max(deadline - time.perf_counter(), 0.0):.1f} s left before the final fit's reserve"
             if why is not None:
                 report.notes.append(f"leverage-score centers not tried: {why}")
@@ -1613,7 +963,7 @@ def auto_fit(
                 if head < n_s:
                     spent = time.perf_counter() - t_lev
                     rest = spent * (n_s - head) / head
-                    if time.perf_counter() + rest + last_fit_seconds(m) > deadline:
+                    if time.perf_counter() + rest + fits.last_fit_seconds(m) > deadline:
                         report.notes.append(
                             f"leverage-score centers not tried: the scores of {head:,} of the {n_s:,} selection rows "
                             f"took {spent:.2f} s; the rest ({rest:.1f} s predicted) and a fit at M={m} would not "
@@ -1630,13 +980,13 @@ def auto_fit(
                 report.notes.append(f"leverage-score centers not tried: the draws gave {nested.size} distinct rows, "
                                     f"fewer than M={m}")
                 return
-            if time.perf_counter() + last_fit_seconds(m) > deadline:
+            if time.perf_counter() + fits.last_fit_seconds(m) > deadline:
                 report.notes.append(f"leverage-score centers not tried: the scores took "
                                     f"{time.perf_counter() - t_lev:.1f} s, no time left for their fit")
                 return
-            pool["nested"] = nested
+            fits.pool["nested"] = nested
             uniform_error = level["error"]
-            err = score(m, level["noise"], level["multiplier"], kind="leverage")
+            err = fits.score(m, level["noise"], level["multiplier"], kind="leverage")
             room = nested.size >= min(2 * m, n_sd, max_centers)
             if center_sampling == "auto" and err < uniform_error and not room:
                 report.notes.append(f"leverage-score centers not kept: their {nested.size} distinct draws leave no "
@@ -1645,39 +995,39 @@ def auto_fit(
                 report.notes.append(f"leverage-score centers not kept: their fit at M={m} failed (non-finite "
                                     f"validation error); the uniform pool stays")
             elif center_sampling == "leverage" or (err < uniform_error and room):
-                pool["kind"] = "leverage"
+                fits.pool["kind"] = "leverage"
                 level.update(error=err, centers="leverage")
             report.sampling = dict(M=m, uniformity=uniformity, uniform_error=uniform_error, leverage_error=err,
                                    d_eff=float(scores.sum()),
-                                   distinct=nested.size, seconds=time.perf_counter() - t_lev, chosen=pool["kind"])
+                                   distinct=nested.size, seconds=time.perf_counter() - t_lev, chosen=fits.pool["kind"])
             clock.tick(f"leverage M={m}", val_rmse=f"{math.sqrt(err):.4f}" if math.isfinite(err) else "inf")
 
         m = m_first
         point = dict(noise=float(best_state["noise"]), multiplier=1.0)
-        point["error"] = score(m, point["noise"], point["multiplier"])
+        point["error"] = fits.score(m, point["noise"], point["multiplier"])
         # coordinate search at the first size: noise, multiplier, noise again (finer)
         stage_deadline = clock.t0 + budget  # refined below once a fit has been timed
-        m_reserve = reserve_size(m)
+        m_reserve = growth.reserve_size(m)
         if m_reserve > m:
             report.notes.append(f"the searches at M={m} keep time for a final fit grown up to M={m_reserve}")
         for which, factor, width, lo, hi in (("noise", 4.0, 2, 1e-8, 1e2), ("multiplier", 1.5, 1, 1e-3, 1e3),
                                              ("noise", 2.0, 1, 1e-8, 1e2)):
-            stage_deadline = search_deadline(m, m_reserve)
+            stage_deadline = growth.search_deadline(m, m_reserve)
             if which == "noise" and noise_paths:
-                noise_search(m, point, factor, width, lo, hi, stage_deadline)
+                fits.noise_search(m, point, factor, width, lo, hi, stage_deadline)
             else:
-                line_search(m, point, which, factor, lo, hi, stage_deadline)
+                fits.line_search(m, point, which, factor, lo, hi, stage_deadline)
         levels: list[dict[str, Any]] = [dict(M=m, centers="uniform", **point)]
         if center_sampling != "uniform":
             try_leverage(m, levels[-1], stage_deadline)
         level_done(levels[-1])
         stopped_by_budget = False
         while True:
-            m_next = min(2 * m, pool_limit(), max_centers)
+            m_next = min(2 * m, fits.pool_limit(), max_centers)
             if m_next <= m:
                 why = ("max_centers" if m >= max_centers
-                       else f"all {pool_limit()} distinct selection rows" if pool["kind"] == "uniform"
-                       else f"the {pool_limit()} distinct leverage-score draws")
+                       else f"all {fits.pool_limit()} distinct selection rows" if fits.pool["kind"] == "uniform"
+                       else f"the {fits.pool_limit()} distinct leverage-score draws")
                 report.notes.append(f"centers stopped at M={m}: {why}")
                 break
             # the next size needs about four selection fits (the noise and multiplier searches) and then the
@@ -1689,27 +1039,27 @@ def auto_fit(
             # each CG iteration) and the scaling from m says nothing about it: the candidate's on-the-fly
             # pass is measured (one pass over the selection rows). With final_growth only doubling is tried:
             # where it does not fit, the time a smaller step's searches would take goes to a final fit grown
-            # from m (up to 2 m: grown_level; `benchmarks/results/auto-ab-partial-s*.md`). Without it, the
+            # from m (up to 2 m: _Growth.grown; `benchmarks/results/auto-ab-partial-s*.md`). Without it, the
             # largest factor >= 1.25 that fits is taken: first the largest the stored-K_nM prediction allows
             # (a bisection on that closed form), then smaller candidates down to 1.25 m on their own prediction.
             left = clock.left()
 
             def step_fits(m_new: int, m_from: int = m) -> bool:
-                return (4 * select_cost(m_new, m_from)
-                        + 1.2 * final_cost(m_new, base=m_from, rows=fewest_final_rows(m_new)) <= clock.left())
+                return (4 * fits.select_cost(m_new, m_from)
+                        + 1.2 * fits.final_cost(m_new, base=m_from, rows=fits.fewest_final_rows(m_new)) <= clock.left())
 
             if final_growth:
-                m_try = m_next if stored_growth_need(m, m_next) <= left and step_fits(m_next) else m
+                m_try = m_next if growth.stored_need(m, m_next) <= left and step_fits(m_next) else m
                 if m_try > m and growth_first:
                     # a final fit grown from m now against one grown from m_try after its four selection fits
-                    columns = len(growth_noise_list(levels[-1]))
+                    columns = len(growth.noises(levels[-1]))
                     # (stored K_nM only: no on-the-fly pass is measured for the comparison; on the steps of 1.15)
-                    now = growth_reach(m, columns, stored_only=True, refine=False)
-                    later = max(m_try, growth_reach(m_try, columns, spend=4 * select_cost(m_try, m), base=m,
+                    now = growth.reach(m, columns, stored_only=True, refine=False)
+                    later = max(m_try, growth.reach(m_try, columns, spend=4 * fits.select_cost(m_try, m), base=m,
                                                     stored_only=True, refine=False))
                     # a grown fit held at its cap (final_growth_factor m) leaves time unused: the doubling then
                     # stops only where it falls a whole step (GROWTH_STEP) short, the steps' own resolution
-                    capped = now >= growth_cap(m, final_growth_factor)
+                    capped = now >= growth.cap(m, final_growth_factor)
                     if now > (GROWTH_STEP * later if capped else later):
                         report.notes.append(
                             f"centers stopped at M={m}: a final fit grown from it reaches M={now}, one from M={m_try} "
@@ -1723,11 +1073,11 @@ def auto_fit(
                             f"step of {GROWTH_STEP:g} (growth_first)")
             else:
                 m_try = m_next
-                if stored_growth_need(m, m_next) > left:
+                if growth.stored_need(m, m_next) > left:
                     lo_m, hi_m = m, m_next  # the need at hi_m exceeds what is left; at lo_m it does not
                     while hi_m - lo_m > max(1, m // 100):
                         mid = (lo_m + hi_m) // 2
-                        lo_m, hi_m = (mid, hi_m) if stored_growth_need(m, mid) <= left else (lo_m, mid)
+                        lo_m, hi_m = (mid, hi_m) if growth.stored_need(m, mid) <= left else (lo_m, mid)
                     m_try = lo_m if lo_m >= min(math.ceil(1.25 * m), m_next) else m
                 while m_try > m and not step_fits(m_try):
                     smallest = math.ceil(1.25 * m)
@@ -1739,14 +1089,14 @@ def auto_fit(
                 break
             m = m_try
             point = dict(noise=levels[-1]["noise"], multiplier=levels[-1]["multiplier"])
-            point["error"] = score(m, point["noise"], point["multiplier"])
+            point["error"] = fits.score(m, point["noise"], point["multiplier"])
             # the best noise falls and the best lengthscales shorten as the Nystrom approximation improves
             if noise_paths:
-                noise_search(m, point, 2.0, 1, 1e-8, 1e2, clock.t0 + budget - 1.2 * final_cost(m))
+                fits.noise_search(m, point, 2.0, 1, 1e-8, 1e2, clock.t0 + budget - 1.2 * fits.final_cost(m))
             else:
-                line_search(m, point, "noise", 2.0, 1e-8, 1e2, clock.t0 + budget - 1.2 * final_cost(m))
-            line_search(m, point, "multiplier", 1.25, 1e-3, 1e3, clock.t0 + budget - 1.2 * final_cost(m))
-            levels.append(dict(M=m, centers=pool["kind"], **point))
+                fits.line_search(m, point, "noise", 2.0, 1e-8, 1e2, clock.t0 + budget - 1.2 * fits.final_cost(m))
+            fits.line_search(m, point, "multiplier", 1.25, 1e-3, 1e3, clock.t0 + budget - 1.2 * fits.final_cost(m))
+            levels.append(dict(M=m, centers=fits.pool["kind"], **point))
             level_done(levels[-1])
             if not math.isfinite(point["error"]):
                 report.notes.append(f"centers stopped at M={m}: the fits failed")
@@ -1766,11 +1116,12 @@ def auto_fit(
         grace = 0.05 * budget
         # (on its fewest rows, fewest_final_rows: with grow_rows the final fit takes as many more as the time pays for)
         affordable = [levels[0]] + [r for r in levels[1:]
-                                    if final_cost(r["M"], rows=fewest_final_rows(r["M"])) <= clock.left() + grace]
+                                    if fits.final_cost(r["M"], rows=fits.fewest_final_rows(r["M"]))
+                                    <= clock.left() + grace]
         best_level = min(affordable, key=lambda r: (r["error"], r["M"]))
         better = min(levels, key=lambda r: (r["error"], r["M"]))
         if better is not best_level:
-            t_better = final_cost(better["M"], rows=fewest_final_rows(better["M"]))
+            t_better = fits.final_cost(better["M"], rows=fits.fewest_final_rows(better["M"]))
             report.notes.append(f"level M={better['M']} (validation error {better['error']:.4g}) skipped: its final "
                                 f"fit is predicted at {t_better:.0f} s, {clock.left():.0f} s were left")
         lev_centers: Tensor | None = None
@@ -1779,7 +1130,7 @@ def auto_fit(
         centers_kind = best_level["centers"]
         if leverage_check:
             m_b = int(best_level["M"])
-            reserve = 1.2 * final_cost(m_b) + 3 * last_fit_seconds(m_b)  # the final fit; scores and a fit
+            reserve = 1.2 * fits.final_cost(m_b) + 3 * fits.last_fit_seconds(m_b)  # the final fit; scores and a fit
             if centers_kind == "leverage":
                 report.notes.append("leverage check skipped: the level's centers are leverage-score centers")
             elif m_b >= n_sd:
@@ -1796,10 +1147,10 @@ def auto_fit(
                         warnings.simplefilter("always")
                         # BLESS's dictionary capped at the number of centers drawn (and BLESS's default
                         # 2048): its cost is O(rows J^2) per level; the fit is skipped if it left no time
-                        x_b, y_b = rows_of(m_b)
+                        x_b, y_b = fits.rows_of(m_b)
                         sel = leverage_centers(x_b, m_b, k_lev, best_level["noise"] / x_b.shape[0], generator=gen,
                                                max_dictionary_size=min(max(m_b, 128), 2048))
-                        if clock.left() < 1.2 * final_cost(m_b) + 1.5 * last_fit_seconds(m_b):
+                        if clock.left() < 1.2 * fits.final_cost(m_b) + 1.5 * fits.last_fit_seconds(m_b):
                             raise TimeoutError(f"the scores took {time.perf_counter() - t_lev:.1f} s; "
                                                "no time is left for the fit with their centers")
                         mod, _ = _fit_quiet(FalkonGP(x_b, y_b, kernel=k_lev, centers=sel.centers,
@@ -1810,7 +1161,7 @@ def auto_fit(
                         alpha_lev = mod.alpha.detach().reshape(-1).clone()
                         if keep_cal and math.isfinite(err_lev):
                             # the calibration's residuals where these centers are taken (as a level's are kept)
-                            cal_residuals[score_key(m_b, best_level["noise"], best_level["multiplier"],
+                            fits.cal_residuals[score_key(m_b, best_level["noise"], best_level["multiplier"],
                                                     _LEVERAGE_CHECK)] = (
                                 yv_cal - mod.posterior_mean(xv_cal).to(torch.float64))
                         del mod
@@ -1833,12 +1184,12 @@ def auto_fit(
         chosen_error = float(report.leverage["error"]) if centers_kind == _LEVERAGE_CHECK else best_level["error"]
         final_level = best_level
         if final_growth:
-            final_level = grown_level(best_level)
+            final_level = growth.grown(best_level, stopped_by_budget, best_level is levels[-1], lev_centers is not None)
         report.stages["select"] = time.perf_counter() - t_stage - callback_seconds[0]
 
         # ------------------------------------------------------------ stage 3: refit
         factors.clear()
-        level_rows.clear()
+        fits.level_rows.clear()
         t_stage = time.perf_counter()
         clock.tick("final fit", M=final_level["M"])
         keeper = _KeptPreconditioner() if calibrate_variance else None
@@ -1846,7 +1197,7 @@ def auto_fit(
         checked: tuple[FalkonGP, bool] | None = None
         fallback = False
         if check_growth and "grown_from" in final_level:
-            checked = checked_growth(final_level, keeper)
+            checked = growth.check(final_level, keeper)
             if checked is None:  # the level's own final fit
                 final_level, fallback = best_level, True
                 if keeper is not None:
@@ -1862,15 +1213,15 @@ def auto_fit(
             final_predicted = final_level["final_predicted"]
         else:
             if "final_predicted" not in final_level:
-                rows_final = _rows_within(lambda r: 1.2 * final_cost(m_final, rows=r), fewest_final_rows(m_final),
-                                          n_final, clock.left())
+                rows_final = _rows_within(lambda r: 1.2 * fits.final_cost(m_final, rows=r),
+                                          fits.fewest_final_rows(m_final), n_final, clock.left())
                 if rows_final < n_final:
                     report.notes.append(f"final fit on {rows_final:,} of the {n_final:,} rows: on all of them "
-                                        f"M={m_final} is predicted at {final_cost(m_final):.3g} s, "
+                                        f"M={m_final} is predicted at {fits.final_cost(m_final):.3g} s, "
                                         f"{clock.left():.3g} s were left")
             # the grown level carries the prediction its size was chosen by; a level's is its measured fits'
             final_predicted = (final_level["final_predicted"] if "final_predicted" in final_level
-                               else final_cost(m_final, rows=rows_final))
+                               else fits.final_cost(m_final, rows=rows_final))
             # the budget's remainder (and the grace) bounds the final CG: a backstop for a prediction that was
             # low. Never below 1.2 x the prediction (GROWTH_MARGIN x for a grown level, sized by it): a final CG
             # cut to a few iterations returns a useless model; except after a rejected growth check, which no time
@@ -1878,18 +1229,18 @@ def auto_fit(
             # at the clock
             grown = "grown_from" in final_level  # sized to the time left: no grace
             floor = 1e-3 if fallback else (GROWTH_MARGIN if grown else 1.2) * final_predicted
-            final, converged = build_final(final_level, time_limit=max(clock.left() + (0.0 if grown else grace),
-                                                                       floor, 1e-3),
-                                           centers=lev_centers, weights=lev_weights, rows=rows_final, keeper=keeper,
-                                           start=lev_alpha)
+            final, converged = final_models.fit(final_level,
+                                                time_limit=max(clock.left() + (0.0 if grown else grace), floor, 1e-3),
+                                                centers=lev_centers, weights=lev_weights, rows=rows_final,
+                                                keeper=keeper, start=lev_alpha)
         report.stages["final fit"] = time.perf_counter() - t_stage
         # the final model on the calibration rows against its level's selection fit there (a grown fit that the
         # growth check kept was scored so already): a final CG that did not solve its system shows as a final
         # model worse than the fit it was chosen by, even where those rows are in its fit
         final_check: tuple[float, float] | None = None
         sel_key = score_key(best_level["M"], best_level["noise"], best_level["multiplier"], centers_kind)
-        if checked is None and sel_key in cal_residuals:
-            n_chk = int(cal_residuals[sel_key].shape[0])
+        if checked is None and sel_key in fits.cal_residuals:
+            n_chk = int(fits.cal_residuals[sel_key].shape[0])
             x_chk = xv[cal_idx[:n_chk]].to(dtype)
 
             def check_residuals(model: FalkonGP) -> Tensor:
@@ -1899,10 +1250,10 @@ def auto_fit(
 
             res_fin = check_residuals(final)
             mse_fin = float(res_fin.square().mean())
-            mse_sel = float(cal_residuals[sel_key].square().mean())
+            mse_sel = float(fits.cal_residuals[sel_key].square().mean())
             final_check = (mse_fin, mse_sel)
             if (math.isfinite(mse_sel) and mse_sel > 0 and not mse_fin <= FINAL_CHECK_RATIO * mse_sel
-                    and _paired_z(res_fin, cal_residuals[sel_key]) > FINAL_CHECK_Z):
+                    and _paired_z(res_fin, fits.cal_residuals[sel_key]) > FINAL_CHECK_Z):
                 info = final.fit_info
                 cg = ("" if info is None else f" (its CG: relative residual {float(info.final_residual.max()):.3g} "
                       f"after {info.iterations} iterations)")
@@ -1912,20 +1263,20 @@ def auto_fit(
                 # the fallback: the chosen level refitted on the rows it was selected on (and the held-out rows put
                 # back), the size of fit that validated; kept where it scores lower on the calibration rows
                 m_b = int(best_level["M"])
-                rows_fb = min(n_final, rows_at(m_b) + n_back)
+                rows_fb = min(n_final, fits.rows_at(m_b) + n_back)
                 refit = None
                 if rows_fb < rows_final or final_level is not best_level:
                     t_fb = time.perf_counter()
                     kept_factors = None
                     if keeper is not None:  # the refit's own factors, or none (a direct solve builds none)
                         kept_factors, keeper.last = keeper.last, None
-                    fb, conv_fb = build_final(best_level, centers=lev_centers, weights=lev_weights, rows=rows_fb,
-                                              keeper=keeper, start=lev_alpha)
+                    fb, conv_fb = final_models.fit(best_level, centers=lev_centers, weights=lev_weights,
+                                                   rows=rows_fb, keeper=keeper, start=lev_alpha)
                     mse_fb = float(check_residuals(fb).square().mean())
                     if mse_fb < mse_fin or math.isnan(mse_fin):
                         final, converged, rows_final, final_level = fb, conv_fb, rows_fb, best_level
                         final_check, refit = (mse_fb, mse_sel), mse_fb
-                        final_predicted = final_cost(m_b, rows=rows_fb)
+                        final_predicted = fits.final_cost(m_b, rows=rows_fb)
                     elif keeper is not None:
                         keeper.last = kept_factors  # the returned fit's factors calibrate it
                     del fb
@@ -1976,8 +1327,9 @@ def auto_fit(
                                                     x_fin_z.to(torch.float64), y_fin_z)
                         alpha_z = torch.zeros(n_distinct, *alpha_z.shape[1:], dtype=alpha_z.dtype,
                                               device=alpha_z.device).index_add_(0, fin_to, alpha_z)
-                        refit, conv_w = build_final(level_w, centers=x_fin_z.to(dtype)[fin_keep], start=alpha_z,
-                                                    kernel_z=win["kernel"], data_dtype=LOO_REFIT_DTYPE)
+                        refit, conv_w = final_models.fit(level_w, centers=x_fin_z.to(dtype)[fin_keep],
+                                                         start=alpha_z, kernel_z=win["kernel"],
+                                                         data_dtype=LOO_REFIT_DTYPE)
                         final, converged, rows_final = refit, conv_w, n_final
                         final_level, best_level = level_w, dict(best_level, multiplier=win["multiplier"])
                         win_state = {k: win[k] for k in ("objective", "racer", "lr", "step", "rows")}
