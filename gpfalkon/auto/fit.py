@@ -34,12 +34,7 @@ from ..models.calibration import preconditioned_variances, variance_scale
 from ..operators import FactorCache, FalkonPreconditioner
 from ..operators.preconditioner import engine_memory_budget
 from ..options import FalkonOptions
-from .costs import (
-    GROWTH_MARGIN,
-    GROWTH_STEP,
-    _onthefly_pass_seconds,
-    _rows_within,
-)
+from .costs import GROWTH_MARGIN, GROWTH_STEP, _onthefly_pass_seconds, _rows_within
 from .final import _FinalModels
 from .growth import _Growth
 from .kernels import (
@@ -54,19 +49,14 @@ from .loo import LOO_REFIT_DTYPE, LOO_SHARE, _krr_coefficients, _loo_choice, _lo
 from .race import _ObjectiveRun, _positive_number, _racers
 from .report import AutoFitReport, _Clock
 from .sampling import _LEVERAGE_CHECK, CENTER_SAMPLING, LEVERAGE_DICTIONARY, LEVERAGE_UNIFORM, _score_uniformity
-from .scoring import (
-    _fit_quiet,
-    _KeptPreconditioner,
-    _paired_z,
-    _scoring_fit,
-    _val_mse,
-)
+from .scoring import _fit_quiet, _KeptPreconditioner, _paired_z, _scoring_fit, _val_mse
 from .selection import _Selection, score_key
 from .standardise import FLOAT32_FAR_ROWS, _input_location_scale, _warn_far_targets
 
 #: most held-out rows :func:`auto_fit`'s variance calibration uses; fewer at large ``M`` (see
 #: :func:`_calibration_rows`)
 CALIBRATION_ROWS = 1000
+
 
 def _sub_seed(seed: int, k: int) -> int:
     """The seed of ``auto_fit``'s ``k``-th own generator (within ``manual_seed``'s range whatever ``seed``)."""

@@ -29,15 +29,7 @@ from ..options import FalkonOptions
 from .costs import _factor_growth, _onthefly_pass_seconds, _scaled_fit_seconds
 from .kernels import _scale_lengthscales
 from .report import AutoFitReport, _Clock
-from .scoring import (
-    _fit_quiet,
-    _path_means,
-    _path_quiet,
-    _path_steps,
-    _path_val_mse,
-    _PathFailed,
-    _val_mse,
-)
+from .scoring import _fit_quiet, _path_means, _path_quiet, _path_steps, _path_val_mse, _PathFailed, _val_mse
 
 #: a selection fit's key: (M, log noise, log multiplier, pool kind), the logs rounded to 6 digits
 ScoreKey = tuple[int, float, float, str]
