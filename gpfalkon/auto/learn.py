@@ -87,9 +87,9 @@ class _Learning:
                         r.stop("learning share of the budget used")
                 break
             live = self._cut()
-            start, stalled = self._next_start(live)
+            start, stalled, rows_next = self._next_start(live)
             if start is not None:
-                self._continue(live[0], start, stalled)
+                self._continue(live[0], start, stalled, rows_next)
         for r in self.runners:
             r.rec["steps"] = r.step
             if r.failed:
@@ -153,10 +153,11 @@ class _Learning:
                                                   and len(live) == 1) or (by_share and len(live) == 1)
         return live
 
-    def _next_start(self, live: list[_ObjectiveRun]) -> tuple[dict[str, Any] | None, bool]:
+    def _next_start(self, live: list[_ObjectiveRun]) -> tuple[dict[str, Any] | None, bool, int]:
         """Where the sole leader of a decided race moves on to twice the rows: the best point so far (its own,
         or the best overall where it is the leader's), and whether it stalled (else it used ``level_share`` of
-        the time left when it started on these rows); ``None`` where it stays, or stops for good."""
+        the time left when it started on these rows), and the rows it moves on to; ``None`` where it stays, or
+        stops for good."""
         rows_h, best_state = self.rows_h, self.best_state
         start = None
         rows_next = min(2 * rows_h, self.rows_cap)
@@ -185,14 +186,15 @@ class _Learning:
                              else f"stalled on {rows_h:,} rows with no gain over its start on these rows "
                              f"({live[0].rec['start_score']:.4g})")
                 start = None
-        return start, stalled
+        return start, stalled, rows_next
 
-    def _continue(self, old: _ObjectiveRun, start: dict[str, Any], stalled: bool) -> None:
+    def _continue(self, old: _ObjectiveRun, start: dict[str, Any], stalled: bool, rows_next: int) -> None:
         """Progressive subsampling: ``old`` stops, and a fresh racer (a fresh optimiser) of its objective goes on
-        from ``start`` with twice the rows and ``hyper_centers x (rows / n_h)^hyper_centers_growth`` centers
-        (both nested: ``start``'s centers, then distinct new rows)."""
+        from ``start`` with ``rows_next`` rows (twice as many, within ``rows_cap``) and
+        ``hyper_centers x (rows / n_h)^hyper_centers_growth`` centers (both nested: ``start``'s centers, then
+        distinct new rows)."""
         xt_z, dtype = self.xt_z, self.xt_z.dtype
-        rows_prev, self.rows_h = self.rows_h, min(2 * self.rows_h, self.rows_cap)
+        rows_prev, self.rows_h = self.rows_h, rows_next
         rows_h = self.rows_h
         c_start = start["centers"]
         grown = round(self.hyper_centers * (rows_h / self.n_h) ** self.hyper_centers_growth)
