@@ -1,8 +1,8 @@
 """How uniform ``auto_fit``'s leverage scores are, and what the leverage pool gained at the first size.
 
 For each dataset one ``auto_fit(train_x, train_y, budget, seed)`` run (``center_sampling="auto"``) with
-``LEVERAGE_UNIFORM`` (``gpfalkon.auto.sampling``'s, as read by ``gpfalkon.auto.fit``) set above 1 for the run, so that
-the leverage try always scores every selection row and fits the leverage pool; the scores each pass returns are
+``LEVERAGE_UNIFORM`` (``gpfalkon.auto.sampling``'s, as read by ``gpfalkon.auto.leverage``) set above 1 for the run, so
+that the leverage try always scores every selection row and fits the leverage pool; the scores each pass returns are
 recorded. Reported: the uniformity ``(sum l)^2 / (k sum l^2)`` of the first quarter's scores (what ``auto_fit``
 decides on) and of all of them, their mean, the leverage pool's validation error over the uniform pool's at the first
 size (``report.sampling``), the seconds of the try, and the run's test NRMSE. The table is the evidence for
@@ -30,7 +30,7 @@ def main() -> None:
     import torch
 
     import gpfalkon
-    import gpfalkon.auto.fit as auto_module  # the module that reads both names below
+    import gpfalkon.auto.leverage as auto_module  # the module that reads both names below
     from gpfalkon.auto.sampling import _score_uniformity
 
     import compare

@@ -52,6 +52,7 @@ from ._validation import (
     check_positive_real,
     check_scores,
 )
+from ._warn import warn_caller
 from .backend.blocks import FACTOR, block_rows_for
 from .backend.passes import backend_pass, is_sharded, total_rows
 from .errors import JitterWarning
@@ -214,10 +215,10 @@ def uniform_centers(
         take += int(more.numel())
         idx, rows = torch.cat([idx, more]), torch.cat([rows, rows_of(more)])
     if idx.numel() < num_centers and take < n:
-        warnings.warn(f"num_centers={num_centers}: only {idx.numel()} distinct rows among the {take:,} of x "
+        warn_caller(f"num_centers={num_centers}: only {idx.numel()} distinct rows among the {take:,} of x "
                       f"drawn (at most {DISTINCT_DRAWS} num_centers are read); the centers are those {idx.numel()} "
                       "(a repeated center adds nothing to the fit; distinct=False draws the rows as they come)",
-                      UserWarning, stacklevel=2)
+                      UserWarning)
     order = torch.argsort(idx)
     return CenterSelection(centers=rows[order].clone(), indices=idx[order])
 
@@ -609,12 +610,11 @@ def approximate_leverage_scores(
                                      rows_info.concat(p[keep]))
         scores = dictionary.scores(k64, x, None, lam * n, diag, trace, block_rows, backend, rows_info)
     if capped_at is not None:
-        warnings.warn(
+        warn_caller(
             f"approximate_leverage_scores: the BLESS dictionary was capped at max_dictionary_size="
             f"{max_dict} (q2 * d_eff exceeded it from lambda_h = {capped_at:.3g} on); the scores are less "
             "accurate. Raise max_dictionary_size (cost O(n M_J^2)) or the penalty.",
             RuntimeWarning,
-            stacklevel=2,
         )
     return scores
 

@@ -41,13 +41,14 @@ import math
 import numbers
 import pathlib
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
 import torch
 from torch import Tensor
+
+from ._warn import warn_caller
 
 __all__ = [
     "BoTorchSearch",
@@ -648,8 +649,8 @@ class _Search(abc.ABC):
                                 if math.isfinite(size) and size <= _ENUMERATE and not isinstance(self, GridSearch)
                                 else "no configuration left to propose (the grid is done, or 1000 random draws all "
                                      "repeated evaluated ones)")
-                        warnings.warn(f"{type(self).__name__}: {what}; stopping at {len(self.history)}",
-                                      RuntimeWarning, stacklevel=2)
+                        warn_caller(f"{type(self).__name__}: {what}; stopping at {len(self.history)}",
+                                      RuntimeWarning)
                         break
                     config = batch[0]
                 t0 = time.perf_counter()
@@ -664,12 +665,11 @@ class _Search(abc.ABC):
                 bar.close()
         bad = sum(not math.isfinite(t.value) for t in self.history)
         if bad:
-            warnings.warn(
+            warn_caller(
                 f"{type(self).__name__}: {bad} of {len(self.history)} evaluations returned a non-finite value "
                 "(recorded as inf)" + ("; none succeeded, so best_config is not a result: check the objective"
                                        if bad == len(self.history) else ""),
                 RuntimeWarning,
-                stacklevel=2,
             )
         return self.result()
 

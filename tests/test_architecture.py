@@ -2,7 +2,7 @@
 
 Layers, lowest first (a module may import from its own layer or below, never above):
 
-    foundation   errors, settings, _validation, _optim, linalg, heuristics
+    foundation   errors, settings, _validation, _warn, _optim, linalg, heuristics
     backend      backend/ (row blocks, kernel engine, blockwise gradients), options
     kernels      kernels/ (Fastfood; re-exports the engine names)
     solvers      solvers/ (CG, preconditioned CG, the Preconditioner / Solver protocols)
@@ -27,7 +27,7 @@ import gpfalkon
 ROOT = pathlib.Path(gpfalkon.__file__).parent
 
 LAYERS = [
-    {"errors", "settings", "_validation", "_optim", "linalg", "heuristics"},
+    {"errors", "settings", "_validation", "_warn", "_optim", "linalg", "heuristics"},
     {"backend", "options"},
     {"kernels"},
     {"solvers"},
@@ -124,7 +124,7 @@ def test_layering_check_catches_an_upward_import():
 
 #: gpfalkon.auto's modules, lowest first: each imports only modules before it (the package docstring's list)
 AUTO_ORDER = ["report", "kernels", "standardise", "sampling", "scoring", "costs", "loo", "race", "learn", "selection",
-              "final", "growth", "fit"]
+              "final", "growth", "leverage", "sizes", "calibration", "final_check", "fit"]
 
 
 def _sibling_imports(source: str) -> set[str]:

@@ -12,26 +12,31 @@ import torch
 from gpytorch.utils.warnings import GPInputWarning
 
 from gpfalkon import FalkonGP, auto_fit
+from gpfalkon.auto import calibration as auto_calibration
 from gpfalkon.auto import costs as auto_costs
 from gpfalkon.auto import final as auto_final
+from gpfalkon.auto import final_check as auto_final_check
 from gpfalkon.auto import fit as auto_fitting
 from gpfalkon.auto import growth as auto_growth
 from gpfalkon.auto import kernels as auto_kernels
 from gpfalkon.auto import learn as auto_learn
+from gpfalkon.auto import leverage as auto_leverage
 from gpfalkon.auto import loo as auto_loo
 from gpfalkon.auto import race as auto_race
 from gpfalkon.auto import report as auto_reporting
 from gpfalkon.auto import sampling as auto_sampling
 from gpfalkon.auto import scoring as auto_scoring
 from gpfalkon.auto import selection as auto_selection
+from gpfalkon.auto import sizes as auto_sizes
 from gpfalkon.auto import standardise as auto_standardise
 from gpfalkon.objectives import GCV, SGPRBound
 
 from conftest import DEVICES, dense_kernel, make_data
 
 #: auto_fit's modules; each binds the names it reads (its own imports), so a test's stand-in goes into every one
-AUTO_MODULES = (auto_costs, auto_final, auto_fitting, auto_growth, auto_kernels, auto_learn, auto_loo, auto_race,
-                auto_reporting, auto_sampling, auto_scoring, auto_selection, auto_standardise)
+AUTO_MODULES = (auto_calibration, auto_costs, auto_final, auto_final_check, auto_fitting, auto_growth, auto_kernels,
+                auto_learn, auto_leverage, auto_loo, auto_race, auto_reporting, auto_sampling, auto_scoring,
+                auto_selection, auto_sizes, auto_standardise)
 
 
 def patch_auto(monkeypatch: pytest.MonkeyPatch, name: str, value: object) -> None:
@@ -1415,7 +1420,7 @@ def test_auto_fit_center_sampling_pool_chosen_on_validation(monkeypatch, mode):
 
     _script_val_mse(monkeypatch, val_mse)
     pools = []
-    real_nested = auto_fitting.nested_leverage_centers
+    real_nested = auto_leverage.nested_leverage_centers
 
     def nested(*args, **kwargs):
         pools.append(real_nested(*args, **kwargs))
@@ -1476,7 +1481,7 @@ def test_auto_fit_leverage_pool_skips_and_failures(monkeypatch, branch):
     the uniform pool, say why in the notes, and still return a fitted model with no weights D."""
     from gpfalkon.centers import NestedLeverageCenters
 
-    real_nested, real_val = auto_fitting.nested_leverage_centers, auto_scoring._val_mse
+    real_nested, real_val = auto_leverage.nested_leverage_centers, auto_scoring._val_mse
     if branch == "scores-fail":
         def broken(*args, **kwargs):
             raise RuntimeError("no scores today")
@@ -1576,7 +1581,7 @@ def test_auto_fit_leverage_scores_a_timed_quarter_first(monkeypatch, slow):
     offset = [0.0]
     patch_auto(monkeypatch, "time", types.SimpleNamespace(perf_counter=lambda: time.perf_counter()
                                                                    + offset[0]))
-    real = auto_fitting.dictionary_leverage_scores
+    real = auto_leverage.dictionary_leverage_scores
     calls = []
 
     def scores(*args, rows=None, **kwargs):
@@ -2114,8 +2119,9 @@ def test_auto_fit_refuses_a_target_scale_its_dtype_cannot_hold_and_warns_of_a_la
         with pytest.raises(ValueError, match=r"train_y: its standard deviation .* squared is outside"):
             auto_fit(x, y * scale, budget=30.0)
         assert _time.perf_counter() - t0 < 5.0  # at once, not after the budget
-    with pytest.warns(RuntimeWarning, match=r"train_y: \|mean\| / std is"):
+    with pytest.warns(RuntimeWarning, match=r"train_y: \|mean\| / std is") as rec:
         auto_fit(x, y + 1e6, budget=1.0)
+    assert all(w.filename == __file__ for w in rec if "|mean| / std" in str(w.message)), rec.list
     import warnings as _warnings
 
     with _warnings.catch_warnings(record=True) as caught:
@@ -2277,7 +2283,7 @@ def test_auto_fit_calibrates_with_the_residuals_of_the_centers_it_returns(monkey
         return real_mse(model, x, y)
 
     used: list[torch.Tensor] = []
-    real_scale = auto_fitting.variance_scale
+    real_scale = auto_calibration.variance_scale
 
     def spy(r, v):
         used.append(r.detach().clone())
@@ -2365,7 +2371,7 @@ def test_the_final_check_consults_its_paired_z(monkeypatch):
     c = model.auto_report.chosen
     assert not _final_check_warnings(caught)
     assert model.train_inputs[0].shape[0] == 1600 and "final check refit" not in model.auto_report.stages
-    assert c["final_check_error"] > auto_fitting.FINAL_CHECK_RATIO * c["final_check_selection_error"]
+    assert c["final_check_error"] > auto_final_check.FINAL_CHECK_RATIO * c["final_check_selection_error"]
 
 
 @pytest.mark.parametrize("broken", [False, True])
@@ -2390,19 +2396,21 @@ def test_auto_fit_checks_its_final_model_against_the_selection_fit(monkeypatch, 
         warnings.simplefilter("always")
         model = auto_fit(xt, yt, val_x=xv, val_y=yv, **dict(SMALL, final_growth=False))
     msgs = _final_check_warnings(caught)
+    # the warning names the line that called auto_fit (past auto_fit's own frames and its decorator's)
+    assert all(w.filename == __file__ for w in caught if "the final fit's error" in str(w.message)), caught
     c = model.auto_report.chosen
     fin, sel = c["final_check_error"], c["final_check_selection_error"]
     with torch.no_grad():
         mse = float(((yv - model.posterior_mean(xv).double()) / yt.std()).square().mean())
     assert fin == pytest.approx(mse, rel=1e-9) and sel == pytest.approx(c["val_error"], rel=1e-9), (fin, mse, sel)
-    assert fin <= auto_fitting.FINAL_CHECK_RATIO * sel, (fin, sel)  # the returned model passes, refitted or not
+    assert fin <= auto_final_check.FINAL_CHECK_RATIO * sel, (fin, sel)  # the returned model passes, refitted or not
     assert bool(msgs) == broken, msgs
     rows = model.train_inputs[0].shape[0]
     if broken:
         assert len(broken_fits) == 1 and model is not broken_fits[0]
         with torch.no_grad():
             bad = float(((yv - broken_fits[0].posterior_mean(xv).double()) / yt.std()).square().mean())
-        assert bad > auto_fitting.FINAL_CHECK_RATIO * sel and f"{bad:.3g}" in msgs[0] and f"{sel:.3g}" in msgs[0]
+        assert bad > auto_final_check.FINAL_CHECK_RATIO * sel and f"{bad:.3g}" in msgs[0] and f"{sel:.3g}" in msgs[0]
         assert "(M=120) refitted on 800 rows, its selection rows (error" in msgs[0], msgs
         assert f"(error {fin:.3g} there)" in msgs[0], msgs
         assert msgs[0].removeprefix("auto_fit: ") in model.auto_report.notes
@@ -2428,7 +2436,7 @@ def test_auto_fit_final_check_refit_keeps_its_own_calibration(monkeypatch, failu
     x, y, _ = _data(2000)
     broken_fits = _break_final_fit(monkeypatch, 2000, failure, leave_factors=True)  # the final fit on every row
     seen = []
-    real_var = auto_fitting.preconditioned_variances
+    real_var = auto_calibration.preconditioned_variances
 
     def variances(kernel, x_c, centers, precond, noise):
         seen.append((precond.n, centers.shape[0]))
@@ -2447,7 +2455,7 @@ def test_auto_fit_final_check_refit_keeps_its_own_calibration(monkeypatch, failu
     assert "final check refit" in rep.stages
     assert not any("calibration skipped" in n for n in rep.notes), rep.notes
     fin, sel = rep.chosen["final_check_error"], rep.chosen["final_check_selection_error"]
-    assert math.isfinite(fin) and fin <= auto_fitting.FINAL_CHECK_RATIO * sel
+    assert math.isfinite(fin) and fin <= auto_final_check.FINAL_CHECK_RATIO * sel
     model.eval()
     with torch.no_grad():
         var = model(x[:50]).variance
@@ -2463,10 +2471,10 @@ def test_the_final_checks_paired_z_ignores_a_few_noisy_rows():
     r_sel = torch.randn(10, generator=g, dtype=torch.float64)
     r_fin = r_sel.clone()
     r_fin[0] = 4.0 * r_sel.abs().max()  # one row: the mean squared error more than doubles
-    assert float(r_fin.square().mean()) > auto_fitting.FINAL_CHECK_RATIO * float(r_sel.square().mean())
-    assert auto_scoring._paired_z(r_fin, r_sel) < auto_fitting.FINAL_CHECK_Z
+    assert float(r_fin.square().mean()) > auto_final_check.FINAL_CHECK_RATIO * float(r_sel.square().mean())
+    assert auto_scoring._paired_z(r_fin, r_sel) < auto_final_check.FINAL_CHECK_Z
     r_sel = torch.randn(1000, generator=g, dtype=torch.float64)
-    assert auto_scoring._paired_z(3.0 * r_sel, r_sel) > 10 * auto_fitting.FINAL_CHECK_Z
+    assert auto_scoring._paired_z(3.0 * r_sel, r_sel) > 10 * auto_final_check.FINAL_CHECK_Z
 
 
 # ------------------------------------------------------------------ the leave-one-out choice (loo_rows)
@@ -2867,8 +2875,10 @@ def test_auto_fit_warns_of_far_rows_in_float32_only():
     x, y = make_data(200, 2)
     far = x.clone()
     far[:2, 0] = 1e9
-    with pytest.warns(RuntimeWarning, match=r"train_x: some rows lie .* scale units .* dtype=torch.float64"):
+    with pytest.warns(RuntimeWarning, match=r"train_x: some rows lie .* scale units .* dtype=torch.float64") as rec:
         auto_fit(far, y, budget=1.0)
+    # each names the line that called auto_fit (past auto_fit's own frames and its decorator's)
+    assert all(w.filename == __file__ for w in rec if "scale units" in str(w.message)), rec.list
     near = x.clone()
     near[:2, 0] = 30.0
     for xs, kw in ((far, dict(dtype=torch.float64)), (near, {})):
@@ -2901,5 +2911,6 @@ def test_auto_fit_warns_where_a_few_far_targets_set_their_scale():
     x, yd = make_data(300, 2)
     yd = yd.clone()
     yd[:3] = -9999.0
-    with pytest.warns(RuntimeWarning, match=r"train_y: 3 row\(s\) lie more than"):
+    with pytest.warns(RuntimeWarning, match=r"train_y: 3 row\(s\) lie more than") as rec:
         auto_fit(x, yd, budget=1.0)
+    assert all(w.filename == __file__ for w in rec if "robust scales" in str(w.message)), rec.list

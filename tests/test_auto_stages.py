@@ -1,5 +1,7 @@
-"""auto_fit's stage objects on their own: the selection fits (gpfalkon.auto.selection) and the final model in raw
-units (gpfalkon.auto.final), each against an independent reference (a fit made directly, a closed-form mapping)."""
+"""auto_fit's stage objects on their own: the selection fits (gpfalkon.auto.selection), the final model in raw units
+(gpfalkon.auto.final), the level stage 2 chooses (gpfalkon.auto.sizes), the variance calibration
+(gpfalkon.auto.calibration) and the final check (gpfalkon.auto.final_check), each against an independent reference
+(a fit made directly, a closed-form mapping or choice, GPyTorch's predictive variances)."""
 from __future__ import annotations
 
 import copy
@@ -153,3 +155,113 @@ def test_final_model_starts_from_the_levels_selection_fit_padded_for_added_cente
     # raw units: f = y_mu + y_sd f_z with the kernel scaled by y_sd^2, so the coefficients are alpha_z / y_sd
     torch.testing.assert_close(initial.reshape(-1), start / float(s["y_sd"]))
     assert model.centers.shape[0] == 45
+
+
+def _final_models(fits, xt, yt, s) -> _FinalModels:
+    return _FinalModels(fits=fits, x_fin=xt, y_fin=yt, n_tr=N, n_back=0, s_order=torch.arange(N),
+                        base_kernel=fits.base_kernel, raw_lengthscales=True, x_mu=s["x_mu"], x_sd=s["x_sd"],
+                        y_mu=s["y_mu"], y_sd=s["y_sd"], max_iter=200, tol=1e-12)
+
+
+def test_sizes_choose_the_lowest_error_among_the_levels_whose_final_fit_fits():
+    """A level counts where its predicted final fit is within the time left plus 5 % of the budget (the first
+    level always); the lowest validation error among those is chosen, and a better level skipped for time is
+    noted. The costs and the clock are stand-ins: a closed-form choice."""
+    import types
+
+    from gpfalkon.auto.sizes import _Sizes
+
+    costs = {100: 50.0, 200: 9.0, 400: 10.4, 800: 30.0}  # seconds of each level's final fit
+    fits = types.SimpleNamespace(final_cost=lambda m, rows=None, base=None: costs[m], fewest_final_rows=lambda m: m)
+    clock = types.SimpleNamespace(left=lambda: 10.0)
+    report = AutoFitReport(budget=10.0, n_train=N, n_val=100, val_source="given", kernel="rbf")
+    sizes = _Sizes(fits=fits, growth=None, pool=None, report=report, clock=clock, budget=10.0,  # type: ignore[arg-type]
+                   max_centers=10_000, min_gain=0.005, noise_paths=True, final_growth=True, final_growth_factor=4.0,
+                   growth_first=True, level_done=lambda level: None)
+    levels = [dict(M=100, error=0.30), dict(M=200, error=0.20), dict(M=400, error=0.15), dict(M=800, error=0.10)]
+    # the grace: 10 s left + 0.5 s; 400 (10.4 s) counts, 800 (30 s) does not; the first level counts at 50 s
+    assert sizes.choose(levels) is levels[2]
+    assert report.notes == ["level M=800 (validation error 0.1) skipped: its final fit is predicted at 30 s, 10 s "
+                            "were left"]
+    costs[400] = 10.6  # past the grace: the best affordable level is 200
+    assert sizes.choose(levels) is levels[1]
+    levels[0]["error"] = 0.05  # the first level, affordable or not, is the best
+    assert sizes.choose(levels) is levels[0]
+
+
+def test_calibration_scale_is_the_mean_squared_residual_over_the_variance():
+    """``c = mean(r^2 / v)`` on the calibration rows, against GPyTorch's predictive variances of the model: for a
+    model whose centers are its training rows FALKON's preconditioner approximates nothing (``K_nM = K_MM``), so the
+    variances from its factors are exact up to the jitter. Where the final fit saw the calibration rows, the kept
+    selection residuals (times y_sd) stand for its own; a level whose residuals were not kept raises LookupError."""
+    from gpfalkon.auto.calibration import _Calibration
+
+    xt, yt, xv, yv, _, _ = _problem(5)
+    fits, s = _selection(xt, yt, xv, yv, _kernel())
+    level = dict(M=30, noise=0.05, multiplier=1.0, centers="uniform")
+    fits.score(30, 0.05, 1.0)
+    grown, _ = _final_models(fits, xt, yt, s).fit(level)  # the raw-units kernel and noise of the level
+    model = FalkonGP(xt[:40], yt[:40], kernel=copy.deepcopy(grown.kernel), centers=xt[:40],
+                     penalty=float(grown.noise.detach()) / 40, max_iter=200, tol=1e-12)
+    model.fit()
+    cal = _Calibration(fits=fits, cal_idx=torch.arange(50), xv=xv, yv=yv, y_sd=s["y_sd"], dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        pred = model.likelihood(model(xv[:50]))
+        r = yv[:50] - pred.mean
+        expected = float((r.square() / pred.variance).mean())
+    assert cal.scale(model, None, None) == pytest.approx(expected, rel=1e-4)
+    key = score_key(30, 0.05, 1.0, "uniform")
+    r_sel = fits.cal_residuals[key] * float(s["y_sd"])
+    assert cal.scale(model, None, key) == pytest.approx(float((r_sel.square() / pred.variance).mean()), rel=1e-4)
+    with pytest.raises(LookupError, match="selection residuals were not kept"):
+        cal.scale(model, None, score_key(60, 0.05, 1.0, "uniform"))
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_final_check_keeps_a_sound_model_and_refits_a_broken_one(broken):
+    """The check's errors are the returned model's mean squared standardised residual on the check rows and the
+    selection fit's; a sound final model passes unchanged and silently. A final model whose coefficients are
+    off (scaled by 3, as a CG that did not solve its system might leave them) of a grown level fires the check:
+    the chosen level is refitted on its rows, returned (the dense Nystrom solution of that level), and a warning
+    names both errors."""
+    import warnings
+
+    from gpfalkon.auto.final_check import FINAL_CHECK_RATIO, _FinalCheck, _Returned
+
+    xt, yt, xv, yv, _, _ = _problem(6)
+    fits, s = _selection(xt, yt, xv, yv, _kernel())
+    best = dict(M=30, noise=0.05, multiplier=1.0, centers="uniform")
+    fits.score(30, 0.05, 1.0)
+    final_models = _final_models(fits, xt, yt, s)
+    level = dict(best, M=45, grown_from=30) if broken else best
+    model, converged = final_models.fit(level)
+    if broken:
+        with torch.no_grad():
+            model.alpha.mul_(3.0)
+    returned = _Returned(model, converged, N, level, 1.0)
+    check = _FinalCheck(fits=fits, final_models=final_models, report=fits.report, cal_idx=torch.arange(50), xv=xv,
+                        yv_cal=s["uv"][:50].to(torch.float64), y_mu=s["y_mu"], y_sd=s["y_sd"], dtype=torch.float64,
+                        n_final=N, n_back=0)
+    key = score_key(30, 0.05, 1.0, "uniform")
+    with torch.no_grad():
+        e_bad = float(((yv[:50] - model.posterior_mean(xv[:50])) / s["y_sd"]).square().mean())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        e_f, e_s = check.run(returned, best, key, None)
+    assert e_s == pytest.approx(float(fits.cal_residuals[key].square().mean()), rel=1e-12)
+    msgs = [str(w.message) for w in caught if "the final fit's error" in str(w.message)]
+    if not broken:
+        assert returned.model is model and returned.level is best and not msgs
+        assert e_f == pytest.approx(e_bad, rel=1e-9) and e_f <= FINAL_CHECK_RATIO * e_s
+        return
+    assert e_bad > FINAL_CHECK_RATIO * e_s and len(msgs) == 1 and f"{e_bad:.3g}" in msgs[0]
+    assert "(M=30) refitted on 400 rows" in msgs[0] and msgs[0].removeprefix("auto_fit: ") in fits.report.notes
+    assert returned.model is not model and returned.level is best and returned.rows == N
+    ref = _direct_fit(s["zt"], s["ut"], fits.base_kernel, s["zt"][:30], 0.05, 1.0)
+    with torch.no_grad():
+        expected = s["y_mu"] + s["y_sd"] * ref.posterior_mean(s["zv"][:50])
+        torch.testing.assert_close(returned.model.posterior_mean(xv[:50]), expected, rtol=1e-7,
+                                   atol=1e-7 * float(s["y_sd"]))
+        e_ref = float(((yv[:50] - expected) / s["y_sd"]).square().mean())
+    assert e_f == pytest.approx(e_ref, rel=1e-6)

@@ -65,6 +65,10 @@ The package, one responsibility per module (each imports only the ones above it 
   cost model measured on them;
 - :mod:`~gpfalkon.auto.final`: stage 3's model of a level on the final rows, mapped back to raw units;
 - :mod:`~gpfalkon.auto.growth`: the final fit's growth past the last level (its size, its time reserve, its check);
+- :mod:`~gpfalkon.auto.leverage`: leverage-score centers, the pool tried at the first size and the last-step check;
+- :mod:`~gpfalkon.auto.sizes`: stage 2's sizes, the searches at the first one, the doubling and the level chosen;
+- :mod:`~gpfalkon.auto.calibration`: the variance calibration's scale on the held-out rows;
+- :mod:`~gpfalkon.auto.final_check`: the returned model against the selection fit it was chosen by, and its refit;
 - :mod:`~gpfalkon.auto.fit`: :func:`auto_fit`, the three stages under one budget.
 """
 from .fit import auto_fit

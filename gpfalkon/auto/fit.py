@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import math
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,45 +16,39 @@ from gpytorch.kernels import Kernel
 from torch import Tensor
 
 from .._validation import check_inputs, check_seed, check_targets
+from .._warn import warn_caller
 from ..backend import stored_rows_for
 from ..backend.blocks import available_memory, resolve_store_dtype
 from ..backend.engine import reuse_stores
 from ..centers import (
-    dictionary_leverage_scores,
     distinct_groups,
     first_distinct,
-    leverage_centers,
-    merge_repeated_scores,
-    nested_leverage_centers,
 )
-from ..errors import CGNotConvergedWarning
 from ..models import FalkonGP
-from ..models.calibration import preconditioned_variances, variance_scale
-from ..operators import FactorCache, FalkonPreconditioner
+from ..operators import FactorCache
 from ..operators.preconditioner import engine_memory_budget
 from ..options import FalkonOptions
-from .costs import GROWTH_MARGIN, GROWTH_STEP, _onthefly_pass_seconds, _rows_within
+from .calibration import CALIBRATION_ROWS, _Calibration
+from .costs import GROWTH_MARGIN, _onthefly_pass_seconds, _rows_within
 from .final import _FinalModels
+from .final_check import _FinalCheck, _Returned
 from .growth import _Growth
 from .kernels import (
     KERNEL_FAMILIES,
     LENGTHSCALE_STEPS,
     LENGTHSCALE_TRANSFORMS,
     _log_lengthscales,
-    _scale_lengthscales,
 )
 from .learn import _Learning
+from .leverage import _LeverageCheck, _LeveragePool
 from .loo import LOO_REFIT_DTYPE, LOO_SHARE, _krr_coefficients, _loo_choice, _loo_score_seconds
 from .race import _ObjectiveRun, _positive_number, _racers
 from .report import AutoFitReport, _Clock
-from .sampling import _LEVERAGE_CHECK, CENTER_SAMPLING, LEVERAGE_DICTIONARY, LEVERAGE_UNIFORM, _score_uniformity
-from .scoring import _fit_quiet, _KeptPreconditioner, _paired_z, _scoring_fit, _val_mse
+from .sampling import _LEVERAGE_CHECK, CENTER_SAMPLING
+from .scoring import _KeptPreconditioner, _scoring_fit, _val_mse
 from .selection import _Selection, score_key
+from .sizes import _Sizes
 from .standardise import FLOAT32_FAR_ROWS, _input_location_scale, _warn_far_targets
-
-#: most held-out rows :func:`auto_fit`'s variance calibration uses; fewer at large ``M`` (see
-#: :func:`_calibration_rows`)
-CALIBRATION_ROWS = 1000
 
 
 def _sub_seed(seed: int, k: int) -> int:
@@ -63,30 +56,10 @@ def _sub_seed(seed: int, k: int) -> int:
     return (int(seed) + k) % 2**64
 
 
-def _calibration_rows(m: int, available: int) -> int:
-    """Held-out rows the variance calibration scores at ``m`` centers: :data:`CALIBRATION_ROWS`, fewer where
-    its two triangular solves (``2 rows M^2`` flops) would pass ``2e9`` flops, never below 256 (the
-    estimate ``mean(r^2 / v)``'s relative spread is about ``sqrt(2 / rows)``), at most ``available``."""
-    return max(1, min(available, max(256, min(CALIBRATION_ROWS, int(1e9 / max(m, 1) ** 2)))))
-
-
 #: a float32 auto_fit whose chosen validation error (a fraction of the targets' variance) is below this warns that
 #: float32 may be what limits it: on a nearly noiseless function (noise sd 1e-4 of a unit-scale target) float32
 #: stopped at 2.3e-5 with a noise 1e4 times too large, and float64 was 14.6 times more accurate in test RMSE
 FLOAT32_LIMITED_ERROR = 1e-4
-
-#: the final model's error on the calibration rows (a fraction of the targets' variance) over its level's selection
-#: fit's there above which (and :data:`FINAL_CHECK_Z`) :func:`auto_fit` refits the chosen level on its selection rows
-#: (and the held-out rows), returns that fit where it scores lower there, and warns: the final fit was worse than
-#: the one it validated (a final CG that did not solve its system: on an H200 one stopped at a relative residual of
-#: 0.6, its model tested 1.27 NRMSE against 0.98 validated; ``benchmarks/results/gpu-notes.md``, session 52)
-FINAL_CHECK_RATIO = 1.5
-#: the final check fires only where the final model's error is also above the selection fit's by more than this many
-#: standard errors of the paired difference of the two fits' squared errors there
-#: (:func:`_paired_z`): a few calibration rows (small given validation data) do not trigger it by chance (the ratio's
-#: margin absorbs the selection fit's optimism on the rows its level was chosen on)
-FINAL_CHECK_Z = 2.0
-
 
 def _check_budget(name: str, value: Any) -> float:
     seconds = _positive_number(value)
@@ -629,35 +602,32 @@ def auto_fit(
                              "holds for the returned model's outputscale and noise: rescale train_y (the model "
                              "maps back to its units) or pass dtype=torch.float64")
         if dtype == torch.float32 and float(y_mu.abs() / y_sd) > 1e4:
-            warnings.warn(
+            warn_caller(
                 f"train_y: |mean| / std is {float(y_mu.abs() / y_sd):.3g}; the returned model stores raw targets in "
                 "float32, which resolve them only to ~1e-7 x |mean|, so its final fit sees rounded targets (its "
                 "error can exceed the validation error in the report): subtract the mean from train_y or pass "
                 "dtype=torch.float64",
                 RuntimeWarning,
-                stacklevel=2,
             )
         _warn_far_targets(torch.cat([yt, yv]))
         if dtype == torch.float32 and isinstance(kernel, str):
             far = float((torch.maximum((xt.amax(0) - x_mu).abs(), (xt.amin(0) - x_mu).abs()) / x_sd).max()) \
                 if n_tr else 0.0
             if far > FLOAT32_FAR_ROWS:
-                warnings.warn(
+                warn_caller(
                     f"train_x: some rows lie {far:.3g} scale units from a feature's centre (a code for a missing "
                     "value?); float32 kernel values at such rows lose their precision (the squared distance of a row "
                     "to itself rounds to about 6e-8 x its squared norm, which is then not small): such a row can "
                     "make K_MM indefinite. Pass dtype=torch.float64, or replace those values",
                     RuntimeWarning,
-                    stacklevel=2,
                 )
             ratio = float((x_mu.abs() / x_sd).max())
             if ratio > 1e4:
-                warnings.warn(
+                warn_caller(
                     f"train_x: a feature's |mean| / std is {ratio:.3g}; the returned model stores raw inputs "
                     "in float32, which resolve that feature only to ~1e-7 x |mean|: centre such features or "
                     "pass dtype=torch.float64",
                     RuntimeWarning,
-                    stacklevel=2,
                 )
         report = AutoFitReport(budget=budget, n_train=n_tr, n_val=xv.shape[0], val_source=val_source, kernel=family)
 
@@ -865,32 +835,7 @@ def auto_fit(
             y_sd=y_sd, max_iter=max_iter, tol=tol,
         )
 
-        def calibration_scale(final: FalkonGP, precond: FalkonPreconditioner | None) -> float:
-            """``c = mean(r^2 / v)`` on the calibration rows (raw units; see ``calibrate_variance``)."""
-            rows = _calibration_rows(int(final.centers.shape[0]), int(cal_idx.shape[0]))
-            idx = cal_idx[:rows]
-            x_c = xv[idx].to(dtype)
-            if cal_seen:  # the final fit took the calibration rows back: the residuals of the selection fit
-                # that scored the chosen level (a grown final fit's are its level's)
-                key = score_key(best_level["M"], best_level["noise"], best_level["multiplier"], centers_kind)
-                if key not in fits.cal_residuals:
-                    raise LookupError("the chosen level's selection residuals were not kept")
-                r = fits.cal_residuals[key][:rows] * float(y_sd)
-            else:
-                with torch.no_grad():
-                    r = yv[idx] - final.posterior_mean(x_c).to(torch.float64)
-            if precond is None:  # a direct solve builds no preconditioner (it is chosen at small M only): the
-                # operator builds the one CG would have used (its jitter for the data's dtype)
-                with torch.no_grad():
-                    op = final.nystrom_operator(store_kernel=False)
-                    built = op.preconditioner
-                    op.engine.release()
-                if not isinstance(built, FalkonPreconditioner):
-                    raise TypeError(f"the preconditioner is a {type(built).__name__}, not FALKON's")
-                precond = built
-            v = preconditioned_variances(final.kernel, x_c, final.centers.detach(), precond,
-                                         float(final.noise.detach()))
-            return variance_scale(r, v)
+        calibration = _Calibration(fits=fits, cal_idx=cal_idx, xv=xv, yv=yv, y_sd=y_sd, dtype=dtype)
 
         callback_seconds = [0.0]
 
@@ -911,265 +856,29 @@ def auto_fit(
             y_sd=y_sd,
         )
 
-        def try_leverage(m: int, level: dict[str, Any], deadline: float) -> None:
-            """At the first size: draw a nested pool of leverage-score centers over the selection rows, the
-            scores estimated from the level's own (uniform) centers as dictionary at the level's kernel and
-            penalty (one pass); score ``m`` of them. With ``center_sampling="auto"`` the pool with the lower
-            validation error is the one every larger size (and the final fit) draws from; with
-            ``"leverage"``, the leverage pool."""
-            why = None
-            if learn_centers:
-                why = "learn_centers=True (the learned centers lead the uniform pool)"
-            elif m >= n_sd:
-                why = "the centers are all (distinct) selection rows"
-            elif time.perf_counter() + 1.5 * fits.last_fit_seconds(m) > deadline:
-                why = f"{max(deadline - time.perf_counter(), 0.0):.1f} s left before the final fit's reserve"
-            if why is not None:
-                report.notes.append(f"leverage-score centers not tried: {why}")
-                return
-            t_lev = time.perf_counter()
-            try:
-                k_lev = copy.deepcopy(base_kernel)
-                _scale_lengthscales(k_lev, level["multiplier"])
-                m_j = min(m, LEVERAGE_DICTIONARY)
-
-                def lev_scores(rows: Tensor) -> Tensor:
-                    return dictionary_leverage_scores(xs, k_lev, level["noise"] / n_s, s_all[:m_j], m_j / n_s,
-                                                      rows=rows)
-
-                # the first quarter of the rows is scored and timed; the rest (linear in the rows) is scored only
-                # where it and a fit at m fit before the deadline (else the pass would be spent for nothing)
-                head = max(1, n_s // 4)
-                scores = lev_scores(torch.arange(head, device=dev))
-                uniformity = _score_uniformity(scores)
-                if center_sampling == "auto" and uniformity >= LEVERAGE_UNIFORM:
-                    report.notes.append(
-                        f"leverage-score centers not tried: the scores of {head:,} of the {n_s:,} selection rows "
-                        f"are nearly uniform (uniformity {uniformity:.3f} >= {LEVERAGE_UNIFORM:g}, mean "
-                        f"{float(scores.mean()):.3g}): their draw would be a uniform one")
-                    report.sampling = dict(M=m, uniformity=uniformity, d_eff=float(scores.mean()) * n_s,
-                                           seconds=time.perf_counter() - t_lev, chosen="uniform")
-                    return
-                if head < n_s:
-                    spent = time.perf_counter() - t_lev
-                    rest = spent * (n_s - head) / head
-                    if time.perf_counter() + rest + fits.last_fit_seconds(m) > deadline:
-                        report.notes.append(
-                            f"leverage-score centers not tried: the scores of {head:,} of the {n_s:,} selection rows "
-                            f"took {spent:.2f} s; the rest ({rest:.1f} s predicted) and a fit at M={m} would not "
-                            f"end before the final fit's reserve")
-                        return
-                    scores = torch.cat([scores, lev_scores(torch.arange(head, n_s, device=dev))])
-                # a repeated selection row's score goes to its first copy: the draws never take one value twice
-                nested = nested_leverage_centers(merge_repeated_scores(xs, scores),
-                                                 min(n_sd, max_centers), generator=gen)
-            except Exception as exc:
-                report.notes.append(f"leverage-score centers failed: {type(exc).__name__}: {exc}")
-                return
-            if nested.size < m:
-                report.notes.append(f"leverage-score centers not tried: the draws gave {nested.size} distinct rows, "
-                                    f"fewer than M={m}")
-                return
-            if time.perf_counter() + fits.last_fit_seconds(m) > deadline:
-                report.notes.append(f"leverage-score centers not tried: the scores took "
-                                    f"{time.perf_counter() - t_lev:.1f} s, no time left for their fit")
-                return
-            fits.pool["nested"] = nested
-            uniform_error = level["error"]
-            err = fits.score(m, level["noise"], level["multiplier"], kind="leverage")
-            room = nested.size >= min(2 * m, n_sd, max_centers)
-            if center_sampling == "auto" and err < uniform_error and not room:
-                report.notes.append(f"leverage-score centers not kept: their {nested.size} distinct draws leave no "
-                                    f"room to double M={m}")
-            if not math.isfinite(err):  # a failed leverage fit is never adopted, not even under "leverage"
-                report.notes.append(f"leverage-score centers not kept: their fit at M={m} failed (non-finite "
-                                    f"validation error); the uniform pool stays")
-            elif center_sampling == "leverage" or (err < uniform_error and room):
-                fits.pool["kind"] = "leverage"
-                level.update(error=err, centers="leverage")
-            report.sampling = dict(M=m, uniformity=uniformity, uniform_error=uniform_error, leverage_error=err,
-                                   d_eff=float(scores.sum()),
-                                   distinct=nested.size, seconds=time.perf_counter() - t_lev, chosen=fits.pool["kind"])
-            clock.tick(f"leverage M={m}", val_rmse=f"{math.sqrt(err):.4f}" if math.isfinite(err) else "inf")
-
-        m = m_first
-        point = dict(noise=float(best_state["noise"]), multiplier=1.0)
-        point["error"] = fits.score(m, point["noise"], point["multiplier"])
-        # coordinate search at the first size: noise, multiplier, noise again (finer)
-        stage_deadline = clock.t0 + budget  # refined below once a fit has been timed
-        m_reserve = growth.reserve_size(m)
-        if m_reserve > m:
-            report.notes.append(f"the searches at M={m} keep time for a final fit grown up to M={m_reserve}")
-        for which, factor, width, lo, hi in (("noise", 4.0, 2, 1e-8, 1e2), ("multiplier", 1.5, 1, 1e-3, 1e3),
-                                             ("noise", 2.0, 1, 1e-8, 1e2)):
-            stage_deadline = growth.search_deadline(m, m_reserve)
-            if which == "noise" and noise_paths:
-                fits.noise_search(m, point, factor, width, lo, hi, stage_deadline)
-            else:
-                fits.line_search(m, point, which, factor, lo, hi, stage_deadline)
-        levels: list[dict[str, Any]] = [dict(M=m, centers="uniform", **point)]
-        if center_sampling != "uniform":
-            try_leverage(m, levels[-1], stage_deadline)
-        level_done(levels[-1])
-        stopped_by_budget = False
-        while True:
-            m_next = min(2 * m, fits.pool_limit(), max_centers)
-            if m_next <= m:
-                why = ("max_centers" if m >= max_centers
-                       else f"all {fits.pool_limit()} distinct selection rows" if fits.pool["kind"] == "uniform"
-                       else f"the {fits.pool_limit()} distinct leverage-score draws")
-                report.notes.append(f"centers stopped at M={m}: {why}")
-                break
-            # the next size needs about four selection fits (the noise and multiplier searches) and then the
-            # final fit, each predicted from the fits measured at m by _scaled_fit_seconds (the M^3
-            # factorisations, the M^2 triangular solves and the rest, each scaled by its own power of the
-            # growth factor): 4 selection fits and 1.2 x its final fit must fit the time left, the stored-K_nM
-            # closed form checked first. Where the final rows' K_nM crosses the memory budget between m and
-            # the candidate, the final fit changes regime (the rows of K_nM past the budget recomputed at
-            # each CG iteration) and the scaling from m says nothing about it: the candidate's on-the-fly
-            # pass is measured (one pass over the selection rows). With final_growth only doubling is tried:
-            # where it does not fit, the time a smaller step's searches would take goes to a final fit grown
-            # from m (up to 2 m: _Growth.grown; `benchmarks/results/auto-ab-partial-s*.md`). Without it, the
-            # largest factor >= 1.25 that fits is taken: first the largest the stored-K_nM prediction allows
-            # (a bisection on that closed form), then smaller candidates down to 1.25 m on their own prediction.
-            left = clock.left()
-
-            def step_fits(m_new: int, m_from: int = m) -> bool:
-                return (4 * fits.select_cost(m_new, m_from)
-                        + 1.2 * fits.final_cost(m_new, base=m_from, rows=fits.fewest_final_rows(m_new)) <= clock.left())
-
-            if final_growth:
-                m_try = m_next if growth.stored_need(m, m_next) <= left and step_fits(m_next) else m
-                if m_try > m and growth_first:
-                    # a final fit grown from m now against one grown from m_try after its four selection fits
-                    columns = len(growth.noises(levels[-1]))
-                    # (stored K_nM only: no on-the-fly pass is measured for the comparison; on the steps of 1.15)
-                    now = growth.reach(m, columns, stored_only=True, refine=False)
-                    later = max(m_try, growth.reach(m_try, columns, spend=4 * fits.select_cost(m_try, m), base=m,
-                                                    stored_only=True, refine=False))
-                    # a grown fit held at its cap (final_growth_factor m) leaves time unused: the doubling then
-                    # stops only where it falls a whole step (GROWTH_STEP) short, the steps' own resolution
-                    capped = now >= growth.cap(m, final_growth_factor)
-                    if now > (GROWTH_STEP * later if capped else later):
-                        report.notes.append(
-                            f"centers stopped at M={m}: a final fit grown from it reaches M={now}, one from M={m_try} "
-                            f"after its searches M={later} (growth_first)")
-                        stopped_by_budget = True
-                        break
-                    if now > later:
-                        report.notes.append(
-                            f"centers doubled to M={m_try}: a final fit grown from M={m} stops at its cap M={now} "
-                            f"(final_growth_factor), one from M={m_try} after its searches reaches M={later}, within a "
-                            f"step of {GROWTH_STEP:g} (growth_first)")
-            else:
-                m_try = m_next
-                if growth.stored_need(m, m_next) > left:
-                    lo_m, hi_m = m, m_next  # the need at hi_m exceeds what is left; at lo_m it does not
-                    while hi_m - lo_m > max(1, m // 100):
-                        mid = (lo_m + hi_m) // 2
-                        lo_m, hi_m = (mid, hi_m) if growth.stored_need(m, mid) <= left else (lo_m, mid)
-                    m_try = lo_m if lo_m >= min(math.ceil(1.25 * m), m_next) else m
-                while m_try > m and not step_fits(m_try):
-                    smallest = math.ceil(1.25 * m)
-                    m_try = max(int(m_try / 1.25), smallest) if m_try > smallest else m
-            if m_try <= m:
-                grows = f"; the final fit grows from M={m} instead of a smaller step" if final_growth else ""
-                report.notes.append(f"centers stopped at M={m}: M={m_next} would not fit the remaining budget{grows}")
-                stopped_by_budget = True
-                break
-            m = m_try
-            point = dict(noise=levels[-1]["noise"], multiplier=levels[-1]["multiplier"])
-            point["error"] = fits.score(m, point["noise"], point["multiplier"])
-            # the best noise falls and the best lengthscales shorten as the Nystrom approximation improves
-            if noise_paths:
-                fits.noise_search(m, point, 2.0, 1, 1e-8, 1e2, clock.t0 + budget - 1.2 * fits.final_cost(m))
-            else:
-                fits.line_search(m, point, "noise", 2.0, 1e-8, 1e2, clock.t0 + budget - 1.2 * fits.final_cost(m))
-            fits.line_search(m, point, "multiplier", 1.25, 1e-3, 1e3, clock.t0 + budget - 1.2 * fits.final_cost(m))
-            levels.append(dict(M=m, centers=fits.pool["kind"], **point))
-            level_done(levels[-1])
-            if not math.isfinite(point["error"]):
-                report.notes.append(f"centers stopped at M={m}: the fits failed")
-                break
-            # min_gain is per doubling: a step by a factor f (smaller where the budget allows no doubling)
-            # must gain min_gain * log2(f), so a short step is not held to a doubling's gain
-            need = min_gain * math.log2(m / levels[-2]["M"])
-            if point["error"] > levels[-2]["error"] * (1.0 - need):
-                report.notes.append(
-                    f"centers stopped at M={m}: validation error gained less than {100 * need:.2g}% over "
-                    f"M={levels[-2]['M']} (min_gain {100 * min_gain:g}% per doubling)"
-                )
-                break
-        # the level whose final fit is predicted to fit the time left, with a grace of 5 % of the budget
-        # (the first level always counts: a model is returned whatever the budget); of those, the best
-        # validation error
-        grace = 0.05 * budget
-        # (on its fewest rows, fewest_final_rows: with grow_rows the final fit takes as many more as the time pays for)
-        affordable = [levels[0]] + [r for r in levels[1:]
-                                    if fits.final_cost(r["M"], rows=fits.fewest_final_rows(r["M"]))
-                                    <= clock.left() + grace]
-        best_level = min(affordable, key=lambda r: (r["error"], r["M"]))
-        better = min(levels, key=lambda r: (r["error"], r["M"]))
-        if better is not best_level:
-            t_better = fits.final_cost(better["M"], rows=fits.fewest_final_rows(better["M"]))
-            report.notes.append(f"level M={better['M']} (validation error {better['error']:.4g}) skipped: its final "
-                                f"fit is predicted at {t_better:.0f} s, {clock.left():.0f} s were left")
+        pool = None if center_sampling == "uniform" else _LeveragePool(
+            fits=fits, report=report, clock=clock, base_kernel=base_kernel, xs=xs, s_all=s_all, n_s=n_s, n_sd=n_sd,
+            max_centers=max_centers, center_sampling=center_sampling, learn_centers=learn_centers, gen=gen)
+        sizes = _Sizes(
+            fits=fits, growth=growth, pool=pool, report=report, clock=clock, budget=budget, max_centers=max_centers,
+            min_gain=min_gain, noise_paths=noise_paths, final_growth=final_growth,
+            final_growth_factor=final_growth_factor, growth_first=growth_first, level_done=level_done)
+        levels: list[dict[str, Any]] = [sizes.first(m_first, float(best_state["noise"]))]
+        stopped_by_budget = sizes.double(levels)
+        best_level = sizes.choose(levels)
+        grace = 0.05 * budget  # the final CG's time limit past the time left (a level's final fit only)
         lev_centers: Tensor | None = None
         lev_weights: Tensor | None = None
         lev_alpha: Tensor | None = None
         centers_kind = best_level["centers"]
         if leverage_check:
-            m_b = int(best_level["M"])
-            reserve = 1.2 * fits.final_cost(m_b) + 3 * fits.last_fit_seconds(m_b)  # the final fit; scores and a fit
-            if centers_kind == "leverage":
-                report.notes.append("leverage check skipped: the level's centers are leverage-score centers")
-            elif m_b >= n_sd:
-                report.notes.append("leverage check skipped: the centers are all (distinct) selection rows")
-            elif clock.left() < reserve:
-                report.notes.append(f"leverage check skipped: {clock.left():.0f} s left, the final fit and the "
-                                    f"check need about {reserve:.0f} s")
-            else:
-                t_lev = time.perf_counter()
-                try:
-                    k_lev = copy.deepcopy(base_kernel)
-                    _scale_lengthscales(k_lev, best_level["multiplier"])
-                    with warnings.catch_warnings(record=True) as caught:
-                        warnings.simplefilter("always")
-                        # BLESS's dictionary capped at the number of centers drawn (and BLESS's default
-                        # 2048): its cost is O(rows J^2) per level; the fit is skipped if it left no time
-                        x_b, y_b = fits.rows_of(m_b)
-                        sel = leverage_centers(x_b, m_b, k_lev, best_level["noise"] / x_b.shape[0], generator=gen,
-                                               max_dictionary_size=min(max(m_b, 128), 2048))
-                        if clock.left() < 1.2 * fits.final_cost(m_b) + 1.5 * fits.last_fit_seconds(m_b):
-                            raise TimeoutError(f"the scores took {time.perf_counter() - t_lev:.1f} s; "
-                                               "no time is left for the fit with their centers")
-                        mod, _ = _fit_quiet(FalkonGP(x_b, y_b, kernel=k_lev, centers=sel.centers,
-                                                     center_weights=sel.weights,
-                                                     penalty=best_level["noise"] / x_b.shape[0],
-                                                     max_iter=max_iter, tol=tol))
-                        err_lev = _val_mse(mod, xv_z, yv_z)
-                        alpha_lev = mod.alpha.detach().reshape(-1).clone()
-                        if keep_cal and math.isfinite(err_lev):
-                            # the calibration's residuals where these centers are taken (as a level's are kept)
-                            fits.cal_residuals[score_key(m_b, best_level["noise"], best_level["multiplier"],
-                                                    _LEVERAGE_CHECK)] = (
-                                yv_cal - mod.posterior_mean(xv_cal).to(torch.float64))
-                        del mod
-                    if any(not issubclass(w.category, CGNotConvergedWarning) for w in caught):
-                        report.notes.append("leverage check: " + "; ".join(
-                            str(w.message)[:160] for w in caught if not issubclass(w.category, CGNotConvergedWarning)))
-                except Exception as exc:
-                    err_lev = math.inf
-                    report.notes.append(f"leverage check {'skipped' if isinstance(exc, TimeoutError) else 'failed'}: "
-                                        f"{type(exc).__name__}: {exc}")
-                    sel = None
-                lev_s = time.perf_counter() - t_lev
-                report.leverage = dict(M=m_b, distinct=None if sel is None else int(sel.centers.shape[0]),
-                                       error=err_lev, uniform_error=best_level["error"], seconds=lev_s)
-                clock.tick("leverage check", val_rmse=f"{math.sqrt(err_lev):.4f}" if math.isfinite(err_lev) else "inf")
-                if sel is not None and math.isfinite(err_lev) and err_lev < best_level["error"]:
-                    lev_centers, lev_weights, centers_kind = sel.centers, sel.weights, _LEVERAGE_CHECK
-                    lev_alpha = alpha_lev
+            swap = _LeverageCheck(
+                fits=fits, report=report, clock=clock, base_kernel=base_kernel, n_sd=n_sd, max_iter=max_iter, tol=tol,
+                xv_z=xv_z, yv_z=yv_z, keep_cal=keep_cal, xv_cal=xv_cal, yv_cal=yv_cal, gen=gen,
+            ).run(best_level, centers_kind)
+            if swap is not None:
+                lev_centers, lev_weights, lev_alpha = swap.centers, swap.weights, swap.alpha
+                centers_kind = _LEVERAGE_CHECK
         # the validation error of the centers the returned model has (the leverage check's where it swapped them)
         chosen_error = float(report.leverage["error"]) if centers_kind == _LEVERAGE_CHECK else best_level["error"]
         final_level = best_level
@@ -1228,58 +937,16 @@ def auto_fit(
         # growth check kept was scored so already): a final CG that did not solve its system shows as a final
         # model worse than the fit it was chosen by, even where those rows are in its fit
         final_check: tuple[float, float] | None = None
-        sel_key = score_key(best_level["M"], best_level["noise"], best_level["multiplier"], centers_kind)
-        if checked is None and sel_key in fits.cal_residuals:
-            n_chk = int(fits.cal_residuals[sel_key].shape[0])
-            x_chk = xv[cal_idx[:n_chk]].to(dtype)
-
-            def check_residuals(model: FalkonGP) -> Tensor:
-                """``model``'s standardised residuals on the check rows (a raw-unit model: ``f = y_mu + y_sd f_z``)."""
-                with torch.no_grad():
-                    return yv_cal[:n_chk] - (model.posterior_mean(x_chk).to(torch.float64) - y_mu) / y_sd
-
-            res_fin = check_residuals(final)
-            mse_fin = float(res_fin.square().mean())
-            mse_sel = float(fits.cal_residuals[sel_key].square().mean())
-            final_check = (mse_fin, mse_sel)
-            if (math.isfinite(mse_sel) and mse_sel > 0 and not mse_fin <= FINAL_CHECK_RATIO * mse_sel
-                    and _paired_z(res_fin, fits.cal_residuals[sel_key]) > FINAL_CHECK_Z):
-                info = final.fit_info
-                cg = ("" if info is None else f" (its CG: relative residual {float(info.final_residual.max()):.3g} "
-                      f"after {info.iterations} iterations)")
-                msg = (f"the final fit's error on {n_chk:,} calibration rows is {mse_fin:.3g} of the targets' "
-                       f"variance, {mse_fin / mse_sel:.3g} times that of the selection fit it was chosen by "
-                       f"({mse_sel:.3g}), on at least that fit's rows{cg}")
-                # the fallback: the chosen level refitted on the rows it was selected on (and the held-out rows put
-                # back), the size of fit that validated; kept where it scores lower on the calibration rows
-                m_b = int(best_level["M"])
-                rows_fb = min(n_final, fits.rows_at(m_b) + n_back)
-                refit = None
-                if rows_fb < rows_final or final_level is not best_level:
-                    t_fb = time.perf_counter()
-                    kept_factors = None
-                    if keeper is not None:  # the refit's own factors, or none (a direct solve builds none)
-                        kept_factors, keeper.last = keeper.last, None
-                    fb, conv_fb = final_models.fit(best_level, centers=lev_centers, weights=lev_weights,
-                                                   rows=rows_fb, keeper=keeper, start=lev_alpha)
-                    mse_fb = float(check_residuals(fb).square().mean())
-                    if mse_fb < mse_fin or math.isnan(mse_fin):
-                        final, converged, rows_final, final_level = fb, conv_fb, rows_fb, best_level
-                        final_check, refit = (mse_fb, mse_sel), mse_fb
-                        final_predicted = fits.final_cost(m_b, rows=rows_fb)
-                    elif keeper is not None:
-                        keeper.last = kept_factors  # the returned fit's factors calibrate it
-                    del fb
-                    report.stages["final check refit"] = time.perf_counter() - t_fb
-                if refit is not None:
-                    back = " and the held-out ones" if n_back > 0 else ""
-                    msg += (f": the returned model is the chosen level (M={m_b}) refitted on {rows_fb:,} rows, its "
-                            f"selection rows{back} (error {refit:.3g} there)")
-                else:
-                    msg += (": the returned model is worse than the one validated; dtype=torch.float64, a larger "
-                            "max_iter or a larger budget may solve it")
-                report.notes.append(msg)
-                warnings.warn(f"auto_fit: {msg}", RuntimeWarning, stacklevel=2)
+        if checked is None:
+            returned = _Returned(final, converged, rows_final, final_level, final_predicted)
+            final_check = _FinalCheck(
+                fits=fits, final_models=final_models, report=report, cal_idx=cal_idx, xv=xv, yv_cal=yv_cal, y_mu=y_mu,
+                y_sd=y_sd, dtype=dtype, n_final=n_final, n_back=n_back,
+            ).run(returned, best_level, score_key(best_level["M"], best_level["noise"], best_level["multiplier"],
+                                                  centers_kind),
+                  keeper, centers=lev_centers, weights=lev_weights, start=lev_alpha)
+            final, converged, rows_final = returned.model, returned.converged, returned.rows
+            final_level, final_predicted = returned.level, returned.predicted
         loo_c: float | None = None  # the variance scale from the leave-one-out residuals, where that stage refit
         t_loo = time.perf_counter()
         loo_end = min(clock.t0 + budget, t_loo + LOO_SHARE * budget)
@@ -1351,7 +1018,9 @@ def auto_fit(
         elif keeper is not None:
             t_cal = time.perf_counter()
             try:
-                c_cal = calibration_scale(final, keeper.last)
+                seen = (score_key(best_level["M"], best_level["noise"], best_level["multiplier"], centers_kind)
+                        if cal_seen else None)
+                c_cal = calibration.scale(final, keeper.last, seen)
                 final.scale_prior(c_cal)
                 variance_c = c_cal
             except (ValueError, LookupError, RuntimeError, TypeError) as exc:
@@ -1407,7 +1076,7 @@ def auto_fit(
                    "function, and the selection takes a larger noise); dtype=torch.float64 can be several times more "
                    "accurate")
             report.notes.append(msg)
-            warnings.warn(f"auto_fit: {msg}", RuntimeWarning, stacklevel=2)
+            warn_caller(f"auto_fit: {msg}", RuntimeWarning)
         final.auto_report = report
         return final
     finally:

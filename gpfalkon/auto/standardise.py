@@ -8,10 +8,11 @@ Cost: O(n d log n) (the quantiles sort each column).
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch import Tensor
+
+from .._warn import warn_caller
 
 #: the most a feature's standard deviation may exceed its robust scale (IQR / 1.349) in auto_fit's
 #: standardisation; beyond it a few far rows set the scale, which is then capped (:func:`_input_location_scale`)
@@ -65,11 +66,10 @@ def _warn_far_targets(y: Tensor) -> None:
     sd = float(y.std())
     if q > 0 and sd > OUTLIER_SCALE_RATIO * q:
         far = int(((y - med).abs() > OUTLIER_SCALE_RATIO * q).sum())
-        warnings.warn(
+        warn_caller(
             f"train_y: {far} row(s) lie more than {OUTLIER_SCALE_RATIO:g} robust scales (IQR / 1.349) from the "
             f"median and set the targets' standard deviation ({sd / q:.3g} robust scales; a code for a missing "
             "value?): the fit and its selection minimise squared error, so those rows dominate both. Drop or mend "
             "them",
             RuntimeWarning,
-            stacklevel=3,
         )

@@ -50,13 +50,13 @@ from __future__ import annotations
 import math
 import numbers
 import threading
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from .. import settings
+from .._warn import warn_caller
 from ..errors import MemoryBudgetWarning
 
 __all__ = [
@@ -174,10 +174,10 @@ def block_rows_for(
     size = profile.itemsize or itemsize
     row_bytes = profile.live_blocks * width * size
     if budget < row_bytes and n > 0:
-        warnings.warn(f"the memory budget ({budget} bytes) is below one row of this pass ({row_bytes} bytes: "
+        warn_caller(f"the memory budget ({budget} bytes) is below one row of this pass ({row_bytes} bytes: "
                       f"{profile.live_blocks} live blocks of {width} values of {size} bytes); it runs one row a "
                       "block, over the budget and slowly: raise gpfalkon.settings.memory_budget (or the "
-                      "memory_budget argument) to a few MiB at least", MemoryBudgetWarning, stacklevel=2)
+                      "memory_budget argument) to a few MiB at least", MemoryBudgetWarning)
     rows = min(rows, max(1, budget // row_bytes))
     return max(1, min(rows, max(int(n), 1)))
 

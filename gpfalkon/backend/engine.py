@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-import warnings
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, overload
@@ -53,6 +52,7 @@ from gpytorch.kernels import Kernel, MaternKernel, RBFKernel, ScaleKernel
 from torch import Tensor
 
 from .. import settings
+from .._warn import warn_caller
 from . import blocks as _blocks
 from .blocks import (
     PRODUCT,
@@ -425,13 +425,13 @@ def kernel_block_in(kernel: Kernel, x1: Tensor, x2: Tensor, *, diag: bool = Fals
             raise
         if own.itemsize < x1.dtype.itemsize and (type(kernel), own) not in _NARROW_KERNELS_WARNED:
             _NARROW_KERNELS_WARNED.add((type(kernel), own))
-            warnings.warn(
+            warn_caller(
                 f"{type(kernel).__name__} refuses {x1.dtype} points (its parameters are {own}): the passes that need "
                 "float64 kernel values (K_MM, the posterior factors, the direct solve of float32 data) get "
                 f"{own} ones, and K_MM's jitter and the variances that precision (a float32 PolynomialKernel's "
                 "variances were 160-370 % off); a float64 kernel (kernel.double()) computes them in float64, with "
                 "float32 data too",
-                RuntimeWarning, stacklevel=2)
+                RuntimeWarning)
         return _dense(kernel(x1.to(own), x2.to(own), diag=diag)).to(x1.dtype), own
 
 

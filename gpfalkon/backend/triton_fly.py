@@ -45,13 +45,13 @@ the CPU test suite checks these kernels against the torch path.
 from __future__ import annotations
 
 import importlib.util
-import warnings
 from types import ModuleType
 
 import torch
 from torch import Tensor
 
 from .. import settings
+from .._warn import warn_caller
 
 __all__ = ["MAX_K", "triton_fly_available", "triton_fly_kmn_k"]
 
@@ -165,8 +165,8 @@ def triton_fly_kmn_k(acc: Tensor, xa: Tensor, ca_t: Tensor, u_t: Tensor | None, 
         if kernels.interpreting():  # a bug in the kernels themselves: the tests must see it
             raise
         _failed.append(f"{type(exc).__name__}: {exc}")
-        warnings.warn(f"gpfalkon: the fused Triton pass could not run ({_failed[-1][:300]}); the kernel engine "
-                      "uses torch's blockwise path from now on in this process", RuntimeWarning, stacklevel=2)
+        warn_caller(f"gpfalkon: the fused Triton pass could not run ({_failed[-1][:300]}); the kernel engine "
+                      "uses torch's blockwise path from now on in this process", RuntimeWarning)
         return False
     acc += part.sum(0)[:, :k].t()
     return True

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import numbers
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -29,6 +28,7 @@ from linear_operator.operators import DiagLinearOperator, KroneckerProductLinear
 from torch import Tensor
 
 from .._validation import is_row_source
+from .._warn import warn_caller
 from ..models import FalkonGP
 from ..models.defaults import default_likelihood
 from ..models.falkon_gp import _same_to_rounding
@@ -369,9 +369,9 @@ class FalkonModel(FalkonGP, GPyTorchModel, FantasizeMixin):
             return
         raw = self._original_train_X
         if raw is None or raw.shape[0] != self.train_inputs[0].shape[0]:
-            warnings.warn("FalkonModel.load_state_dict: the untransformed training inputs are not known (the "
+            warn_caller("FalkonModel.load_state_dict: the untransformed training inputs are not known (the "
                           "training data were replaced by set_train_data), so the loaded input transform is not "
-                          "re-applied to them", RuntimeWarning, stacklevel=3)
+                          "re-applied to them", RuntimeWarning)
             return
         with torch.no_grad():  # the training inputs' transform, as at construction (train semantics, bounds kept)
             x = tf.preprocess_transform(raw.to(self.train_inputs[0]))

@@ -1,13 +1,13 @@
 """Cholesky factorisation with jitter escalation (always in float64)."""
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from .._validation import all_finite
+from .._warn import warn_caller
 from ..errors import JitterWarning, NotPSDError
 
 __all__ = ["jittered_cholesky"]
@@ -79,11 +79,10 @@ def jittered_cholesky(
         factor = work.triu_() if upper else work.tril_()
         if int(info) == 0 and all_finite(factor):
             if k > 0:
-                warnings.warn(
+                warn_caller(
                     f"{name} is numerically singular (e.g. duplicate centers); its Cholesky factor "
                     f"needed jitter {jit:.3g} ({jit / scale:.1e} x mean diagonal)",
                     JitterWarning,
-                    stacklevel=3,
                 )
             return factor, jit
     raise NotPSDError(

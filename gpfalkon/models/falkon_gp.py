@@ -6,7 +6,6 @@ import dataclasses
 import math
 import numbers
 import time
-import warnings
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -37,6 +36,7 @@ from .._validation import (
     check_targets,
     is_row_source,
 )
+from .._warn import warn_caller
 from ..backend.blocks import AUTO_BUDGET_FLOOR, given_memory_budget, memory_budget_for
 from ..backend.engine import KernelEngine, kernel_block_in
 from ..backend.passes import is_sharded, reduce_rows, total_rows
@@ -235,13 +235,12 @@ def _warn_offset(moments: Tensor, tol: float) -> None:
     ratio = torch.where(var > 0, mean.abs() / var.sqrt(), torch.zeros_like(mean))
     worst = int(ratio.argmax())
     if float(ratio[worst]) * tol > OFFSET_RESOLUTION:
-        warnings.warn(
+        warn_caller(
             f"fit(): train_y - mean_constant has mean {float(mean[worst]):.4g}, {float(ratio[worst]):.3g} times its "
             f"standard deviation: CG's tolerance ({tol:g}) is relative to K_Mn (y - c), which that offset dominates, "
             f"so the fit resolves the targets' variation only to about {float(ratio[worst]) * tol:.2g} of their "
             "standard deviation; pass mean_constant=train_y.mean(0) (or centre train_y)",
             RuntimeWarning,
-            stacklevel=3,
         )
 
 
@@ -1431,11 +1430,10 @@ class FalkonGP(gpytorch.models.GP):
         if differs:
             module._set_fitted(False)
             module._fit_tracker.forget()
-            warnings.warn(
+            warn_caller(
                 "FalkonGP.load_state_dict: the loaded alpha does not fit this model (it differs in: "
                 + "; ".join(differs) + "); the model is marked unfitted (call fit())",
                 RuntimeWarning,
-                stacklevel=2,
             )
 
     def set_train_data(self, inputs: Tensor | None = None, targets: Tensor | None = None,
@@ -1605,11 +1603,10 @@ class FalkonGP(gpytorch.models.GP):
             if gpytorch.settings.debug.on() and bool(self.fitted) and not self._is_training_input(x):
                 # ExactGP raises here ("You must train on the training inputs!"); the prior at other
                 # points is legitimate, so warn: a fitted model queried in train mode is usually a mistake
-                warnings.warn(
+                warn_caller(
                     "FalkonGP is in train mode: model(x) is the prior N(c, K(x, x)) at these (non-training) "
                     "inputs, not the fitted posterior; call model.eval() to predict",
                     GPInputWarning,
-                    stacklevel=2,
                 )
             return self._prior(x)
         if gpytorch.settings.prior_mode.on():  # as ExactGP: the prior in eval mode too, no fit needed

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +15,7 @@ from linear_operator.utils.memoize import cached
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from .._warn import warn_caller
 from ..backend.blocks import AGGREGATE, keeps_graph, row_blocks
 from ..backend.engine import kernel_block
 from ..backend.passes import backend_pass
@@ -47,7 +47,7 @@ class _UnflooredVariance:
         else:
             var = torch.distributions.MultivariateNormal.variance.fget(mvn)  # type: ignore[attr-defined]
         if bool(var.lt(0).any()):
-            warnings.warn("Negative variance values detected (rounding); cut at 0", NumericalWarning, stacklevel=2)
+            warn_caller("Negative variance values detected (rounding); cut at 0", NumericalWarning)
             var = var.clamp_min(0.0)
         if isinstance(mvn, MultitaskMultivariateNormal):  # GPyTorch's multitask layout of the diagonal
             if not mvn._interleaved:

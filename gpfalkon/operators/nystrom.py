@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import numbers
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -17,6 +16,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import settings
 from .._validation import check_dtype, check_inputs, check_penalty
+from .._warn import warn_caller
 from ..backend.autograd import backward_params, blockwise_kernel_grad, kernel_params, kernel_product, scatter_grads
 from ..backend.blocks import resolve_store_dtype
 from ..backend.engine import KernelEngine, kernel_block
@@ -717,10 +717,9 @@ class NystromKRROperator(LinearOperator):
             # K_Mn K_nM has rank <= n: beyond the rows' span only n lambda K_MM fixes alpha, and CG's residual does
             # not bound the error there (float32, 60 centers off the data, 30 rows, lambda 1e-7: "converged", the
             # test points' mean 41 % off the exact solve's, which the direct solve gives)
-            warnings.warn(f"{self.m} centers for {self.n} training rows: alpha is fixed beyond the rows' span by the "
+            warn_caller(f"{self.m} centers for {self.n} training rows: alpha is fixed beyond the rows' span by the "
                           "penalty alone, where CG's residual does not bound its error; the direct solve "
-                          "(solve_method='direct') is exact here, or use at most n centers", RuntimeWarning,
-                          stacklevel=3)
+                          "(solve_method='direct') is exact here, or use at most n centers", RuntimeWarning)
         return self.falkon_solve(rhs, x0, tol=tol, max_iter=max_iter, callback=callback, verbose=verbose, warn=warn,
                                  time_limit=time_limit)
 
@@ -739,11 +738,10 @@ class NystromKRROperator(LinearOperator):
         scale = float(self.kmm.diagonal().abs().mean()) or 1.0
         if jitter is None or jitter > scale:
             return False
-        warnings.warn(
+        warn_caller(
             f"FALKON CG broke down ({reason.split(':')[0]}); rebuilt the preconditioner with jitter "
             f"{jitter:.3g} ({jitter / scale:.1e} x mean diagonal of K_MM) and restarted",
             JitterWarning,
-            stacklevel=4,
         )
         self._precond = self._split_w = None
         return True
@@ -894,11 +892,10 @@ class NystromKRROperator(LinearOperator):
         logdet_value = torch.zeros((), dtype=self.dtype, device=self.device)
         if logdet:
             if torch.is_grad_enabled() and kernel_params(self.kernel):
-                warnings.warn(
+                warn_caller(
                     "NystromKRROperator.logdet: gradients w.r.t. the kernel's parameters are not propagated "
                     "through linear_operator's stochastic log-determinant (only x, centers and penalty are)",
                     UserWarning,
-                    stacklevel=2,
                 )
             _, logdet_value = super().inv_quad_logdet(None, logdet=True)
         return inv_quad, logdet_value

@@ -11,13 +11,13 @@ on a well-preconditioned system whatever the scale of ``b``.
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from .._warn import warn_caller
 from ..errors import CGNotConvergedWarning, FalkonConvergenceError
 
 __all__ = ["MAX_REPLACEMENTS", "CGInfo", "conjugate_gradient"]
@@ -306,12 +306,11 @@ def conjugate_gradient(
                 f"in {stagnation_window} iterations (tolerance {tol:g}); " + advice
             )
         if float(rel_best.max()) > quiet_below:
-            warnings.warn(
+            warn_caller(
                 f"CG stagnated after {it} iterations (best relative residual {float(rel_best.max()):.3g}, "
                 f"tolerance {tol:g}, no 0.1% progress in {stagnation_window} iterations); returning the best "
                 "iterate: " + advice,
                 CGNotConvergedWarning,
-                stacklevel=3,
             )
     diverged = (rel > 2 * rel_best) & (rel > tol) if not stagnated else (rel > rel_best) & (rel > tol)
     if bool(diverged.any()):
@@ -319,29 +318,26 @@ def conjugate_gradient(
         # a tenfold rise is reported; a smaller one (seen in float32 on problems that still
         # match float64 to 3 %) only in ``info.extra["returned_best"]``
         if not stagnated and bool((rel > 10 * rel_best)[diverged].any()):
-            warnings.warn(
+            warn_caller(
                 f"CG diverged on {int(diverged.sum())} column(s) (relative residual {float(rel.max()):.3g} after "
                 f"{it} iterations, best {float(rel_best[diverged].max()):.3g}); returning the best iterate: "
                 + advice,
                 CGNotConvergedWarning,
-                stacklevel=3,
             )
         rel = torch.where(diverged, rel_best, rel)
         history.append(rel.clone())
     if drifted and float(rel.max()) > quiet_below:
-        warnings.warn(
+        warn_caller(
             f"CG's recursive residual reached the tolerance {tol:g}, but the true relative residual b - W x is "
             f"{float(rel.max()):.3g} after {it} iterations and {replacements} restart(s) from it: the operator's "
             "products are less accurate than the tolerance asks; " + advice,
             CGNotConvergedWarning,
-            stacklevel=3,
         )
     if it >= 10 and bool((rel >= 0.5).any()):
-        warnings.warn(
+        warn_caller(
             f"CG made almost no progress: relative residual {float(rel.max()):.3g} after {it} iterations. "
             "The solution is unreliable: " + advice,
             CGNotConvergedWarning,
-            stacklevel=3,
         )
     info = CGInfo(
         iterations=it,

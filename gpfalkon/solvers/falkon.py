@@ -6,12 +6,12 @@ nothing from ``operators/``, so the operators can depend on the solvers and not 
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+from .._warn import warn_caller
 from ..errors import CGNotConvergedWarning
 from .cg import Callback, CGInfo, conjugate_gradient
 from .protocols import Preconditioner
@@ -118,22 +118,20 @@ def falkon_solve(
         verify=verify,
     )
     if warn and tol > 0 and not info.converged and info.extra.get("time_limit"):
-        warnings.warn(
+        warn_caller(
             f"FALKON CG stopped at its time limit after {info.iterations} iterations "
             f"({time.perf_counter() - t_start:.3g} s of CG) with relative "
             f"residual {float(info.final_residual.max()):.3g} > tol={tol:g}",
             CGNotConvergedWarning,
-            stacklevel=3,
         )
     elif (warn and tol > 0 and not info.converged and info.iterations >= max_iter and not info.extra.get("stagnated")
             and not info.extra.get("drifted") and float(info.final_residual.max()) > quiet_below):
         # only when the cap stopped it (a stagnated solve has warned with its own cause)
-        warnings.warn(
+        warn_caller(
             f"FALKON CG reached max_iter={max_iter} with relative residual "
             f"{float(info.final_residual.max()):.3g} > tol={tol:g}; raise max_iter or loosen tol "
             "(tol=0 runs exactly max_iter iterations without this warning)",
             CGNotConvergedWarning,
-            stacklevel=3,
         )
     alpha = timed_apply(precond.apply_b, beta)
     info.extra.update(cg_seconds=time.perf_counter() - t_start, precond_apply_seconds=clock[0] - clock[1])
