@@ -62,7 +62,7 @@ def one_run(x, y, xt, yt, budget: float, arm: str) -> dict:
     import torch
 
     import gpfalkon
-    import gpfalkon.auto.fit as auto_mod  # the module that reads the predictor
+    import gpfalkon.auto.loo_stage as auto_mod  # the module that reads the predictor
 
     real = auto_mod._loo_score_seconds
     if arm == "always":

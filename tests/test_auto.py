@@ -22,6 +22,7 @@ from gpfalkon.auto import kernels as auto_kernels
 from gpfalkon.auto import learn as auto_learn
 from gpfalkon.auto import leverage as auto_leverage
 from gpfalkon.auto import loo as auto_loo
+from gpfalkon.auto import loo_stage as auto_loo_stage
 from gpfalkon.auto import race as auto_race
 from gpfalkon.auto import report as auto_reporting
 from gpfalkon.auto import sampling as auto_sampling
@@ -35,8 +36,8 @@ from conftest import DEVICES, dense_kernel, make_data
 
 #: auto_fit's modules; each binds the names it reads (its own imports), so a test's stand-in goes into every one
 AUTO_MODULES = (auto_calibration, auto_costs, auto_final, auto_final_check, auto_fitting, auto_growth, auto_kernels,
-                auto_learn, auto_leverage, auto_loo, auto_race, auto_reporting, auto_sampling, auto_scoring,
-                auto_selection, auto_sizes, auto_standardise)
+                auto_learn, auto_leverage, auto_loo, auto_loo_stage, auto_race, auto_reporting, auto_sampling,
+                auto_scoring, auto_selection, auto_sizes, auto_standardise)
 
 
 def patch_auto(monkeypatch: pytest.MonkeyPatch, name: str, value: object) -> None:

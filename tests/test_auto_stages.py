@@ -265,3 +265,41 @@ def test_final_check_keeps_a_sound_model_and_refits_a_broken_one(broken):
                                    atol=1e-7 * float(s["y_sd"]))
         e_ref = float(((yv[:50] - expected) / s["y_sd"]).square().mean())
     assert e_f == pytest.approx(e_ref, rel=1e-6)
+
+
+def test_loo_stage_refits_the_winner_as_exact_kernel_ridge_regression_on_every_row():
+    """On small data the stage ranks the validation choice and the candidates by exact leave-one-out error on every
+    final row and refits the winner with every distinct row a center: the returned model is then exact kernel ridge
+    regression on all rows at the winner's kernel, multiplier and noise (a dense solve in standardised units),
+    its level has M = the rows, and the report records the refit."""
+    from gpfalkon.auto.final_check import _Returned
+    from gpfalkon.auto.loo_stage import _LooStage
+
+    xt, yt, xv, yv, _, _ = _problem(7)
+    fits, s = _selection(xt, yt, xv, yv, _kernel())
+    final_models = _final_models(fits, xt, yt, s)
+    level = dict(M=30, noise=0.05, multiplier=1.0, centers="uniform")
+    model, converged = final_models.fit(level)
+    returned = _Returned(model, converged, N, level, 1.0)
+    state = dict(kernel=fits.base_kernel, objective="gcv", racer="gcv", lr=0.1, step=5, error=0.1, rows=N, family=None)
+    other = _kernel()
+    with torch.no_grad():
+        other.base_kernel.lengthscale = torch.tensor([[0.4, 2.0, 2.0]], dtype=torch.float64)
+    points = [dict(kernel=other, noise=0.01, multiplier=1.0, objective="sgpr", racer="sgpr", lr=0.1, step=3,
+                   error=0.2, rows=N, family=None)]
+    stage = _LooStage(final_models=final_models, report=fits.report, clock=_Clock(60.0, False), budget=60.0,
+                      points=points, x_fin=xt, y_fin=yt, x_mu=s["x_mu"], x_sd=s["x_sd"], y_mu=s["y_mu"],
+                      y_sd=s["y_sd"], dtype=torch.float64, calibrate_variance=True)
+    outcome = stage.run(returned, level, state, 0.1, None)
+    assert fits.report.loo.get("refit") is True and "loo" in fits.report.stages
+    assert returned.model is not model and returned.level["M"] == N == returned.rows
+    assert outcome.variance_scale is not None and outcome.variance_scale > 0
+    k = copy.deepcopy(outcome.best_state["kernel"])
+    _scale_lengthscales(k, outcome.best_level["multiplier"])
+    noise = returned.level["noise"]
+    with torch.no_grad():
+        gram = k(s["zt"], s["zt"]).to_dense()
+        alpha = torch.linalg.solve(gram + noise * torch.eye(N, dtype=torch.float64), s["ut"])
+        expected = s["y_mu"] + s["y_sd"] * k(s["zv"], s["zt"]).to_dense() @ alpha
+        torch.testing.assert_close(returned.model.posterior_mean(xv), expected, rtol=1e-6,
+                                   atol=1e-6 * float(s["y_sd"]))

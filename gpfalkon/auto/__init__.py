@@ -69,6 +69,7 @@ The package, one responsibility per module (each imports only the ones above it 
 - :mod:`~gpfalkon.auto.sizes`: stage 2's sizes, the searches at the first one, the doubling and the level chosen;
 - :mod:`~gpfalkon.auto.calibration`: the variance calibration's scale on the held-out rows;
 - :mod:`~gpfalkon.auto.final_check`: the returned model against the selection fit it was chosen by, and its refit;
+- :mod:`~gpfalkon.auto.loo_stage`: on small data, the leave-one-out choice on every row and its exact refit;
 - :mod:`~gpfalkon.auto.fit`: :func:`auto_fit`, the three stages under one budget.
 """
 from .fit import auto_fit

@@ -21,7 +21,6 @@ from ..backend import stored_rows_for
 from ..backend.blocks import available_memory, resolve_store_dtype
 from ..backend.engine import reuse_stores
 from ..centers import (
-    distinct_groups,
     first_distinct,
 )
 from ..models import FalkonGP
@@ -41,7 +40,7 @@ from .kernels import (
 )
 from .learn import _Learning
 from .leverage import _LeverageCheck, _LeveragePool
-from .loo import LOO_REFIT_DTYPE, LOO_SHARE, _krr_coefficients, _loo_choice, _loo_score_seconds
+from .loo_stage import _LooStage
 from .race import _ObjectiveRun, _positive_number, _racers
 from .report import AutoFitReport, _Clock
 from .sampling import _LEVERAGE_CHECK, CENTER_SAMPLING
@@ -936,78 +935,22 @@ def auto_fit(
         # the final model on the calibration rows against its level's selection fit there (a grown fit that the
         # growth check kept was scored so already): a final CG that did not solve its system shows as a final
         # model worse than the fit it was chosen by, even where those rows are in its fit
+        returned = _Returned(final, converged, rows_final, final_level, final_predicted)
         final_check: tuple[float, float] | None = None
         if checked is None:
-            returned = _Returned(final, converged, rows_final, final_level, final_predicted)
             final_check = _FinalCheck(
                 fits=fits, final_models=final_models, report=report, cal_idx=cal_idx, xv=xv, yv_cal=yv_cal, y_mu=y_mu,
                 y_sd=y_sd, dtype=dtype, n_final=n_final, n_back=n_back,
             ).run(returned, best_level, score_key(best_level["M"], best_level["noise"], best_level["multiplier"],
                                                   centers_kind),
                   keeper, centers=lev_centers, weights=lev_weights, start=lev_alpha)
-            final, converged, rows_final = returned.model, returned.converged, returned.rows
-            final_level, final_predicted = returned.level, returned.predicted
-        loo_c: float | None = None  # the variance scale from the leave-one-out residuals, where that stage refit
-        t_loo = time.perf_counter()
-        loo_end = min(clock.t0 + budget, t_loo + LOO_SHARE * budget)
-        loo_per = _loo_score_seconds(n_final, dev) if loo_points is not None and clock.left() > 0 else math.inf
-        if loo_points is not None and math.isfinite(loo_per):
-            left_loo = max(0.0, loo_end - time.perf_counter())
-            if left_loo < 3 * loo_per:
-                # three scores' time (the validation choice, another point, the refit): fewer cannot change the model
-                report.loo = dict(points=len(loo_points) + 1, skipped=True, predicted_score_seconds=loo_per,
-                                  seconds_left=left_loo)
-                report.notes.append(
-                    f"leave-one-out stage skipped: a score on {n_final:,} rows is predicted to take {loo_per:.2g} s "
-                    f"and {left_loo:.2g} s are left of its share (it needs three: the validation choice, another point "
-                    "and the refit)")
-            else:
-                x_fin_z = (x_fin - x_mu) / x_sd
-                loo = _loo_choice(
-                    dict(kernel=base_kernel, multiplier=best_level["multiplier"], noise=final_level["noise"],
-                         objective=best_state["objective"], racer=best_state["racer"], lr=best_state["lr"],
-                         step=best_state["step"], error=chosen_error, rows=best_state["rows"],
-                         family=best_state.get("family")),
-                    loo_points, x_fin_z, (y_fin - y_mu) / y_sd, lambda: loo_end - time.perf_counter())
-                report.loo = loo.record
-                win = loo.winner
-                # the refit's centers: every distinct final row (equal rows, one center: the exact solution's
-                # coefficients of equal rows summed into it give the same function)
-                fin_keep, fin_to = distinct_groups(x_fin_z.to(dtype))
-                n_distinct = int(fin_keep.sum())
-                if win is not None and (win is not loo.chosen or loo.noise != win["noise"]
-                                        or int(final.centers.shape[0]) < n_distinct):
-                    if loo_end - time.perf_counter() >= loo.score_seconds:
-                        level_w = dict(final_level, M=n_distinct, noise=loo.noise, multiplier=win["multiplier"])
-                        y_fin_z = ((y_fin - y_mu) / y_sd).to(torch.float64)
-                        alpha_z = _krr_coefficients(win["kernel"], win["multiplier"], loo.noise,
-                                                    x_fin_z.to(torch.float64), y_fin_z)
-                        alpha_z = torch.zeros(n_distinct, *alpha_z.shape[1:], dtype=alpha_z.dtype,
-                                              device=alpha_z.device).index_add_(0, fin_to, alpha_z)
-                        refit, conv_w = final_models.fit(level_w, centers=x_fin_z.to(dtype)[fin_keep],
-                                                         start=alpha_z, kernel_z=win["kernel"],
-                                                         data_dtype=LOO_REFIT_DTYPE)
-                        final, converged, rows_final = refit, conv_w, n_final
-                        final_level, best_level = level_w, dict(best_level, multiplier=win["multiplier"])
-                        win_state = {k: win[k] for k in ("objective", "racer", "lr", "step", "rows")}
-                        best_state = dict(best_state, **win_state, error=win["error"], kernel=win["kernel"],
-                                          family=win.get("family"))
-                        if win.get("family") is not None:
-                            report.kernel = win["family"]
-                        loo.record["refit"] = True
-                        if calibrate_variance:
-                            loo_c = loo.variance_scale
-                        if keeper is not None:
-                            keeper.last = None
-                        report.notes.append(
-                            f"leave-one-out choice on all {n_final:,} rows: {win['racer']} (step {win['step']}, "
-                            f"noise {loo.noise:.3g}) of {len(loo.record['scored'])} points, error {loo.error:.4g} "
-                            f"against the validation choice's {loo.record['chosen_error']:.4g}; refit with every "
-                            f"distinct row a center ({n_distinct:,})")
-                    else:
-                        report.notes.append("leave-one-out choice: no time left for its refit; the validation choice "
-                                            "is returned")
-            report.stages["loo"] = time.perf_counter() - t_loo
+        outcome = _LooStage(
+            final_models=final_models, report=report, clock=clock, budget=budget, points=loo_points, x_fin=x_fin,
+            y_fin=y_fin, x_mu=x_mu, x_sd=x_sd, y_mu=y_mu, y_sd=y_sd, dtype=dtype, calibrate_variance=calibrate_variance,
+        ).run(returned, best_level, best_state, chosen_error, keeper)
+        loo_c, best_level, best_state = outcome.variance_scale, outcome.best_level, outcome.best_state
+        final, converged, rows_final = returned.model, returned.converged, returned.rows
+        final_level, final_predicted = returned.level, returned.predicted
         variance_c = 1.0
         if loo_c is not None:
             try:
