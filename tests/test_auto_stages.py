@@ -227,7 +227,8 @@ def test_final_check_keeps_a_sound_model_and_refits_a_broken_one(broken):
     names both errors."""
     import warnings
 
-    from gpfalkon.auto.final_check import FINAL_CHECK_RATIO, _FinalCheck, _Returned
+    from gpfalkon.auto.final import _Returned
+    from gpfalkon.auto.final_check import FINAL_CHECK_RATIO, _FinalCheck
 
     xt, yt, xv, yv, _, _ = _problem(6)
     fits, s = _selection(xt, yt, xv, yv, _kernel())
@@ -272,7 +273,7 @@ def test_loo_stage_refits_the_winner_as_exact_kernel_ridge_regression_on_every_r
     final row and refits the winner with every distinct row a center: the returned model is then exact kernel ridge
     regression on all rows at the winner's kernel, multiplier and noise (a dense solve in standardised units),
     its level has M = the rows, and the report records the refit."""
-    from gpfalkon.auto.final_check import _Returned
+    from gpfalkon.auto.final import _Returned
     from gpfalkon.auto.loo_stage import _LooStage
 
     xt, yt, xv, yv, _, _ = _problem(7)

@@ -126,3 +126,15 @@ class _FinalModels:
         if start is not None and start.numel() == model.alpha.numel():
             initial = (start.to(torch.float64) / y_sd).reshape(model.alpha.shape)
         return model, initial
+
+
+@dataclass
+class _Returned:
+    """The model :func:`~gpfalkon.auto_fit` returns, as stage 3 leaves it: whether its CG converged, its rows, the
+    level it is a fit of and its predicted seconds."""
+
+    model: FalkonGP
+    converged: bool
+    rows: int
+    level: dict[str, Any]
+    predicted: float

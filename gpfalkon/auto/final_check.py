@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .._warn import warn_caller
 from ..models import FalkonGP
-from .final import _FinalModels
+from .final import _FinalModels, _Returned
 from .report import AutoFitReport
 from .scoring import _KeptPreconditioner, _paired_z
 from .selection import ScoreKey, _Selection
@@ -39,18 +39,6 @@ FINAL_CHECK_RATIO = 1.5
 #: (:func:`~gpfalkon.auto.scoring._paired_z`): a few calibration rows (small given validation data) do not trigger it
 #: by chance (the ratio's margin absorbs the selection fit's optimism on the rows its level was chosen on)
 FINAL_CHECK_Z = 2.0
-
-
-@dataclass
-class _Returned:
-    """The model :func:`~gpfalkon.auto_fit` returns, as stage 3 leaves it: whether its CG converged, its rows, the
-    level it is a fit of and its predicted seconds."""
-
-    model: FalkonGP
-    converged: bool
-    rows: int
-    level: dict[str, Any]
-    predicted: float
 
 
 @dataclass(eq=False)

@@ -29,8 +29,8 @@ from ..operators.preconditioner import engine_memory_budget
 from ..options import FalkonOptions
 from .calibration import CALIBRATION_ROWS, _Calibration
 from .costs import GROWTH_MARGIN, _onthefly_pass_seconds, _rows_within
-from .final import _FinalModels
-from .final_check import _FinalCheck, _Returned
+from .final import _FinalModels, _Returned
+from .final_check import _FinalCheck
 from .growth import _Growth
 from .kernels import (
     KERNEL_FAMILIES,
@@ -46,7 +46,7 @@ from .report import AutoFitReport, _Clock
 from .sampling import _LEVERAGE_CHECK, CENTER_SAMPLING
 from .scoring import _KeptPreconditioner, _scoring_fit, _val_mse
 from .selection import _Selection, score_key
-from .sizes import _Sizes
+from .sizes import GRACE, _Sizes
 from .standardise import FLOAT32_FAR_ROWS, _input_location_scale, _warn_far_targets
 
 
@@ -865,7 +865,7 @@ def auto_fit(
         levels: list[dict[str, Any]] = [sizes.first(m_first, float(best_state["noise"]))]
         stopped_by_budget = sizes.double(levels)
         best_level = sizes.choose(levels)
-        grace = 0.05 * budget  # the final CG's time limit past the time left (a level's final fit only)
+        grace = GRACE * budget  # the final CG's time limit past the time left (a level's final fit only)
         lev_centers: Tensor | None = None
         lev_weights: Tensor | None = None
         lev_alpha: Tensor | None = None

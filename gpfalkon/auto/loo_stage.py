@@ -22,8 +22,7 @@ import torch
 from torch import Tensor
 
 from ..centers import distinct_groups
-from .final import _FinalModels
-from .final_check import _Returned
+from .final import _FinalModels, _Returned
 from .loo import LOO_REFIT_DTYPE, LOO_SHARE, _krr_coefficients, _loo_choice, _loo_score_seconds
 from .report import AutoFitReport, _Clock
 from .scoring import _KeptPreconditioner

@@ -26,6 +26,10 @@ from .leverage import _LeveragePool
 from .report import AutoFitReport, _Clock
 from .selection import _Selection
 
+#: the share of the budget a level's final fit may run past the time left (its choice here, its CG's time limit in
+#: stage 3): a prediction a little low still returns the level's model
+GRACE = 0.05
+
 
 @dataclass(eq=False)
 class _Sizes:
@@ -143,12 +147,11 @@ class _Sizes:
             point = dict(noise=levels[-1]["noise"], multiplier=levels[-1]["multiplier"])
             point["error"] = fits.score(m, point["noise"], point["multiplier"])
             # the best noise falls and the best lengthscales shorten as the Nystrom approximation improves
-            deadline = clock.t0 + self.budget - 1.2 * fits.final_cost(m)
             if self.noise_paths:
-                fits.noise_search(m, point, 2.0, 1, 1e-8, 1e2, deadline)
+                fits.noise_search(m, point, 2.0, 1, 1e-8, 1e2, self._search_deadline(m))
             else:
-                fits.line_search(m, point, "noise", 2.0, 1e-8, 1e2, deadline)
-            fits.line_search(m, point, "multiplier", 1.25, 1e-3, 1e3, clock.t0 + self.budget - 1.2 * fits.final_cost(m))
+                fits.line_search(m, point, "noise", 2.0, 1e-8, 1e2, self._search_deadline(m))
+            fits.line_search(m, point, "multiplier", 1.25, 1e-3, 1e3, self._search_deadline(m))
             levels.append(dict(M=m, centers=fits.pool["kind"], **point))
             self.level_done(levels[-1])
             if not math.isfinite(point["error"]):
@@ -164,13 +167,18 @@ class _Sizes:
                 )
                 return False
 
+    def _search_deadline(self, m: int) -> float:
+        """When a search at a doubled size ``m`` stops: the budget's end less 1.2 x its final fit, predicted from the
+        fits measured so far at ``m`` (read again before each search: each one measures more)."""
+        return self.clock.t0 + self.budget - 1.2 * self.fits.final_cost(m)
+
     def choose(self, levels: list[dict[str, Any]]) -> dict[str, Any]:
         """The final fit's level: of the levels whose final fit (on its fewest rows,
         :meth:`_Selection.fewest_final_rows`) is predicted to fit the time left with a grace of 5 % of the budget
         (the first level always counts: a model is returned whatever the budget), the lowest validation error; a
         better level skipped for time goes to the notes."""
         fits, clock = self.fits, self.clock
-        grace = 0.05 * self.budget
+        grace = GRACE * self.budget
         affordable = [levels[0]] + [r for r in levels[1:]
                                     if fits.final_cost(r["M"], rows=fits.fewest_final_rows(r["M"]))
                                     <= clock.left() + grace]
